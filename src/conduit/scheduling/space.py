@@ -1,0 +1,141 @@
+"""The schedule and its feasible space, derived only from the RL configuration (§4.1–4.2, §6.3).
+
+Off-policy: ``G_ing = {1..g_max_ing}``, ``G_del = {1..g_max_del}``.
+On-policy with M mini-batches per update: ``G_ing = {1/M, 2/M, ..., 1}``, ``G_del = {1/M}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from conduit.errors import ConfigError, ScheduleError
+
+Mode = Literal["off_policy", "on_policy"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When and how much experience-path work runs: ``(overlap_ing, g_ing, overlap_del, g_del)``.
+
+    Attributes:
+        overlap_ing: 1 runs ingestion on a background worker, overlapping actor rollout;
+            0 runs it inline on the pushing thread (the sequential baseline).
+        g_ing: Rollout units per ingestion invocation. ``g >= 1`` batches units (off-policy);
+            ``0 < g < 1`` pipelines mini-batch-sized chunks (on-policy).
+        overlap_del: 1 prepares batches on a background worker, overlapping learner update;
+            0 prepares each batch inline when the learner pulls.
+        g_del: Training batches per delivery invocation. ``g >= 1`` prefetches ``g`` batches;
+            ``g = 1/M`` delivers one on-policy mini-batch per invocation.
+    """
+
+    overlap_ing: int = 0
+    g_ing: float = 1
+    overlap_del: int = 0
+    g_del: float = 1
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_ing", "overlap_del"):
+            v = getattr(self, name)
+            if v not in (0, 1) or isinstance(v, float) and not float(v).is_integer():
+                raise ScheduleError(f"{name}: must be 0 or 1, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("g_ing", "g_del"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float, Fraction)) or isinstance(v, bool) or not v > 0:
+                raise ScheduleError(f"{name}: must be a positive number, got {v!r}")
+            if v > 1 and float(v) != int(v):
+                raise ScheduleError(f"{name}: granularities above 1 must be whole numbers of "
+                                    f"units, got {v!r}")
+            object.__setattr__(self, name, Fraction(v).limit_denominator(1024))
+
+    @classmethod
+    def inline(cls) -> Schedule:
+        """The sequential baseline of Fig. 5a: everything on the caller's thread, g = 1."""
+        return cls(0, 1, 0, 1)
+
+    def as_tuple(self) -> tuple[int, float, int, float]:
+        """``(overlap_ing, g_ing, overlap_del, g_del)`` with floats."""
+        return (self.overlap_ing, float(self.g_ing), self.overlap_del, float(self.g_del))
+
+    def label(self) -> str:
+        """Compact label, e.g. ``ing(ov=1,g=4) del(ov=1,g=2)``."""
+        return (f"ing(ov={self.overlap_ing},g={_fmt(self.g_ing)}) "
+                f"del(ov={self.overlap_del},g={_fmt(self.g_del)})")
+
+    def to_dict(self) -> dict:
+        """JSON-friendly description."""
+        return {"overlap_ing": self.overlap_ing, "g_ing": _fmt(self.g_ing),
+                "overlap_del": self.overlap_del, "g_del": _fmt(self.g_del)}
+
+
+def _fmt(g: Fraction) -> str:
+    return str(g.numerator) if g.denominator == 1 else f"{g.numerator}/{g.denominator}"
+
+
+@dataclass(frozen=True)
+class ScheduleSpace:
+    """Feasible granularities for one RL configuration.
+
+    Build it with :func:`feasible_space`; do not fill it by hand.
+
+    Attributes:
+        mode: ``"off_policy"`` or ``"on_policy"``.
+        g_ing: Feasible ingestion granularities, ascending.
+        g_del: Feasible delivery granularities, ascending.
+    """
+
+    mode: Mode
+    g_ing: tuple[Fraction, ...]
+    g_del: tuple[Fraction, ...]
+
+    def __len__(self) -> int:
+        return 4 * len(self.g_ing) * len(self.g_del)
+
+    def candidates(self) -> list[Schedule]:
+        """All ``4·|G_ing|·|G_del|`` schedules (two binary overlap flags)."""
+        return [Schedule(oi, gi, od, gd) for oi in (0, 1) for gi in self.g_ing
+                for od in (0, 1) for gd in self.g_del]
+
+    def check(self, schedule: Schedule) -> None:
+        """Raise :class:`ScheduleError` if ``schedule`` is outside the space."""
+        if schedule.g_ing not in self.g_ing:
+            raise ScheduleError(
+                f"g_ing: {_fmt(schedule.g_ing)} is not feasible for {self.mode}; "
+                f"choose one of {{{', '.join(_fmt(g) for g in self.g_ing)}}}")
+        if schedule.g_del not in self.g_del:
+            raise ScheduleError(
+                f"g_del: {_fmt(schedule.g_del)} is not feasible for {self.mode}; "
+                f"choose one of {{{', '.join(_fmt(g) for g in self.g_del)}}}")
+
+
+def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
+                   g_max_del: int = 8) -> ScheduleSpace:
+    """Derive the feasible granularity sets from the RL configuration.
+
+    Args:
+        mode: ``"off_policy"`` or ``"on_policy"``.
+        num_minibatches: M, mini-batches per on-policy update (ignored off-policy).
+        g_max_ing: Off-policy cap on rollout units per ingestion (bounds staleness and memory).
+        g_max_del: Off-policy cap on prefetched batches per delivery.
+
+    Returns:
+        The :class:`ScheduleSpace`.
+
+    Raises:
+        ConfigError: A cap or M is not a positive integer, or the mode is unknown.
+    """
+    if mode not in ("off_policy", "on_policy"):
+        raise ConfigError("mode", f"must be 'off_policy' or 'on_policy', got {mode!r}")
+    for name, v in (("num_minibatches", num_minibatches), ("g_max_ing", g_max_ing),
+                    ("g_max_del", g_max_del)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(name, f"must be a positive integer, got {v!r}")
+    if mode == "off_policy":
+        return ScheduleSpace(mode=mode,
+                             g_ing=tuple(Fraction(g) for g in range(1, g_max_ing + 1)),
+                             g_del=tuple(Fraction(g) for g in range(1, g_max_del + 1)))
+    m = num_minibatches
+    return ScheduleSpace(mode=mode, g_ing=tuple(Fraction(k, m) for k in range(1, m + 1)),
+                         g_del=(Fraction(1, m),))

@@ -1,0 +1,227 @@
+"""Experience specification: named fields with a per-sample shape and dtype.
+
+A batch is a ``dict[str, torch.Tensor]`` whose tensors share a leading batch dimension. The spec
+checks every batch that enters the plane, converts numpy arrays once at the boundary, and gives
+the per-sample size ``x`` that the placement and cost models read.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.errors import ConfigError, SpecError
+
+Batch = dict[str, torch.Tensor]
+"""A batch: field name -> tensor with a leading batch dimension."""
+
+RESERVED_KEYS = ("_index", "_weight")
+"""Keys the plane adds to delivered batches: buffer indices and importance weights."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Shape and dtype of one field of one sample.
+
+    Attributes:
+        shape: Per-sample shape, without the batch dimension. ``()`` for a scalar.
+        dtype: Element type.
+    """
+
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if any((not isinstance(s, (int, np.integer))) or s < 0 for s in shape):
+            raise ConfigError("shape", f"expected non-negative ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError("dtype", f"expected a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def numel(self) -> int:
+        """Elements per sample."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sample."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ExperienceSpec:
+    """Named fields of one experience sample.
+
+    Example:
+        >>> spec = ExperienceSpec.of(obs=((4,), torch.float32), action=((), torch.int64))
+        >>> spec.bytes_per_sample
+        24
+
+    Attributes:
+        fields: Field name -> :class:`FieldSpec`, in a fixed order.
+    """
+
+    fields: Mapping[str, FieldSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            raise ConfigError("spec.fields", "an experience spec needs at least one field")
+        fixed: dict[str, FieldSpec] = {}
+        for name, fs in self.fields.items():
+            if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+                raise ConfigError("spec.fields", f"field name {name!r} must be a Python identifier")
+            if name.startswith("_"):
+                raise ConfigError(
+                    "spec.fields", f"field name {name!r} may not start with '_' "
+                    f"(reserved for keys the plane adds, such as {RESERVED_KEYS})")
+            if not isinstance(fs, FieldSpec):
+                raise ConfigError(f"spec.fields[{name!r}]", f"expected a FieldSpec, got {fs!r}")
+            fixed[name] = fs
+        object.__setattr__(self, "fields", _FrozenDict(fixed))
+
+    @classmethod
+    def of(cls, **fields: tuple[tuple[int, ...], torch.dtype] | FieldSpec) -> ExperienceSpec:
+        """Build a spec from keyword arguments ``name=(shape, dtype)`` or ``name=FieldSpec``."""
+        out: dict[str, FieldSpec] = {}
+        for name, v in fields.items():
+            if isinstance(v, FieldSpec):
+                out[name] = v
+            else:
+                shape, dtype = v
+                out[name] = FieldSpec(shape=tuple(shape), dtype=dtype)
+        return cls(fields=out)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Field names in order."""
+        return tuple(self.fields)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """Bytes of one sample over all fields: the ``x`` of the transfer model (Eq. 1)."""
+        return sum(fs.nbytes for fs in self.fields.values())
+
+    def with_field(self, name: str, spec: FieldSpec) -> ExperienceSpec:
+        """Return a copy with ``name`` added or replaced (for example a widened observation)."""
+        fields = dict(self.fields)
+        fields[name] = spec
+        return ExperienceSpec(fields=fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly description."""
+        return {n: {"shape": list(f.shape), "dtype": str(f.dtype).removeprefix("torch.")}
+                for n, f in self.fields.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExperienceSpec:
+        """Inverse of :meth:`to_dict`."""
+        fields = {}
+        for n, f in d.items():
+            dt = getattr(torch, str(f["dtype"]), None)
+            if not isinstance(dt, torch.dtype):
+                raise ConfigError(f"spec.fields[{n!r}].dtype", f"unknown dtype {f['dtype']!r}")
+            fields[n] = FieldSpec(shape=tuple(f["shape"]), dtype=dt)
+        return cls(fields=fields)
+
+    def validate(self, batch: Mapping[str, Any], *, device: torch.device | None = None,
+                 what: str = "batch") -> tuple[Batch, int]:
+        """Check a batch against the spec and convert it to tensors.
+
+        Args:
+            batch: Field name -> tensor or numpy array with a leading batch dimension.
+            device: If given, every tensor must already be on this device.
+            what: Word used in messages ("rollout", "write", ...).
+
+        Returns:
+            The batch as a dict of tensors (numpy arrays converted without copy where possible)
+            and its number of rows.
+
+        Raises:
+            SpecError: A field is missing or unknown, or has the wrong shape, dtype or device,
+                or the fields disagree on the number of rows.
+        """
+        if not isinstance(batch, Mapping):
+            raise SpecError(None, f"{what} must be a mapping of field name to tensor, "
+                                  f"got {type(batch).__name__}")
+        unknown = [k for k in batch if k not in self.fields]
+        if unknown:
+            raise SpecError(unknown[0], f"unknown field in {what}; the spec has fields "
+                                        f"{list(self.fields)}")
+        out: Batch = {}
+        rows: int | None = None
+        first: str | None = None
+        for name, fs in self.fields.items():
+            if name not in batch:
+                raise SpecError(name, f"missing from {what}; expected shape "
+                                      f"(N, {', '.join(map(str, fs.shape))}) dtype {fs.dtype}")
+            t = as_tensor(batch[name], field=name)
+            if t.dtype != fs.dtype:
+                raise SpecError(name, f"dtype {t.dtype} in {what}, expected {fs.dtype}")
+            if t.dim() != len(fs.shape) + 1 or tuple(t.shape[1:]) != fs.shape:
+                raise SpecError(name, f"shape {tuple(t.shape)} in {what}, expected "
+                                      f"(N, {', '.join(map(str, fs.shape))})".replace(", )", ")"))
+            if device is not None and t.device != device:
+                raise SpecError(name, f"on device {t.device} in {what}, expected {device}")
+            if rows is None:
+                rows, first = int(t.shape[0]), name
+            elif t.shape[0] != rows:
+                raise SpecError(name, f"has {t.shape[0]} rows in {what} but field {first!r} "
+                                      f"has {rows}; all fields need the same leading dimension")
+            out[name] = t
+        assert rows is not None
+        return out, rows
+
+
+def as_tensor(value: Any, *, field: str) -> torch.Tensor:
+    """Convert a tensor-like value once at the boundary (numpy arrays without a copy)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.bool_ or value.dtype.kind in "biuf":
+            return torch.from_numpy(np.ascontiguousarray(value))
+        raise SpecError(field, f"numpy dtype {value.dtype} cannot become a tensor")
+    try:
+        return torch.as_tensor(value)
+    except Exception as exc:  # noqa: BLE001 - rephrased for the user
+        raise SpecError(field, f"cannot convert {type(value).__name__} to a tensor: {exc}") from exc
+
+
+def batch_rows(batch: Mapping[str, Any], *, what: str = "batch") -> int:
+    """Rows of a batch whose fields must share their leading dimension (spec not needed)."""
+    if not isinstance(batch, Mapping) or not batch:
+        raise SpecError(None, f"{what} must be a non-empty mapping of field name to tensor")
+    rows: int | None = None
+    first = None
+    for k, v in batch.items():
+        n = len(v) if not isinstance(v, torch.Tensor) else (v.shape[0] if v.dim() else 0)
+        if rows is None:
+            rows, first = n, k
+        elif n != rows:
+            raise SpecError(k, f"has {n} rows in {what} but field {first!r} has {rows}")
+    assert rows is not None
+    return rows
+
+
+class _FrozenDict(dict):
+    """A dict that refuses mutation, so a frozen spec stays frozen."""
+
+    def _ro(self, *a: Any, **k: Any) -> None:
+        raise TypeError("ExperienceSpec.fields is read-only; use with_field() for a new spec")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _ro  # type: ignore
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __iter__(self) -> Iterator[str]:
+        return super().__iter__()
