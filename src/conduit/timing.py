@@ -1,0 +1,124 @@
+"""Built-in timing: every operator invocation and every rollout/update window is recorded.
+
+This is the profile the scheduling layer's cost model reads. Records are plain data
+(:class:`TimingRecord`), kept in bounded per-name windows so a long run does not grow memory.
+
+Standard names used by the plane:
+
+* ``"rollout"`` / ``"update"``: the caller's actor-rollout and learner-update windows
+  (``units`` = 1);
+* ``"ingestion"`` / ``"delivery"``: one operator invocation (``units`` = the granularity it
+  processed, in rollout units or training batches);
+* ``"sync_ing"`` / ``"sync_del"``: time a caller spent handing work to, or waiting on, a
+  background worker (the synchronization cost of overlap);
+* ``"push"`` / ``"pull"``: wall time the caller spent inside ``push`` / ``pull``: the exposed
+  part of the experience path.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    """One timed event.
+
+    Attributes:
+        name: What was timed (see the module docstring for the standard names).
+        seconds: Wall-clock duration.
+        units: How much work it covered (granularity g for operators, 1 otherwise).
+        start: ``time.perf_counter()`` at the start.
+    """
+
+    name: str
+    seconds: float
+    units: float = 1.0
+    start: float = 0.0
+
+
+class Timings:
+    """Thread-safe recorder of :class:`TimingRecord`s, bounded per name.
+
+    Args:
+        window: Records kept per name (oldest dropped first).
+    """
+
+    def __init__(self, *, window: int = 4096) -> None:
+        if window < 1:
+            raise ValueError("window: must be >= 1")
+        self._window = window
+        self._lock = threading.Lock()
+        self._records: dict[str, deque[TimingRecord]] = {}
+        self._totals: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def record(self, name: str, seconds: float, *, units: float = 1.0,
+               start: float | None = None) -> None:
+        """Add one record."""
+        rec = TimingRecord(name, float(seconds), float(units),
+                           start if start is not None else time.perf_counter() - seconds)
+        with self._lock:
+            q = self._records.get(name)
+            if q is None:
+                q = self._records[name] = deque(maxlen=self._window)
+            q.append(rec)
+            self._totals[name] = self._totals.get(name, 0.0) + rec.seconds
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    @contextmanager
+    def time(self, name: str, *, units: float = 1.0) -> Iterator[None]:
+        """Context manager that records the wall time of its body under ``name``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(name, time.perf_counter() - t0, units=units, start=t0)
+
+    def records(self, name: str) -> list[TimingRecord]:
+        """The retained records for ``name``, oldest first."""
+        with self._lock:
+            return list(self._records.get(name, ()))
+
+    def names(self) -> list[str]:
+        """Names that have at least one record."""
+        with self._lock:
+            return sorted(self._records)
+
+    def total(self, name: str) -> float:
+        """Sum of all durations ever recorded under ``name`` (not only the window)."""
+        with self._lock:
+            return self._totals.get(name, 0.0)
+
+    def count(self, name: str) -> int:
+        """Number of records ever made under ``name``."""
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def median(self, name: str, *, units: float | None = None) -> float | None:
+        """Median duration for ``name`` (optionally only records with these ``units``)."""
+        recs = [r.seconds for r in self.records(name) if units is None or r.units == units]
+        return statistics.median(recs) if recs else None
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per name: count, total, median and mean seconds (JSON-friendly)."""
+        out: dict[str, dict[str, float]] = {}
+        for name in self.names():
+            secs = [r.seconds for r in self.records(name)]
+            out[name] = {"count": self.count(name), "total_s": self.total(name),
+                         "median_s": statistics.median(secs),
+                         "mean_s": sum(secs) / len(secs)}
+        return out
+
+    def clear(self) -> None:
+        """Forget every record."""
+        with self._lock:
+            self._records.clear()
+            self._totals.clear()
+            self._counts.clear()
