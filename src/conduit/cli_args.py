@@ -1,0 +1,68 @@
+"""Build ``argparse`` parsers from frozen dataclasses, so every CLI flag documents itself.
+
+Each dataclass field becomes ``--field-name``; its help text comes from
+``field(metadata={"help": ...})``; ``Literal`` types become ``choices``; ``bool`` fields become
+``--flag/--no-flag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def arg(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per field of dataclass ``cls`` to ``parser``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        help_text = f.metadata.get("help", "")
+        kw: dict[str, Any] = {"dest": f.name, "default": default,
+                              "help": f"{help_text} (default: {default!r})"}
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+            non_none = [a for a in args if a is not type(None)]
+            tp = non_none[0] if len(non_none) == 1 else str
+            origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif origin is typing.Literal:
+            kw["choices"] = list(args)
+            kw["type"] = type(args[0])
+        elif origin in (list, tuple):
+            kw["nargs"] = "+"
+            kw["type"] = args[0] if args else str
+        elif tp in (int, float, str):
+            kw["type"] = tp
+        else:
+            kw["type"] = str
+        parser.add_argument(flag, **kw)
+
+
+def parse_dataclass(cls: type[T], args: argparse.Namespace) -> T:
+    """Instantiate ``cls`` from the parsed ``args``."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if f.init and hasattr(args, f.name)}
+    for f in dataclasses.fields(cls):
+        if f.name in values and isinstance(values[f.name], list):
+            hint = typing.get_type_hints(cls)[f.name]
+            if typing.get_origin(hint) is tuple:
+                values[f.name] = tuple(values[f.name])
+    return cls(**values)
