@@ -2,6 +2,8 @@
 
 Off-policy: ``G_ing = {1..g_max_ing}``, ``G_del = {1..g_max_del}``.
 On-policy with M mini-batches per update: ``G_ing = {1/M, 2/M, ..., 1}``, ``G_del = {1/M}``.
+Users may cap the space (``g_max_ing`` / ``g_max_del`` off-policy, ``max_fraction_ing``
+on-policy); an infeasible cap is rejected with :class:`~conduit.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -110,32 +112,69 @@ class ScheduleSpace:
                 f"choose one of {{{', '.join(_fmt(g) for g in self.g_del)}}}")
 
 
+#: Largest off-policy granularity cap accepted (bounds the enumeration and the staging memory).
+MAX_GRANULARITY = 1024
+#: Largest on-policy mini-batch count accepted; :class:`Schedule` stores granularities with
+#: denominators of at most 1024, so finer fractions could not be represented exactly.
+MAX_MINIBATCHES = 1024
+
+
 def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
-                   g_max_del: int = 8) -> ScheduleSpace:
-    """Derive the feasible granularity sets from the RL configuration.
+                   g_max_del: int = 8,
+                   max_fraction_ing: float | Fraction | None = None) -> ScheduleSpace:
+    """Derive the feasible granularity sets from the RL configuration, optionally capped.
+
+    Off-policy: ``G_ing = {1..g_max_ing}``, ``G_del = {1..g_max_del}``; the two caps are the
+    user's caps (they bound staleness and staging memory). On-policy with ``M`` mini-batches:
+    ``G_ing = {1/M, 2/M, ..., f_max}`` where ``f_max`` is ``max_fraction_ing`` (default 1) and
+    ``G_del = {1/M}``.
 
     Args:
         mode: ``"off_policy"`` or ``"on_policy"``.
-        num_minibatches: M, mini-batches per on-policy update (ignored off-policy).
-        g_max_ing: Off-policy cap on rollout units per ingestion (bounds staleness and memory).
-        g_max_del: Off-policy cap on prefetched batches per delivery.
+        num_minibatches: M, mini-batches per on-policy update (ignored off-policy); at most
+            :data:`MAX_MINIBATCHES`.
+        g_max_ing: Off-policy cap on rollout units per ingestion, ``1..MAX_GRANULARITY``.
+        g_max_del: Off-policy cap on prefetched batches per delivery, ``1..MAX_GRANULARITY``.
+        max_fraction_ing: On-policy only: largest fraction of a rollout one ingestion
+            invocation may process, in ``[1/M, 1]``. ``None`` means 1 (no cap).
 
     Returns:
         The :class:`ScheduleSpace`.
 
     Raises:
-        ConfigError: A cap or M is not a positive integer, or the mode is unknown.
+        ConfigError: The mode is unknown, a cap or M is not a positive integer or exceeds its
+            limit, or ``max_fraction_ing`` is given off-policy or lies outside ``[1/M, 1]``
+            (which would leave the space empty). The error's ``field`` names the argument.
     """
     if mode not in ("off_policy", "on_policy"):
         raise ConfigError("mode", f"must be 'off_policy' or 'on_policy', got {mode!r}")
-    for name, v in (("num_minibatches", num_minibatches), ("g_max_ing", g_max_ing),
-                    ("g_max_del", g_max_del)):
+    for name, v, limit in (("num_minibatches", num_minibatches, MAX_MINIBATCHES),
+                           ("g_max_ing", g_max_ing, MAX_GRANULARITY),
+                           ("g_max_del", g_max_del, MAX_GRANULARITY)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if v > limit:
+            raise ConfigError(name, f"must be at most {limit}, got {v}")
     if mode == "off_policy":
+        if max_fraction_ing is not None:
+            raise ConfigError("max_fraction_ing",
+                              "only applies on-policy; cap off-policy ingestion with g_max_ing")
         return ScheduleSpace(mode=mode,
                              g_ing=tuple(Fraction(g) for g in range(1, g_max_ing + 1)),
                              g_del=tuple(Fraction(g) for g in range(1, g_max_del + 1)))
     m = num_minibatches
-    return ScheduleSpace(mode=mode, g_ing=tuple(Fraction(k, m) for k in range(1, m + 1)),
+    f_max = Fraction(1)
+    if max_fraction_ing is not None:
+        v = max_fraction_ing
+        if (not isinstance(v, (int, float, Fraction)) or isinstance(v, bool)
+                or v != v or not 0 < v <= 1):
+            raise ConfigError("max_fraction_ing", f"must be a fraction in (0, 1], got {v!r}")
+        f_max = Fraction(v).limit_denominator(1024)
+        if f_max < Fraction(1, m):
+            raise ConfigError("max_fraction_ing",
+                              f"must be at least 1/M = 1/{m} (one mini-batch), got {v!r}; "
+                              "a smaller cap leaves no feasible ingestion granularity")
+    return ScheduleSpace(mode=mode,
+                         g_ing=tuple(Fraction(k, m) for k in range(1, m + 1)
+                                     if Fraction(k, m) <= f_max),
                          g_del=(Fraction(1, m),))

@@ -1,0 +1,232 @@
+"""Column stores: preallocated per-field tensors on a placement, with vectorized set/get."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError
+from conduit.spec import Batch, ExperienceSpec
+from conduit.storage.layout import Placement
+
+
+class Store(Protocol):
+    """What every store offers; samplers and buffers only use this."""
+
+    spec: ExperienceSpec
+    capacity: int
+    placement: Placement
+
+    def set(self, indices: torch.Tensor, batch: Batch) -> None:
+        """Write ``batch`` rows at ``indices`` (CPU int64)."""
+
+    def set_range(self, start: int, batch: Batch) -> None:
+        """Write ``batch`` rows at ``start, start+1, ...`` (no wrap)."""
+
+    def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
+        """Gather rows at ``indices`` (CPU int64, any shape); result has that leading shape."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Exact copy of the contents."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+
+
+def _check_capacity(capacity: int) -> int:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ConfigError("capacity", f"must be a positive integer, got {capacity!r}")
+    return capacity
+
+
+class ColumnStore:
+    """One preallocated tensor per field on a single device (pageable, pinned, or one GPU).
+
+    Args:
+        spec: Fields to store.
+        capacity: Rows.
+        placement: A non-sharded :class:`Placement`. Pinned placements pin host memory when
+            CUDA is available and fall back to pageable memory otherwise.
+    """
+
+    def __init__(self, *, spec: ExperienceSpec, capacity: int,
+                 placement: Placement | None = None) -> None:
+        self.spec = spec
+        self.capacity = _check_capacity(capacity)
+        self.placement = placement or Placement.pageable()
+        if self.placement.kind == "sharded":
+            raise PlacementError("placement: a ColumnStore lives on one device; use "
+                                 "ShardedStore (or make_store) for sharded placements")
+        self.device = self.placement.primary_device
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise PlacementError(f"placement.devices: {self.device} requested but CUDA is "
+                                 f"not available on this machine")
+        pin = self.placement.is_pinned and torch.cuda.is_available()
+        self.pinned = pin
+        try:
+            self._cols: dict[str, torch.Tensor] = {
+                name: torch.zeros((self.capacity, *fs.shape), dtype=fs.dtype,
+                                  device=self.device, pin_memory=pin)
+                for name, fs in spec.fields.items()}
+        except (RuntimeError, MemoryError) as exc:
+            need = self.capacity * spec.bytes_per_sample
+            raise CapacityError(f"cannot allocate {need} bytes for {self.capacity} rows on "
+                                f"{self.placement.label()}: {exc}", needed=need) from exc
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated."""
+        return self.capacity * self.spec.bytes_per_sample
+
+    def column(self, name: str) -> torch.Tensor:
+        """The raw column tensor for ``name`` (shared, not a copy)."""
+        return self._cols[name]
+
+    def set(self, indices: torch.Tensor, batch: Batch) -> None:
+        """Write rows at ``indices``; one vectorized copy per field."""
+        idx = indices.to(self.device) if self.device.type != "cpu" else indices
+        for name, col in self._cols.items():
+            col.index_copy_(0, idx, batch[name].to(self.device, non_blocking=True))
+
+    def set_range(self, start: int, batch: Batch) -> None:
+        """Write contiguous rows starting at ``start``; a plain slice copy per field."""
+        for name, col in self._cols.items():
+            src = batch[name]
+            col[start:start + src.shape[0]].copy_(src, non_blocking=True)
+
+    def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
+        """Gather rows at ``indices`` with one ``index_select`` per field."""
+        flat = indices.reshape(-1)
+        idx = flat.to(self.device) if self.device.type != "cpu" else flat
+        lead = tuple(indices.shape)
+        out: Batch = {}
+        for name, col in self._cols.items():
+            rows = torch.index_select(col, 0, idx)
+            if device is not None and device != self.device:
+                rows = rows.to(device, non_blocking=True)
+            out[name] = rows.reshape(*lead, *col.shape[1:])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Exact copy of every column, on CPU."""
+        return {"spec": self.spec.to_dict(), "capacity": self.capacity,
+                "columns": {n: c.detach().to("cpu", copy=True) for n, c in self._cols.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore columns saved by :meth:`state_dict` (same spec and capacity)."""
+        _check_state(self.spec, self.capacity, state)
+        for n, c in self._cols.items():
+            c.copy_(state["columns"][n])
+
+
+def _check_state(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> None:
+    if state.get("capacity") != capacity:
+        raise CapacityError(f"state has capacity {state.get('capacity')}, store has {capacity}",
+                            needed=state.get("capacity"), available=capacity)
+    saved = ExperienceSpec.from_dict(state["spec"])
+    for name, fs in spec.fields.items():
+        if name not in saved.fields:
+            raise SpecError(name, "missing from the saved state")
+        if saved.fields[name] != fs:
+            raise SpecError(name, f"saved as {saved.fields[name]}, store expects {fs}")
+
+
+class ShardedStore:
+    """Rows split over several devices; global index ↔ (shard, local index).
+
+    Shard ``k`` owns the contiguous global range ``[bounds[k], bounds[k+1])``. Gathers are
+    vectorized per shard (a loop over at most a handful of shards, never over rows) and the
+    result keeps the order of ``indices``, so a sampler gives the same batches on any store.
+
+    Args:
+        spec: Fields to store.
+        capacity: Total rows.
+        placement: A sharded :class:`Placement`; several ``"cpu"`` shards are allowed, so the
+            sharding logic runs on machines without GPUs.
+    """
+
+    def __init__(self, *, spec: ExperienceSpec, capacity: int, placement: Placement) -> None:
+        self.spec = spec
+        self.capacity = _check_capacity(capacity)
+        if placement.kind != "sharded":
+            raise PlacementError("placement: ShardedStore needs a sharded placement")
+        self.placement = placement
+        shares = placement.shares or ()
+        counts = [int(capacity * s) for s in shares]
+        counts[-1] += capacity - sum(counts)
+        if any(c < 1 for c in counts):
+            raise CapacityError(f"capacity {capacity} is too small to give every one of "
+                                f"{len(counts)} shards at least one row",
+                                needed=len(counts), available=capacity)
+        self.bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()],
+                                   dtype=torch.int64)
+        self.shards = [ColumnStore(spec=spec, capacity=c, placement=Placement.device(d))
+                       for c, d in zip(counts, placement.devices)]
+        self.device = torch.device(placement.devices[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated over all shards."""
+        return self.capacity * self.spec.bytes_per_sample
+
+    def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map global indices to ``(shard id, local index)``."""
+        shard = torch.searchsorted(self.bounds, indices, right=True) - 1
+        return shard, indices - self.bounds[shard]
+
+    def set(self, indices: torch.Tensor, batch: Batch) -> None:
+        """Write rows at global ``indices``."""
+        shard, local = self.locate(indices)
+        for k, st in enumerate(self.shards):
+            sel = (shard == k).nonzero().squeeze(1)
+            if sel.numel():
+                st.set(local[sel], {n: v[sel.to(v.device)] for n, v in batch.items()})
+
+    def set_range(self, start: int, batch: Batch) -> None:
+        """Write contiguous global rows, split at shard boundaries into slice copies."""
+        n = next(iter(batch.values())).shape[0]
+        end = start + n
+        for k, st in enumerate(self.shards):
+            lo, hi = max(start, int(self.bounds[k])), min(end, int(self.bounds[k + 1]))
+            if lo < hi:
+                st.set_range(lo - int(self.bounds[k]),
+                             {name: v[lo - start:hi - start] for name, v in batch.items()})
+
+    def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
+        """Gather rows at global ``indices``, in that order, onto ``device``."""
+        out_dev = device or self.device
+        flat = indices.reshape(-1)
+        shard, local = self.locate(flat)
+        out = {name: torch.empty((flat.numel(), *fs.shape), dtype=fs.dtype, device=out_dev)
+               for name, fs in self.spec.fields.items()}
+        for k, st in enumerate(self.shards):
+            sel = (shard == k).nonzero().squeeze(1)
+            if not sel.numel():
+                continue
+            part = st.get(local[sel], device=out_dev)
+            dsel = sel.to(out_dev)
+            for name, v in part.items():
+                out[name].index_copy_(0, dsel, v)
+        lead = tuple(indices.shape)
+        return {n: v.reshape(*lead, *v.shape[1:]) for n, v in out.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Exact copy of every column, concatenated in global order, on CPU."""
+        parts = [s.state_dict()["columns"] for s in self.shards]
+        return {"spec": self.spec.to_dict(), "capacity": self.capacity,
+                "columns": {n: torch.cat([p[n] for p in parts]) for n in self.spec.fields}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from a state saved by any store of the same spec and capacity."""
+        _check_state(self.spec, self.capacity, state)
+        self.set_range(0, state["columns"])
+
+
+def make_store(*, spec: ExperienceSpec, capacity: int,
+               placement: Placement | None = None) -> ColumnStore | ShardedStore:
+    """Build the store that executes ``placement``."""
+    placement = placement or Placement.pageable()
+    if placement.kind == "sharded":
+        return ShardedStore(spec=spec, capacity=capacity, placement=placement)
+    return ColumnStore(spec=spec, capacity=capacity, placement=placement)

@@ -1,0 +1,74 @@
+"""Ring writer: picks the slots new rows go to, oldest first once the store is full."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from conduit.errors import CapacityError
+
+
+class RingWriter:
+    """Round-robin slot allocation over ``capacity`` rows.
+
+    Args:
+        capacity: Rows in the store.
+    """
+
+    def __init__(self, *, capacity: int) -> None:
+        self.capacity = capacity
+        self.cursor = 0
+        self.size = 0
+        self.total_written = 0
+
+    def reserve(self, n: int) -> list[tuple[int, int, int]]:
+        """Claim ``n`` slots.
+
+        Returns:
+            At most two ``(store_start, batch_start, length)`` contiguous pieces.
+
+        Raises:
+            CapacityError: ``n`` exceeds the capacity (the batch would overwrite itself).
+        """
+        if n > self.capacity:
+            raise CapacityError(f"a write of {n} rows is larger than the buffer capacity "
+                                f"{self.capacity}; split it or raise capacity",
+                                needed=n, available=self.capacity)
+        pieces = []
+        first = min(n, self.capacity - self.cursor)
+        if first:
+            pieces.append((self.cursor, 0, first))
+        if n - first:
+            pieces.append((0, first, n - first))
+        self.cursor = (self.cursor + n) % self.capacity
+        self.size = min(self.capacity, self.size + n)
+        self.total_written += n
+        return pieces
+
+    @staticmethod
+    def indices(pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The slot indices covered by ``pieces``, in batch order."""
+        if not pieces:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, _, n in pieces])
+
+    def logical_order(self) -> torch.Tensor:
+        """Slot indices from oldest to newest."""
+        if self.size < self.capacity:
+            return torch.arange(self.size, dtype=torch.int64)
+        return (torch.arange(self.capacity, dtype=torch.int64) + self.cursor) % self.capacity
+
+    def reset(self) -> None:
+        """Forget all rows (the next write starts at slot 0)."""
+        self.cursor = 0
+        self.size = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cursor and fill level."""
+        return {"cursor": self.cursor, "size": self.size, "total_written": self.total_written}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.cursor, self.size = int(state["cursor"]), int(state["size"])
+        self.total_written = int(state.get("total_written", self.size))
