@@ -75,7 +75,7 @@ def rank_candidates(profile: Profile, space: ScheduleSpace) -> list[Candidate]:
     if not scored:
         raise ScheduleError("the schedule space is empty")
     scored.sort(key=lambda ps: (ps[0].t_iter, tie_key(ps[1])))
-    # Group near-equal predictions (chained within the tolerance of the group's first member)
+    # Group near-equal predictions (within the tolerance of the group's first, fastest member)
     # and order each group by preference, so float noise never decides between equals.
     ordered: list[tuple[Prediction, Schedule]] = []
     i = 0

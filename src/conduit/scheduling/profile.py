@@ -164,6 +164,10 @@ class Profile:
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         for name in ("t_ing", "t_del"):
             object.__setattr__(self, name, _freeze_costs(name, getattr(self, name)))
+        for name in ("ing_fit", "del_fit"):
+            fit = getattr(self, name)
+            if fit is not None and not isinstance(fit, CostFit):
+                raise ConfigError(name, f"must be a CostFit or None, got {type(fit).__name__}")
         for name, costs, fit in (("t_ing", self.t_ing, self.ing_fit),
                                  ("t_del", self.t_del, self.del_fit)):
             if not costs and fit is None:

@@ -29,6 +29,9 @@ from conduit.scheduling.profile import Profile
 METRICS = ("rollout", "update", "ingestion", "delivery", "sync_ing", "sync_del")
 #: Reason reported when placement migrated.
 MIGRATION = "migration"
+#: Relative slack on the threshold so that a value exactly at the band's edge (up to float
+#: rounding) counts as inside it.
+_SLACK = 1e-9
 
 
 def _check_seconds(name: str, v: object) -> float:
@@ -44,7 +47,8 @@ class DriftDetector:
     Args:
         reference: The profile the current plan was computed from.
         threshold: Relative deviation ``|measured − reference| / reference`` beyond which an
-            observation counts as out of band (``> 0``; default 0.25).
+            observation counts as out of band (``> 0``; default 0.25). A value exactly at the
+            threshold is inside the band.
         patience: Consecutive out-of-band observations on the same side needed to trigger
             (``k >= 1``; default 3).
         abs_tol: Absolute deviation (seconds) below which an observation is always in band;
@@ -127,7 +131,7 @@ class DriftDetector:
         """+1 / −1 when ``value`` is out of band above / below the reference, else 0."""
         ref = self._reference_value(metric, g)
         diff = value - ref
-        if abs(diff) <= self.abs_tol or abs(diff) <= self.threshold * ref:
+        if abs(diff) <= self.abs_tol or abs(diff) <= self.threshold * ref * (1 + _SLACK):
             return 0
         return 1 if diff > 0 else -1
 

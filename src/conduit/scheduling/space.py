@@ -40,7 +40,7 @@ class Schedule:
     def __post_init__(self) -> None:
         for name in ("overlap_ing", "overlap_del"):
             v = getattr(self, name)
-            if v not in (0, 1) or isinstance(v, float) and not float(v).is_integer():
+            if v not in (0, 1) or (isinstance(v, float) and not float(v).is_integer()):
                 raise ScheduleError(f"{name}: must be 0 or 1, got {v!r}")
             object.__setattr__(self, name, int(v))
         for name in ("g_ing", "g_del"):
@@ -76,7 +76,7 @@ def _fmt(g: Fraction) -> str:
     return str(g.numerator) if g.denominator == 1 else f"{g.numerator}/{g.denominator}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleSpace:
     """Feasible granularities for one RL configuration.
 

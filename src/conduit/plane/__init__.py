@@ -1,0 +1,7 @@
+"""The Experience Data Plane: control points, ports, and the operator runtime."""
+
+from conduit.plane.data_plane import ActorPort, ExperienceDataPlane, LearnerPort
+from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
+
+__all__ = ["ActorIn", "ActorPort", "BufferIn", "BufferOut", "ExperienceDataPlane", "LearnerOut",
+           "LearnerPort"]

@@ -1,0 +1,220 @@
+"""PPO on Ray actors, with the on-policy experience path behind Conduit's plane.
+
+GAE is computed in **ingestion** (per actor rollout, as it arrives); **delivery** hands the
+learner M shuffled mini-batches per epoch and normalizes advantages per mini-batch. The plane
+guarantees that every update consumes only the current iteration's samples, each exactly once
+per epoch, and that the batches are the same whatever the schedule.
+
+    conduit train --algo ppo --env CartPole-v1 --actors 2 --buffer conduit --iters 150
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from conduit import ExperienceSpec
+from conduit.cli_args import arg
+from conduit.workloads import runner
+from conduit.workloads.actors import ActorGroup, init_ray
+from conduit.workloads.envs import EnvInfo, env_info
+from conduit.workloads.nets import PPOAgent
+
+
+@dataclass(frozen=True)
+class Args:
+    """PPO arguments; each becomes a ``--flag`` of ``conduit train --algo ppo``."""
+
+    env: str = arg("CartPole-v1", "environment id (CartPole-v1; continuous ids also work)")
+    image_size: int = arg(0, "attach a size x size x 3 uint8 image to every observation "
+                          "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
+    num_agents: int = arg(4, "unused by PPO (single-agent environments only)")
+    actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)")
+    envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step")
+    steps_per_rollout: int = arg(128, "lock-steps per actor per iteration (one rollout unit)")
+    iters: int = arg(150, "training iterations (one policy version each)")
+    buffer: Literal["inline", "conduit"] = arg("conduit", "experience path: 'inline' runs "
+                                               "every operator on the caller's thread; "
+                                               "'conduit' places and schedules it")
+    schedule: str = arg("auto", "conduit schedule: auto, inline, or 'ov_ing,g_ing,ov_del,g_del'")
+    placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0")
+    seed: int = arg(1, "random seed")
+    device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
+    use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
+    address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray)")
+    log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
+    out: str = arg("", "write the JSON log here (empty: do not write)")
+    plot: str = arg("", "write the PNG breakdown here (empty: do not write)")
+    learning_rate: float = arg(2.5e-4, "Adam learning rate (annealed linearly to 0)")
+    anneal_lr: bool = arg(True, "anneal the learning rate over the run")
+    gamma: float = arg(0.99, "discount factor")
+    gae_lambda: float = arg(0.95, "GAE lambda")
+    num_minibatches: int = arg(4, "M: mini-batches per epoch")
+    update_epochs: int = arg(4, "epochs over each iteration's samples")
+    clip_coef: float = arg(0.2, "surrogate clipping coefficient")
+    ent_coef: float = arg(0.01, "entropy bonus coefficient")
+    vf_coef: float = arg(0.5, "value loss coefficient")
+    max_grad_norm: float = arg(0.5, "gradient clipping norm")
+    norm_adv: bool = arg(True, "normalize advantages per mini-batch (in delivery)")
+
+
+def rollout_spec(info: EnvInfo) -> ExperienceSpec:
+    """What actors push: time-major steps with values for bootstrapping."""
+    action = ((), torch.int64) if info.discrete else ((info.action_dim,), torch.float32)
+    fields = {"obs": ((info.obs_dim,), torch.float32), "action": action,
+              "logprob": ((), torch.float32), "value": ((), torch.float32),
+              "next_value": ((), torch.float32), "reward": ((), torch.float32),
+              "terminated": ((), torch.bool), "truncated": ((), torch.bool)}
+    if info.image_size:
+        fields["pixels"] = ((info.image_size, info.image_size, 3), torch.uint8)
+    return ExperienceSpec.of(**fields)
+
+
+def buffer_spec(info: EnvInfo) -> ExperienceSpec:
+    """What the buffer holds after ingestion: samples with advantages and returns."""
+    action = ((), torch.int64) if info.discrete else ((info.action_dim,), torch.float32)
+    fields = {"obs": ((info.obs_dim,), torch.float32), "action": action,
+              "logprob": ((), torch.float32), "value": ((), torch.float32),
+              "advantage": ((), torch.float32), "ret": ((), torch.float32)}
+    if info.image_size:
+        fields["pixels"] = ((info.image_size, info.image_size, 3), torch.uint8)
+    return ExperienceSpec.of(**fields)
+
+
+def compute_gae(unit: dict[str, torch.Tensor], *, num_envs: int, gamma: float,
+                lam: float) -> dict[str, torch.Tensor]:
+    """GAE over one time-major rollout unit (row ``t * num_envs + e``).
+
+    A terminated step does not bootstrap; a truncated one bootstraps from the value of its final
+    observation (``next_value``); either ends the advantage recursion.
+    """
+    n = unit["reward"].shape[0]
+    steps = n // num_envs
+    shape = (steps, num_envs)
+    reward = unit["reward"].reshape(shape)
+    value = unit["value"].reshape(shape)
+    next_value = unit["next_value"].reshape(shape)
+    term = unit["terminated"].reshape(shape).float()
+    done = (unit["terminated"] | unit["truncated"]).reshape(shape).float()
+    delta = reward + gamma * next_value * (1.0 - term) - value
+    adv = torch.zeros_like(reward)
+    last = torch.zeros(num_envs, dtype=reward.dtype)
+    for t in reversed(range(steps)):
+        last = delta[t] + gamma * lam * (1.0 - done[t]) * last
+        adv[t] = last
+    adv = adv.reshape(-1)
+    out = {k: unit[k] for k in ("obs", "action", "logprob", "value")}
+    if "pixels" in unit:
+        out["pixels"] = unit["pixels"]
+    out["advantage"] = adv
+    out["ret"] = adv + unit["value"]
+    return out
+
+
+def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
+          ) -> runner.RunResult:
+    """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch."""
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    runner.quiet_readonly_warning()
+    device = runner.resolve_device(args.device)
+    info = env_info(args.env, image_size=args.image_size)
+    rows_per_iter = args.actors * args.envs_per_actor * args.steps_per_rollout
+    if rows_per_iter % args.num_minibatches:
+        raise ValueError(f"num_minibatches: {args.num_minibatches} does not divide the "
+                         f"{rows_per_iter} samples of an iteration")
+
+    plane, plan = runner.make_plane(
+        buffer=args.buffer, schedule=args.schedule, placement=args.placement,
+        mode="on_policy", num_minibatches=args.num_minibatches, spec=buffer_spec(info),
+        rollout_spec=rollout_spec(info), capacity=rows_per_iter,
+        batch_size=rows_per_iter // args.num_minibatches, num_epochs=args.update_epochs,
+        learner_device=str(device), seed=args.seed)
+
+    # Ingestion: GAE per actor rollout, as soon as it is pushed.
+    @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
+    def ingestion(actor_in, exp_out):
+        for unit in actor_in.read_units():
+            exp_out.write(compute_gae(unit, num_envs=args.envs_per_actor, gamma=args.gamma,
+                                      lam=args.gae_lambda))
+
+    # Delivery: shuffled mini-batches (the plane's sampler), advantages normalized per batch.
+    @plane.register_delivery(input="ExperienceBuffer", output="Learner")
+    def delivery(exp_in, learn_out):
+        rows = exp_in.read()
+        if args.norm_adv:
+            adv = rows["advantage"].reshape(exp_in.batches, -1)
+            adv = (adv - adv.mean(1, keepdim=True)) / (adv.std(1, keepdim=True) + 1e-8)
+            rows = {**rows, "advantage": adv.reshape(-1)}
+        learn_out.write(rows)
+
+    agent = PPOAgent(info).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+
+    started_ray = init_ray(args.address or None) if args.use_ray else False
+    actors = ActorGroup(args.actors, use_ray=args.use_ray, algo="ppo", env_id=args.env,
+                        info=info, num_envs=args.envs_per_actor, seed=args.seed)
+    rec = runner.BreakdownRecorder(plane, total_iters=args.iters, log_every=args.log_every,
+                                   label=f"[ppo {args.buffer}] ")
+    losses: list[float] = []
+    env_steps = 0
+    try:
+        with plane:
+            for it in range(args.iters):
+                with rec.iteration(it) as log:
+                    if args.anneal_lr:
+                        optimizer.param_groups[0]["lr"] = args.learning_rate * (
+                            1.0 - it / args.iters)
+                    with plane.timed("rollout"):
+                        handles = actors.submit(args.steps_per_rollout,
+                                                runner.cpu_weights(agent))
+                    returns = []
+                    for h in handles:  # push in actor order, so the batches do not depend on
+                        with plane.timed("rollout"):  # which actor finished first
+                            out = actors.result(h)
+                        plane.push(out["rollout"], policy_version=plane.policy_version)
+                        returns += out["stats"]["episode_returns"]
+                    env_steps += rows_per_iter
+                    log.update(env_steps=env_steps, returns=returns)
+
+                    for _ in range(args.num_minibatches * args.update_epochs):
+                        mb = plane.pull()
+                        if on_batch is not None:
+                            on_batch(mb)
+                        with plane.timed("update"):
+                            loss, stats = _ppo_loss(agent, mb, args)
+                            optimizer.zero_grad(set_to_none=True)
+                            loss.backward()
+                            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                            optimizer.step()
+                            losses.append(loss.item())
+                    log.update(loss=losses[-1], **stats)
+            plane.flush()
+    finally:
+        actors.close()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    return runner.RunResult("ppo", args.env, args.buffer, plan, rec.summary(), rec.records,
+                            rec.returns, asdict(args), runner.all_finite(losses))
+
+
+def _ppo_loss(agent: PPOAgent, mb: dict[str, torch.Tensor], args: Args
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    logp, entropy, value = agent.evaluate(mb["obs"], mb["action"], mb.get("pixels"))
+    log_ratio = logp - mb["logprob"]
+    ratio = log_ratio.exp()
+    adv = mb["advantage"]
+    pg_loss = torch.max(-adv * ratio,
+                        -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    v_loss = 0.5 * (value - mb["ret"]).pow(2).mean()
+    loss = pg_loss - args.ent_coef * entropy.mean() + args.vf_coef * v_loss
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - log_ratio).mean().item()
+    return loss, {"pg_loss": pg_loss.item(), "v_loss": v_loss.item(), "approx_kl": approx_kl}

@@ -1,0 +1,405 @@
+"""What the three trainers share: building the plane for a buffer mode, the per-iteration
+breakdown (Fig. 1 / Fig. 11 style), the progress line, and the JSON + PNG outputs.
+
+Breakdown of one iteration (all wall-clock seconds, measured in the same run):
+
+* ``rollout``: the learner waiting on actor rollouts (plus the policy broadcast);
+* ``ingestion``: exposed ingestion, the time the caller spent inside ``plane.push``;
+* ``delivery``: exposed delivery, the time the caller spent inside ``plane.pull``;
+* ``update``: learner update compute;
+* ``other``: the rest (bookkeeping);
+* ``end_to_end``: the iteration's wall time; ``exposed = ingestion + delivery``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PHASES = ("rollout", "ingestion", "delivery", "update", "other")
+PHASE_COLORS = {"rollout": "#4C72B0", "ingestion": "#DD8452", "delivery": "#C44E52",
+                "update": "#55A868", "other": "#B0B0B0"}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> the first CUDA device when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def parse_schedule(text: str) -> Any:
+    """``"inline"``, ``"auto"`` or ``"ov_ing,g_ing,ov_del,g_del"`` (g may be ``1/4``)."""
+    from conduit import Schedule
+
+    if text in ("auto", "inline"):
+        return "auto" if text == "auto" else Schedule.inline()
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 4:
+        raise ValueError(f"schedule: expected 'auto', 'inline' or four comma-separated values "
+                         f"'ov_ing,g_ing,ov_del,g_del', got {text!r}")
+    return Schedule(int(parts[0]), Fraction(parts[1]), int(parts[2]), Fraction(parts[3]))
+
+
+def parse_placement(text: str, learner_device: torch.device) -> Any:
+    """``"auto"``, ``"pageable"``, ``"pinned"``, ``"learner"`` (the learner's device) or a
+    device name such as ``"cuda:0"``."""
+    from conduit.storage.layout import Placement
+
+    if text == "auto":
+        return "auto"
+    if text == "pageable":
+        return Placement.pageable()
+    if text == "pinned":
+        return Placement.pinned() if torch.cuda.is_available() else Placement.pageable()
+    if text == "learner":
+        return (Placement.device(learner_device) if learner_device.type != "cpu"
+                else Placement.pageable())
+    return Placement.device(text)
+
+
+def default_conduit_schedule(mode: str, num_minibatches: int) -> Any:
+    """Hand-set overlap schedule used when the auto-optimizer is not available."""
+    from conduit import Schedule
+
+    if mode == "on_policy":
+        return Schedule(1, Fraction(1, num_minibatches), 1, Fraction(1, num_minibatches))
+    return Schedule(1, 1, 1, 2)
+
+
+def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
+               num_minibatches: int = 1, **plane_kw: Any) -> tuple[Any, dict[str, Any]]:
+    """Build the :class:`~conduit.ExperienceDataPlane` for a buffer mode.
+
+    ``buffer="inline"`` is the sequential baseline: pageable CPU memory and
+    ``Schedule.inline()``. ``buffer="conduit"`` takes ``schedule`` / ``placement``
+    (``"auto"`` asks the planner and the optimizer; if this build of the plane cannot plan,
+    a hand-set overlap schedule and the learner-device placement are used and the plan says so).
+
+    Returns:
+        The plane and a JSON-friendly description of the plan it runs.
+    """
+    from conduit import ExperienceDataPlane, Schedule
+
+    if buffer not in ("inline", "conduit"):
+        raise ValueError(f"buffer: must be 'inline' or 'conduit', got {buffer!r}")
+    learner_device = torch.device(plane_kw.get("learner_device", "cpu"))
+    if buffer == "inline":
+        sched, place = Schedule.inline(), None
+    else:
+        sched = parse_schedule(schedule)
+        place = parse_placement(placement, learner_device)
+    note = ""
+    try:
+        plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
+                                    schedule=sched, placement=place, **plane_kw)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        if sched != "auto" and place != "auto":
+            raise
+        note = f"auto planning unavailable ({type(exc).__name__}: {exc}); hand-set fallback"
+        sched = default_conduit_schedule(mode, num_minibatches) if sched == "auto" else sched
+        place = parse_placement("learner", learner_device) if place == "auto" else place
+        plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
+                                    schedule=sched, placement=place, **plane_kw)
+    return plane, describe_plan(plane, buffer=buffer, note=note)
+
+
+def describe_plan(plane: Any, *, buffer: str, note: str = "") -> dict[str, Any]:
+    """The schedule and placement a plane actually runs, as plain data."""
+    out: dict[str, Any] = {"buffer": buffer}
+    sched = getattr(plane, "schedule", None)
+    place = getattr(plane, "placement", None)
+    out["schedule"] = sched.label() if hasattr(sched, "label") else str(sched)
+    out["placement"] = place.label() if hasattr(place, "label") else str(place or "pageable")
+    spec = getattr(plane, "spec", None)
+    if spec is not None:
+        out["bytes_per_sample"] = spec.bytes_per_sample
+    if note:
+        out["note"] = note
+    return out
+
+
+@dataclass
+class IterationRecord:
+    """One iteration's breakdown (seconds) and training metrics."""
+
+    iteration: int
+    end_to_end: float
+    rollout: float
+    ingestion: float
+    delivery: float
+    update: float
+    other: float
+    env_steps: int
+    learning: bool
+    wall_time: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exposed(self) -> float:
+        """Exposed experience-path time: exposed ingestion + exposed delivery."""
+        return self.ingestion + self.delivery
+
+
+class BreakdownRecorder:
+    """Turns the plane's timings into one :class:`IterationRecord` per iteration.
+
+    Args:
+        plane: The plane whose ``timings`` hold ``rollout``/``update``/``push``/``pull``.
+        total_iters: For the progress line.
+        log_every: Print a progress line every this many iterations (0: never).
+        label: Prefix of the progress line.
+    """
+
+    _NAMES = {"rollout": "rollout", "ingestion": "push", "delivery": "pull", "update": "update"}
+
+    def __init__(self, plane: Any, *, total_iters: int, log_every: int = 1,
+                 label: str = "") -> None:
+        self.plane = plane
+        self.total_iters = total_iters
+        self.log_every = log_every
+        self.label = label
+        self.records: list[IterationRecord] = []
+        self.returns: list[tuple[int, float, float]] = []  # (iteration, wall, episode return)
+        self._t_start = time.perf_counter()
+        self._t0 = 0.0
+        self._base: dict[str, float] = {}
+
+    def _totals(self) -> dict[str, float]:
+        t = self.plane.timings
+        return {k: t.total(v) for k, v in self._NAMES.items()}
+
+    @contextmanager
+    def iteration(self, i: int) -> Iterator[dict[str, Any]]:
+        """Wrap one iteration; the body fills the yielded dict (``env_steps``, ``learning``,
+        ``returns``, and any float metrics)."""
+        self._base = self._totals()
+        self._t0 = time.perf_counter()
+        info: dict[str, Any] = {}
+        yield info
+        wall = time.perf_counter() - self._t0
+        now = self._totals()
+        part = {k: max(0.0, now[k] - self._base[k]) for k in self._NAMES}
+        other = max(0.0, wall - sum(part.values()))
+        elapsed = time.perf_counter() - self._t_start
+        for r in info.pop("returns", []):
+            self.returns.append((i, elapsed, float(r)))
+        metrics = {k: float(v) for k, v in info.items()
+                   if k not in ("env_steps", "learning") and isinstance(v, (int, float))}
+        rec = IterationRecord(i, wall, part["rollout"], part["ingestion"], part["delivery"],
+                              part["update"], other, int(info.get("env_steps", 0)),
+                              bool(info.get("learning", True)), elapsed, metrics)
+        self.records.append(rec)
+        if self.log_every and ((i + 1) % self.log_every == 0 or i + 1 == self.total_iters):
+            self._progress(rec)
+
+    def recent_return(self, window: int = 20) -> float:
+        """Mean of the last ``window`` finished episodes' returns (NaN before any)."""
+        recent = [r for _, _, r in self.returns[-window:]]
+        return sum(recent) / len(recent) if recent else float("nan")
+
+    def _progress(self, rec: IterationRecord) -> None:
+        ms = lambda s: f"{1000 * s:6.1f}"  # noqa: E731
+        extra = " ".join(f"{k} {v:.3g}" for k, v in rec.metrics.items())
+        print(f"{self.label}iter {rec.iteration + 1:>4}/{self.total_iters} "
+              f"| return {self.recent_return():7.1f} | ms: rollout {ms(rec.rollout)} "
+              f"ing {ms(rec.ingestion)} del {ms(rec.delivery)} update {ms(rec.update)} "
+              f"e2e {ms(rec.end_to_end)} | {extra}", flush=True)
+
+    def summary(self, *, skip: int = 1) -> dict[str, float]:
+        """Median per-iteration breakdown over learning iterations (the first ``skip`` of them
+        dropped as warm-up)."""
+        recs = [r for r in self.records if r.learning][skip:] or \
+            [r for r in self.records if r.learning] or self.records
+        out = {k: statistics.median(getattr(r, k) for r in recs)
+               for k in (*PHASES, "end_to_end", "exposed")}
+        out["iterations_measured"] = len(recs)
+        out["final_return"] = self.recent_return()
+        return out
+
+
+@dataclass
+class RunResult:
+    """What a training run returns and writes to JSON."""
+
+    algo: str
+    env: str
+    buffer: str
+    plan: dict[str, Any]
+    summary: dict[str, float]
+    records: list[IterationRecord]
+    returns: list[tuple[int, float, float]]
+    config: dict[str, Any]
+    losses_finite: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"algo": self.algo, "env": self.env, "buffer": self.buffer, "plan": self.plan,
+                "summary": _finite(self.summary), "config": _finite(self.config),
+                "losses_finite": self.losses_finite,
+                "iterations": [_finite({**dataclasses.asdict(r), "exposed": r.exposed})
+                               for r in self.records],
+                "returns": [{"iteration": i, "wall_s": w, "return": r}
+                            for i, w, r in self.returns]}
+
+
+def _finite(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _finite(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_finite(v) for v in d]
+    if isinstance(d, float) and not math.isfinite(d):
+        return None
+    return d
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON (NaN/inf become null), creating parent folders."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(_finite(data), indent=2, default=str))
+    return p
+
+
+def plot_breakdown(results: dict[str, dict[str, float]], path: str | Path, *,
+                   title: str = "") -> Path:
+    """Stacked per-iteration breakdown bars, one per run (Fig. 1 style).
+
+    Args:
+        results: Label -> summary (``rollout``, ``ingestion``, ``delivery``, ``update``,
+            ``other`` in seconds).
+        path: PNG to write.
+        title: Figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(labels)))
+    for row, label in enumerate(labels):
+        s = results[label]
+        left = 0.0
+        total = sum(s.get(p, 0.0) for p in PHASES) or 1.0
+        for p in PHASES:
+            w = 1000 * s.get(p, 0.0)
+            ax.barh(row, w, left=left, color=PHASE_COLORS[p], label=p if row == 0 else None)
+            if w / (1000 * total) > 0.08:
+                ax.text(left + w / 2, row, f"{100 * w / (1000 * total):.0f}%",
+                        ha="center", va="center", fontsize=8, color="white")
+            left += w
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("latency per iteration (ms, median)")
+    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 if
+              len(labels) < 3 else -0.15))
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
+def plot_comparison(rows: dict[str, dict[str, dict[str, float]]], path: str | Path) -> Path:
+    """Fig. 11 style: per workload, inline vs Conduit bars for exposed path and end to end.
+
+    Args:
+        rows: Workload label -> {"inline": summary, "conduit": summary}.
+        path: PNG to write.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(names) + 2) * 2 / 1.5, 3.6))
+    for ax, key, title in ((axes[0], "exposed", "Exposed experience path"),
+                           (axes[1], "end_to_end", "End to end")):
+        for j, (mode, color) in enumerate((("inline", "#8c8c8c"), ("conduit", "#C44E52"))):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
+            ys = [1000 * rows[n].get(mode, {}).get(key, 0.0) for n in names]
+            ax.bar(xs, ys, width=0.38, color=color,
+                   label="inline (sequential)" if mode == "inline" else "Conduit")
+        for i, n in enumerate(names):
+            a = rows[n].get("inline", {}).get(key)
+            b = rows[n].get("conduit", {}).get(key)
+            if a and b is not None and a > 0:
+                ax.text(i, 1000 * max(a, b) * 1.02, f"-{100 * (1 - b / a):.0f}%",
+                        ha="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_ylabel("latency per iteration (ms)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
+def reduction(before: float, after: float) -> float:
+    """Relative reduction ``1 - after/before`` (NaN when ``before`` is not positive)."""
+    return 1.0 - after / before if before > 0 else float("nan")
+
+
+def quiet_readonly_warning() -> None:
+    """Ray hands back read-only numpy views; the plane copies them once, so the warning that
+    torch raises on wrapping them is noise here."""
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def all_finite(values: list[float]) -> bool:
+    """True when every value is a finite float."""
+    return all(math.isfinite(v) for v in values)
+
+
+def eprint(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def transition_spec(info: Any) -> Any:
+    """Spec of an off-policy transition ``(s, a, r, s', done)`` for an environment, with the
+    image payload (``pixels`` / ``next_pixels``) when the environment has one."""
+    from conduit import ExperienceSpec
+
+    if info.discrete:
+        action = ((), torch.int64)
+    else:
+        action = ((info.action_dim,), torch.float32)
+    fields: dict[str, Any] = {"obs": ((info.obs_dim,), torch.float32), "action": action,
+                              "reward": ((), torch.float32),
+                              "next_obs": ((info.obs_dim,), torch.float32),
+                              "done": ((), torch.bool)}
+    if info.image_size:
+        img = ((info.image_size, info.image_size, 3), torch.uint8)
+        fields["pixels"] = img
+        fields["next_pixels"] = img
+    return ExperienceSpec.of(**fields)
+
+
+def cpu_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``module``'s ``state_dict`` for broadcasting to actors."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def pixels_of(batch: dict[str, torch.Tensor], key: str = "pixels") -> torch.Tensor | None:
+    """The image field of a batch, or None for state-only workloads."""
+    return batch.get(key)
