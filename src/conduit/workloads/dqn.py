@@ -86,7 +86,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
     # identity here (the defaults), so they are not registered.
     sampler = (PrioritizedSampler(alpha=args.per_alpha, beta=args.per_beta, seed=args.seed)
                if args.prioritized else "uniform")
-    plane, plan = runner.make_plane(
+    plane, plan, auto = runner.make_plane(
         buffer=args.buffer, schedule=args.schedule, placement=args.placement,
         mode="off_policy", spec=spec, capacity=args.buffer_size, batch_size=args.batch_size,
         sampler=sampler, learner_device=str(device), min_size=args.learning_starts,
@@ -144,6 +144,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             plane.update_priorities(batch["_index"], td.abs() + 1e-3)
                     if learning and losses:
                         log["loss"] = losses[-1]
+                if auto is not None:  # auto-schedule: profile, then pick with the cost model
+                    auto.step(learning)
             plane.flush()
     finally:
         actors.close()

@@ -129,7 +129,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
         raise ValueError(f"num_minibatches: {args.num_minibatches} does not divide the "
                          f"{rows_per_iter} samples of an iteration")
 
-    plane, plan = runner.make_plane(
+    plane, plan, auto = runner.make_plane(
         buffer=args.buffer, schedule=args.schedule, placement=args.placement,
         mode="on_policy", num_minibatches=args.num_minibatches, spec=buffer_spec(info),
         rollout_spec=rollout_spec(info), capacity=rows_per_iter,
@@ -194,6 +194,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             optimizer.step()
                             losses.append(loss.item())
                     log.update(loss=losses[-1], **stats)
+                if auto is not None:  # auto-schedule: profile, then pick with the cost model
+                    auto.step(True)
             plane.flush()
     finally:
         actors.close()

@@ -72,7 +72,7 @@ def parse_placement(text: str, learner_device: torch.device) -> Any:
 
 
 def default_conduit_schedule(mode: str, num_minibatches: int) -> Any:
-    """Hand-set overlap schedule used when the auto-optimizer is not available."""
+    """Hand-set overlap schedule: the starting point of auto-planning, and the fallback."""
     from conduit import Schedule
 
     if mode == "on_policy":
@@ -80,55 +80,130 @@ def default_conduit_schedule(mode: str, num_minibatches: int) -> Any:
     return Schedule(1, 1, 1, 2)
 
 
+def auto_placement(*, spec: Any, capacity: int, learner_device: torch.device
+                   ) -> tuple[Any, str]:
+    """Ask the placement planner (Eq. 1, Alg. 1) for this machine; returns the placement and
+    its explanation. Without a working planner: the learner's device when it is an
+    accelerator and the buffer fits in half its free memory, else pageable CPU memory."""
+    from conduit.storage.layout import Placement
+
+    try:
+        from conduit.placement.planner import plan_placement
+        from conduit.placement.topology import Topology
+
+        decision = plan_placement(capacity=capacity, actor_device="cpu",
+                                  learner_device=str(learner_device),
+                                  topology=Topology.detect(), spec=spec)
+        return decision.placement, decision.explain()
+    except Exception as exc:  # noqa: BLE001 - the planner is optional here
+        reason = f"planner unavailable ({type(exc).__name__}: {exc})"
+    need = capacity * spec.bytes_per_sample
+    if learner_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(learner_device)
+        if need <= free // 2:
+            return Placement.device(learner_device), f"{reason}; buffer fits on the learner GPU"
+    return Placement.pageable(), f"{reason}; pageable CPU memory"
+
+
+class AutoScheduler:
+    """Picks the schedule with the cost model once the plane has profiled a few iterations.
+
+    Used when the plane itself does not take ``schedule="auto"``: the run starts on the
+    hand-set overlap schedule, and after ``warmup`` learning iterations the profile from the
+    plane's timings goes through :func:`conduit.scheduling.choose`, and the plane switches to
+    the chosen schedule.
+    """
+
+    def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3) -> None:
+        self.plane, self.plan, self.warmup = plane, plan, warmup
+        self.seen = 0
+        self.done = False
+        self.explanation = ""
+
+    def step(self, learning: bool) -> None:
+        """Call once per iteration, at its end."""
+        if self.done or not learning:
+            return
+        self.seen += 1
+        if self.seen < self.warmup:
+            return
+        self.done = True
+        from conduit.scheduling import choose, profile_from_timings
+
+        try:
+            plan = choose(profile_from_timings(self.plane.timings, self.plane.space),
+                          self.plane.space)
+        except Exception as exc:  # noqa: BLE001 - keep the hand-set schedule
+            self.plan["note"] = f"auto schedule failed ({type(exc).__name__}: {exc})"
+            return
+        self.plane.set_schedule(plan.schedule)
+        self.explanation = plan.explain()
+        self.plan["schedule"] = plan.schedule.label()
+        self.plan["schedule_plan"] = plan.to_dict()
+
+
 def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
-               num_minibatches: int = 1, **plane_kw: Any) -> tuple[Any, dict[str, Any]]:
+               num_minibatches: int = 1, **plane_kw: Any
+               ) -> tuple[Any, dict[str, Any], AutoScheduler | None]:
     """Build the :class:`~conduit.ExperienceDataPlane` for a buffer mode.
 
-    ``buffer="inline"`` is the sequential baseline: pageable CPU memory and
-    ``Schedule.inline()``. ``buffer="conduit"`` takes ``schedule`` / ``placement``
-    (``"auto"`` asks the planner and the optimizer; if this build of the plane cannot plan,
-    a hand-set overlap schedule and the learner-device placement are used and the plan says so).
+    ``buffer="inline"`` is the sequential baseline: pageable CPU memory, every operator on the
+    caller's thread. ``buffer="conduit"`` takes ``schedule`` / ``placement``; ``"auto"`` asks
+    the placement planner and the schedule optimizer (through the plane when it supports
+    ``"auto"``, otherwise through :func:`auto_placement` and :class:`AutoScheduler`).
 
     Returns:
-        The plane and a JSON-friendly description of the plan it runs.
+        The plane, a JSON-friendly description of its plan, and the :class:`AutoScheduler` to
+        step once per iteration (None when nothing is left to decide).
     """
-    from conduit import ExperienceDataPlane, Schedule
+    from conduit import ExperienceDataPlane
 
     if buffer not in ("inline", "conduit"):
         raise ValueError(f"buffer: must be 'inline' or 'conduit', got {buffer!r}")
     learner_device = torch.device(plane_kw.get("learner_device", "cpu"))
     if buffer == "inline":
-        sched, place = Schedule.inline(), None
-    else:
-        sched = parse_schedule(schedule)
-        place = parse_placement(placement, learner_device)
-    note = ""
-    try:
         plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
-                                    schedule=sched, placement=place, **plane_kw)
-    except (TypeError, ValueError, NotImplementedError) as exc:
-        if sched != "auto" and place != "auto":
-            raise
-        note = f"auto planning unavailable ({type(exc).__name__}: {exc}); hand-set fallback"
-        sched = default_conduit_schedule(mode, num_minibatches) if sched == "auto" else sched
-        place = parse_placement("learner", learner_device) if place == "auto" else place
-        plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
-                                    schedule=sched, placement=place, **plane_kw)
-    return plane, describe_plan(plane, buffer=buffer, note=note)
+                                    schedule=None, placement=None, **plane_kw)
+        return plane, describe_plan(plane, buffer=buffer), None
+    sched = parse_schedule(schedule)
+    place = parse_placement(placement, learner_device)
+    if sched == "auto" or place == "auto":
+        try:  # the plane plans by itself when it can
+            plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
+                                        schedule=sched, placement=place, **plane_kw)
+            return plane, describe_plan(plane, buffer=buffer, auto=True), None
+        except (TypeError, ValueError, AttributeError, NotImplementedError):
+            pass
+    plan_extra: dict[str, Any] = {}
+    if place == "auto":
+        place, why = auto_placement(spec=plane_kw["spec"], capacity=plane_kw["capacity"],
+                                    learner_device=learner_device)
+        plan_extra["placement_plan"] = why
+    auto_sched = sched == "auto"
+    if auto_sched:
+        sched = default_conduit_schedule(mode, num_minibatches)
+    plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
+                                schedule=sched, placement=place, **plane_kw)
+    plan = {**describe_plan(plane, buffer=buffer), **plan_extra}
+    return plane, plan, AutoScheduler(plane, plan) if auto_sched else None
 
 
-def describe_plan(plane: Any, *, buffer: str, note: str = "") -> dict[str, Any]:
+def describe_plan(plane: Any, *, buffer: str, auto: bool = False) -> dict[str, Any]:
     """The schedule and placement a plane actually runs, as plain data."""
-    out: dict[str, Any] = {"buffer": buffer}
+    out: dict[str, Any] = {"buffer": buffer, "planned_by_plane": auto}
     sched = getattr(plane, "schedule", None)
     place = getattr(plane, "placement", None)
     out["schedule"] = sched.label() if hasattr(sched, "label") else str(sched)
+    if place is None and hasattr(plane, "buffer"):
+        place = getattr(plane.buffer, "placement", None)
     out["placement"] = place.label() if hasattr(place, "label") else str(place or "pageable")
     spec = getattr(plane, "spec", None)
     if spec is not None:
         out["bytes_per_sample"] = spec.bytes_per_sample
-    if note:
-        out["note"] = note
+    for name in ("plan", "schedule_plan", "placement_plan"):  # the plane's own explanation
+        extra = getattr(plane, name, None)
+        if extra is not None and not callable(extra):
+            out[name] = extra.to_dict() if hasattr(extra, "to_dict") else str(extra)
     return out
 
 

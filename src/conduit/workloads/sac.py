@@ -75,7 +75,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
         raise ValueError(f"env: SAC here needs continuous actions; {args.env} is discrete")
 
     spec = runner.transition_spec(info)
-    plane, plan = runner.make_plane(
+    plane, plan, auto = runner.make_plane(
         buffer=args.buffer, schedule=args.schedule, placement=args.placement,
         mode="off_policy", spec=spec, capacity=args.buffer_size, batch_size=args.batch_size,
         sampler="uniform", learner_device=str(device), min_size=args.learning_starts,
@@ -164,6 +164,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             losses += [qf_loss.item(), actor_loss.item()]
                     if learning and losses:
                         log.update(qf_loss=losses[-2], actor_loss=losses[-1], alpha=alpha)
+                if auto is not None:  # auto-schedule: profile, then pick with the cost model
+                    auto.step(learning)
             plane.flush()
     finally:
         actors.close()

@@ -1,0 +1,394 @@
+"""Bandwidth profiler: micro-benchmarks of the real copy paths on this machine.
+
+Measured paths (each at several payload sizes, median of ``repeats`` after one warm-up):
+
+==================== ============================ =============================================
+path                 endpoints                    operation
+==================== ============================ =============================================
+``pageable->pinned`` ``cpu -> cpu_pinned``        ``pinned.copy_(pageable)``
+``pageable->device`` ``cpu -> cuda:i``            ``dev.copy_(pageable)``
+``pinned->device``   ``cpu_pinned -> cuda:i``     ``dev.copy_(pinned, non_blocking=True)`` + sync
+``device->device``   ``cuda:i -> cuda:j``         peer ``copy_`` + sync
+``gather``           ``t -> t`` for every tier    ``torch.index_select(buf, 0, idx, out=...)``
+==================== ============================ =============================================
+
+Without an accelerator torch has no pinned allocator; the ``pageable->pinned`` and pinned
+gather rows then measure pageable memory and say so in their ``note``.
+
+Intra-op threads are set to one during the measurement and restored afterwards: on small
+machines torch's default thread count makes gathers up to 100x slower, and the data path runs
+with one thread too.
+
+Results are cached per machine as JSON under ``$CONDUIT_CACHE_DIR`` (default
+``~/.cache/conduit``), keyed by host name, torch version and device names;
+:meth:`conduit.placement.topology.Topology.detect` reads the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conduit.errors import ConfigError
+from conduit.placement.topology import CPU, CPU_PINNED
+
+DEFAULT_SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024)
+"""Payload sizes in bytes measured by default (64 KiB, 1 MiB, 16 MiB)."""
+DEFAULT_REPEATS = 5
+GATHER_ROW_BYTES = 1024
+"""Row size of the gather benchmark (256 float32 values)."""
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandwidthSample:
+    """One measurement.
+
+    Attributes:
+        path: ``"pageable->pinned"``, ``"pageable->device"``, ``"pinned->device"``,
+            ``"device->device"`` or ``"gather"``.
+        src: Source endpoint (``"cpu"``, ``"cpu_pinned"``, ``"cuda:0"``).
+        dst: Destination endpoint.
+        size_bytes: Payload bytes moved per operation.
+        seconds: Median seconds per operation.
+        note: Caveat, e.g. that pinned memory was unavailable.
+    """
+
+    path: str
+    src: str
+    dst: str
+    size_bytes: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (``size_bytes / seconds``)."""
+        return self.size_bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandwidthProfile:
+    """All measurements of one machine.
+
+    Attributes:
+        key: Cache key: host name, torch version and device names.
+        hostname: Host the profile was measured on.
+        torch_version: ``torch.__version__``.
+        devices: Device names (``"cpu"``, then accelerator model names).
+        sizes: Payload sizes measured.
+        repeats: Timed repetitions per measurement.
+        created: Unix time of the measurement.
+        samples: The measurements.
+        from_cache: True when loaded from the cache rather than measured now.
+    """
+
+    key: str
+    hostname: str
+    torch_version: str
+    devices: tuple[str, ...]
+    sizes: tuple[int, ...]
+    repeats: int
+    created: float
+    samples: tuple[BandwidthSample, ...]
+    from_cache: bool = False
+
+    def link_table(self) -> dict[tuple[str, str], float]:
+        """``(src, dst) -> bytes/s`` at the largest measured size, for a bandwidth table."""
+        best: dict[tuple[str, str], BandwidthSample] = {}
+        for s in self.samples:
+            k = (s.src, s.dst)
+            if k not in best or s.size_bytes > best[k].size_bytes:
+                best[k] = s
+        return {k: s.bandwidth for k, s in best.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (the cache file format)."""
+        return {"version": _FORMAT_VERSION, "key": self.key, "hostname": self.hostname,
+                "torch_version": self.torch_version, "devices": list(self.devices),
+                "sizes": list(self.sizes), "repeats": self.repeats, "created": self.created,
+                "samples": [{"path": s.path, "src": s.src, "dst": s.dst,
+                             "size_bytes": s.size_bytes, "seconds": s.seconds, "note": s.note}
+                            for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, from_cache: bool = False) -> BandwidthProfile:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: The data is malformed (field ``bandwidth_profile``).
+        """
+        try:
+            if d.get("version") != _FORMAT_VERSION:
+                raise ValueError(f"unsupported version {d.get('version')!r}")
+            return cls(key=str(d["key"]), hostname=str(d["hostname"]),
+                       torch_version=str(d["torch_version"]),
+                       devices=tuple(str(x) for x in d["devices"]),
+                       sizes=tuple(int(x) for x in d["sizes"]), repeats=int(d["repeats"]),
+                       created=float(d["created"]),
+                       samples=tuple(BandwidthSample(
+                           path=str(s["path"]), src=str(s["src"]), dst=str(s["dst"]),
+                           size_bytes=int(s["size_bytes"]), seconds=float(s["seconds"]),
+                           note=str(s.get("note", ""))) for s in d["samples"]),
+                       from_cache=from_cache)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError("bandwidth_profile", f"malformed profile data: {exc!r}") from exc
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$CONDUIT_CACHE_DIR`` or ``~/.cache/conduit``."""
+    env = os.environ.get("CONDUIT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "conduit"
+
+
+def machine_identity() -> tuple[str, str, tuple[str, ...]]:
+    """``(hostname, torch version, device names)`` of this machine."""
+    import torch
+
+    devs = [CPU]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i}={torch.cuda.get_device_name(i)}"
+                 for i in range(torch.cuda.device_count())]
+    return socket.gethostname(), torch.__version__, tuple(devs)
+
+
+def machine_key() -> str:
+    """Cache key of this machine: host name + torch version + device names."""
+    host, tv, devs = machine_identity()
+    return f"{host}|torch-{tv}|{';'.join(devs)}"
+
+
+def cache_path(key: str | None = None) -> Path:
+    """The cache file for ``key`` (default: this machine)."""
+    key = key or machine_key()
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return cache_dir() / f"bandwidth-{digest}.json"
+
+
+def load_cached_profile(key: str | None = None) -> BandwidthProfile | None:
+    """The cached profile of this machine, or ``None`` (missing, unreadable or stale)."""
+    key = key or machine_key()
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        prof = BandwidthProfile.from_dict(data, from_cache=True)
+    except (OSError, json.JSONDecodeError, ConfigError):
+        return None
+    return prof if prof.key == key else None
+
+
+def save_profile(profile: BandwidthProfile) -> Path:
+    """Write ``profile`` to its cache file (atomically) and return the path."""
+    path = cache_path(profile.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+# -- measurement ---------------------------------------------------------------------------------
+
+
+def _time(op: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    op()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        op()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _measure(sizes: Sequence[int], repeats: int) -> list[BandwidthSample]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else []
+
+    def nosync() -> None:
+        return None
+
+    def sync_all() -> None:
+        for g in gpus:
+            torch.cuda.synchronize(g)
+
+    sync = sync_all if gpus else nosync
+    out: list[BandwidthSample] = []
+    pin_note = "" if cuda else "no pinned allocator without an accelerator; pageable measured"
+
+    def host(n: int, pinned: bool) -> torch.Tensor:
+        t = torch.empty(n, dtype=torch.uint8, pin_memory=pinned and cuda)
+        t.fill_(1)
+        return t
+
+    for size in sizes:
+        src = host(size, False)
+        dst = host(size, True)
+        out.append(BandwidthSample(path="pageable->pinned", src=CPU, dst=CPU_PINNED,
+                                   size_bytes=size, seconds=_time(lambda s=src, d=dst: d.copy_(s),
+                                                                  nosync, repeats),
+                                   note=pin_note))
+        for g in gpus:
+            dev = torch.empty(size, dtype=torch.uint8, device=g)
+            out.append(BandwidthSample(
+                path="pageable->device", src=CPU, dst=g, size_bytes=size,
+                seconds=_time(lambda s=src, d=dev: d.copy_(s), sync, repeats)))
+            out.append(BandwidthSample(
+                path="pinned->device", src=CPU_PINNED, dst=g, size_bytes=size,
+                seconds=_time(lambda s=dst, d=dev: d.copy_(s, non_blocking=True), sync,
+                              repeats)))
+            for h in gpus:
+                if h == g:
+                    continue
+                peer = torch.empty(size, dtype=torch.uint8, device=h)
+                out.append(BandwidthSample(
+                    path="device->device", src=g, dst=h, size_bytes=size,
+                    seconds=_time(lambda s=dev, d=peer: d.copy_(s, non_blocking=True), sync,
+                                  repeats)))
+                del peer
+            del dev
+        del src, dst
+        # gather within each tier: rows of GATHER_ROW_BYTES from a buffer 4x the payload
+        rows = max(1, size // GATHER_ROW_BYTES)
+        width = GATHER_ROW_BYTES // 4
+        tiers: list[tuple[str, str, str]] = [(CPU, "cpu", ""), (CPU_PINNED, "cpu", pin_note)]
+        tiers += [(g, g, "") for g in gpus]
+        gen = torch.Generator().manual_seed(size)
+        for name, device, note in tiers:
+            buf = torch.ones(max(4 * rows, 1024), width, dtype=torch.float32,
+                             pin_memory=(name == CPU_PINNED and cuda)).to(device)
+            idx = torch.randint(0, buf.shape[0], (rows,), generator=gen).to(device)
+            res = torch.empty(rows, width, dtype=torch.float32, device=device)
+            out.append(BandwidthSample(
+                path="gather", src=name, dst=name, size_bytes=rows * GATHER_ROW_BYTES,
+                seconds=_time(lambda b=buf, i=idx, r=res: torch.index_select(b, 0, i, out=r),
+                              sync if device != "cpu" else nosync, repeats),
+                note=note))
+            del buf, idx, res
+    return out
+
+
+def profile_bandwidth(*, sizes: Sequence[int] | None = None, repeats: int = DEFAULT_REPEATS,
+                      use_cache: bool = True, refresh: bool = False) -> BandwidthProfile:
+    """Measure (or load from cache) this machine's copy and gather bandwidths.
+
+    Args:
+        sizes: Payload sizes in bytes (default :data:`DEFAULT_SIZES`).
+        repeats: Timed repetitions per measurement (median is kept).
+        use_cache: Read and write the per-machine cache.
+        refresh: Measure even when a cached profile with the same sizes exists.
+
+    Returns:
+        The profile (``from_cache`` tells whether it was measured now).
+
+    Raises:
+        ConfigError: ``sizes`` or ``repeats`` are not positive integers.
+    """
+    import torch
+
+    sizes = tuple(DEFAULT_SIZES if sizes is None else sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+        raise ConfigError("sizes", f"must be positive integers (bytes), got {sizes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError("repeats", f"must be a positive integer, got {repeats!r}")
+    host, tv, devs = machine_identity()
+    key = f"{host}|torch-{tv}|{';'.join(devs)}"
+    if use_cache and not refresh:
+        cached = load_cached_profile(key)
+        if cached is not None and cached.sizes == sizes:
+            return cached
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            samples = _measure(sizes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    prof = BandwidthProfile(key=key, hostname=host, torch_version=tv, devices=devs, sizes=sizes,
+                            repeats=repeats, created=time.time(), samples=tuple(samples))
+    if use_cache:
+        save_profile(prof)
+    return prof
+
+
+def _fmt_size(n: int) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f and n % f == 0:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+def format_table(profile: BandwidthProfile) -> str:
+    """The profile as a text table (what ``conduit profile`` prints)."""
+    lines = [f"bandwidth profile of {profile.hostname} (torch {profile.torch_version}; "
+             f"devices: {', '.join(profile.devices)}; {profile.repeats} repeats, median"
+             + ("; from cache" if profile.from_cache else "") + ")",
+             f"{'path':<18} {'src -> dst':<26} {'size':>9} {'time':>11} {'GB/s':>9}  note"]
+    for s in profile.samples:
+        t = s.seconds
+        ts = f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+        lines.append(f"{s.path:<18} {s.src + ' -> ' + s.dst:<26} {_fmt_size(s.size_bytes):>9} "
+                     f"{ts:>11} {s.bandwidth / 1e9:>9.2f}  {s.note}")
+    return "\n".join(lines)
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suf, f in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suf):
+            t, mult = t[:-1], f
+            break
+    try:
+        v = int(float(t) * mult)
+    except ValueError:
+        raise ConfigError("sizes", f"cannot parse size {text!r} (try 64K, 1M, 16M)") from None
+    if v <= 0:
+        raise ConfigError("sizes", f"sizes must be positive, got {text!r}")
+    return v
+
+
+def run_profile_cli(args: Sequence[str] | None = None) -> int:
+    """Entry point of ``conduit profile``: measure (or load) and print the table.
+
+    Args:
+        args: Command-line arguments after ``profile`` (``--sizes 64K,1M --repeats 5
+            --refresh --no-cache --json``).
+
+    Returns:
+        Exit status (0).
+    """
+    ap = argparse.ArgumentParser(prog="conduit profile",
+                                 description="Measure copy and gather bandwidths on this machine.")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated payload sizes, e.g. 64K,1M,16M (default)")
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    ap.add_argument("--refresh", action="store_true", help="ignore the cache and re-measure")
+    ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ns = ap.parse_args(list(args) if args is not None else None)
+    sizes = tuple(_parse_size(s) for s in ns.sizes.split(",")) if ns.sizes else None
+    prof = profile_bandwidth(sizes=sizes, repeats=ns.repeats, use_cache=not ns.no_cache,
+                             refresh=ns.refresh)
+    if ns.json:
+        print(json.dumps(prof.to_dict(), indent=1))
+    else:
+        print(format_table(prof))
+        if not ns.no_cache:
+            print(f"cache: {cache_path(prof.key)}")
+    return 0

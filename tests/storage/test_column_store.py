@@ -1,0 +1,111 @@
+import pytest
+import torch
+
+from conduit import CapacityError, PlacementError, SpecError
+from conduit.storage import ExperienceBuffer, Placement, UniformSampler, make_store
+from tests.conftest import make_rows
+
+PLACEMENTS = [Placement.pageable(), Placement.pinned(), Placement.device("cpu"),
+              Placement.sharded(["cpu", "cpu", "cpu"]),
+              Placement.sharded(["cpu", "cpu"], shares=(0.25, 0.75))]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
+def test_set_get_round_trip_every_placement(small_spec, placement):
+    store = make_store(spec=small_spec, capacity=20, placement=placement)
+    rows = make_rows(small_spec, 20)
+    store.set_range(0, rows)
+    idx = torch.tensor([19, 0, 7, 7, 13])
+    got = store.get(idx)
+    for k in rows:
+        assert torch.equal(got[k], rows[k][idx])
+    got2 = store.get(idx.reshape(5, 1))
+    assert got2["obs"].shape == (5, 1, 4)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
+def test_scattered_set(small_spec, placement):
+    store = make_store(spec=small_spec, capacity=10, placement=placement)
+    rows = make_rows(small_spec, 3, start=100)
+    idx = torch.tensor([9, 0, 5])
+    store.set(idx, rows)
+    assert store.get(idx)["id"].tolist() == [100, 101, 102]
+
+
+def test_sharded_locate(small_spec):
+    store = make_store(spec=small_spec, capacity=10,
+                       placement=Placement.sharded(["cpu", "cpu"], shares=(0.3, 0.7)))
+    shard, local = store.locate(torch.tensor([0, 2, 3, 9]))
+    assert shard.tolist() == [0, 0, 1, 1] and local.tolist() == [0, 2, 0, 6]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
+def test_state_dict_round_trip_across_placements(small_spec, placement):
+    a = make_store(spec=small_spec, capacity=12, placement=Placement.pageable())
+    a.set_range(0, make_rows(small_spec, 12))
+    b = make_store(spec=small_spec, capacity=12, placement=placement)
+    b.load_state_dict(a.state_dict())
+    idx = torch.arange(12)
+    for k, v in a.get(idx).items():
+        assert torch.equal(b.get(idx)[k], v)
+
+
+def test_state_dict_rejects_other_spec(small_spec):
+    a = make_store(spec=small_spec, capacity=4)
+    other = small_spec.with_field("obs", small_spec.fields["id"])
+    b = make_store(spec=other, capacity=4)
+    with pytest.raises(SpecError, match="obs"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(CapacityError):
+        make_store(spec=small_spec, capacity=5).load_state_dict(a.state_dict())
+
+
+def test_bad_placements():
+    with pytest.raises(PlacementError, match="kind"):
+        Placement(kind="tape")  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="devices"):
+        Placement.device("not-a-device")
+    with pytest.raises(PlacementError, match="shares"):
+        Placement.sharded(["cpu", "cpu"], shares=(0.5, 0.6))
+    with pytest.raises(PlacementError, match="cuda"):
+        if torch.cuda.is_available():
+            pytest.skip("CUDA present")
+        make_store(spec=_spec(), capacity=4, placement=Placement.device("cuda:0"))
+
+
+def _spec():
+    from conduit import ExperienceSpec
+    return ExperienceSpec.of(x=((1,), torch.float32))
+
+
+def test_ring_buffer_wraps_and_keeps_newest(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=10, sampler=UniformSampler(seed=1))
+    buf.extend(make_rows(small_spec, 7))
+    idx = buf.extend(make_rows(small_spec, 6, start=7))
+    assert idx.tolist() == [7, 8, 9, 0, 1, 2]
+    assert len(buf) == 10 and buf.total_written == 13
+    all_ids = buf.gather(torch.arange(10))["id"].tolist()
+    assert sorted(all_ids) == list(range(3, 13))
+
+
+def test_write_larger_than_capacity_rejected(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=4)
+    with pytest.raises(CapacityError) as ei:
+        buf.extend(make_rows(small_spec, 5))
+    assert ei.value.needed == 5 and ei.value.available == 4
+
+
+def test_buffer_state_round_trip(small_spec):
+    from conduit.storage import PrioritizedSampler
+    a = ExperienceBuffer(spec=small_spec, capacity=16, sampler=PrioritizedSampler(seed=3))
+    a.extend(make_rows(small_spec, 12))
+    a.extend(make_rows(small_spec, 8, start=12))
+    a.update_priorities(torch.tensor([1, 2, 3]), torch.tensor([5.0, 0.0, 2.0]))
+    b = ExperienceBuffer(spec=small_spec, capacity=16, sampler=PrioritizedSampler(seed=99),
+                         placement=Placement.sharded(["cpu", "cpu"]))
+    b.load_state_dict(a.state_dict())
+    assert len(b) == len(a) and b.writer.cursor == a.writer.cursor
+    for _ in range(3):
+        x, y = a.sample(8), b.sample(8)
+        assert torch.equal(x["_index"], y["_index"]) and torch.equal(x["obs"], y["obs"])
+        assert torch.allclose(x["_weight"], y["_weight"])

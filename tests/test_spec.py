@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+import torch
+
+from conduit import ConfigError, ExperienceSpec, FieldSpec, SpecError
+
+
+def test_bytes_per_sample_and_names():
+    spec = ExperienceSpec.of(obs=((4, 2), torch.float32), action=((), torch.int64),
+                             image=((3, 8, 8), torch.uint8))
+    assert spec.names == ("obs", "action", "image")
+    assert spec.bytes_per_sample == 4 * 2 * 4 + 8 + 3 * 8 * 8
+
+
+def test_validate_converts_numpy_and_counts_rows(small_spec):
+    batch = {"obs": np.zeros((5, 4), np.float32), "id": np.arange(5), "done": np.zeros(5, bool)}
+    out, rows = small_spec.validate(batch)
+    assert rows == 5 and all(isinstance(v, torch.Tensor) for v in out.values())
+
+
+@pytest.mark.parametrize(("batch", "field", "words"), [
+    ({"obs": torch.zeros(3, 4), "id": torch.zeros(3, dtype=torch.int64),
+      "done": torch.zeros(3, dtype=torch.bool), "extra": torch.zeros(3)}, "extra", "unknown"),
+    ({"obs": torch.zeros(3, 4), "id": torch.zeros(3, dtype=torch.int64)}, "done", "missing"),
+    ({"obs": torch.zeros(3, 5), "id": torch.zeros(3, dtype=torch.int64),
+      "done": torch.zeros(3, dtype=torch.bool)}, "obs", "shape"),
+    ({"obs": torch.zeros(3, 4, dtype=torch.float64), "id": torch.zeros(3, dtype=torch.int64),
+      "done": torch.zeros(3, dtype=torch.bool)}, "obs", "dtype"),
+    ({"obs": torch.zeros(3, 4), "id": torch.zeros(2, dtype=torch.int64),
+      "done": torch.zeros(3, dtype=torch.bool)}, "id", "rows"),
+])
+def test_validate_names_the_field(small_spec, batch, field, words):
+    with pytest.raises(SpecError) as ei:
+        small_spec.validate(batch)
+    assert ei.value.field == field
+    assert field in str(ei.value) and words in str(ei.value)
+
+
+def test_validate_device(small_spec):
+    batch = {"obs": torch.zeros(3, 4), "id": torch.zeros(3, dtype=torch.int64),
+             "done": torch.zeros(3, dtype=torch.bool)}
+    with pytest.raises(SpecError, match="device"):
+        small_spec.validate(batch, device=torch.device("meta"))
+
+
+def test_bad_specs_rejected():
+    with pytest.raises(ConfigError):
+        ExperienceSpec(fields={})
+    with pytest.raises(ConfigError, match="_index"):
+        ExperienceSpec.of(_index=((), torch.int64))
+    with pytest.raises(ConfigError, match="shape"):
+        FieldSpec(shape=(-1,))
+    with pytest.raises(ConfigError, match="dtype"):
+        FieldSpec(shape=(1,), dtype="float32")  # type: ignore[arg-type]
+
+
+def test_spec_is_frozen_and_round_trips(small_spec):
+    with pytest.raises(TypeError):
+        small_spec.fields["x"] = FieldSpec()  # type: ignore[index]
+    assert ExperienceSpec.from_dict(small_spec.to_dict()) == small_spec
+    wider = small_spec.with_field("obs", FieldSpec((8,), torch.float32))
+    assert wider.bytes_per_sample == small_spec.bytes_per_sample + 16
