@@ -355,7 +355,7 @@ class PlacementMap:
                 memo[x] = None if e is None else e.candidate
             return memo[x]
 
-        grid = sorted({int(round(v)) for v in np.geomspace(x_min, x_max, points)}
+        grid = sorted(set(np.rint(np.geomspace(x_min, x_max, points)).astype(int).tolist())
                       | {x_min, x_max})
         cur = best(grid[0])
         if cur is None:

@@ -367,10 +367,16 @@ class Topology:
             from conduit.placement.bandwidth import load_cached_profile
             prof = load_cached_profile()
             if prof is not None:
+                known = (CPU, CPU_PINNED, *accs)
                 for (s, d), bw in prof.link_table().items():
-                    if (s in table or s in (CPU, CPU_PINNED, *accs)) and \
-                            d in (CPU, CPU_PINNED, *accs):
+                    if s in known and d in known and bw > 0 and math.isfinite(bw):
                         table[(s, d)] = (bw, False)
+                # a direction that was not measured takes its measured reverse (the same
+                # symmetry rule NodeTopology.link applies to missing entries)
+                for (s, d), (_bw, est) in list(table.items()):
+                    rev = table.get((d, s))
+                    if est and rev is not None and not rev[1]:
+                        table[(s, d)] = (rev[0], False)
         links = tuple(Link(src=s, dst=d, bandwidth=bw, estimated=est)
                       for (s, d), (bw, est) in table.items())
         name = socket.gethostname().split(".")[0] or "node0"
@@ -432,6 +438,8 @@ class Topology:
                 if not isinstance(dv, Mapping):
                     raise TopologyError(f"{w}: expected an object, got {dv!r}")
                 dname = _get(dv, "name", f"{w}.name", str)
+                if any(prev.name == dname for prev in devs):
+                    raise TopologyError(f"{w}.name: duplicate device {dname!r}")
                 mem = _get(dv, "memory_bytes", f"{w}.memory_bytes", None)
                 if not _is_number(mem) or mem < 0:
                     raise TopologyError(f"{w}.memory_bytes: must be a non-negative number, "

@@ -149,7 +149,7 @@ class RolloutWorker:
             rets += res.episode_returns
             lens += res.episode_lengths
         last_value = agent.value(**self._obs_tensors(self.pool.obs)).numpy()
-        values = cols["value"][1:] + [last_value]
+        values = [*cols["value"][1:], last_value]
         for t_, nv in enumerate(values):
             cut = cols["truncated"][t_]
             cols["next_value"][t_] = np.where(cut, cols["next_value"][t_], nv)

@@ -110,18 +110,13 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                 with rec.iteration(it) as log:
                     epsilon = max(args.end_e, args.start_e - (args.start_e - args.end_e)
                                   * transitions / args.exploration_steps)
-                    # Actor rollout: every actor steps its envs with the latest weights.
-                    with plane.timed("rollout"):
-                        handles = actors.submit(args.steps_per_rollout,
-                                                runner.cpu_weights(q_network),
-                                                {"epsilon": epsilon})
-                    returns = []
-                    for h in handles:
-                        with plane.timed("rollout"):
-                            out = actors.result(h)
-                        plane.push(out["rollout"])  # ingestion: inline or overlapped
-                        transitions += out["stats"]["rows"]
-                        returns += out["stats"]["episode_returns"]
+                    # Actor rollout with the latest weights; each rollout goes through the
+                    # plane's actor port (ingestion runs inline or overlapped).
+                    got = runner.rollout_and_push(plane, actors, args.steps_per_rollout,
+                                                  runner.cpu_weights(q_network),
+                                                  {"epsilon": epsilon})
+                    transitions += got["rows"]
+                    returns = got["episode_returns"]
                     log.update(env_steps=transitions, returns=returns, epsilon=epsilon)
 
                     # Learner update: sample, TD target, gradient step.

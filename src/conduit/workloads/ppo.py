@@ -170,15 +170,11 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                     if args.anneal_lr:
                         optimizer.param_groups[0]["lr"] = args.learning_rate * (
                             1.0 - it / args.iters)
-                    with plane.timed("rollout"):
-                        handles = actors.submit(args.steps_per_rollout,
-                                                runner.cpu_weights(agent))
-                    returns = []
-                    for h in handles:  # push in actor order, so the batches do not depend on
-                        with plane.timed("rollout"):  # which actor finished first
-                            out = actors.result(h)
-                        plane.push(out["rollout"], policy_version=plane.policy_version)
-                        returns += out["stats"]["episode_returns"]
+                    # Rollouts are pushed in actor order with the current policy version;
+                    # ingestion (GAE) runs per rollout, inline or overlapped with the others.
+                    got = runner.rollout_and_push(plane, actors, args.steps_per_rollout,
+                                                  runner.cpu_weights(agent), on_policy=True)
+                    returns = got["episode_returns"]
                     env_steps += rows_per_iter
                     log.update(env_steps=env_steps, returns=returns)
 

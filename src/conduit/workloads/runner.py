@@ -95,7 +95,7 @@ def auto_placement(*, spec: Any, capacity: int, learner_device: torch.device
                                   learner_device=str(learner_device),
                                   topology=Topology.detect(), spec=spec)
         return decision.placement, decision.explain()
-    except Exception as exc:  # noqa: BLE001 - the planner is optional here
+    except Exception as exc:
         reason = f"planner unavailable ({type(exc).__name__}: {exc})"
     need = capacity * spec.bytes_per_sample
     if learner_device.type == "cuda":
@@ -133,7 +133,7 @@ class AutoScheduler:
         try:
             plan = choose(profile_from_timings(self.plane.timings, self.plane.space),
                           self.plane.space)
-        except Exception as exc:  # noqa: BLE001 - keep the hand-set schedule
+        except Exception as exc:
             self.plan["note"] = f"auto schedule failed ({type(exc).__name__}: {exc})"
             return
         self.plane.set_schedule(plan.schedule)
@@ -478,3 +478,36 @@ def cpu_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def pixels_of(batch: dict[str, torch.Tensor], key: str = "pixels") -> torch.Tensor | None:
     """The image field of a batch, or None for state-only workloads."""
     return batch.get(key)
+
+
+def rollout_and_push(plane: Any, actors: Any, num_steps: int,
+                     weights: dict[str, torch.Tensor] | None, params: dict[str, Any] | None = None,
+                     *, on_policy: bool = False) -> dict[str, Any]:
+    """One actor-rollout phase: start every actor, then push each rollout through the plane's
+    actor port as it is collected, in actor order (so batches never depend on which actor
+    finished first).
+
+    The learner's waiting time is recorded as ``"rollout"``, one record per rollout unit (the
+    per-unit ``T_rollout`` the cost model reads); the time inside ``push`` is the plane's own
+    ``"push"`` record.
+
+    Returns:
+        ``rows`` pushed and the finished ``episode_returns``.
+    """
+    t0 = time.perf_counter()
+    handles = actors.submit(num_steps, weights, params)
+    waited = time.perf_counter() - t0
+    rows, returns = 0, []
+    for h in handles:
+        t1 = time.perf_counter()
+        out = actors.result(h)
+        waited += time.perf_counter() - t1
+        if on_policy:
+            plane.push(out["rollout"], policy_version=plane.policy_version)
+        else:
+            plane.push(out["rollout"])
+        rows += out["stats"]["rows"]
+        returns += out["stats"]["episode_returns"]
+    for _ in handles:
+        plane.timings.record("rollout", waited / len(handles), start=t0)
+    return {"rows": rows, "episode_returns": returns}

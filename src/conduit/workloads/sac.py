@@ -110,17 +110,11 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
         with plane:
             for it in range(args.iters):
                 with rec.iteration(it) as log:
-                    with plane.timed("rollout"):
-                        handles = actors.submit(
-                            args.steps_per_rollout, runner.cpu_weights(actor),
-                            {"random": transitions < args.learning_starts})
-                    returns = []
-                    for h in handles:
-                        with plane.timed("rollout"):
-                            out = actors.result(h)
-                        plane.push(out["rollout"])
-                        transitions += out["stats"]["rows"]
-                        returns += out["stats"]["episode_returns"]
+                    got = runner.rollout_and_push(
+                        plane, actors, args.steps_per_rollout, runner.cpu_weights(actor),
+                        {"random": transitions < args.learning_starts})
+                    transitions += got["rows"]
+                    returns = got["episode_returns"]
                     log.update(env_steps=transitions, returns=returns)
 
                     learning = transitions >= args.learning_starts

@@ -76,6 +76,11 @@ def make_chunk(np: Any, rows: int, dim: int, seed: int) -> dict[str, Any]:
             "reward": rng.standard_normal(rows, dtype=np.float32), "done": done}
 
 
+MAX_IN_FLIGHT_ITEMS = 16
+"""Items a writer may leave unconfirmed; Reverb asks writers to flush regularly (as Acme's
+adders do after each item) or it warns of memory growth."""
+
+
 def insert_chunk(writer: Any, table: str, chunk: dict[str, Any]) -> None:
     """One item per row, the way a Reverb actor writes transitions."""
     obs, act, rew, done = chunk["obs"], chunk["action"], chunk["reward"], chunk["done"]
@@ -83,6 +88,7 @@ def insert_chunk(writer: Any, table: str, chunk: dict[str, Any]) -> None:
         writer.append({"obs": obs[i], "action": act[i], "reward": rew[i], "done": done[i]})
         writer.create_item(table, priority=1.0,
                            trajectory={k: writer.history[k][-1] for k in FIELDS})
+        writer.flush(block_until_num_items=MAX_IN_FLIGHT_ITEMS)
     writer.flush()
 
 
@@ -206,10 +212,12 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     base = {"dim": dim, "capacity": cap}
     return [
         {**base, "peer": f"reverb-{mode}", "metrics": m,
-         "description": f"reverb.Server {where}, client over gRPC at 127.0.0.1; "
-                        f"TrajectoryWriter inserts, Client.sample / mutate_priorities",
+         "description": f"reverb.Server {where}, Client('127.0.0.1:port'); TrajectoryWriter "
+                        f"inserts (one item per row), Client.sample / mutate_priorities",
          "notes": ["client.sample is documented by Reverb as not for training; "
-                   "the dataset row is its training path"]},
+                   "the dataset row is its training path"]
+         + (["in-process: Reverb's sampler reads the table directly, without gRPC"]
+            if mode == "inproc" else [])},
         {**base, "peer": f"reverb-{mode}-dataset", "metrics": md,
          "description": f"reverb.TrajectoryDataset.batch({batch}) from a server {where}",
          "notes": ["the dataset samples ahead in background threads: the latency is "
@@ -284,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     import reverb
     import tensorflow as tf
 
-    versions = {"reverb": getattr(reverb, "__version__", None), "tensorflow": tf.__version__,
+    from importlib import metadata
+
+    versions = {"dm-reverb": metadata.version("dm-reverb"), "tensorflow": tf.__version__,
                 "numpy": np.__version__, "python": sys.version.split()[0]}
     if args.probe:
         print(json.dumps({"versions": versions}))

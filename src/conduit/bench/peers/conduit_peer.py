@@ -1,0 +1,113 @@
+"""Conduit's own rows: the storage layer driven directly, one buffer operation at a time.
+
+The peers expose buffer operations, so Conduit is measured at the same level: an
+:class:`~conduit.storage.ExperienceBuffer` (column store + ring writer + sampler) with
+
+* :class:`~conduit.storage.UniformSampler` for inserts and uniform sampling,
+* :class:`~conduit.storage.PrioritizedSampler` for sample + ``update_priorities``,
+* :class:`~conduit.storage.FifoSampler` for the consume-once on-policy epoch: ``M`` shuffled
+  mini-batches that cover the rollout exactly once, then ``clear()``.
+
+Writes go through ``extend`` with spec validation on, as a user's would. The buffer keeps its
+data-path threads at one (its default); the harness sets the same for every peer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from conduit.bench.peers.adapter import Chunk, PeerAdapter, Workload
+from conduit.spec import ExperienceSpec
+from conduit.storage import (
+    ExperienceBuffer,
+    FifoSampler,
+    Placement,
+    PrioritizedSampler,
+    UniformSampler,
+)
+
+
+def bench_spec(dim: int) -> ExperienceSpec:
+    """The benchmark's spec: float32 observation of ``dim``, int64 action, reward, done."""
+    return ExperienceSpec.of(obs=((dim,), torch.float32), action=((), torch.int64),
+                             reward=((), torch.float32), done=((), torch.bool))
+
+
+class ConduitPeer(PeerAdapter):
+    """Conduit's ``ExperienceBuffer`` on a CPU placement.
+
+    Args:
+        placement: Where the rows live (default: pageable CPU memory).
+        alpha: Priority exponent of the prioritized sampler.
+        beta: Importance-weight exponent of the prioritized sampler.
+    """
+
+    name = "conduit"
+    description = ("conduit.storage.ExperienceBuffer on pageable CPU memory: UniformSampler / "
+                   "PrioritizedSampler + update_priorities / FifoSampler (consume-once)")
+    package = "conduit-rl"
+
+    def __init__(self, *, placement: Placement | None = None, alpha: float = 0.6,
+                 beta: float = 0.4) -> None:
+        self.placement = placement or Placement.pageable()
+        self._alpha = alpha
+        self._beta = beta
+        self._buf: ExperienceBuffer | None = None
+        self._w: Workload | None = None
+        self._gen = torch.Generator().manual_seed(0)
+        self._iteration = 0
+
+    def prepare(self, chunk: Chunk) -> Any:
+        return {k: torch.from_numpy(v) for k, v in chunk.items()}
+
+    def _build(self, workload: Workload, capacity: int, sampler: Any) -> None:
+        self._w = workload
+        self._buf = None  # free the previous buffer before allocating the next
+        self._buf = ExperienceBuffer(spec=bench_spec(workload.dim), capacity=capacity,
+                                     sampler=sampler, placement=self.placement, threads=1)
+
+    def setup(self, workload: Workload) -> None:
+        self._gen = torch.Generator().manual_seed(workload.seed)
+        self._build(workload, workload.capacity, UniformSampler(seed=workload.seed))
+
+    def insert(self, chunk: Any) -> None:
+        assert self._buf is not None
+        self._buf.extend(chunk)
+
+    def sample_uniform(self) -> Any:
+        assert self._buf is not None and self._w is not None
+        return self._buf.sample(self._w.batch)
+
+    def setup_prioritized(self, workload: Workload) -> None:
+        self._build(workload, workload.capacity,
+                    PrioritizedSampler(alpha=self._alpha, beta=self._beta, seed=workload.seed))
+
+    def sample_prioritized_and_update(self) -> Any:
+        assert self._buf is not None and self._w is not None
+        batch = self._buf.sample(self._w.batch)
+        prios = torch.rand(self._w.batch, generator=self._gen, dtype=torch.float64) + 1e-3
+        self._buf.update_priorities(batch["_index"], prios)
+        return batch
+
+    def setup_on_policy(self, workload: Workload) -> None:
+        self._iteration = 0
+        self._build(workload, workload.epoch_rows,
+                    FifoSampler(num_minibatches=workload.minibatches, seed=workload.seed))
+
+    def on_policy_epoch(self) -> int:
+        buf = self._buf
+        assert buf is not None and self._w is not None
+        sampler = buf.sampler
+        assert isinstance(sampler, FifoSampler)
+        sampler.begin_epoch(len(buf), iteration=self._iteration, epoch=0)
+        rows = 0
+        for _ in range(self._w.minibatches):
+            rows += buf.sample(self._w.minibatch)["obs"].shape[0]
+        buf.clear()
+        self._iteration += 1
+        return rows
+
+    def close(self) -> None:
+        self._buf = None
