@@ -124,7 +124,7 @@ def test_duplicate_and_bad_device_names() -> None:
         Topology.from_dict(d)
     d = _doc()
     d["nodes"][0]["devices"][3]["name"] = "gpu zero"
-    with pytest.raises(TopologyError, match="nodes\\[0\\].devices\\[3\\]"):
+    with pytest.raises(TopologyError, match=r"nodes\[0\]\.devices\[3\]"):
         Topology.from_dict(d)
     d = _doc()
     d["nodes"][0]["devices"] = [dv for dv in d["nodes"][0]["devices"] if dv["name"] != "cpu"]

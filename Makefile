@@ -1,0 +1,40 @@
+# Each target builds its own virtualenv from scratch (Python 3.11 and nothing else needed).
+PYTHON ?= python3
+TEST_VENV := .venv-test
+DEMO_VENV := .venv-demo
+export RAY_AUTH_MODE := disabled
+
+.PHONY: demo test lint bench clean
+
+$(TEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TEST_VENV)
+	$(TEST_VENV)/bin/pip install -q --upgrade pip
+	$(TEST_VENV)/bin/pip install -q -e ".[rl,test]"
+	touch $@
+
+$(DEMO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q --upgrade pip
+	$(DEMO_VENV)/bin/pip install -q -e ".[rl]"
+	touch $@
+
+## demo: install into .venv-demo and run the main job (a real distributed training run)
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/conduit demo
+
+## test: install into .venv-test, lint, and run the whole test suite
+test: $(TEST_VENV)/.installed
+	$(TEST_VENV)/bin/ruff check src tests
+	$(TEST_VENV)/bin/python -m pytest -q
+
+lint: $(TEST_VENV)/.installed
+	$(TEST_VENV)/bin/ruff check src tests
+
+## bench: the self-comparison benchmarks (not part of the tests)
+bench: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/conduit bench plane
+
+clean:
+	rm -rf $(TEST_VENV) $(DEMO_VENV) runs .pytest_cache .ruff_cache
+
+-include mk/peers.mk

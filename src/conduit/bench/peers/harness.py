@@ -1,0 +1,731 @@
+"""``conduit bench peers``: Conduit side by side with the buffers users would pick instead.
+
+The same workloads run through Conduit and through each peer's public API — TorchRL, cpprb,
+RLlib, DeepMind Reverb (in its own virtualenv) and GEAR's placement — in one process run on one
+machine. For every workload (an observation of dimension ``d`` plus action, reward and done)
+the harness measures, as medians over repeated runs after a warm-up:
+
+* ``insert_64`` / ``insert_1024``: insert throughput in rows/s for chunks of 64 and 1024 rows;
+* ``sample_uniform``: latency of one uniform batch (512 rows);
+* ``sample_per_update``: latency of one prioritized batch plus its priority update;
+* ``onpolicy_epoch``: time of one on-policy epoch of M=8 shuffled mini-batches over 8192 rows.
+
+It prints one table whose cells carry the ratio Conduit/peer expressed as a speed-up (``×3.0``
+means Conduit is three times faster at that operation, whether the metric is a throughput or a
+latency) and writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups) under
+``--out``. A peer that is not installed, or breaks, is reported as skipped or unavailable with
+the reason; the benchmark itself never fails because of a peer.
+
+Every in-process peer runs with the same torch intra-op thread count (``--torch-threads``,
+default 1): on a small shared machine the default thread pool slows small gathers ~100×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from conduit.bench.peers.adapter import (
+    OperationSkipped,
+    PeerAdapter,
+    PeerUnavailable,
+    Workload,
+    make_chunk,
+)
+from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+
+# ---------------------------------------------------------------------------------------------
+# Metrics and results (plain data)
+
+METRICS: dict[str, tuple[str, str]] = {
+    "insert_64": ("insert 64", "rows/s"),
+    "insert_1024": ("insert 1024", "rows/s"),
+    "sample_uniform": ("uniform sample", "ms"),
+    "sample_per_update": ("PER sample+update", "ms"),
+    "onpolicy_epoch": ("on-policy epoch", "ms"),
+}
+"""Metric key -> (column title, unit). ``rows/s`` is higher-better, ``ms`` lower-better."""
+
+ALL_PEERS = ("conduit", "gear-placement", "torchrl", "torchrl-prefetch", "cpprb", "rllib",
+             "reverb")
+REFERENCE = "conduit"
+
+
+@dataclass
+class MetricResult:
+    """One metric of one row.
+
+    Attributes:
+        status: ``"ok"``, ``"skipped"``, ``"unavailable"`` or ``"error"``.
+        value: Median in the metric's unit (rows/s or ms); ``None`` unless ok.
+        unit: ``"rows/s"`` or ``"ms"``.
+        median_s: Median seconds per operation.
+        samples: Timed repetitions behind the median.
+        rows_per_op: Rows one operation moved.
+        reason: Why there is no value.
+    """
+
+    status: str
+    unit: str
+    value: float | None = None
+    median_s: float | None = None
+    samples: int = 0
+    rows_per_op: int = 0
+    reason: str | None = None
+
+    @classmethod
+    def from_times(cls, metric: str, times_s: Sequence[float], rows_per_op: int) -> MetricResult:
+        """The median of ``times_s`` in ``metric``'s unit."""
+        unit = METRICS[metric][1]
+        if not times_s:
+            return cls(status="error", unit=unit, reason="no timed repetition")
+        med = statistics.median(times_s)
+        value = rows_per_op / med if unit == "rows/s" else med * 1e3
+        return cls(status="ok", unit=unit, value=value, median_s=med, samples=len(times_s),
+                   rows_per_op=rows_per_op)
+
+    @classmethod
+    def missing(cls, metric: str, status: str, reason: str) -> MetricResult:
+        """A metric with no value, and why."""
+        return cls(status=status, unit=METRICS[metric][1], reason=reason)
+
+
+@dataclass
+class RowResult:
+    """One peer on one workload.
+
+    Attributes:
+        peer: Row label (``"cpprb"``, ``"reverb-grpc-dataset"``...).
+        dim: Observation dimension.
+        capacity: Rows the replay buffers held.
+        status: ``"ok"`` (some metrics measured), ``"skipped"`` or ``"unavailable"``.
+        reason: Why a whole row is missing.
+        description: What exactly was measured.
+        version: Version of the peer's package.
+        metrics: Metric key -> result.
+        notes: Caveats shown next to the numbers.
+    """
+
+    peer: str
+    dim: int
+    capacity: int
+    status: str = "ok"
+    reason: str | None = None
+    description: str = ""
+    version: str | None = None
+    metrics: dict[str, MetricResult] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def speedup(metric: str, conduit: float, peer: float) -> float:
+    """How many times faster Conduit is than the peer on ``metric`` (>1: Conduit faster).
+
+    For throughputs (rows/s) this is Conduit/peer; for latencies (ms) it is peer/Conduit, so
+    one reading rule holds for every column.
+    """
+    if conduit <= 0 or peer <= 0:
+        raise ValueError(f"speedup: values must be positive, got {conduit} and {peer}")
+    return conduit / peer if METRICS[metric][1] == "rows/s" else peer / conduit
+
+
+def ratios(rows: Sequence[RowResult], reference: str = REFERENCE) -> list[dict[str, Any]]:
+    """Conduit/peer speed-ups for every (dim, peer, metric) measured on both sides."""
+    ref = {r.dim: r for r in rows if r.peer == reference and r.status == "ok"}
+    out = []
+    for r in rows:
+        base = ref.get(r.dim)
+        if r.peer == reference or base is None or r.status != "ok":
+            continue
+        for m, res in r.metrics.items():
+            b = base.metrics.get(m)
+            if res.status != "ok" or b is None or b.status != "ok":
+                continue
+            assert res.value is not None and b.value is not None
+            out.append({"dim": r.dim, "peer": r.peer, "metric": m, "unit": res.unit,
+                        "conduit": b.value, "peer_value": res.value,
+                        "speedup": speedup(m, b.value, res.value)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """Options of ``conduit bench peers`` (each field is a ``--flag``)."""
+
+    dims: tuple[int, ...] = arg((128, 1000, 5000), "observation dimensions d to run")
+    capacity: int = arg(100_000, "replay capacity in rows; lowered automatically (and "
+                                 "reported) when the machine's free memory cannot hold it")
+    batch: int = arg(512, "rows per uniform / prioritized sample")
+    epoch_rows: int = arg(8192, "rows of one on-policy rollout")
+    minibatches: int = arg(8, "shuffled mini-batches per on-policy epoch (M)")
+    warmup: int = arg(5, "untimed repetitions before each metric")
+    repeats: int = arg(50, "timed repetitions per sampling metric (the median is reported)")
+    insert_64_repeats: int = arg(200, "timed inserts of 64-row chunks")
+    epoch_repeats: int = arg(10, "timed on-policy epochs")
+    peers: tuple[str, ...] = arg(ALL_PEERS, f"peers to run, from {', '.join(ALL_PEERS)}")
+    quick: bool = arg(False, "short development run: d in (128, 1000), capacity 16384, few "
+                             "repetitions, Reverb in-process only (flags given explicitly win)")
+    out: str = arg("runs/bench/peers", "output directory for peers.json and peers.png")
+    torch_threads: int = arg(1, "torch intra-op threads for every in-process peer")
+    memory_fraction: float = arg(0.5, "share of available memory one buffer (with the peers' "
+                                      "overheads) may take when sizing the capacity")
+    reverb_python: str = arg("", "Python of the Reverb virtualenv (default: .venv-reverb/bin/"
+                                 "python)")
+    reverb_modes: tuple[str, ...] = arg(("inproc", "grpc"), "Reverb server modes: inproc "
+                                        "(same process) and/or grpc (separate process)")
+    reverb_timeout_s: float = arg(3600.0, "wall-clock limit of one Reverb worker run")
+    plot: bool = arg(True, "write the PNG bar chart")
+    seed: int = arg(0, "seed of every random draw")
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.peers if p not in ALL_PEERS]
+        if unknown:
+            raise ValueError(f"peers: unknown {unknown}; choose from {list(ALL_PEERS)}")
+        if not self.dims or any(d < 1 for d in self.dims):
+            raise ValueError(f"dims: need positive dimensions, got {self.dims}")
+        for name in ("capacity", "batch", "epoch_rows", "minibatches", "repeats",
+                     "insert_64_repeats", "epoch_repeats", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+
+
+QUICK = {"dims": (128, 1000), "capacity": 16384, "warmup": 2, "repeats": 15,
+         "insert_64_repeats": 40, "epoch_repeats": 3, "reverb_modes": ("inproc",)}
+"""What ``--quick`` changes (only for flags left at their defaults)."""
+
+
+def apply_quick(cfg: PeersConfig, explicit: set[str]) -> PeersConfig:
+    """Apply :data:`QUICK` to every field the user did not set explicitly."""
+    if not cfg.quick:
+        return cfg
+    return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
+
+
+# Bytes a peer may hold per stored byte: RLlib keeps episode objects and sampled copies, Reverb
+# keeps chunks on the server and items in flight. 3x covers the largest measured here.
+PEER_OVERHEAD = 3.0
+
+
+def fit_capacity(requested: int, bytes_per_row: int, available_bytes: int, *,
+                 fraction: float, minimum: int) -> tuple[int, str | None]:
+    """The capacity to use: ``requested`` if it fits in memory, else the largest that does.
+
+    Args:
+        requested: Rows asked for.
+        bytes_per_row: Bytes of one stored row.
+        available_bytes: Memory free on the machine.
+        fraction: Share of ``available_bytes`` one buffer (times :data:`PEER_OVERHEAD`) may use.
+        minimum: Smallest acceptable capacity (at least one sampled batch).
+
+    Returns:
+        ``(capacity, note)``; ``note`` says why and how much it was lowered, else ``None``.
+    """
+    budget = available_bytes * fraction / PEER_OVERHEAD
+    if requested * bytes_per_row <= budget:
+        return requested, None
+    fit = int(budget // bytes_per_row)
+    fit = max(minimum, fit - fit % 1024 if fit >= 2048 else fit)
+    return fit, (f"capacity lowered from {requested} to {fit} rows: {requested} rows of "
+                 f"{bytes_per_row} B (x{PEER_OVERHEAD:g} peer overhead) exceed "
+                 f"{fraction:.0%} of the {available_bytes / 2**30:.1f} GiB available")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _timed(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _status_of(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, OperationSkipped):
+        return "skipped", str(exc)
+    if isinstance(exc, PeerUnavailable):
+        return "unavailable", str(exc)
+    return "error", f"{type(exc).__name__}: {exc}"
+
+
+def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
+                    progress: Callable[[str], None]) -> RowResult:
+    """Run every metric of one in-process adapter on one workload (never raises)."""
+    row = RowResult(peer=adapter.name, dim=w.dim, capacity=w.capacity,
+                    description=adapter.description, version=adapter.version())
+    try:
+        row.notes = adapter.notes()
+    except Exception as exc:  # noqa: BLE001 - a peer's bug is reported, not raised
+        row.notes = [f"notes() failed: {exc!r}"]
+    wanted = getattr(adapter, "metrics", None) or tuple(METRICS)
+    big = make_chunk(1024, w.dim, seed=w.seed)
+    small = {k: v[:64].copy() for k, v in big.items()}
+    label = f"d={w.dim} {adapter.name}"
+
+    def fill(rows: int) -> list[float]:
+        times, filled = [], 0
+        while filled < rows:
+            chunk = adapter.prepare(big)
+            t0 = time.perf_counter()
+            adapter.insert(chunk)
+            times.append(time.perf_counter() - t0)
+            filled += 1024
+        return times
+
+    def phase(keys: tuple[str, ...], body: Callable[[], dict[str, MetricResult]]) -> None:
+        if not any(k in wanted for k in keys):
+            return
+        try:
+            got = body()
+        except Exception as exc:  # noqa: BLE001 - never fail because of a peer
+            status, reason = _status_of(exc)
+            got = {k: MetricResult.missing(k, status, reason) for k in keys}
+        for k in keys:
+            if k in wanted and k in got:
+                row.metrics[k] = got[k]
+        gc.collect()
+
+    def uniform() -> dict[str, MetricResult]:
+        progress(f"{label}: filling {w.capacity} rows in chunks of 1024")
+        adapter.setup(w)
+        t1024 = fill(w.capacity)
+        out = {"insert_1024": MetricResult.from_times(
+            "insert_1024", t1024[min(cfg.warmup, len(t1024) - 1):], 1024)}
+        if "insert_64" in wanted:
+            progress(f"{label}: {cfg.insert_64_repeats} inserts of 64 rows")
+            t64 = []
+            for i in range(cfg.warmup + cfg.insert_64_repeats):
+                chunk = adapter.prepare(small)
+                t0 = time.perf_counter()
+                adapter.insert(chunk)
+                if i >= cfg.warmup:
+                    t64.append(time.perf_counter() - t0)
+            out["insert_64"] = MetricResult.from_times("insert_64", t64, 64)
+        progress(f"{label}: uniform sampling, batch {w.batch}")
+        out["sample_uniform"] = MetricResult.from_times(
+            "sample_uniform", _timed(adapter.sample_uniform, cfg.warmup, cfg.repeats), w.batch)
+        return out
+
+    def prioritized() -> dict[str, MetricResult]:
+        adapter.setup_prioritized(w)
+        progress(f"{label}: prioritized buffer, filling {w.capacity} rows")
+        fill(w.capacity)
+        progress(f"{label}: prioritized sample + update, batch {w.batch}")
+        return {"sample_per_update": MetricResult.from_times(
+            "sample_per_update",
+            _timed(adapter.sample_prioritized_and_update, cfg.warmup, cfg.repeats), w.batch)}
+
+    def on_policy() -> dict[str, MetricResult]:
+        adapter.setup_on_policy(w)
+        progress(f"{label}: on-policy epochs ({w.epoch_rows} rows, {w.minibatches} "
+                 f"mini-batches)")
+        times = []
+        for i in range(cfg.warmup + cfg.epoch_repeats):
+            fill(w.epoch_rows)
+            t0 = time.perf_counter()
+            rows = adapter.on_policy_epoch()
+            dt = time.perf_counter() - t0
+            if rows != w.epoch_rows:
+                raise RuntimeError(f"an epoch delivered {rows} rows, expected {w.epoch_rows}")
+            if i >= cfg.warmup:
+                times.append(dt)
+        return {"onpolicy_epoch": MetricResult.from_times("onpolicy_epoch", times,
+                                                          w.epoch_rows)}
+
+    # Inserts are timed while filling the uniform buffer, so that phase runs if any of its
+    # metrics is wanted (the prefetch variant wants only sampling, and still needs the fill).
+    phase(("insert_1024", "insert_64", "sample_uniform"), uniform)
+    phase(("sample_per_update",), prioritized)
+    phase(("onpolicy_epoch",), on_policy)
+    try:
+        adapter.close()
+    except Exception as exc:  # noqa: BLE001
+        row.notes.append(f"close() failed: {exc!r}")
+    gc.collect()
+    return row
+
+
+def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> list[RowResult]:
+    """Turn the Reverb worker's raw timings into :class:`RowResult`s."""
+    out = []
+    for d in doc_rows:
+        row = RowResult(peer=str(d.get("peer", "reverb")), dim=int(d.get("dim", 0)),
+                        capacity=int(d.get("capacity", 0)), status=d.get("status", "ok"),
+                        reason=d.get("reason"), description=d.get("description", ""),
+                        version=version, notes=list(d.get("notes", [])))
+        for m, v in (d.get("metrics") or {}).items():
+            if m not in METRICS:
+                continue
+            if "times_s" in v:
+                row.metrics[m] = MetricResult.from_times(m, v["times_s"], int(v["rows_per_op"]))
+            else:
+                row.metrics[m] = MetricResult.missing(m, v.get("status", "skipped"),
+                                                      v.get("reason", ""))
+        out.append(row)
+    return out
+
+
+def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, str | None]]:
+    """``(name, adapter or None, reason)`` for each in-process peer in ``names``.
+
+    A peer whose adapter module cannot be imported (its package is missing) comes back with
+    ``None`` and the reason.
+    """
+    out: list[tuple[str, PeerAdapter | None, str | None]] = []
+    for name in names:
+        if name == "reverb":
+            continue
+        try:
+            adapter = _make(name)
+            adapter.check()
+        except PeerUnavailable as exc:
+            out.append((name, None, str(exc)))
+            continue
+        except Exception as exc:  # noqa: BLE001 - any import failure is a reason
+            out.append((name, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        out.append((name, adapter, None))
+    return out
+
+
+def _make(name: str) -> PeerAdapter:
+    if name == "conduit":
+        from conduit.bench.peers.conduit_peer import ConduitPeer
+
+        return ConduitPeer()
+    if name == "gear-placement":
+        from conduit.bench.peers.gear_peer import GearPlacementPeer
+
+        return GearPlacementPeer()
+    if name in ("torchrl", "torchrl-prefetch"):
+        from conduit.bench.peers.torchrl_peer import TorchRLPeer
+
+        return TorchRLPeer(prefetch=4 if name == "torchrl-prefetch" else None)
+    if name == "cpprb":
+        from conduit.bench.peers.cpprb_peer import CpprbPeer
+
+        return CpprbPeer()
+    if name == "rllib":
+        from conduit.bench.peers.rllib_peer import RLlibPeer
+
+        return RLlibPeer()
+    raise ValueError(f"unknown peer {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine description
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on, including the load other processes put on it."""
+    from conduit.bench.common import machine
+
+    info = machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info["platform"] = platform.platform()
+    info["python"] = platform.python_version()
+    info["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "rows/s":
+        return f"{value / 1e6:.2f}M/s" if value >= 1e6 else f"{value / 1e3:.1f}k/s"
+    return f"{value:.3f} ms" if value < 10 else f"{value:.1f} ms"
+
+
+def format_table(rows: Sequence[RowResult]) -> str:
+    """The results table: per dimension, one line per peer, one column per metric.
+
+    Conduit's cells hold its values; a peer's cells hold the peer's value and the Conduit
+    speed-up ``×N`` (N > 1: Conduit faster).
+    """
+    rat = {(r["dim"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)}
+    cols = list(METRICS)
+    head = ["d", "peer"] + [f"{METRICS[m][0]} ({METRICS[m][1]})" for m in cols]
+    body: list[list[str]] = []
+    for r in sorted(rows, key=lambda r: (r.dim, r.peer != REFERENCE, r.peer)):
+        line = [str(r.dim), r.peer]
+        if r.status != "ok":
+            line += [r.status] + [""] * (len(cols) - 1)
+        else:
+            for m in cols:
+                res = r.metrics.get(m)
+                if res is None:
+                    line.append("-")
+                elif res.status != "ok" or res.value is None:
+                    line.append(res.status)
+                else:
+                    cell = _fmt(res.value, res.unit)
+                    s = rat.get((r.dim, r.peer, m))
+                    line.append(cell if s is None else f"{cell} ×{s:.2g}" if s < 10
+                                else f"{cell} ×{s:.0f}")
+        body.append(line)
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), "  ".join("-" * w for w in widths)]
+    lines += [fmt.format(*b) for b in body]
+    return "\n".join(lines)
+
+
+def format_reasons(rows: Sequence[RowResult]) -> str:
+    """Every missing row or metric with its reason, and every caveat, without repeats."""
+    seen: dict[str, list[int]] = {}
+    for r in rows:
+        items = []
+        if r.status != "ok":
+            items.append(f"{r.peer}: {r.status}: {r.reason}")
+        else:
+            items += [f"{r.peer} / {m}: {res.status}: {res.reason}"
+                      for m, res in r.metrics.items() if res.status != "ok"]
+            items += [f"{r.peer}: note: {n}" for n in r.notes]
+        for it in items:
+            seen.setdefault(it, []).append(r.dim)
+    return "\n".join(f"- {k} (d={','.join(map(str, sorted(set(v))))})" for k, v in seen.items())
+
+
+TARGETS = (  # (peer, metric, minimum speed-up) at d = 1000, from the issue
+    ("torchrl", "sample_uniform", 2.0), ("cpprb", "sample_uniform", 2.0),
+    ("rllib", "sample_uniform", 10.0), ("cpprb", "sample_per_update", 1.5),
+)
+
+
+def check_targets(rows: Sequence[RowResult], dim: int = 1000) -> list[dict[str, Any]]:
+    """The issue's targets at ``dim``: measured speed-up and whether it is met (or unmeasured)."""
+    rat = {(r["peer"], r["metric"]): r["speedup"] for r in ratios(rows) if r["dim"] == dim}
+    out = []
+    for peer, metric, need in TARGETS:
+        got = rat.get((peer, metric))
+        out.append({"dim": dim, "peer": peer, "metric": metric, "target": need,
+                    "speedup": got, "met": None if got is None else got >= need})
+    return out
+
+
+def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
+    """Bar chart of Conduit speed-ups per metric (log scale); returns an error or ``None``."""
+    rat = ratios(rows)
+    if not rat:
+        return "no ratio to plot (Conduit or every peer missing)"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001
+        return f"matplotlib unavailable: {exc}"
+    metrics = [m for m in METRICS if any(r["metric"] == m for r in rat)]
+    dims = sorted({r["dim"] for r in rat})
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        sel = [r for r in rat if r["metric"] == m]
+        peers = sorted({r["peer"] for r in sel})
+        width = 0.8 / max(1, len(dims))
+        for j, d in enumerate(dims):
+            vals = {r["peer"]: r["speedup"] for r in sel if r["dim"] == d}
+            xs = [i + j * width for i, p in enumerate(peers) if p in vals]
+            ys = [vals[p] for p in peers if p in vals]
+            ax.bar(xs, ys, width=width, label=f"d={d}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks([i + width * (len(dims) - 1) / 2 for i in range(len(peers))])
+        ax.set_xticklabels(peers, rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"{METRICS[m][0]}", fontsize=10)
+        ax.set_ylabel("Conduit speed-up (×, >1 = Conduit faster)", fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("conduit bench peers: Conduit vs peer, same run, same machine", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
+        ) -> tuple[dict[str, Any], list[RowResult]]:
+    """Run the benchmark described by ``cfg``.
+
+    Args:
+        cfg: What to run.
+        progress: Receives one line per step (default: printed to stderr).
+
+    Returns:
+        The JSON-ready report and the rows it was built from.
+    """
+    import psutil
+    import torch
+
+    log = progress or (lambda s: print(f"[peers] {s}", file=sys.stderr, flush=True))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.torch_threads)
+    try:
+        machine = machine_info()
+        started = time.time()
+        workloads = []
+        capacity_notes = {}
+        for d in cfg.dims:
+            w0 = Workload(dim=d, capacity=cfg.capacity, batch=cfg.batch,
+                          epoch_rows=cfg.epoch_rows, minibatches=cfg.minibatches, seed=cfg.seed)
+            cap, note = fit_capacity(cfg.capacity, w0.bytes_per_row,
+                                     psutil.virtual_memory().available,
+                                     fraction=cfg.memory_fraction,
+                                     minimum=max(cfg.batch, 1024))
+            if note:
+                log(f"d={d}: {note}")
+                capacity_notes[d] = note
+            workloads.append(replace(w0, capacity=cap))
+
+        rows: list[RowResult] = []
+        adapters = build_adapters(cfg.peers)
+        for w in workloads:
+            for name, adapter, reason in adapters:
+                if adapter is None:
+                    rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
+                                          status="skipped", reason=reason))
+                    continue
+                log(f"d={w.dim} {name}: start")
+                rows.append(measure_adapter(adapter, w, cfg, log))
+
+        versions: dict[str, Any] = {}
+        if "reverb" in cfg.peers:
+            from conduit.bench.peers.reverb_peer import ReverbPeer
+
+            reverb = ReverbPeer(python=cfg.reverb_python or None, modes=cfg.reverb_modes,
+                                timeout_s=cfg.reverb_timeout_s)
+            missing = reverb.availability()
+            if missing is not None:
+                status, reason = missing
+                log(f"reverb: {status}: {reason}")
+                rows += [RowResult(peer="reverb", dim=w.dim, capacity=w.capacity,
+                                   status=status, reason=reason) for w in workloads]
+            else:
+                log(f"reverb: running in {reverb.python} ({reverb.versions})")
+                doc_rows = reverb.run(workloads, warmup=cfg.warmup, repeats=cfg.repeats,
+                                      insert_64_repeats=cfg.insert_64_repeats,
+                                      epoch_repeats=cfg.epoch_repeats, progress=log)
+                versions["reverb"] = reverb.versions
+                rows += rows_from_worker(doc_rows, reverb.versions.get("dm-reverb"))
+
+        machine["load_average_end"] = (list(os.getloadavg()) if hasattr(os, "getloadavg")
+                                       else None)
+        report = {
+            "benchmark": "conduit bench peers",
+            "config": {k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in asdict(cfg).items()},
+            "machine": machine,
+            "elapsed_s": round(time.time() - started, 1),
+            "capacity_notes": {str(k): v for k, v in capacity_notes.items()},
+            "versions": versions,
+            "metrics": {k: {"title": t, "unit": u} for k, (t, u) in METRICS.items()},
+            "speedup_rule": "speedup = Conduit/peer for rows/s and peer/Conduit for ms; "
+                            ">1 means Conduit is faster",
+            "rows": [asdict(r) for r in rows],
+            "ratios": ratios(rows),
+            "targets_d1000": check_targets(rows),
+        }
+        return report, rows
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``conduit bench peers`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="conduit bench peers", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, PeersConfig)
+    return p
+
+
+def _explicit_flags(argv: Sequence[str]) -> set[str]:
+    names = {f.name for f in fields(PeersConfig)}
+    out = set()
+    for a in argv:
+        if a.startswith("--"):
+            key = a[2:].split("=", 1)[0].removeprefix("no-").replace("-", "_")
+            if key in names:
+                out.add(key)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``conduit bench peers``; returns the process exit code (0 unless misused).
+
+    Args:
+        argv: Arguments after ``conduit bench peers`` (default: ``sys.argv[1:]``).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = apply_quick(parse_dataclass(PeersConfig, args), _explicit_flags(argv))
+    except ValueError as exc:
+        parser.error(str(exc))
+    report, rows = run(cfg)
+    report["command"] = " ".join(["conduit bench peers", *argv])
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(report, indent=2, default=str))
+    plot_error = write_plot(rows, out / "peers.png") if cfg.plot else "disabled (--no-plot)"
+
+    m = report["machine"]
+    print(f"\nconduit bench peers — {m['cpu']}, {m['cores']} CPUs, "
+          f"{m['memory_gib']} GiB, torch {m['torch']} ({cfg.torch_threads} thread(s)), "
+          f"load average {m['load_average']} -> {m['load_average_end']}")
+    for d, note in report["capacity_notes"].items():
+        print(f"d={d}: {note}")
+    print("cells: peer value ×(Conduit speed-up; >1 = Conduit faster)\n")
+    print(format_table(rows))
+    reasons = format_reasons(rows)
+    if reasons:
+        print("\nnot measured, and caveats:\n" + reasons)
+    targets = [t for t in report["targets_d1000"] if t["speedup"] is not None]
+    if targets:
+        print("\ntargets at d=1000:")
+        for t in targets:
+            verdict = "met" if t["met"] else "NOT met"
+            print(f"- {t['metric']} vs {t['peer']}: ×{t['speedup']:.2f} "
+                  f"(target ×{t['target']:g}): {verdict}")
+    print(f"\nwrote {out / 'peers.json'}"
+          + (f" and {out / 'peers.png'}" if plot_error is None else f" (no plot: {plot_error})"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The ``conduit`` command line.
+
+Subcommands:
+
+* ``conduit demo``: the main job, a short distributed training run, inline then through
+  Conduit, with its per-iteration latency breakdown;
+* ``conduit train``: one training run (DQN, SAC or PPO on Ray actors);
+* ``conduit bench {plane,placement,schedule,peers,convergence,workloads}``: benchmarks that
+  print tables and write JSON and PNG files;
+* ``conduit profile``: measure this machine's copy bandwidths (cached);
+* ``conduit plan``: print the placement and schedule Conduit would choose, without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+_BENCHES = {
+    "plane": ("conduit.bench.plane", "exposed latency inline vs overlap; gather vs copy"),
+    "placement": ("conduit.bench.placement", "exposed delivery latency per placement"),
+    "schedule": ("conduit.bench.schedule", "every manual schedule vs the auto pick; "
+                                          "cost-model fidelity"),
+    "peers": ("conduit.bench.peers.harness", "Conduit next to TorchRL, cpprb, RLlib, Reverb"),
+    "convergence": ("conduit.bench.convergence", "learning curves, inline vs Conduit"),
+    "workloads": ("conduit.bench.workloads", "per-iteration breakdown for every workload"),
+}
+
+_COMMANDS = {
+    "demo": ("conduit.workloads.cli", "demo_main",
+             "the main job: heavy-payload training on Ray actors, inline then Conduit"),
+    "train": ("conduit.workloads.cli", "train_main",
+              "train DQN, SAC or PPO on Ray actors through an inline or Conduit buffer"),
+    "profile": ("conduit.placement.bandwidth", "run_profile_cli",
+                "measure and cache this machine's copy bandwidths"),
+    "plan": ("conduit.plan_cli", "main",
+             "print the placement and schedule Conduit would choose"),
+}
+
+
+def _call(module: str, func: str, argv: list[str]) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        print(f"conduit: {module} is unavailable: {exc}", file=sys.stderr)
+        return 2
+    return int(getattr(mod, func)(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``conduit`` console script."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="conduit", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text) in _COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks (tables, JSON, PNG)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    for name, (_, help_text) in _BENCHES.items():
+        bench_sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in _COMMANDS:
+        module, func, _ = _COMMANDS[cmd]
+        return _call(module, func, rest)
+    if cmd == "bench":
+        if not rest or rest[0] in ("-h", "--help") or rest[0] not in _BENCHES:
+            bench.print_help()
+            return 0 if rest and rest[0] in ("-h", "--help") else 2
+        return _call(_BENCHES[rest[0]][0], "main", rest[1:])
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
