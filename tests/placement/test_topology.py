@@ -169,3 +169,12 @@ def test_detect_on_this_machine(tmp_path, monkeypatch) -> None:
     import torch
     if not torch.cuda.is_available():
         assert t.nodes[0].accelerators == ()
+
+
+def test_from_json_with_a_non_json_string_reads_it_as_a_path(tmp_path) -> None:
+    with pytest.raises(TopologyError, match="cannot read"):
+        Topology.from_json(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("nodes: 1")
+    with pytest.raises(TopologyError, match="malformed"):
+        Topology.from_json(str(bad))

@@ -85,7 +85,7 @@ class _Workload:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 def _register_ops(plane: ExperienceDataPlane, *, on_policy: bool) -> None:
@@ -191,10 +191,13 @@ def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict
         buf.extend({"obs": torch.randn(n, dim)}, validate=False)
     src = buf.store.column("obs")
     dst = torch.empty(batch, dim)
+    # Rotate over different rows every repetition for both, so neither reads from a warm cache.
+    offsets = iter([(k * 7919 * batch) % (capacity - batch) for k in range(10 * repeats + 100)])
+    draws = iter([buf.draw(batch) for _ in range(10 * repeats + 100)])
     with data_path_threads(1):
-        t_copy = median_time(lambda: dst.copy_(src[1000:1000 + batch]), repeats=repeats)
-        info = buf.draw(batch)
-        t_gather = median_time(lambda: buf.store.get(info.indices), repeats=repeats)
+        t_copy = median_time(lambda: dst.copy_(src[(o := next(offsets)):o + batch]),
+                             repeats=repeats)
+        t_gather = median_time(lambda: buf.store.get(next(draws).indices), repeats=repeats)
     t_sample = median_time(lambda: buf.sample(batch), repeats=repeats)
     return {"copy_ms": t_copy * 1e3, "gather_ms": t_gather * 1e3, "sample_ms": t_sample * 1e3,
             "gather_over_copy": t_gather / t_copy, "sample_over_copy": t_sample / t_copy,

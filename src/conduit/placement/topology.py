@@ -475,14 +475,13 @@ class Topology:
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> Topology:
-        """Parse JSON text, or read a file when given a path (or a string naming a file).
+        """Parse JSON text (a string starting with ``{``), or read the file at a path.
 
         Raises:
             TopologyError: The file is unreadable, the JSON is malformed, or validation fails.
         """
         text: str | None = None
-        if isinstance(text_or_path, str) and (text_or_path.lstrip().startswith(("{", "["))
-                                               or not Path(text_or_path).is_file()):
+        if isinstance(text_or_path, str) and text_or_path.lstrip().startswith(("{", "[")):
             text = text_or_path
         if text is None:
             try:

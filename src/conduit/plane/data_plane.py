@@ -50,6 +50,53 @@ DeliveryFn = Callable[[BufferIn, LearnerOut], None]
 SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
 
 
+def _check_growth(old: ExperienceSpec, new: ExperienceSpec) -> None:
+    from conduit.errors import SpecError
+    for name, fs in old.fields.items():
+        if name not in new.fields:
+            raise SpecError(name, "a migration may widen fields but not drop them")
+        nf = new.fields[name]
+        if nf.dtype != fs.dtype:
+            raise SpecError(name, f"dtype changes from {fs.dtype} to {nf.dtype}; a migration "
+                                  f"only widens shapes")
+        if len(nf.shape) != len(fs.shape) or any(a < b for a, b in zip(nf.shape, fs.shape)):
+            raise SpecError(name, f"shape {fs.shape} -> {nf.shape} is not a growth")
+
+
+def _pad_to(data: Batch, spec: ExperienceSpec) -> Batch:
+    out: Batch = {}
+    for name, fs in spec.fields.items():
+        v = data.get(name)
+        n = next(iter(data.values())).shape[0]
+        if v is None:
+            out[name] = torch.zeros((n, *fs.shape), dtype=fs.dtype)
+        elif tuple(v.shape[1:]) != fs.shape:
+            pad = torch.zeros((n, *fs.shape), dtype=fs.dtype, device=v.device)
+            pad[(slice(None), *(slice(0, s) for s in v.shape[1:]))] = v
+            out[name] = pad
+        else:
+            out[name] = v
+    return out
+
+
+def _device_ranges(store: Any) -> list[tuple[str, int, int]]:
+    bounds = getattr(store, "bounds", None)
+    if bounds is None:
+        return [(str(store.placement.devices[0]), 0, store.capacity)]
+    return [(f"{d}[{k}]", int(bounds[k]), int(bounds[k + 1]))
+            for k, d in enumerate(store.placement.devices)]
+
+
+def _range_flows(old: Any, new: Any, start: int, n: int) -> list[tuple[str, str, int]]:
+    out = []
+    for a, a0, a1 in _device_ranges(old):
+        for b, b0, b1 in _device_ranges(new):
+            lo, hi = max(a0, b0, start), min(a1, b1, start + n)
+            if lo < hi:
+                out.append((a, b, hi - lo))
+    return out
+
+
 def _identity_ingestion(actor_in: ActorIn, exp_out: BufferOut) -> None:
     exp_out.write(actor_in.read())
 
@@ -723,6 +770,60 @@ class ExperienceDataPlane:
         with self._cv:
             self._priority_generation += 1
             self._cv.notify_all()
+
+    # ------------------------------------------------------------------ placement migration
+
+    def migrate(self, placement: Placement, *, spec: ExperienceSpec | None = None,
+                chunk_rows: int = 65_536) -> dict[str, Any]:
+        """Move the buffer to ``placement`` (and optionally a wider ``spec``) online.
+
+        Ingestion and delivery pause at a quiescent point (in-flight invocations finish;
+        pushes queue up and pulls wait), rows move in chunks from every old shard to every new
+        one, and both operators resume under the new placement (Alg. 2). No row is lost or
+        duplicated; the ring cursor and the sampler state (priorities, FIFO layout) are kept,
+        since indices do not change. When ``spec`` widens a field, rows written before the
+        growth are zero-padded in the new part of that field.
+
+        Args:
+            placement: The new placement.
+            spec: The new spec; every field must keep its name and dtype, and its shape may
+                only grow.
+            chunk_rows: Rows copied per step (bounds the transient memory).
+
+        Returns:
+            What moved: rows, bytes, seconds, and the realized per-device-pair volumes.
+
+        Raises:
+            SpecError: ``spec`` drops or narrows a field or changes a dtype.
+            CapacityError: The new placement cannot hold the buffer.
+        """
+        self._check_open()
+        new_spec = spec or self.spec
+        _check_growth(self.spec, new_spec)
+        t0 = time.perf_counter()
+        with self.paused():
+            old = self.buffer
+            new = ExperienceBuffer(spec=new_spec, capacity=self.capacity, sampler=old.sampler,
+                                   placement=placement)
+            rows = len(old)
+            flows: dict[tuple[str, str], int] = {}
+            for start in range(0, rows, chunk_rows):
+                idx = torch.arange(start, min(rows, start + chunk_rows), dtype=torch.int64)
+                data = old.store.get(idx, device=torch.device("cpu")
+                                     if placement.primary_device.type == "cpu" else None)
+                new.store.set_range(start, _pad_to(data, new_spec))
+                for a, b, n in _range_flows(old.store, new.store, start, len(idx)):
+                    flows[(a, b)] = flows.get((a, b), 0) + n
+            new.writer.load_state_dict(old.writer.state_dict())
+            with self._cv:
+                self.buffer = new
+                self.spec = new_spec
+        dt = time.perf_counter() - t0
+        self.timings.record("migration", dt, start=t0)
+        per_row = new_spec.bytes_per_sample
+        return {"rows": rows, "bytes": rows * per_row, "seconds": dt,
+                "from": old.placement.to_dict(), "to": placement.to_dict(),
+                "flows_rows": {f"{a}->{b}": n for (a, b), n in flows.items()}}
 
     # ------------------------------------------------------------------ timing / state
 

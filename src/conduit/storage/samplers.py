@@ -132,7 +132,9 @@ class PrioritizedSampler(Sampler):
         self._tree: SumTree | None = None
 
     def bind(self, capacity: int) -> None:
-        """Allocate the tree."""
+        """Allocate the tree (kept when already bound to this capacity, e.g. on migration)."""
+        if self._tree is not None and self.capacity == capacity:
+            return
         super().bind(capacity)
         self._tree = SumTree(capacity=capacity)
 
@@ -304,7 +306,9 @@ class SequenceSampler(Sampler):
         self._valid: np.ndarray | None = None
 
     def bind(self, capacity: int) -> None:
-        """Allocate the boundary flags."""
+        """Allocate the boundary flags (kept when already bound to this capacity)."""
+        if self.capacity == capacity and self._ends.size == capacity:
+            return
         super().bind(capacity)
         self._ends = np.zeros(capacity, dtype=bool)
 

@@ -285,13 +285,16 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
     label = f"d={w.dim} {adapter.name}"
 
     def fill(rows: int) -> list[float]:
+        """Insert ``rows`` rows in chunks of 1024 (the last may be shorter); time each."""
         times, filled = [], 0
         while filled < rows:
-            chunk = adapter.prepare(big)
+            n = min(1024, rows - filled)
+            chunk = adapter.prepare(big if n == 1024 else {k: v[:n] for k, v in big.items()})
             t0 = time.perf_counter()
             adapter.insert(chunk)
-            times.append(time.perf_counter() - t0)
-            filled += 1024
+            if n == 1024:
+                times.append(time.perf_counter() - t0)
+            filled += n
         return times
 
     def phase(keys: tuple[str, ...], body: Callable[[], dict[str, MetricResult]]) -> None:
@@ -548,8 +551,13 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
         return f"matplotlib unavailable: {exc}"
     metrics = [m for m in METRICS if any(r["metric"] == m for r in rat)]
     dims = sorted({r["dim"] for r in rat})
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2), squeeze=False)
-    for ax, m in zip(axes[0], metrics):
+    ncols = min(3, len(metrics))
+    nrows = -(-len(metrics) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 4.2 * nrows), squeeze=False)
+    flat = [ax for line in axes for ax in line]
+    for ax in flat[len(metrics):]:
+        ax.set_visible(False)
+    for ax, m in zip(flat, metrics):
         sel = [r for r in rat if r["metric"] == m]
         peers = sorted({r["peer"] for r in sel})
         width = 0.8 / max(1, len(dims))
@@ -564,7 +572,7 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
         ax.set_xticklabels(peers, rotation=35, ha="right", fontsize=8)
         ax.set_title(f"{METRICS[m][0]}", fontsize=10)
         ax.set_ylabel("Conduit speed-up (×, >1 = Conduit faster)", fontsize=8)
-    axes[0][0].legend(fontsize=8)
+    flat[0].legend(fontsize=8)
     fig.suptitle("conduit bench peers: Conduit vs peer, same run, same machine", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -137,12 +137,12 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
         _log(f"{mode} d={dim}: filling {cap} rows (chunks of 1024)")
         times = []
-        filled = 0
-        while filled < cap:
+        for start in range(0, cap, 1024):
+            n = min(1024, cap - start)
             t0 = time.perf_counter()
-            insert_chunk(writer, "uniform", big)
-            times.append(time.perf_counter() - t0)
-            filled += 1024
+            insert_chunk(writer, "uniform", {k: v[:n] for k, v in big.items()})
+            if n == 1024:
+                times.append(time.perf_counter() - t0)
         m["insert_1024"] = {"times_s": times[min(warm, len(times) - 1):], "rows_per_op": 1024}
         n64 = cfg.get("insert_64_repeats", reps)
         m["insert_64"] = {"times_s": _timed(lambda: insert_chunk(writer, "uniform", small),
@@ -160,10 +160,9 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
 
     _log(f"{mode} d={dim}: prioritized, filling {cap} rows")
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
-        filled = 0
-        while filled < cap:
-            insert_chunk(writer, "prioritized", big)
-            filled += 1024
+        for start in range(0, cap, 1024):
+            insert_chunk(writer, "prioritized",
+                         {k: v[:min(1024, cap - start)] for k, v in big.items()})
     client.reset("uniform")
 
     def per_client() -> None:
@@ -192,8 +191,9 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     epoch_times = []
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
         for rep in range(warm + cfg.get("epoch_repeats", reps)):
-            for _ in range(w["epoch_rows"] // 1024):
-                insert_chunk(writer, "onpolicy", big)
+            for start in range(0, w["epoch_rows"], 1024):
+                n = min(1024, w["epoch_rows"] - start)
+                insert_chunk(writer, "onpolicy", {k: v[:n] for k, v in big.items()})
             t0 = time.perf_counter()
             rows = 0
             for _ in range(w["minibatches"]):

@@ -36,7 +36,11 @@ def extension_error() -> str | None:
     try:
         import torchrl._torchrl  # noqa: F401
     except Exception as exc:  # ImportError (undefined symbol) or OSError
-        return f"{type(exc).__name__}: {str(exc)[:240]}"
+        msg = str(exc)
+        if "undefined symbol:" in msg:
+            lib, _, sym = msg.partition(": undefined symbol: ")
+            msg = f"{lib.rsplit('/', 1)[-1]}: undefined symbol {sym[:48]}..."
+        return f"{type(exc).__name__}: {msg[:200]}"
     return None
 
 
@@ -79,8 +83,8 @@ class TorchRLPeer(PeerAdapter):
         err = extension_error()
         out = []
         if err is not None and self._prefetch is None:
-            out.append(f"TorchRL C++ extension not loaded ({err}); its prioritized "
-                       f"buffer is therefore unavailable")
+            out.append("TorchRL's C++ extension does not load with this torch, so its "
+                       "prioritized buffer is unavailable (not patched, not emulated)")
         if self._prefetch is not None:
             out.append(f"prefetch={self._prefetch}: sampling runs ahead on TorchRL's thread "
                        f"pool, so the latency is what the consumer waits, not the work done")
@@ -125,8 +129,8 @@ class TorchRLPeer(PeerAdapter):
         except RuntimeError as exc:
             err = extension_error()
             raise PeerUnavailable(
-                f"PrioritizedReplayBuffer raised {exc!s}"
-                + (f"; torchrl._torchrl does not load: {err}" if err else "")) from exc
+                f"PrioritizedReplayBuffer raised {str(exc).split('. See')[0]!r}"
+                + (f"; the C++ extension does not load ({err})" if err else "")) from exc
 
     def sample_prioritized_and_update(self) -> Any:
         assert self._w is not None

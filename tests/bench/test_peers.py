@@ -1,0 +1,346 @@
+"""``conduit bench peers``: the harness's own logic, always; each peer adapter when installed.
+
+Workloads are tiny (a few thousand rows of dimension 8): these tests check behaviour — what
+gets reported, with which status and reason, in which format — never timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conduit.bench.peers import harness
+from conduit.bench.peers.adapter import (
+    Chunk,
+    OperationSkipped,
+    PeerAdapter,
+    PeerUnavailable,
+    Workload,
+    make_chunk,
+)
+from conduit.bench.peers.harness import (
+    METRICS,
+    MetricResult,
+    PeersConfig,
+    RowResult,
+    apply_quick,
+    fit_capacity,
+    format_reasons,
+    format_table,
+    measure_adapter,
+    ratios,
+    rows_from_worker,
+    speedup,
+)
+
+TINY = Workload(dim=8, capacity=2048, batch=32, epoch_rows=256, minibatches=8, seed=0)
+TINY_CFG = PeersConfig(dims=(8,), capacity=2048, batch=32, epoch_rows=256, warmup=1,
+                       repeats=2, insert_64_repeats=2, epoch_repeats=1, plot=False)
+
+
+def quiet(_: str) -> None:
+    """Progress sink for tests."""
+
+
+class NumpyPeer(PeerAdapter):
+    """A minimal in-memory peer: enough to drive every harness path without a package."""
+
+    name = "numpy"
+    description = "test double"
+
+    def __init__(self, *, fail_on_policy: bool = False, short_epoch: bool = False) -> None:
+        self.fail_on_policy = fail_on_policy
+        self.short_epoch = short_epoch
+        self.rows: list[Chunk] = []
+        self.w: Workload | None = None
+        self.calls: list[str] = []
+
+    def setup(self, workload: Workload) -> None:
+        self.w, self.rows = workload, []
+        self.calls.append("setup")
+
+    def insert(self, chunk: Any) -> None:
+        self.rows.append(chunk)
+
+    def sample_uniform(self) -> Any:
+        assert self.w is not None
+        return np.random.default_rng(0).integers(0, 10, self.w.batch)
+
+    def setup_prioritized(self, workload: Workload) -> None:
+        raise OperationSkipped("no prioritized buffer in this test double")
+
+    def setup_on_policy(self, workload: Workload) -> None:
+        if self.fail_on_policy:
+            raise RuntimeError("boom")
+        self.w, self.rows = workload, []
+
+    def on_policy_epoch(self) -> int:
+        n = sum(len(c["obs"]) for c in self.rows)
+        self.rows = []
+        return n - 1 if self.short_epoch else n
+
+
+def row(peer: str, dim: int = 8, **values: float) -> RowResult:
+    r = RowResult(peer=peer, dim=dim, capacity=2048)
+    for m, v in values.items():
+        r.metrics[m] = MetricResult(status="ok", unit=METRICS[m][1], value=v, samples=3)
+    return r
+
+
+# --- pure logic ------------------------------------------------------------------------------
+
+
+def test_speedup_reads_the_same_way_for_throughput_and_latency() -> None:
+    assert speedup("insert_64", 200.0, 100.0) == 2.0  # rows/s: Conduit/peer
+    assert speedup("sample_uniform", 0.5, 1.0) == 2.0  # ms: peer/Conduit
+    with pytest.raises(ValueError):
+        speedup("sample_uniform", 0.0, 1.0)
+
+
+def test_ratios_pair_each_peer_with_conduit_on_the_same_dim_and_metric() -> None:
+    rows = [row("conduit", sample_uniform=0.1, insert_64=1000.0),
+            row("cpprb", sample_uniform=0.3, insert_64=500.0),
+            row("cpprb", dim=16, sample_uniform=0.3),  # no Conduit row at d=16
+            RowResult(peer="reverb", dim=8, capacity=2048, status="skipped", reason="no venv")]
+    rows[1].metrics["onpolicy_epoch"] = MetricResult.missing("onpolicy_epoch", "skipped", "x")
+    got = {(r["peer"], r["dim"], r["metric"]): r["speedup"] for r in ratios(rows)}
+    assert got == {("cpprb", 8, "sample_uniform"): pytest.approx(3.0),
+                   ("cpprb", 8, "insert_64"): pytest.approx(2.0)}
+
+
+def test_metric_from_times_takes_the_median_in_the_metric_unit() -> None:
+    lat = MetricResult.from_times("sample_uniform", [0.003, 0.001, 0.002], 512)
+    assert lat.status == "ok" and lat.value == pytest.approx(2.0) and lat.samples == 3
+    thr = MetricResult.from_times("insert_1024", [0.001, 0.002, 0.004], 1024)
+    assert thr.value == pytest.approx(1024 / 0.002)
+    assert MetricResult.from_times("insert_64", [], 64).status == "error"
+
+
+def test_capacity_is_kept_when_it_fits_and_lowered_with_a_reason_when_not() -> None:
+    assert fit_capacity(100_000, 4013, 64 * 2**30, fraction=0.5, minimum=1024) == (100_000,
+                                                                                   None)
+    cap, note = fit_capacity(100_000, 20_013, 2 * 2**30, fraction=0.5, minimum=1024)
+    assert 1024 <= cap < 100_000 and cap % 1024 == 0
+    assert cap * 20_013 * harness.PEER_OVERHEAD <= 2**30
+    assert note is not None and "100000" in note and str(cap) in note
+    assert fit_capacity(100_000, 10**9, 2**20, fraction=0.5, minimum=1024)[0] == 1024
+
+
+def test_quick_applies_only_to_flags_left_at_their_default() -> None:
+    cfg = PeersConfig(quick=True, repeats=7)
+    q = apply_quick(cfg, explicit={"repeats"})
+    assert q.repeats == 7 and q.dims == harness.QUICK["dims"]
+    assert q.capacity == harness.QUICK["capacity"]
+    assert apply_quick(PeersConfig(), explicit=set()) == PeersConfig()
+
+
+def test_config_rejects_unknown_peers_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        PeersConfig(peers=("conduit", "nope"))
+    with pytest.raises(ValueError, match="repeats"):
+        PeersConfig(repeats=0)
+    with pytest.raises(ValueError, match="multiple"):
+        Workload(dim=8, capacity=2048, epoch_rows=100, minibatches=8)
+
+
+def test_chunks_have_the_benchmark_spec() -> None:
+    c = make_chunk(64, 5)
+    assert c["obs"].shape == (64, 5) and c["obs"].dtype == np.float32
+    assert c["action"].dtype == np.int64 and c["reward"].dtype == np.float32
+    assert c["done"].dtype == np.bool_ and c["done"][-1]
+
+
+# --- the harness around adapters ---------------------------------------------------------------
+
+
+def test_measure_adapter_reports_measured_skipped_and_failed_metrics() -> None:
+    r = measure_adapter(NumpyPeer(fail_on_policy=True), TINY, TINY_CFG, quiet)
+    assert r.status == "ok"
+    for m in ("insert_64", "insert_1024", "sample_uniform"):
+        assert r.metrics[m].status == "ok" and r.metrics[m].value > 0
+    assert r.metrics["sample_per_update"].status == "skipped"
+    assert "test double" in (r.metrics["sample_per_update"].reason or "")
+    assert r.metrics["onpolicy_epoch"].status == "error"
+    assert "boom" in (r.metrics["onpolicy_epoch"].reason or "")
+
+
+def test_an_epoch_that_loses_rows_is_an_error_not_a_number() -> None:
+    r = measure_adapter(NumpyPeer(short_epoch=True), TINY, TINY_CFG, quiet)
+    assert r.metrics["onpolicy_epoch"].status == "error"
+    assert "expected 256" in (r.metrics["onpolicy_epoch"].reason or "")
+
+
+def test_unavailable_peers_are_reported_with_their_reason(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    class Broken(NumpyPeer):
+        def check(self) -> None:
+            raise PeerUnavailable("libfoo missing (pip install foo)")
+
+    def make(name: str) -> PeerAdapter:
+        if name == "cpprb":
+            return Broken()
+        if name == "rllib":
+            raise ImportError("No module named 'ray'")
+        return NumpyPeer()
+
+    monkeypatch.setattr(harness, "_make", make)
+    got = {n: (a is not None, reason) for n, a, reason in
+           harness.build_adapters(["conduit", "cpprb", "rllib", "reverb"])}
+    assert got["conduit"] == (True, None)
+    assert got["cpprb"] == (False, "libfoo missing (pip install foo)")
+    assert got["rllib"][0] is False and "ray" in (got["rllib"][1] or "")
+    assert "reverb" not in got  # runs out of process, reported separately
+
+
+def test_worker_rows_become_results_with_medians_and_reasons() -> None:
+    doc = [{"peer": "reverb-inproc", "dim": 8, "capacity": 2048, "description": "d",
+            "metrics": {"sample_uniform": {"times_s": [0.01, 0.03, 0.02], "rows_per_op": 32},
+                        "insert_64": {"status": "skipped", "reason": "same writer"},
+                        "not_a_metric": {"times_s": [1.0], "rows_per_op": 1}}},
+           {"peer": "reverb-grpc", "dim": 8, "capacity": 2048, "status": "unavailable",
+            "reason": "worker exited with 1"}]
+    rows = rows_from_worker(doc, "0.14.0")
+    assert rows[0].metrics["sample_uniform"].value == pytest.approx(20.0)
+    assert rows[0].metrics["insert_64"].status == "skipped"
+    assert "not_a_metric" not in rows[0].metrics and rows[0].version == "0.14.0"
+    assert rows[1].status == "unavailable" and "exited" in (rows[1].reason or "")
+
+
+def test_table_and_reasons_show_ratios_statuses_and_why() -> None:
+    rows = [row("conduit", sample_uniform=0.1), row("cpprb", sample_uniform=0.3),
+            RowResult(peer="reverb", dim=8, capacity=2048, status="skipped",
+                      reason=".venv-reverb not found; build it with `make peers`")]
+    rows[1].metrics["sample_per_update"] = MetricResult.missing("sample_per_update",
+                                                                "unavailable", "no tree")
+    table = format_table(rows)
+    assert "×3" in table and "skipped" in table and "unavailable" in table
+    reasons = format_reasons(rows)
+    assert "make peers" in reasons and "no tree" in reasons
+
+
+def test_reverb_without_its_venv_is_skipped_with_the_build_command(tmp_path: Path) -> None:
+    from conduit.bench.peers.reverb_peer import ReverbPeer
+
+    status, reason = ReverbPeer(python=tmp_path / "missing" / "python").availability() or ("", "")
+    assert status == "skipped" and "make peers" in reason
+
+
+def test_main_writes_json_and_never_fails_because_of_a_peer(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture
+                                                            ) -> None:
+    out = tmp_path / "out"
+    argv = ["--peers", "conduit", "reverb", "--reverb-python", str(tmp_path / "nope"),
+            "--dims", "8", "--capacity", "2048", "--batch", "32", "--epoch-rows", "256",
+            "--warmup", "1", "--repeats", "2", "--insert-64-repeats", "2",
+            "--epoch-repeats", "1", "--out", str(out)]
+    assert harness.main(argv) == 0
+    doc = json.loads((out / "peers.json").read_text())
+    by_peer = {r["peer"]: r for r in doc["rows"]}
+    assert by_peer["conduit"]["status"] == "ok"
+    assert set(by_peer["conduit"]["metrics"]) == set(METRICS)
+    assert all(m["status"] == "ok" for m in by_peer["conduit"]["metrics"].values())
+    assert by_peer["reverb"]["status"] == "skipped"
+    assert doc["config"]["dims"] == [8] and doc["machine"]["cores"] >= 1
+    assert doc["command"].startswith("conduit bench peers")
+    printed = capsys.readouterr().out
+    assert "conduit" in printed and "make peers" in printed
+
+
+def test_plot_is_written_when_there_are_ratios(tmp_path: Path) -> None:
+    rows = [row("conduit", sample_uniform=0.1, insert_64=1000.0),
+            row("cpprb", sample_uniform=0.3, insert_64=500.0)]
+    assert harness.write_plot(rows, tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert harness.write_plot([row("conduit", sample_uniform=0.1)], tmp_path / "q.png")
+
+
+# --- each real adapter on a tiny workload, when its package is importable ----------------------
+
+
+def _importable(*mods: str) -> bool:
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in mods)
+    except (ImportError, ValueError):
+        return False
+
+
+ADAPTERS = [
+    ("conduit", ()),
+    ("gear-placement", ()),
+    ("cpprb", ("cpprb",)),
+    ("torchrl", ("torchrl", "tensordict")),
+    ("torchrl-prefetch", ("torchrl", "tensordict")),
+    ("rllib", ("ray.rllib",)),
+]
+
+
+@pytest.mark.parametrize(("name", "modules"), ADAPTERS, ids=[a[0] for a in ADAPTERS])
+def test_adapter_runs_every_metric_on_a_tiny_workload(name: str, modules: tuple[str, ...]
+                                                      ) -> None:
+    if not _importable(*modules):
+        pytest.skip(f"{name}: {', '.join(modules)} not installed (pip install conduit-rl[peers])")
+    [(_, adapter, reason)] = harness.build_adapters([name])
+    if adapter is None:
+        pytest.skip(f"{name} unavailable: {reason}")
+    r = measure_adapter(adapter, TINY, TINY_CFG, quiet)
+    wanted = getattr(adapter, "metrics", None) or tuple(METRICS)
+    assert set(r.metrics) == set(wanted)
+    for m in wanted:
+        res = r.metrics[m]
+        if name == "torchrl" and m == "sample_per_update" and res.status == "unavailable":
+            # TorchRL's prioritized buffer needs its C++ extension; the reason must say so.
+            assert "extension" in (res.reason or "") or "SumSegmentTree" in (res.reason or "")
+            continue
+        assert res.status == "ok", f"{name}/{m}: {res.status}: {res.reason}"
+        assert res.value is not None and res.value > 0 and res.samples >= 1
+
+
+def test_conduit_epoch_covers_the_rollout_exactly_once() -> None:
+    from conduit.bench.peers.conduit_peer import ConduitPeer
+
+    peer = ConduitPeer()
+    peer.setup_on_policy(TINY)
+    chunk = make_chunk(TINY.epoch_rows, TINY.dim)
+    chunk["action"] = np.arange(TINY.epoch_rows, dtype=np.int64)  # row ids
+    peer.insert(peer.prepare(chunk))
+    buf = peer._buf
+    assert buf is not None
+    seen: list[int] = []
+    sampler = buf.sampler
+    sampler.begin_epoch(len(buf), iteration=0, epoch=0)  # type: ignore[attr-defined]
+    for _ in range(TINY.minibatches):
+        seen += buf.sample(TINY.minibatch)["action"].tolist()
+    assert sorted(seen) == list(range(TINY.epoch_rows)) and seen != sorted(seen)
+
+
+def test_gear_row_says_what_it_measures() -> None:
+    from conduit.bench.peers.gear_peer import GearPlacementPeer
+
+    notes = " ".join(GearPlacementPeer().notes())
+    assert "placement" in notes
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "pageable" in notes
+
+
+@pytest.mark.slow
+def test_reverb_worker_runs_when_its_venv_exists() -> None:
+    from conduit.bench.peers.reverb_peer import ReverbPeer
+
+    peer = ReverbPeer(modes=("inproc",))
+    missing = peer.availability()
+    if missing is not None:
+        pytest.skip(f"reverb {missing[0]}: {missing[1]}")
+    w = Workload(dim=8, capacity=2048, batch=32, epoch_rows=256, minibatches=8)
+    rows = rows_from_worker(peer.run([w], warmup=0, repeats=2, insert_64_repeats=2,
+                                     epoch_repeats=1, progress=quiet), "x")
+    by_peer = {r.peer: r for r in rows}
+    assert by_peer["reverb-inproc"].status == "ok", by_peer["reverb-inproc"].reason
+    assert all(m.status == "ok" for m in by_peer["reverb-inproc"].metrics.values())
+    assert by_peer["reverb-inproc-dataset"].metrics["sample_uniform"].status == "ok"
