@@ -9,7 +9,7 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from conduit.spec import ExperienceSpec  # noqa: E402
+from conduit.spec import ExperienceSpec
 
 
 @pytest.fixture

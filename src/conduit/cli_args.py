@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def arg(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+def arg(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``."""
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})

@@ -95,5 +95,5 @@ class OperatorError(ConduitError, RuntimeError):
         super().__init__(f"{operator} operator raised {type(original).__name__}: {original}")
 
 
-class BackpressureTimeout(ConduitError, TimeoutError):
+class BackpressureTimeout(ConduitError, TimeoutError):  # noqa: N818 - reads as Reverb names it
     """A push waited longer than its timeout for room in the bounded actor queue."""

@@ -192,7 +192,7 @@ def as_tensor(value: Any, *, field: str) -> torch.Tensor:
         raise SpecError(field, f"numpy dtype {value.dtype} cannot become a tensor")
     try:
         return torch.as_tensor(value)
-    except Exception as exc:  # noqa: BLE001 - rephrased for the user
+    except Exception as exc:
         raise SpecError(field, f"cannot convert {type(value).__name__} to a tensor: {exc}") from exc
 
 

@@ -173,7 +173,7 @@ def test_delivery_that_writes_nothing(small_spec):
     with plane(small_spec) as p:
         p.register_delivery(input="ExperienceBuffer", output="Learner")(lambda i, o: None)
         p.push(make_rows(small_spec, 8))
-        with pytest.raises(OperatorError, match="learn_out.write"):
+        with pytest.raises(OperatorError, match=r"learn_out\.write"):
             p.pull()
 
 

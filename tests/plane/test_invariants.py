@@ -94,7 +94,7 @@ def test_priority_update_visible_to_next_sample(small_spec, schedule):
         plane.buffer.sampler.eps = 1e-12
         plane.push(make_rows(small_spec, 64))
         plane.flush()
-        first = plane.pull()
+        plane.pull()
         pr = torch.zeros(64)
         pr[17] = 1.0
         plane.update_priorities(torch.arange(64), pr)

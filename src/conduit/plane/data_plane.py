@@ -10,6 +10,7 @@ what data the learner sees: on-policy batches are identical under every schedule
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -38,8 +39,8 @@ from conduit.storage import (
     FifoSampler,
     Placement,
     PrioritizedSampler,
-    Sampler,
     SampleInfo,
+    Sampler,
     UniformSampler,
 )
 from conduit.storage.threads import data_path_threads
@@ -298,7 +299,7 @@ class ExperienceDataPlane:
         raise ConfigError("sampler", f"expected 'uniform', 'prioritized' or a Sampler, got "
                                      f"{sampler!r}")
 
-    def register_ingestion(self, *, input: str = "Actor",  # noqa: A002 - the paper's API
+    def register_ingestion(self, *, input: str = "Actor",
                            output: str = "ExperienceBuffer") -> Callable[[IngestionFn],
                                                                          IngestionFn]:
         """Decorator registering the framework's ingestion logic (Fig. 8).
@@ -319,7 +320,7 @@ class ExperienceDataPlane:
             return fn
         return deco
 
-    def register_delivery(self, *, input: str = "ExperienceBuffer",  # noqa: A002
+    def register_delivery(self, *, input: str = "ExperienceBuffer",
                           output: str = "Learner") -> Callable[[DeliveryFn], DeliveryFn]:
         """Decorator registering the framework's delivery logic (Fig. 8).
 
@@ -570,7 +571,7 @@ class ExperienceDataPlane:
         out = BufferOut(self._write_rows)
         try:
             self._ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller of push/pull
+        except BaseException as exc:
             self._fail("ingestion", exc)
         finally:
             dt = time.perf_counter() - t0
@@ -739,7 +740,7 @@ class ExperienceDataPlane:
             self._deliver_fn(BufferIn(rows, batches=job.batches, batch_size=job.batch_size), out)
             if len(out.staged) != job.batches:
                 raise RuntimeError("the delivery operator did not call learn_out.write()")
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller of pull
+        except BaseException as exc:
             self._fail("delivery", exc)
         finally:
             event = None
@@ -907,10 +908,8 @@ class ExperienceDataPlane:
             return
         self._stop_workers()
         if self._error is None:
-            try:
+            with contextlib.suppress(OperatorError):
                 self._drain_inline(force=True)
-            except OperatorError:
-                pass
         with self._cv:
             self._closed = True
             self._cv.notify_all()

@@ -6,8 +6,8 @@ from conduit.storage.layout import Placement
 from conduit.storage.samplers import (
     FifoSampler,
     PrioritizedSampler,
-    Sampler,
     SampleInfo,
+    Sampler,
     SequenceSampler,
     UniformSampler,
 )

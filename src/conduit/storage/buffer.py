@@ -11,7 +11,7 @@ import torch
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import make_store
 from conduit.storage.layout import Placement
-from conduit.storage.samplers import Sampler, SampleInfo, UniformSampler
+from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
 

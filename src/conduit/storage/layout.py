@@ -49,10 +49,10 @@ class Placement:
                 raise PlacementError(f"placement.devices: {d!r} is not a device name "
                                      f"(try 'cpu' or 'cuda:0')") from exc
         object.__setattr__(self, "devices", devs)
-        if self.kind in ("pageable", "pinned"):
-            if any(torch.device(d).type != "cpu" for d in devs) or len(devs) != 1:
-                raise PlacementError(f"placement.devices: a {self.kind} placement lives on "
-                                     f"exactly one 'cpu' device, got {devs}")
+        if self.kind in ("pageable", "pinned") and (
+                any(torch.device(d).type != "cpu" for d in devs) or len(devs) != 1):
+            raise PlacementError(f"placement.devices: a {self.kind} placement lives on "
+                                 f"exactly one 'cpu' device, got {devs}")
         if self.kind == "device" and len(devs) != 1:
             raise PlacementError(f"placement.devices: a device placement takes one device, "
                                  f"got {devs}; use Placement.sharded for several")

@@ -326,16 +326,16 @@ class SequenceSampler(Sampler):
 
     def _valid_starts(self) -> np.ndarray:
         if self._valid is None:
-            size, cap, L = self._size, self.capacity, self.length
-            if size < L:
+            size, cap, length = self._size, self.capacity, self.length
+            if size < length:
                 self._valid = np.zeros(0, dtype=np.int64)
                 return self._valid
             oldest = 0 if size < cap else self._cursor
             order = (np.arange(size) + oldest) % cap
             ends = self._ends[order].astype(np.int64)
             c = np.concatenate([[0], np.cumsum(ends)])
-            j = np.arange(size - L + 1)
-            inner = c[j + L - 1] - c[j]
+            j = np.arange(size - length + 1)
+            inner = c[j + length - 1] - c[j]
             self._valid = order[j[inner == 0]]
         return self._valid
 

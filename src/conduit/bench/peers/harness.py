@@ -277,7 +277,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
                     description=adapter.description, version=adapter.version())
     try:
         row.notes = adapter.notes()
-    except Exception as exc:  # noqa: BLE001 - a peer's bug is reported, not raised
+    except Exception as exc:
         row.notes = [f"notes() failed: {exc!r}"]
     wanted = getattr(adapter, "metrics", None) or tuple(METRICS)
     big = make_chunk(1024, w.dim, seed=w.seed)
@@ -302,7 +302,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
             return
         try:
             got = body()
-        except Exception as exc:  # noqa: BLE001 - never fail because of a peer
+        except Exception as exc:
             status, reason = _status_of(exc)
             got = {k: MetricResult.missing(k, status, reason) for k in keys}
         for k in keys:
@@ -364,7 +364,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
     phase(("onpolicy_epoch",), on_policy)
     try:
         adapter.close()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         row.notes.append(f"close() failed: {exc!r}")
     gc.collect()
     return row
@@ -406,7 +406,7 @@ def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, 
         except PeerUnavailable as exc:
             out.append((name, None, str(exc)))
             continue
-        except Exception as exc:  # noqa: BLE001 - any import failure is a reason
+        except Exception as exc:
             out.append((name, None, f"{type(exc).__name__}: {exc}"))
             continue
         out.append((name, adapter, None))
@@ -547,7 +547,7 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"matplotlib unavailable: {exc}"
     metrics = [m for m in METRICS if any(r["metric"] == m for r in rat)]
     dims = sorted({r["dim"] for r in rat})

@@ -154,16 +154,17 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     _log(f"{mode} d={dim}: uniform sampling, TrajectoryDataset.batch({batch})")
     ds = reverb.TrajectoryDataset.from_table_signature(
         address, "uniform", max_in_flight_samples_per_worker=2 * batch).batch(batch)
-    it = iter(ds)
-    md["sample_uniform"] = {"times_s": _timed(lambda: next(it), warm, reps), "rows_per_op": batch}
-    del it, ds
+    uniform_it = iter(ds)
+    md["sample_uniform"] = {"times_s": _timed(lambda: next(uniform_it), warm, reps),
+                            "rows_per_op": batch}
+    uniform_it = ds = None  # close the dataset's sample streams before the next phase
 
+    client.reset("uniform")  # free its rows before the prioritized table fills
     _log(f"{mode} d={dim}: prioritized, filling {cap} rows")
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
         for start in range(0, cap, 1024):
             insert_chunk(writer, "prioritized",
                          {k: v[:min(1024, cap - start)] for k, v in big.items()})
-    client.reset("uniform")
 
     def per_client() -> None:
         _, keys = client_sample(np, client, "prioritized", batch)
@@ -173,16 +174,16 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     m["sample_per_update"] = {"times_s": _timed(per_client, warm, reps), "rows_per_op": batch}
     ds = reverb.TrajectoryDataset.from_table_signature(
         address, "prioritized", max_in_flight_samples_per_worker=2 * batch).batch(batch)
-    it = iter(ds)
+    per_it = iter(ds)
 
     def per_dataset() -> None:
-        sample = next(it)
+        sample = next(per_it)
         keys = sample.info.key.numpy().tolist()
         prios = rng.random(len(keys)) + 1e-3
         client.mutate_priorities("prioritized", updates=dict(zip(keys, prios.tolist())))
 
     md["sample_per_update"] = {"times_s": _timed(per_dataset, warm, reps), "rows_per_op": batch}
-    del it, ds
+    per_it = ds = None
     client.reset("prioritized")
 
     _log(f"{mode} d={dim}: on-policy epochs ({w['epoch_rows']} rows, "
@@ -288,11 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         serve(cfg)
         return 0
 
-    import numpy as np
-    import reverb
-    import tensorflow as tf
-
     from importlib import metadata
+
+    import numpy as np
+    import tensorflow as tf
 
     versions = {"dm-reverb": metadata.version("dm-reverb"), "tensorflow": tf.__version__,
                 "numpy": np.__version__, "python": sys.version.split()[0]}

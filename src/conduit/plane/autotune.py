@@ -1,0 +1,420 @@
+"""The runtime side of the auto-optimizer (§6.3): profile the running plane, plan, re-plan.
+
+Decisions stay in :mod:`conduit.scheduling` (pure functions of a :class:`Profile`); this module
+only measures and applies:
+
+* :func:`profile_plane` runs a short, bounded warm-up: the caller's ``step(plane)`` (one
+  training iteration) under each granularity of the space, inline and overlapped, so that the
+  plane's built-in timings hold ``T_rollout``, ``T_update``, ``T_ing(g)``, ``T_del(g)`` and the
+  synchronization costs; :func:`~conduit.scheduling.profile_from_timings` turns them into a
+  :class:`Profile`.
+* :class:`AutoScheduler` applies :func:`~conduit.scheduling.choose`'s argmin with
+  :meth:`ExperienceDataPlane.set_schedule`, feeds the plane's recent timings to a
+  :class:`~conduit.scheduling.ReplanPolicy`, and re-plans on sustained drift or after a placement
+  migration.
+
+Example:
+    >>> def step(plane):                       # one iteration of the training loop
+    ...     with plane.timed("rollout"):
+    ...         r = actor.rollout()
+    ...     plane.push(r)
+    ...     b = plane.pull()
+    ...     with plane.timed("update"):
+    ...         learner.update(b)
+    >>> auto = AutoScheduler(plane=plane, step=step)
+    >>> plan = auto.plan()                     # profile, choose, apply
+    >>> for _ in range(1000):
+    ...     step(plane)
+    ...     auto.observe()                     # re-plans only on sustained drift
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from conduit.errors import ConfigError, ScheduleError
+from conduit.scheduling import (
+    Plan,
+    Profile,
+    ReplanDecision,
+    ReplanPolicy,
+    Schedule,
+    ScheduleSpace,
+    as_granularity,
+    choose,
+    profile_from_timings,
+)
+from conduit.timing import TimingRecord, Timings
+
+if TYPE_CHECKING:
+    from conduit.plane.data_plane import ExperienceDataPlane
+
+#: One training iteration on the plane: rollout + push + pull + update, with the compute stages
+#: wrapped in ``plane.timed("rollout")`` / ``plane.timed("update")``.
+Step = Callable[["ExperienceDataPlane"], object]
+
+#: Timing names a profile is built from.
+_PROFILE_NAMES = ("rollout", "update", "ingestion", "delivery", "sync_ing", "sync_del")
+#: Timing names :meth:`AutoScheduler.observe` watches by default (sync costs depend on the
+#: schedule in force, so they are not watched unless asked for).
+DEFAULT_WATCH = ("rollout", "update", "ingestion", "delivery")
+
+
+def _check_positive_int(name: str, v: object, *, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def profiling_schedules(space: ScheduleSpace,
+                        granularities: Iterable[float | Fraction] | None = None
+                        ) -> list[Schedule]:
+    """The schedules :func:`profile_plane` runs, in order.
+
+    Ingestion and delivery granularities are paired index by index (the shorter list repeats
+    its last value), restricted to ``granularities`` when given; each pair runs inline
+    (``overlap = 0``, for ``T_op(g)``) and then overlapped (``overlap = 1``, for the sync costs).
+
+    Args:
+        space: The feasible space.
+        granularities: Measure only these granularities (others are filled by the cost fit of
+            :func:`~conduit.scheduling.profile_from_timings`). ``None``: every one.
+
+    Returns:
+        ``2·max(|G_ing|, |G_del|)`` schedules (fewer when restricted).
+
+    Raises:
+        ConfigError: ``granularities`` leaves nothing to measure.
+    """
+    g_ing, g_del = list(space.g_ing), list(space.g_del)
+    if granularities is not None:
+        keep = {as_granularity(g) for g in granularities}
+        if not keep:
+            raise ConfigError("granularities", "must name at least one granularity")
+        g_ing = [g for g in g_ing if g in keep] or g_ing[:1]
+        g_del = [g for g in g_del if g in keep] or g_del[:1]
+    n = max(len(g_ing), len(g_del))
+    out: list[Schedule] = []
+    for i in range(n):
+        gi, gd = g_ing[min(i, len(g_ing) - 1)], g_del[min(i, len(g_del) - 1)]
+        out += [Schedule(0, gi, 0, gd), Schedule(1, gi, 1, gd)]
+    return out
+
+
+def _steps_for(plane: ExperienceDataPlane, schedule: Schedule, invocations: int) -> int:
+    """Steps needed for about ``invocations`` operator invocations at ``schedule``'s g.
+
+    Off-policy a step pushes one rollout unit and pulls one batch, so an operator at
+    granularity ``g`` runs once every ``g`` steps; on-policy each step is one whole iteration
+    and every operator runs at least once in it.
+    """
+    if plane.mode == "on_policy":
+        return invocations
+    return invocations * max(math.ceil(schedule.g_ing), math.ceil(schedule.g_del))
+
+
+def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpace | None = None,
+                  iterations_per_g: int = 3, warmup: int = 1,
+                  granularities: Iterable[float | Fraction] | None = None,
+                  default_sync: float = 0.0) -> Profile:
+    """Profile the plane's costs with a short, bounded warm-up of the caller's training step.
+
+    For each schedule of :func:`profiling_schedules` the plane is switched with
+    :meth:`~ExperienceDataPlane.set_schedule` and ``step(plane)`` runs ``warmup`` unmeasured
+    and then ``iterations_per_g`` measured operator invocations' worth of iterations. The
+    operator costs ``T_ing(g)`` / ``T_del(g)`` are read from the inline runs; the sync costs
+    from the overlapped runs; ``T_rollout`` / ``T_update`` from both. The plane's own timings
+    are left in place (the profile reads only the measured windows) and the plane's schedule is
+    restored at the end.
+
+    Off-policy, ``step`` is assumed to push one rollout unit and pull one training batch; the
+    number of steps per granularity ``g`` is then ``(warmup + iterations_per_g)·g``. On-policy,
+    a step is one whole iteration (all rollout units, all mini-batches).
+
+    Args:
+        plane: The plane to profile (it must already be able to serve a batch, e.g. an
+            off-policy buffer past ``min_size``).
+        step: One training iteration, see :data:`Step`.
+        space: The schedule space to price (default ``plane.space``); every granularity it
+            holds must be feasible for ``plane``.
+        iterations_per_g: Measured operator invocations per schedule (``>= 1``).
+        warmup: Unmeasured invocations per schedule after each switch (``>= 0``).
+        granularities: Measure only these granularities; the others of ``space`` get costs from
+            the ``T(g) = a + b·g`` fit (see :func:`~conduit.scheduling.profile_from_timings`).
+        default_sync: Sync cost assumed if overlap recorded none (seconds).
+
+    Returns:
+        A :class:`Profile` pricing every granularity of ``space``.
+
+    Raises:
+        ConfigError: Bad ``iterations_per_g``/``warmup``/``granularities``.
+        ScheduleError: ``space`` holds a granularity the plane cannot run.
+        ProfileError: The step never timed a rollout or update, or no operator ran.
+    """
+    _check_positive_int("iterations_per_g", iterations_per_g)
+    _check_positive_int("warmup", warmup, minimum=0)
+    space = plane.space if space is None else space
+    schedules = profiling_schedules(space, granularities)
+    for s in schedules:
+        plane.space.check(s)
+    collected = Timings(window=1 << 16)
+    original = plane.schedule
+    try:
+        for sched in schedules:
+            plane.set_schedule(sched)
+            for _ in range(_steps_for(plane, sched, warmup)):
+                step(plane)
+            t0 = time.perf_counter()
+            for _ in range(_steps_for(plane, sched, iterations_per_g)):
+                step(plane)
+            plane.set_schedule(sched)  # quiesce: in-flight invocations finish and are recorded
+            names = (("rollout", "update", "ingestion", "delivery") if not sched.overlap_ing
+                     else ("rollout", "update", "sync_ing", "sync_del"))
+            _copy_since(plane.timings, collected, names, t0)
+    finally:
+        plane.set_schedule(original)
+    return profile_from_timings(collected, space, default_sync=default_sync)
+
+
+def _copy_since(src: Timings, dst: Timings, names: Sequence[str], since: float) -> None:
+    for name in names:
+        for r in src.records(name):
+            if r.start >= since:
+                dst.record(r.name, r.seconds, units=r.units, start=r.start)
+
+
+class AutoScheduler:
+    """Chooses the plane's schedule from a profile and re-plans when the workload drifts.
+
+    Give ``step`` (the profile is then measured by :func:`profile_plane`, and measured again on
+    every re-plan) or ``profile`` (a profile measured elsewhere; re-plans then update it with
+    the plane's recent timings), or both (the initial plan uses ``profile``, re-plans measure).
+
+    Args:
+        plane: The plane whose schedule is controlled.
+        step: One training iteration (see :data:`Step`).
+        profile: A precomputed profile.
+        space: The schedule space to choose from (default ``plane.space``).
+        threshold: Relative drift threshold of the :class:`~conduit.scheduling.ReplanPolicy`.
+        patience: Consecutive out-of-band observations needed to re-plan.
+        abs_tol: Absolute deviation (seconds) always treated as noise.
+        watch: Timing names fed to the policy (default :data:`DEFAULT_WATCH`).
+        iterations_per_g: Passed to :func:`profile_plane`.
+        granularities: Passed to :func:`profile_plane`.
+        top_k: Candidates kept by the plan for :meth:`explain`.
+
+    Raises:
+        ConfigError: Neither ``step`` nor ``profile`` given, or an unknown ``watch`` name.
+    """
+
+    def __init__(self, *, plane: ExperienceDataPlane, step: Step | None = None,
+                 profile: Profile | None = None, space: ScheduleSpace | None = None,
+                 threshold: float = 0.25, patience: int = 3, abs_tol: float = 0.0,
+                 watch: Sequence[str] = DEFAULT_WATCH, iterations_per_g: int = 3,
+                 granularities: Iterable[float | Fraction] | None = None,
+                 top_k: int = 5) -> None:
+        if step is None and profile is None:
+            raise ConfigError("step", "give step= (to profile the plane) or profile=")
+        if profile is not None and not isinstance(profile, Profile):
+            raise ConfigError("profile", f"must be a Profile, got {type(profile).__name__}")
+        bad = [w for w in watch if w not in _PROFILE_NAMES]
+        if bad:
+            raise ConfigError("watch", f"unknown timing names {bad}; choose from "
+                                       f"{_PROFILE_NAMES}")
+        self.plane = plane
+        self.step = step
+        self.space = plane.space if space is None else space
+        self.threshold = threshold
+        self.patience = patience
+        self.abs_tol = abs_tol
+        self.watch = tuple(watch)
+        self.iterations_per_g = iterations_per_g
+        self.granularities = None if granularities is None else tuple(granularities)
+        self.top_k = top_k
+        self.profile: Profile | None = profile
+        self.current: Plan | None = None
+        self.policy: ReplanPolicy | None = None
+        #: Every re-plan so far: ``(reasons, plan)``.
+        self.history: list[tuple[tuple[str, ...], Plan]] = []
+        self._seen: dict[str, int] = {}
+        self._recent: list[TimingRecord] = []
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self) -> Plan:
+        """Profile (if no profile is held yet), choose the argmin and apply it to the plane.
+
+        Returns:
+            The :class:`~conduit.scheduling.Plan` now in force.
+        """
+        if self.profile is None:
+            assert self.step is not None
+            self.profile = self._measure()
+        return self._apply(self.profile, reasons=("initial",))
+
+    def _measure(self) -> Profile:
+        assert self.step is not None
+        return profile_plane(self.plane, self.step, space=self.space,
+                             iterations_per_g=self.iterations_per_g,
+                             granularities=self.granularities)
+
+    def _apply(self, profile: Profile, *, reasons: tuple[str, ...]) -> Plan:
+        plan = choose(profile, self.space, top_k=self.top_k)
+        self.plane.set_schedule(plan.schedule)
+        self.profile = profile
+        self.current = plan
+        if self.policy is None:
+            self.policy = ReplanPolicy(reference=profile, threshold=self.threshold,
+                                       patience=self.patience, abs_tol=self.abs_tol)
+        else:
+            self.policy.replanned(profile)
+        self.history.append((reasons, plan))
+        self._skip_recorded()
+        return plan
+
+    @property
+    def replans(self) -> int:
+        """Re-plans after the initial plan."""
+        return max(0, len(self.history) - 1)
+
+    # ------------------------------------------------------------------ observing
+
+    def notify_migration(self) -> ReplanDecision:
+        """Record that the placement migrated; the next :meth:`observe` re-plans.
+
+        Timings recorded before the migration are no longer representative and are dropped.
+
+        Returns:
+            The policy's decision (always ``replan=True``).
+
+        Raises:
+            ConfigError: :meth:`plan` was not called yet.
+        """
+        policy = self._require_policy()
+        self._skip_recorded()
+        return policy.notify_migration()
+
+    def observe(self) -> ReplanDecision:
+        """Feed the timings recorded since the last call to the policy; re-plan if it says so.
+
+        Each new record of a watched name is one observation (operators at the granularity
+        they ran at). On a re-plan the profile is measured again with ``step`` when one was
+        given, otherwise the held profile is updated with the medians of the records seen
+        since the last plan.
+
+        Returns:
+            The decision that was acted upon (``replan=True`` means the plane's schedule was
+            re-chosen; see :attr:`current`).
+
+        Raises:
+            ConfigError: :meth:`plan` was not called yet.
+        """
+        policy = self._require_policy()
+        new = self._new_records()
+        decision = policy.decision()
+        for r in new:
+            kw = _observation(r)
+            if kw is None:
+                continue
+            try:
+                decision = policy.observe(**kw)
+            except ScheduleError:  # a granularity the reference cannot price: not comparable
+                continue
+        self._recent += new
+        if decision.replan:
+            profile = self._measure() if self.step is not None else self._merged_profile()
+            self._apply(profile, reasons=decision.reasons)
+        return decision
+
+    def _require_policy(self) -> ReplanPolicy:
+        if self.policy is None:
+            raise ConfigError("plan", "call AutoScheduler.plan() before observing")
+        return self.policy
+
+    def _skip_recorded(self) -> None:
+        """Treat everything recorded so far as seen (it predates the plan in force)."""
+        self._seen = {name: self.plane.timings.count(name) for name in _PROFILE_NAMES}
+        self._recent = []
+
+    def _new_records(self) -> list[TimingRecord]:
+        """Records of watched names made since the last call, oldest first."""
+        t = self.plane.timings
+        recs: list[TimingRecord] = []
+        for name in self.watch:
+            window = t.records(name)
+            total = t.count(name)
+            fresh = min(total - self._seen.get(name, 0), len(window))
+            self._seen[name] = total
+            if fresh > 0:
+                recs += window[-fresh:]
+        recs.sort(key=lambda r: r.start)
+        return recs
+
+    def _merged_profile(self) -> Profile:
+        """The held profile with every metric seen since the last plan replaced by its median."""
+        ref = self.profile
+        assert ref is not None
+        by: dict[str, list[TimingRecord]] = {}
+        for r in self._recent:
+            by.setdefault(r.name, []).append(r)
+
+        def med(name: str, default: float) -> float:
+            recs = by.get(name)
+            return statistics.median(r.seconds for r in recs) if recs else default
+
+        def per_g(name: str, table: dict) -> dict:
+            out = dict(table)
+            groups: dict[Fraction, list[float]] = {}
+            for r in by.get(name, ()):
+                if r.units > 0 and math.isfinite(r.units):
+                    groups.setdefault(as_granularity(r.units), []).append(r.seconds)
+            out.update({g: statistics.median(v) for g, v in groups.items()})
+            return out
+
+        return Profile(t_rollout=med("rollout", ref.t_rollout),
+                       t_update=med("update", ref.t_update),
+                       t_ing=per_g("ingestion", ref.t_ing), t_del=per_g("delivery", ref.t_del),
+                       t_sync_ing=med("sync_ing", ref.t_sync_ing),
+                       t_sync_del=med("sync_del", ref.t_sync_del),
+                       ing_fit=ref.ing_fit, del_fit=ref.del_fit)
+
+    # ------------------------------------------------------------------ reporting
+
+    def explain(self) -> str:
+        """The current plan's explanation (top candidates with predicted times) and re-plans.
+
+        Returns:
+            Multi-line text; ``"no plan yet"`` before :meth:`plan`.
+        """
+        if self.current is None:
+            return "no plan yet: call AutoScheduler.plan()"
+        lines = [self.current.explain()]
+        if self.replans:
+            lines.append("")
+            lines.append(f"re-plans: {self.replans}")
+            for reasons, plan in self.history[1:]:
+                lines.append(f"  {', '.join(reasons)} -> {plan.schedule.label()}")
+        return "\n".join(lines)
+
+
+def _observation(r: TimingRecord) -> dict[str, float] | None:
+    if r.name == "rollout":
+        return {"t_rollout": r.seconds}
+    if r.name == "update":
+        return {"t_update": r.seconds}
+    if r.name in ("ingestion", "delivery"):
+        if not (r.units > 0 and math.isfinite(r.units)):
+            return None
+        if r.name == "ingestion":
+            return {"t_ing": r.seconds, "g_ing": as_granularity(r.units)}
+        return {"t_del": r.seconds, "g_del": as_granularity(r.units)}
+    if r.name == "sync_ing":
+        return {"t_sync_ing": r.seconds}
+    if r.name == "sync_del":
+        return {"t_sync_del": r.seconds}
+    return None
