@@ -563,7 +563,7 @@ class ExperienceDataPlane:
                     units = self._take_ingestion_locked(force=self._flush_requested > 0)
                     if units is not None:
                         break
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # notifications drive progress; the timeout is a backstop
             self._run_ingestion(units)
 
     def _run_ingestion(self, units: list[_Unit]) -> None:
@@ -671,6 +671,7 @@ class ExperienceDataPlane:
             if (isinstance(self.buffer.sampler, PrioritizedSampler)
                     and s.generation < self._priority_generation - self.max_priority_lag):
                 self.counters["discarded_batches"] += 1
+                self._cv.notify_all()  # the delivery worker may now refill the stage
                 continue
             self.counters["delivered_batches"] += 1
             if self.mode == "on_policy":
@@ -725,7 +726,7 @@ class ExperienceDataPlane:
                     job = self._take_delivery_locked()
                     if job is not None:
                         break
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # notifications drive progress; the timeout is a backstop
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     self._run_delivery(job)

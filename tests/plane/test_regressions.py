@@ -1,0 +1,17 @@
+"""Regressions found by end-to-end runs."""
+
+import torch
+
+from conduit import ExperienceDataPlane, Schedule
+from tests.conftest import make_rows
+
+
+def test_discarded_prefetch_wakes_the_delivery_worker(small_spec):
+    """All staged batches discarded after a priority update must not stall the next pull."""
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=16, sampler="prioritized",
+                             schedule=Schedule(0, 1, 1, 4), timeout=5) as plane:
+        plane.push(make_rows(small_spec, 64))
+        for _ in range(20):
+            b = plane.pull(timeout=5)
+            plane.update_priorities(b["_index"], torch.rand(16) + 0.1)
+        assert plane.stats()["discarded_batches"] > 0
