@@ -26,12 +26,13 @@ BENCH_PEERS_ARGS  ?=
 peers: peers-main peers-reverb
 
 # TorchRL is installed with --no-deps so pip can never replace the pinned torch; its own
-# runtime dependencies are listed explicitly.
+# runtime dependencies are listed explicitly, and every install that resolves dependencies
+# names the torch pin so pip keeps it.
 peers-main:
-	$(PEERS_PY) -m pip install cpprb
+	$(PEERS_PY) -m pip install cpprb '$(TORCH_PIN)'
 	$(PEERS_PY) -m pip install --no-deps torchrl==0.14.1 'tensordict>=0.14.3,<0.15' \
 		pyvers hoptorch
-	$(PEERS_PY) -m pip install importlib-metadata orjson cloudpickle packaging
+	$(PEERS_PY) -m pip install importlib-metadata orjson cloudpickle packaging '$(TORCH_PIN)'
 	@$(PEERS_PY) -c "import torch, sys; v = torch.__version__.split('+')[0]; \
 		sys.exit(0 if v == '$(TORCH_PIN)'.split('==')[1] else \
 		f'torch changed to {v}; reinstall $(TORCH_PIN)')"
@@ -48,4 +49,4 @@ $(REVERB_VENV)/.built:
 	touch $@
 
 bench-peers:
-	$(PEERS_PY) -m conduit.bench.peers.harness $(BENCH_PEERS_ARGS)
+	$(PEERS_PY) -m conduit.bench.peers $(BENCH_PEERS_ARGS)

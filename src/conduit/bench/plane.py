@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 from conduit.bench.common import median_time, progress, table, write_json
+from conduit.bench.synthetic import Workload as _Workload
+from conduit.bench.synthetic import register_ops as _register_ops
+from conduit.bench.synthetic import synthetic_spec as _spec
 from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule
@@ -51,73 +54,6 @@ class PlaneBenchArgs:
     repeats: int = arg(50, "repetitions for the gather-vs-copy measurement")
     out: str = arg("runs/bench/plane", "output directory for JSON and PNG")
     quick: bool = arg(False, "tiny sizes, for a smoke run")
-
-
-def _spec(dim: int) -> ExperienceSpec:
-    return ExperienceSpec.of(obs=((dim,), torch.float32), next_obs=((dim,), torch.float32),
-                             action=((), torch.int64), reward=((), torch.float32),
-                             done=((), torch.bool), advantage=((), torch.float32))
-
-
-class _Workload:
-    """Policy and learner MLPs: the rollout and update compute."""
-
-    def __init__(self, dim: int, hidden: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.dim = dim
-        self.policy = [torch.randn(dim, hidden, generator=g) / dim ** 0.5,
-                       torch.randn(hidden, 8, generator=g) / hidden ** 0.5]
-        self.learner = torch.nn.Sequential(torch.nn.Linear(2 * dim, hidden), torch.nn.ReLU(),
-                                           torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-                                           torch.nn.Linear(hidden, 1))
-        self.opt = torch.optim.SGD(self.learner.parameters(), lr=1e-4)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-
-    def rollout(self, rows: int) -> dict[str, torch.Tensor]:
-        obs = torch.randn(rows, self.dim, generator=self.gen)
-        logits = torch.relu(obs @ self.policy[0]) @ self.policy[1]
-        return {"obs": obs, "action": logits.argmax(1),
-                "reward": logits.max(1).values, "done": torch.zeros(rows, dtype=torch.bool)}
-
-    def update(self, batch: dict[str, torch.Tensor]) -> float:
-        x = batch["x"]
-        loss = (self.learner(x).squeeze(1) - batch["target"]).pow(2).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
-
-
-def _register_ops(plane: ExperienceDataPlane, *, on_policy: bool) -> None:
-    @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
-    def ingestion(actor_in, exp_out):
-        for d in actor_in.read_units():
-            obs = d["obs"]
-            # Transition assembly (obs, next_obs) and observation normalisation, as a framework's
-            # episode-to-transition conversion would do.
-            mean, std = obs.mean(0), obs.std(0) + 1e-6
-            norm = (obs - mean) / std
-            reward = d["reward"]
-            if on_policy:
-                # Discounted reward-to-go as a stand-in for GAE, vectorised over the segment.
-                t = torch.arange(reward.shape[0], dtype=torch.float32)
-                disc = torch.pow(0.99, t)
-                adv = torch.flip(torch.cumsum(torch.flip(reward * disc, [0]), 0), [0]) / disc
-            else:
-                adv = torch.zeros_like(reward)
-            next_obs = torch.cat([norm[1:], norm[-1:]])  # the segment's last step bootstraps
-            exp_out.write({"obs": norm, "next_obs": next_obs, "action": d["action"],
-                           "reward": reward, "done": d["done"], "advantage": adv})
-
-    @plane.register_delivery(input="ExperienceBuffer", output="Learner")
-    def delivery(exp_in, learn_out):
-        d = exp_in.read()
-        # Concatenate and reshape into the learner's input layout.
-        x = torch.cat([d["obs"], d["next_obs"]], dim=1)
-        target = d["reward"] + d["advantage"]
-        if on_policy:
-            target = (target - target.mean()) / (target.std() + 1e-6)
-        learn_out.write({"x": x, "target": target, "_index": d["_index"]})
 
 
 def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> dict[str, Any]:

@@ -166,19 +166,29 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
     original = plane.schedule
     try:
         for sched in schedules:
-            plane.set_schedule(sched)
+            _switch(plane, sched)
             for _ in range(_steps_for(plane, sched, warmup)):
                 step(plane)
             t0 = time.perf_counter()
             for _ in range(_steps_for(plane, sched, iterations_per_g)):
                 step(plane)
-            plane.set_schedule(sched)  # quiesce: in-flight invocations finish and are recorded
+            _switch(plane, sched)  # quiesce: in-flight invocations finish and are recorded
             names = (("rollout", "update", "ingestion", "delivery") if not sched.overlap_ing
                      else ("rollout", "update", "sync_ing", "sync_del"))
             _copy_since(plane.timings, collected, names, t0)
     finally:
-        plane.set_schedule(original)
+        _switch(plane, original)
     return profile_from_timings(collected, space, default_sync=default_sync)
+
+
+def _switch(plane: ExperienceDataPlane, schedule: Schedule) -> None:
+    """Ingest what is pending under the current schedule, then switch.
+
+    Flushing first keeps a switch to a smaller ``g_ing`` from leaving more units queued than
+    the new schedule's backpressure bound admits.
+    """
+    plane.flush()
+    plane.set_schedule(schedule)
 
 
 def _copy_since(src: Timings, dst: Timings, names: Sequence[str], since: float) -> None:
@@ -265,7 +275,7 @@ class AutoScheduler:
 
     def _apply(self, profile: Profile, *, reasons: tuple[str, ...]) -> Plan:
         plan = choose(profile, self.space, top_k=self.top_k)
-        self.plane.set_schedule(plan.schedule)
+        _switch(self.plane, plan.schedule)
         self.profile = profile
         self.current = plan
         if self.policy is None:
@@ -304,8 +314,8 @@ class AutoScheduler:
 
         Each new record of a watched name is one observation (operators at the granularity
         they ran at). On a re-plan the profile is measured again with ``step`` when one was
-        given, otherwise the held profile is updated with the medians of the records seen
-        since the last plan.
+        given, otherwise the held profile is updated with the medians of the latest records
+        seen since the last plan.
 
         Returns:
             The decision that was acted upon (``replan=True`` means the plane's schedule was
@@ -356,7 +366,8 @@ class AutoScheduler:
         return recs
 
     def _merged_profile(self) -> Profile:
-        """The held profile with every metric seen since the last plan replaced by its median."""
+        """The held profile, with every metric seen since the last plan replaced by the median of
+        its latest ``patience`` records (those that showed the drift)."""
         ref = self.profile
         assert ref is not None
         by: dict[str, list[TimingRecord]] = {}
@@ -365,7 +376,8 @@ class AutoScheduler:
 
         def med(name: str, default: float) -> float:
             recs = by.get(name)
-            return statistics.median(r.seconds for r in recs) if recs else default
+            return (statistics.median(r.seconds for r in recs[-self.patience:]) if recs
+                    else default)
 
         def per_g(name: str, table: dict) -> dict:
             out = dict(table)
@@ -373,7 +385,7 @@ class AutoScheduler:
             for r in by.get(name, ()):
                 if r.units > 0 and math.isfinite(r.units):
                     groups.setdefault(as_granularity(r.units), []).append(r.seconds)
-            out.update({g: statistics.median(v) for g, v in groups.items()})
+            out.update({g: statistics.median(v[-self.patience:]) for g, v in groups.items()})
             return out
 
         return Profile(t_rollout=med("rollout", ref.t_rollout),

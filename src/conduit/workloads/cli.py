@@ -175,8 +175,9 @@ def demo_main(argv: list[str] | None = None) -> int:
     plan = results["conduit"].plan
     print(f"\nplan Conduit chose: placement {plan.get('placement')}, schedule "
           f"{plan.get('schedule')}")
-    if isinstance(plan.get("placement_plan"), str):
-        print(plan["placement_plan"])
+    for key in ("placement_plan", "schedule_explain"):
+        if isinstance(plan.get(key), str):
+            print(plan[key])
     out = Path(d.out)
     label = f"{d.algo.upper()}-img{d.image_size}"
     png = runner.plot_breakdown({f"{label} inline": inline, f"{label} Conduit": conduit},

@@ -71,10 +71,17 @@ def parse_placement(text: str, learner_device: torch.device) -> Any:
     return Placement.device(text)
 
 
-def default_conduit_schedule(mode: str, num_minibatches: int) -> Any:
-    """Hand-set overlap schedule: the starting point of auto-planning, and the fallback."""
+def default_conduit_schedule(mode: str, num_minibatches: int, *,
+                             prioritized: bool = False) -> Any:
+    """Hand-set overlap schedule: the starting point of auto-planning, and the fallback.
+
+    With prioritized replay, delivery stays on the learner's thread: a batch prefetched before
+    a priority update would be discarded (priorities reach the sampler first, DESIGN §4.4).
+    """
     from conduit import Schedule
 
+    if prioritized:
+        return Schedule(1, 1, 0, 1)
     if mode == "on_policy":
         return Schedule(1, Fraction(1, num_minibatches), 1, Fraction(1, num_minibatches))
     return Schedule(1, 1, 1, 2)
@@ -114,8 +121,10 @@ class AutoScheduler:
     the chosen schedule.
     """
 
-    def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3) -> None:
+    def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3,
+                 prioritized: bool = False) -> None:
         self.plane, self.plan, self.warmup = plane, plan, warmup
+        self.prioritized = prioritized
         self.seen = 0
         self.done = False
         self.explanation = ""
@@ -131,15 +140,24 @@ class AutoScheduler:
         from conduit.scheduling import choose, profile_from_timings
 
         try:
-            plan = choose(profile_from_timings(self.plane.timings, self.plane.space),
-                          self.plane.space)
+            space = self.plane.space
+            plan = choose(profile_from_timings(self.plane.timings, space), space,
+                          top_k=len(space))
+            if self.prioritized and plan.schedule.overlap_del:  # see default_conduit_schedule
+                ok = [c for c in plan.ranked if not c.schedule.overlap_del]
+                if not ok:
+                    self.plan["note"] = "kept the hand-set schedule (prioritized replay)"
+                    return
+                plan = dataclasses.replace(plan, schedule=ok[0].schedule,
+                                           prediction=ok[0].prediction)
         except Exception as exc:
             self.plan["note"] = f"auto schedule failed ({type(exc).__name__}: {exc})"
             return
         self.plane.set_schedule(plan.schedule)
-        self.explanation = plan.explain()
+        self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule"] = plan.schedule.label()
-        self.plan["schedule_plan"] = plan.to_dict()
+        self.plan["schedule_plan"] = {**plan.to_dict(), "ranked": plan.to_dict()["ranked"][:5]}
+        self.plan["schedule_explain"] = self.explanation
 
 
 def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
@@ -180,12 +198,15 @@ def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
                                     learner_device=learner_device)
         plan_extra["placement_plan"] = why
     auto_sched = sched == "auto"
+    sampler = plane_kw.get("sampler")
+    prioritized = sampler == "prioritized" or type(sampler).__name__ == "PrioritizedSampler"
     if auto_sched:
-        sched = default_conduit_schedule(mode, num_minibatches)
+        sched = default_conduit_schedule(mode, num_minibatches, prioritized=prioritized)
     plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
                                 schedule=sched, placement=place, **plane_kw)
     plan = {**describe_plan(plane, buffer=buffer), **plan_extra}
-    return plane, plan, AutoScheduler(plane, plan) if auto_sched else None
+    auto = AutoScheduler(plane, plan, prioritized=prioritized) if auto_sched else None
+    return plane, plan, auto
 
 
 def describe_plan(plane: Any, *, buffer: str, auto: bool = False) -> dict[str, Any]:
@@ -379,14 +400,13 @@ def plot_breakdown(results: dict[str, dict[str, float]], path: str | Path, *,
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("latency per iteration (ms, median)")
-    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 if
-              len(labels) < 3 else -0.15))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
+    fig.savefig(p, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return p
 

@@ -34,7 +34,8 @@ class GearPlacementPeer(ConduitPeer):
                "placement, run by Conduit's storage, not GEAR itself"]
         if not torch.cuda.is_available():
             out.append("no CUDA on this machine: memory cannot be pinned, so this row ran on "
-                       "pageable memory and measures the same thing as the conduit row")
+                       "pageable memory, the same code as the conduit row; its ratios show "
+                       "the run's noise floor")
         return out
 
     def pinned(self) -> bool:

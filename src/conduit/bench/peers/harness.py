@@ -70,6 +70,7 @@ class MetricResult:
         value: Median in the metric's unit (rows/s or ms); ``None`` unless ok.
         unit: ``"rows/s"`` or ``"ms"``.
         median_s: Median seconds per operation.
+        min_s: Fastest repetition (a hint at the noise other processes added to the median).
         samples: Timed repetitions behind the median.
         rows_per_op: Rows one operation moved.
         reason: Why there is no value.
@@ -79,6 +80,7 @@ class MetricResult:
     unit: str
     value: float | None = None
     median_s: float | None = None
+    min_s: float | None = None
     samples: int = 0
     rows_per_op: int = 0
     reason: str | None = None
@@ -91,8 +93,8 @@ class MetricResult:
             return cls(status="error", unit=unit, reason="no timed repetition")
         med = statistics.median(times_s)
         value = rows_per_op / med if unit == "rows/s" else med * 1e3
-        return cls(status="ok", unit=unit, value=value, median_s=med, samples=len(times_s),
-                   rows_per_op=rows_per_op)
+        return cls(status="ok", unit=unit, value=value, median_s=med, min_s=min(times_s),
+                   samples=len(times_s), rows_per_op=rows_per_op)
 
     @classmethod
     def missing(cls, metric: str, status: str, reason: str) -> MetricResult:
@@ -202,6 +204,9 @@ class PeersConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
+        bad_modes = [m for m in self.reverb_modes if m not in ("inproc", "grpc")]
+        if bad_modes:
+            raise ValueError(f"reverb_modes: {bad_modes} not in ('inproc', 'grpc')")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
 
@@ -218,8 +223,8 @@ def apply_quick(cfg: PeersConfig, explicit: set[str]) -> PeersConfig:
     return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
 
 
-# Bytes a peer may hold per stored byte: RLlib keeps episode objects and sampled copies, Reverb
-# keeps chunks on the server and items in flight. 3x covers the largest measured here.
+# Bytes a peer may hold per stored byte: a margin for RLlib (episode objects, deep copies on add,
+# sampled copies) and Reverb (chunks on the server, items in flight, the client's copies).
 PEER_OVERHEAD = 3.0
 
 

@@ -17,6 +17,7 @@ patched or emulated.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,8 @@ class TorchRLPeer(PeerAdapter):
         except Exception as exc:
             raise PeerUnavailable(f"torchrl cannot be imported: {exc!r} "
                                   f"(pip install --no-deps torchrl tensordict)") from exc
+        # TorchRL logs every storage allocation at INFO on stdout; keep the table readable.
+        logging.getLogger("torchrl").setLevel(logging.WARNING)
 
     def notes(self) -> list[str]:
         err = extension_error()

@@ -1,0 +1,342 @@
+"""``conduit bench schedule``: every manual configuration against the auto pick (Fig. 15), and
+the cost model's fidelity (Tab. 4), on the synthetic workload.
+
+The sweep follows Fig. 14: batch size at a fixed transition dimension, and transition dimension
+at a fixed batch size. At every point, in one run and side by side:
+
+* every manual configuration available on this machine is measured: placement (pageable,
+  pinned, sharded over CPU shards) × overlap (both operators inline, or both overlapped) ×
+  granularity ``g = g_ing = g_del`` in a small set, like the paper's 32 manual points;
+* the auto pick is measured: placement from Alg. 1 over this machine's topology, then a short
+  warm-up profile (:func:`conduit.plane.autotune.profile_plane`), then the argmin of Eq. 2 over
+  the whole ``4·|G_ing|·|G_del|`` space (:class:`~conduit.plane.autotune.AutoScheduler`), then
+  the same measurement as the manual configurations;
+* the model's predicted ``T_iter`` for each manual configuration on the auto placement is
+  compared with the measured one (Pearson r, MAPE, top-k ordering, as Tab. 4).
+
+``T_iter`` is measured as the mean wall time per iteration over a whole number of ``g`` cycles,
+in a few rounds, reporting the median round.
+The auto pick's gap to the best manual configuration is reported per point (target: within
+5 %). Timings on a shared machine are noisy; the JSON keeps every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from conduit.bench.common import progress, table, write_json
+from conduit.bench.synthetic import (
+    Workload,
+    fill,
+    make_step,
+    measure,
+    register_ops,
+    synthetic_spec,
+)
+from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.errors import ConfigError
+from conduit.placement import Topology, plan_placement
+from conduit.plane import ExperienceDataPlane
+from conduit.plane.autotune import AutoScheduler
+from conduit.scheduling import Schedule, feasible_space, fidelity, predict
+from conduit.storage import Placement
+
+#: Target of DESIGN §8: the auto pick within 5 % of the best manual configuration.
+TARGET_GAP = 0.05
+#: Manual placements this benchmark knows how to build on any machine.
+PLACEMENTS = ("pageable", "pinned", "sharded-cpu")
+
+
+@dataclass(frozen=True)
+class ScheduleBenchArgs:
+    """Arguments of ``conduit bench schedule``."""
+
+    batch_sizes: tuple[int, ...] = arg((32, 128, 512, 1024), "batch sizes swept at --base-dim")
+    dims: tuple[int, ...] = arg((128, 1000, 10000), "transition dimensions swept at "
+                                                    "--base-batch")
+    base_dim: int = arg(1000, "transition dimension of the batch-size sweep")
+    base_batch: int = arg(512, "batch size of the dimension sweep")
+    granularities: tuple[int, ...] = arg((1, 2, 4, 8), "g of the manual configs (g_ing = g_del)")
+    placements: tuple[str, ...] = arg(PLACEMENTS, "manual placements (pageable, pinned, "
+                                                  "sharded-cpu)")
+    g_max: int = arg(8, "granularity cap of the auto-optimizer's space")
+    iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)")
+    rounds: int = arg(3, "measurement rounds per configuration; the median round is reported")
+    warmup: int = arg(2, "unmeasured iterations after each switch (at least g)")
+    profile_iters: int = arg(3, "measured operator invocations per g in the auto warm-up")
+    hidden: int = arg(64, "hidden width of the synthetic policy / learner MLPs")
+    capacity: int = arg(20_000, "buffer capacity (rows), capped by --buffer-mb")
+    buffer_mb: int = arg(512, "memory budget of one buffer (MB)")
+    fill_units: int = arg(8, "rollout units pushed before measuring")
+    compute_threads: int = arg(1, "torch threads for rollout/update compute")
+    top_k: int = arg(8, "size of the ranking compared (Tab. 4 uses 8)")
+    out: str = arg("runs/bench/schedule", "output directory for JSON and PNG")
+    quick: bool = arg(False, "tiny sweep for a smoke run (under a minute)")
+
+
+#: Values ``--quick`` uses for fields left at their defaults.
+_QUICK = {"batch_sizes": (32, 128), "dims": (128, 512), "base_dim": 128, "base_batch": 32,
+          "granularities": (1, 2, 4), "g_max": 4, "iters": 4, "rounds": 1, "warmup": 1,
+          "profile_iters": 1, "hidden": 16, "capacity": 2000, "fill_units": 4}
+
+
+def _quick(args: ScheduleBenchArgs) -> ScheduleBenchArgs:
+    defaults = {f.name: getattr(ScheduleBenchArgs(), f.name) for f in fields(args)}
+    over = {k: v for k, v in _QUICK.items() if getattr(args, k) == defaults[k]}
+    return replace(args, **over)
+
+
+def sweep_points(args: ScheduleBenchArgs) -> list[tuple[int, int]]:
+    """``(batch_size, dim)`` points: the batch sweep, then the dimension sweep (no repeats)."""
+    pts = [(b, args.base_dim) for b in args.batch_sizes]
+    pts += [(args.base_batch, d) for d in args.dims]
+    seen: set[tuple[int, int]] = set()
+    return [p for p in pts if not (p in seen or seen.add(p))]
+
+
+def _placement(name: str) -> Placement:
+    if name == "pageable":
+        return Placement.pageable()
+    if name == "pinned":
+        return Placement.pinned()
+    if name == "sharded-cpu":
+        return Placement.sharded(("cpu", "cpu"))
+    raise ConfigError("placements", f"unknown placement {name!r}; choose from {PLACEMENTS}")
+
+
+def _cycles(n: int, g: int) -> int:
+    return max(g, math.ceil(n / g) * g)
+
+
+class _Point:
+    """One sweep point: a workload and the planes built for it."""
+
+    def __init__(self, args: ScheduleBenchArgs, batch: int, dim: int) -> None:
+        self.args = args
+        self.batch = batch
+        self.dim = dim
+        self.spec = synthetic_spec(dim)
+        budget = max(batch, (args.buffer_mb << 20) // self.spec.bytes_per_sample)
+        self.capacity = max(batch, min(args.capacity, budget))
+        self.work = Workload(dim, args.hidden)
+        self.step = make_step(self.work, rollout_rows=batch)
+
+    def plane(self, placement: Placement) -> ExperienceDataPlane:
+        plane = ExperienceDataPlane(spec=self.spec, capacity=self.capacity,
+                                    batch_size=self.batch, placement=placement,
+                                    g_max=self.args.g_max, timeout=120.0)
+        register_ops(plane, on_policy=False)
+        units = max(1, min(self.args.fill_units, self.capacity // self.batch))
+        fill(plane, self.work, rollout_rows=self.batch, units=units)
+        return plane
+
+    def run(self, plane: ExperienceDataPlane, schedule: Schedule) -> dict[str, float]:
+        """Switch ``plane`` to ``schedule``, warm up, then measure ``rounds`` rounds of a whole
+        number of ``g`` cycles; the round with the median wall time is reported (robust to a
+        neighbour process stealing the CPU for part of a round)."""
+        plane.flush()
+        plane.set_schedule(schedule)
+        g = max(int(schedule.g_ing), int(schedule.g_del))
+        iters = _cycles(self.args.iters, g)
+        measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
+        rounds = [measure(plane, self.step, iters=iters, warmup=0)
+                  for _ in range(max(1, self.args.rounds))]
+        m = sorted(rounds, key=lambda r: r["wall"])[len(rounds) // 2]
+        return {"wall_ms": m["wall"] * 1e3, "exposed_ms": m["exposed"] * 1e3,
+                "rollout_ms": m["rollout"] * 1e3, "update_ms": m["update"] * 1e3,
+                "iters": iters, "rounds": len(rounds),
+                "round_wall_ms": [r["wall"] * 1e3 for r in rounds]}
+
+
+def run_point(args: ScheduleBenchArgs, batch: int, dim: int,
+              topology: Topology) -> dict[str, Any]:
+    """Measure every manual configuration and the auto pick at one point."""
+    pt = _Point(args, batch, dim)
+    manual: list[dict[str, Any]] = []
+    for pname in args.placements:
+        placement = _placement(pname)
+        progress(f"B={batch} d={dim}: manual configs on {pname}")
+        with pt.plane(placement) as plane:
+            for ov in (0, 1):
+                for g in args.granularities:
+                    s = Schedule(ov, g, ov, g)
+                    r = pt.run(plane, s)
+                    manual.append({"placement": pname, "placement_label": placement.label(),
+                                   "schedule": s.to_dict(), "label": s.label(), **r})
+    # Auto: Alg. 1 placement, warm-up profile, Eq. 2 argmin, then the same measurement.
+    decision = plan_placement(capacity=pt.capacity, actor_device="cpu", learner_device="cpu",
+                              topology=topology, spec_bytes=pt.spec.bytes_per_sample)
+    auto_place = decision.placement
+    progress(f"B={batch} d={dim}: auto (placement {auto_place.label()}, profile, choose, run)")
+    with pt.plane(auto_place) as plane:
+        space = feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
+        auto = AutoScheduler(plane=plane, step=pt.step, space=space,
+                             iterations_per_g=args.profile_iters,
+                             granularities=[g for g in args.granularities if g <= args.g_max],
+                             top_k=args.top_k)
+        t0 = time.perf_counter()
+        plan = auto.plan()
+        profile_s = time.perf_counter() - t0
+        r = pt.run(plane, plan.schedule)
+    profile = auto.profile
+    assert profile is not None
+    auto_row = {"placement": auto_place.label(), "schedule": plan.schedule.to_dict(),
+                "label": plan.schedule.label(), "predicted_ms": plan.prediction.t_iter * 1e3,
+                "profile_s": profile_s, "profile": profile.to_dict(),
+                "top_candidates": [c.to_dict() for c in plan.ranked], **r}
+    # Predictions for the manual configs on the auto placement (the profiled one).
+    same = [m for m in manual if m["placement_label"] == auto_place.label()]
+    for m in same:
+        s = Schedule(m["schedule"]["overlap_ing"], int(m["schedule"]["g_ing"]),
+                     m["schedule"]["overlap_del"], int(m["schedule"]["g_del"]))
+        m["predicted_ms"] = predict(profile, s).t_iter * 1e3
+    fid = None
+    if len(same) >= 2:
+        fid = fidelity([m["predicted_ms"] for m in same], [m["wall_ms"] for m in same],
+                       k=min(args.top_k, len(same)))
+        fid["configs"] = [f"{m['placement']} {m['label']}" for m in same]
+    best = min(manual, key=lambda m: m["wall_ms"])
+    gap = r["wall_ms"] / best["wall_ms"] - 1.0
+    return {"batch_size": batch, "dim": dim, "capacity": pt.capacity,
+            "bytes_per_sample": pt.spec.bytes_per_sample, "manual": manual, "auto": auto_row,
+            "best_manual": {"placement": best["placement"], "label": best["label"],
+                            "wall_ms": best["wall_ms"], "exposed_ms": best["exposed_ms"]},
+            "gap": gap, "within_target": gap <= TARGET_GAP, "fidelity": fid}
+
+
+def summarize(points: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Sweep-wide figures: gaps, pooled fidelity, per-point ranking agreement."""
+    pred = [m["predicted_ms"] for p in points for m in p["manual"] if "predicted_ms" in m]
+    meas = [m["wall_ms"] for p in points for m in p["manual"] if "predicted_ms" in m]
+    pooled = fidelity(pred, meas, k=min(k, len(pred))) if len(pred) >= 2 else None
+    fids = [p["fidelity"] for p in points if p["fidelity"]]
+    gaps = [p["gap"] for p in points]
+    return {"n_points": len(points), "target_gap": TARGET_GAP,
+            "max_gap": max(gaps) if gaps else None,
+            "mean_gap": sum(gaps) / len(gaps) if gaps else None,
+            "points_within_target": sum(p["within_target"] for p in points),
+            "fidelity_pooled": pooled,
+            "top_k_matches": sum(f["top_k_match"] for f in fids),
+            "best_matches": sum(f["best_match"] for f in fids), "fidelity_points": len(fids)}
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args = result["args"]
+    panels = [("batch size", "batch_size", [p for p in result["points"]
+                                            if p["dim"] == args["base_dim"]],
+               f"dim {args['base_dim']}"),
+              ("transition dimension", "dim", [p for p in result["points"]
+                                               if p["batch_size"] == args["base_batch"]],
+               f"batch {args['base_batch']}")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+    floor = 1e-3
+    for col, (xlabel, key, pts, fixed) in enumerate(panels):
+        for row, (metric, ylabel) in enumerate((("exposed_ms", "exposed experience path (ms)"),
+                                                ("wall_ms", "T_iter (ms)"))):
+            ax = axes[row][col]
+            for i, p in enumerate(pts):
+                ys = [max(m[metric], floor) for m in p["manual"]]
+                ax.scatter([p[key]] * len(ys), ys, c="0.6", s=14,
+                           label="manual configurations" if i == 0 else None)
+                ax.scatter([p[key]], [max(p["auto"][metric], floor)], marker="*", c="red",
+                           s=140, zorder=3, label="Conduit auto pick" if i == 0 else None)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(f"{xlabel} ({fixed})")
+            ax.set_ylabel(ylabel)
+            if pts:
+                ax.legend(fontsize=8)
+    fig.suptitle("Auto vs manual over placement x overlap x granularity (cf. Fig. 15)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_fid(f: dict[str, Any] | None) -> list[Any]:
+    if not f:
+        return ["-", "-", "-"]
+    r = "nan" if f["pearson_r"] != f["pearson_r"] else f"{f['pearson_r']:.3f}"
+    return [r, f"{f['mape']:.1f}%", f"{'yes' if f['top_k_match'] else 'no'} "
+                                    f"(best {'yes' if f['best_match'] else 'no'})"]
+
+
+def run(args: ScheduleBenchArgs) -> dict[str, Any]:
+    """Run the sweep; prints a table, writes JSON and PNG under ``args.out``."""
+    if args.quick:
+        args = _quick(args)
+    for name in args.placements:
+        _placement(name)
+    if any(g < 1 or g > args.g_max for g in args.granularities):
+        raise ConfigError("granularities", f"must lie in [1, g_max={args.g_max}]")
+    topology = Topology.detect()
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.compute_threads)
+    points = []
+    t0 = time.perf_counter()
+    try:
+        pts = sweep_points(args)
+        for i, (b, d) in enumerate(pts, 1):
+            progress(f"point {i}/{len(pts)}: batch {b}, dim {d}")
+            points.append(run_point(args, b, d, topology))
+            p = points[-1]
+            progress(f"  best manual {p['best_manual']['placement']} "
+                     f"{p['best_manual']['label']} {p['best_manual']['wall_ms']:.2f} ms; auto "
+                     f"{p['auto']['label']} {p['auto']['wall_ms']:.2f} ms "
+                     f"(gap {100 * p['gap']:+.1f}%)")
+    finally:
+        torch.set_num_threads(before)
+    summary = summarize(points, args.top_k)
+    summary["elapsed_s"] = time.perf_counter() - t0
+    rows = []
+    for p in points:
+        bm, au = p["best_manual"], p["auto"]
+        rows.append([p["batch_size"], p["dim"], f"{bm['placement']} {bm['label']}",
+                     bm["wall_ms"], f"{au['placement']} {au['label']}", au["wall_ms"],
+                     au["predicted_ms"], f"{100 * p['gap']:+.1f}%",
+                     *_fmt_fid(p["fidelity"])])
+    n_cfg = len(points[0]["manual"]) if points else 0
+    print(f"\nAuto pick vs {n_cfg} manual configurations per point (T_iter = mean wall ms per "
+          f"iteration, measured side by side in one run)")
+    print(table(["batch", "dim", "best manual", "ms", "auto pick", "ms", "predicted",
+                 "gap", "pearson r", "MAPE", f"top-{args.top_k} match"], rows))
+    pooled = summary["fidelity_pooled"]
+    if pooled:
+        print(f"\ncost model, pooled over {pooled['n']} configurations: Pearson r "
+              f"{pooled['pearson_r']:.3f}, MAPE {pooled['mape']:.1f}%; top-k ordering matched "
+              f"at {summary['top_k_matches']}/{summary['fidelity_points']} points, best "
+              f"config at {summary['best_matches']}/{summary['fidelity_points']}")
+    if summary["max_gap"] is not None:
+        print(f"auto pick within {100 * TARGET_GAP:.0f}% of the best manual config at "
+              f"{summary['points_within_target']}/{summary['n_points']} points (max gap "
+              f"{100 * summary['max_gap']:+.1f}%)")
+    out = Path(args.out)
+    result = {"args": asdict(args), "target_gap": TARGET_GAP, "points": points,
+              "summary": summary}
+    jp = write_json(out / "schedule.json", result)
+    _plot(result, out / "schedule.png")
+    print(f"\nwrote {jp} and {out / 'schedule.png'} ({summary['elapsed_s']:.0f} s)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit bench schedule``."""
+    p = argparse.ArgumentParser(prog="conduit bench schedule", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, ScheduleBenchArgs)
+    run(parse_dataclass(ScheduleBenchArgs, p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

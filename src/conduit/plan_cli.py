@@ -1,0 +1,302 @@
+"""``conduit plan``: print the placement and schedule Conduit would choose, without training.
+
+Placement comes from Alg. 1 over the topology (a preset, a JSON file, or this machine); the
+schedule from the iteration-latency model (Eq. 2) over the feasible space of the RL
+configuration. The operator costs the model needs come from one of:
+
+* ``--profile``: a short warm-up of the synthetic workload on this machine (real operators on a
+  real plane, :func:`conduit.plane.autotune.profile_plane`);
+* otherwise an estimate from the placement's transfer model: one invocation at granularity
+  ``g`` costs ``overhead + g·rows·T(p)`` for the ingestion (actor -> buffer) and delivery
+  (buffer -> learner) legs of the chosen placement.
+
+``--t-rollout-ms`` / ``--t-update-ms`` give the compute times measured in the real job; they
+override the warm-up's synthetic ones. Without them and without ``--profile``, 10 ms each is
+assumed (and said so).
+
+Example:
+    conduit plan --topology a100-8 --dim 5000 --capacity 1000000 --batch-size 512 \\
+        --t-rollout-ms 12 --t-update-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.errors import ConduitError, ConfigError
+from conduit.placement import PlacementDecision, Topology, plan_placement, preset, preset_names
+from conduit.scheduling import Plan, Profile, ScheduleSpace, choose, feasible_space
+
+#: Compute time assumed when neither measured times nor ``--profile`` are given.
+ASSUMED_COMPUTE_MS = 10.0
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """Arguments of ``conduit plan``."""
+
+    mode: Literal["off_policy", "on_policy"] = arg("off_policy", "RL mode")
+    dim: int = arg(1000, "transition dimension (float32 obs and next_obs of this size)")
+    bytes_per_sample: int | None = arg(None, "bytes per buffer sample (overrides --dim)")
+    capacity: int = arg(1_000_000, "buffer capacity in rows (on-policy: rows per iteration)")
+    batch_size: int = arg(512, "off-policy training batch size")
+    rollout_rows: int | None = arg(None, "rows per rollout unit (default: --batch-size)")
+    minibatches: int = arg(8, "on-policy mini-batches per epoch (M)")
+    g_max: int = arg(8, "off-policy granularity cap (bounds staleness and staging memory)")
+    topology: str = arg("", "preset name (" + ", ".join(preset_names()) + ") or a JSON file; "
+                            "empty: detect this machine")
+    learner_device: str = arg("", "learner endpoint (default: first accelerator, else cpu)")
+    actor_device: str = arg("cpu", "actor endpoint")
+    t_rollout_ms: float | None = arg(None, "measured rollout time per iteration (ms)")
+    t_update_ms: float | None = arg(None, "measured update time per iteration (ms)")
+    profile: bool = arg(False, "measure operator costs with a short synthetic warm-up here")
+    op_overhead_us: float = arg(100.0, "per-invocation operator overhead for the estimate (us)")
+    sync_us: float = arg(50.0, "sync cost of an overlapped operator for the estimate (us)")
+    top_k: int = arg(5, "schedule candidates to show")
+    json_out: str = arg("", "also write the decision as JSON to this path")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """What ``conduit plan`` decided.
+
+    Attributes:
+        placement: The placement decision (Alg. 1).
+        schedule: The schedule plan (Eq. 2 argmin).
+        profile_source: ``"profiled"`` or ``"estimated"``, plus notes on assumed values.
+        notes: Caveats printed with the result.
+    """
+
+    placement: PlacementDecision
+    schedule: Plan
+    profile_source: str
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly description."""
+        return {"placement": self.placement.to_dict(), "schedule": self.schedule.to_dict(),
+                "profile_source": self.profile_source, "notes": list(self.notes)}
+
+
+def load_topology(name: str) -> Topology:
+    """A preset by name, a topology JSON file by path, or this machine when ``name`` is empty.
+
+    Raises:
+        ConfigError: ``name`` is neither a preset nor an existing file (field ``topology``).
+    """
+    if not name:
+        return Topology.detect()
+    if name in preset_names():
+        return preset(name)
+    if os.path.exists(name):
+        return Topology.load(name)
+    raise ConfigError("topology", f"{name!r} is neither a preset ({', '.join(preset_names())}) "
+                                  "nor an existing JSON file")
+
+
+def _default_learner(topology: Topology) -> str:
+    node = topology.nodes[0]
+    if node.accelerators:
+        return topology.qualify(node.name, node.accelerators[0])
+    return "cpu"
+
+
+def _bytes_per_sample(args: PlanArgs) -> int:
+    if args.bytes_per_sample is not None:
+        if args.bytes_per_sample < 1:
+            raise ConfigError("bytes_per_sample", f"must be >= 1, got {args.bytes_per_sample}")
+        return args.bytes_per_sample
+    if args.dim < 1:
+        raise ConfigError("dim", f"must be >= 1, got {args.dim}")
+    from conduit.bench.synthetic import synthetic_spec
+    return synthetic_spec(args.dim).bytes_per_sample
+
+
+def _space(args: PlanArgs) -> ScheduleSpace:
+    if args.mode == "on_policy":
+        return feasible_space(mode="on_policy", num_minibatches=args.minibatches)
+    return feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
+
+
+def estimated_profile(args: PlanArgs, decision: PlacementDecision, space: ScheduleSpace,
+                      *, t_rollout: float, t_update: float) -> Profile:
+    """Operator costs from the transfer model of the chosen placement (no measurement).
+
+    One invocation at granularity ``g`` moves ``g`` rollout units (off-policy, ``rollout_rows``
+    rows each; on-policy ``g`` of the iteration's ``capacity`` rows) or ``g`` training batches;
+    it costs ``op_overhead + rows·T_leg`` with ``T_leg`` the per-sample ingest or deliver leg.
+    """
+    ev = decision.chosen_evaluation
+    over = args.op_overhead_us * 1e-6
+    if args.mode == "on_policy":
+        rows_ing = rows_del = float(args.capacity)
+    else:
+        rows_ing = float(args.rollout_rows or args.batch_size)
+        rows_del = float(args.batch_size)
+    t_ing = {g: over + float(g) * rows_ing * ev.ingest_s for g in space.g_ing}
+    t_del = {g: over + float(g) * rows_del * ev.deliver_s for g in space.g_del}
+    sync = args.sync_us * 1e-6
+    return Profile(t_rollout=t_rollout, t_update=t_update, t_ing=t_ing, t_del=t_del,
+                   t_sync_ing=sync, t_sync_del=sync)
+
+
+def measured_profile(args: PlanArgs, decision: PlacementDecision, space: ScheduleSpace,
+                     x: int) -> tuple[Profile, list[str]]:
+    """Profile the synthetic workload on this machine (a bounded warm-up).
+
+    The buffer is built for the chosen placement when this machine has its devices, otherwise
+    in pageable memory; its capacity is capped so the warm-up stays small.
+
+    Returns:
+        The profile and notes about what was substituted.
+    """
+    import torch
+
+    from conduit.bench.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
+    from conduit.plane import ExperienceDataPlane
+    from conduit.plane.autotune import profile_plane
+    from conduit.storage import Placement
+
+    notes: list[str] = []
+    dim = args.dim if args.bytes_per_sample is None else max(1, (x - 17) // 8)
+    spec = synthetic_spec(dim)
+    placement = decision.placement
+    if not all(_available_here(d) for d in placement.devices):
+        notes.append(f"profiled on this machine in pageable memory: it lacks "
+                     f"{placement.label()}")
+        placement = Placement.pageable()
+    learner = decision.learner_device.split("/")[-1]
+    if not _available_here(learner):
+        notes.append(f"profiled with the learner on cpu: this machine lacks {learner}")
+        learner = "cpu"
+    budget_rows = max(64, (256 << 20) // max(1, spec.bytes_per_sample))
+    work = Workload(dim, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if args.mode == "on_policy":
+            rows = min(args.capacity, budget_rows, 4096)
+            rows -= rows % args.minibatches
+            rows = max(rows, args.minibatches)
+            units = min(4, rows)
+            plane = ExperienceDataPlane(spec=spec, capacity=rows, mode="on_policy",
+                                        num_minibatches=args.minibatches, placement=placement,
+                                        learner_device=learner)
+            step = make_step(work, rollout_rows=rows // units, on_policy=True,
+                             onpolicy_units=units)
+            if rows != args.capacity:
+                notes.append(f"warm-up used {rows} rows per iteration, not {args.capacity}")
+        else:
+            batch = min(args.batch_size, budget_rows // (2 * args.g_max) or 1)
+            cap = min(args.capacity, budget_rows)
+            batch = min(batch, cap)
+            if batch != args.batch_size:
+                notes.append(f"warm-up used batch size {batch}, not {args.batch_size}")
+            plane = ExperienceDataPlane(spec=spec, capacity=cap, batch_size=batch,
+                                        g_max=args.g_max, placement=placement,
+                                        learner_device=learner)
+            step = make_step(work, rollout_rows=args.rollout_rows or batch)
+        register_ops(plane, on_policy=args.mode == "on_policy")
+        with plane:
+            if args.mode == "off_policy":
+                fill(plane, work, rollout_rows=args.rollout_rows or batch, units=4)
+            measure_g = [g for g in space.g_ing if g.denominator > 1 or _pow2(g)]
+            prof = profile_plane(plane, step, space=space, iterations_per_g=2,
+                                 granularities=measure_g)
+    finally:
+        torch.set_num_threads(before)
+    return prof, notes
+
+
+def _pow2(g: Fraction) -> bool:
+    n = int(g)
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _available_here(device: str) -> bool:
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    return False
+
+
+def plan(args: PlanArgs) -> PlanResult:
+    """Decide placement and schedule for ``args`` (no printing).
+
+    Raises:
+        ConfigError: Bad arguments.
+        CapacityError: No placement fits the buffer.
+    """
+    topology = load_topology(args.topology)
+    learner = args.learner_device or _default_learner(topology)
+    x = _bytes_per_sample(args)
+    rows = args.capacity
+    decision = plan_placement(capacity=rows, actor_device=args.actor_device,
+                              learner_device=learner, topology=topology, spec_bytes=x)
+    space = _space(args)
+    notes: list[str] = []
+    given = {"t_rollout": None if args.t_rollout_ms is None else args.t_rollout_ms * 1e-3,
+             "t_update": None if args.t_update_ms is None else args.t_update_ms * 1e-3}
+    if args.profile:
+        prof, notes = measured_profile(args, decision, space, x)
+        if args.topology:
+            notes.append("operator costs were measured on this machine, not on the topology "
+                         "being planned for")
+        prof = replace(prof, **{k: v for k, v in given.items() if v is not None})
+        source = "profiled (synthetic warm-up on this machine)"
+    else:
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            notes.append(f"assumed {ASSUMED_COMPUTE_MS:g} ms for "
+                         f"{' and '.join(m[2:] for m in missing)}; pass --t-rollout-ms/"
+                         f"--t-update-ms or --profile")
+        t = {k: (ASSUMED_COMPUTE_MS * 1e-3 if v is None else v) for k, v in given.items()}
+        prof = estimated_profile(args, decision, space, **t)
+        source = "estimated from the transfer model"
+    return PlanResult(placement=decision, schedule=choose(prof, space, top_k=args.top_k),
+                      profile_source=source, notes=tuple(notes))
+
+
+def render(result: PlanResult) -> str:
+    """The text ``conduit plan`` prints."""
+    lines = ["== placement (Alg. 1) ==", result.placement.explain(), "",
+             f"== schedule (Eq. 2; operator costs {result.profile_source}) ==",
+             result.schedule.explain(), "",
+             f"chosen placement: {result.placement.placement.label()}",
+             f"chosen schedule:  {result.schedule.schedule.label()}"]
+    lines += [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit plan``."""
+    p = argparse.ArgumentParser(prog="conduit plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, PlanArgs)
+    args = parse_dataclass(PlanArgs, p.parse_args(argv))
+    try:
+        result = plan(args)
+    except ConduitError as exc:
+        print(f"conduit plan: {exc}")
+        return 2
+    print(render(result))
+    if args.json_out:
+        path = Path(args.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

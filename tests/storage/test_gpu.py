@@ -1,0 +1,55 @@
+"""CUDA placements: skipped cleanly on machines without a GPU (run with ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conduit import ExperienceDataPlane, Placement, Schedule
+from conduit.storage import ExperienceBuffer, PrioritizedSampler, UniformSampler
+from tests.conftest import make_rows
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("sampler", [UniformSampler, PrioritizedSampler])
+def test_same_seed_same_batches_on_cuda_and_pageable(small_spec, sampler):
+    placements = [Placement.pageable(), Placement.pinned(), Placement.device("cuda:0"),
+                  Placement.sharded(["cuda:0", "cpu"])]
+    if torch.cuda.device_count() > 1:
+        placements.append(Placement.sharded(["cuda:0", "cuda:1"]))
+    runs = []
+    for p in placements:
+        buf = ExperienceBuffer(spec=small_spec, capacity=50, sampler=sampler(seed=9),
+                               placement=p)
+        buf.extend(make_rows(small_spec, 70))  # wraps
+        batches = [buf.sample(16, device=torch.device("cpu")) for _ in range(5)]
+        runs.append(batches)
+    for p, got in zip(placements[1:], runs[1:]):
+        for a, b in zip(runs[0], got):
+            for k in a:
+                assert torch.equal(a[k].cpu(), b[k].cpu()), (p, k)
+
+
+def test_plane_with_cuda_learner_delivers_on_cuda_and_migrates(small_spec):
+    for sched in (Schedule(0, 1, 0, 1), Schedule(1, 1, 1, 2)):
+        with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8,
+                                 placement=Placement.pageable(), learner_device="cuda:0",
+                                 schedule=sched, seed=1) as plane:
+            plane.push(make_rows(small_spec, 40))
+            plane.flush()
+            b = plane.pull()
+            assert all(v.device.type == "cuda" for k, v in b.items() if not k.startswith("_"))
+            before = plane.buffer.store.get(torch.arange(40), device=torch.device("cpu"))
+            for target in (Placement.device("cuda:0"), Placement.sharded(["cuda:0", "cpu"]),
+                           Placement.pinned()):
+                plane.migrate(target)
+                after = plane.buffer.store.get(torch.arange(40), device=torch.device("cpu"))
+                for k in before:
+                    assert torch.equal(before[k], after[k]), (target, k)
+                b = plane.pull()
+                assert b["obs"].device.type == "cuda"
+                assert torch.equal(b["obs"][:, 0].cpu(), b["id"].cpu().to(torch.float32))

@@ -1,0 +1,78 @@
+"""``conduit plan``: placement and schedule printed for a configuration, without training."""
+
+from __future__ import annotations
+
+import json
+
+from conduit.placement import preset
+from conduit.plan_cli import PlanArgs, main, plan
+from conduit.scheduling import choose
+
+
+def _chosen(out: str) -> tuple[str, str]:
+    lines = out.splitlines()
+    place = next(ln for ln in lines if ln.startswith("chosen placement:")).split(":", 1)[1]
+    sched = next(ln for ln in lines if ln.startswith("chosen schedule:")).split(":", 1)[1]
+    return place.strip(), sched.strip()
+
+
+def test_plan_on_a_preset_prints_both_explanations(capsys):
+    argv = ["--topology", "a100-8", "--dim", "5000", "--capacity", "1000000",
+            "--batch-size", "512", "--learner-device", "cuda:0",
+            "--t-rollout-ms", "12", "--t-update-ms", "20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    place, sched = _chosen(out)
+    assert place == "device[cuda:0]"  # 40 GB fits one A100 and is next to the learner
+    assert "== placement (Alg. 1) ==" in out and "top candidates (ms):" in out
+    assert "sharded[cuda:0,cuda:1]" in out  # the candidate table
+    expected = plan(PlanArgs(topology="a100-8", dim=5000, capacity=1_000_000, batch_size=512,
+                             learner_device="cuda:0", t_rollout_ms=12.0, t_update_ms=20.0))
+    assert sched == expected.schedule.schedule.label()
+    assert expected.schedule.schedule == choose(expected.schedule.profile, _space()).schedule
+    assert "T_rollout=12.000 ms" in out
+
+
+def _space():
+    from conduit.scheduling import feasible_space
+    return feasible_space(mode="off_policy", g_max_ing=8, g_max_del=8)
+
+
+def test_plan_rejects_a_buffer_that_fits_no_device(capsys):
+    argv = ["--topology", "a100-8", "--bytes-per-sample", "4000000", "--capacity", "1000000",
+            "--t-rollout-ms", "5", "--t-update-ms", "5"]
+    assert main(argv) == 2
+    assert "fits no candidate placement" in capsys.readouterr().out
+
+
+def test_plan_on_policy_from_a_topology_file(tmp_path, capsys):
+    path = tmp_path / "topo.json"
+    preset("mi250x-8").save(path)
+    out_json = tmp_path / "plan.json"
+    argv = ["--mode", "on_policy", "--topology", str(path), "--capacity", "65536",
+            "--minibatches", "4", "--dim", "1000", "--json-out", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    place, sched = _chosen(out)
+    assert place.startswith("device[") or place.startswith("sharded[")
+    assert sched.endswith("g=1/4)")  # on-policy delivery is one mini-batch per invocation
+    assert "assumed 10 ms" in out
+    data = json.loads(out_json.read_text())
+    assert data["schedule"]["mode"] == "on_policy"
+    assert data["schedule"]["num_candidates"] == 16
+
+
+def test_plan_with_a_short_profile_on_this_machine(capsys):
+    argv = ["--dim", "32", "--capacity", "2000", "--batch-size", "32", "--g-max", "2",
+            "--profile", "--learner-device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    place, sched = _chosen(out)
+    assert place in ("pageable", "pinned")
+    assert "profiled (synthetic warm-up on this machine)" in out
+    assert sched.startswith("ing(")
+
+
+def test_unknown_topology_is_a_clear_error(capsys):
+    assert main(["--topology", "no-such-preset"]) == 2
+    assert "neither a preset" in capsys.readouterr().out
