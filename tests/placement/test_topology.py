@@ -160,13 +160,16 @@ def test_detect_on_this_machine(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CONDUIT_CACHE_DIR", str(tmp_path))
     t = Topology.detect()
     names = t.nodes[0].device_names
-    assert CPU in names and CPU_PINNED in names
+    import torch
+    assert CPU in names
+    # Pinned memory needs a CUDA driver; without one it is not offered as a placement.
+    assert (CPU_PINNED in names) == torch.cuda.is_available()
     assert t.memory(CPU) > 0
     assert t.source == "detected"
     assert t.estimated  # no profile cached in an empty cache dir
-    assert t.bandwidth(CPU, CPU_PINNED) > 0
+    if torch.cuda.is_available():
+        assert t.bandwidth(CPU, CPU_PINNED) > 0
     assert Topology.from_json(t.to_json()) == t
-    import torch
     if not torch.cuda.is_available():
         assert t.nodes[0].accelerators == ()
 

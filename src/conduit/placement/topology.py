@@ -350,8 +350,12 @@ class Topology:
         import torch
 
         avail = int(psutil.virtual_memory().available)
-        devices = [DeviceInfo(name=CPU, memory_bytes=avail, model="host"),
-                   DeviceInfo(name=CPU_PINNED, memory_bytes=avail // 2, model="host (pinned)")]
+        devices = [DeviceInfo(name=CPU, memory_bytes=avail, model="host")]
+        if torch.cuda.is_available():
+            # Page-locking needs a CUDA driver; without one "pinned" would be pageable memory
+            # under another name, so the endpoint is not offered to the planner at all.
+            devices.append(DeviceInfo(name=CPU_PINNED, memory_bytes=avail // 2,
+                                      model="host (pinned)"))
         accs: list[str] = []
         if torch.cuda.is_available():
             for i in range(torch.cuda.device_count()):
@@ -377,8 +381,9 @@ class Topology:
                     rev = table.get((d, s))
                     if est and rev is not None and not rev[1]:
                         table[(s, d)] = (rev[0], False)
+        present = {dev.name for dev in devices}
         links = tuple(Link(src=s, dst=d, bandwidth=bw, estimated=est)
-                      for (s, d), (bw, est) in table.items())
+                      for (s, d), (bw, est) in table.items() if s in present and d in present)
         name = socket.gethostname().split(".")[0] or "node0"
         name = name.replace("/", "_")
         return cls.single_node(devices=devices, links=links, name=name, source="detected")

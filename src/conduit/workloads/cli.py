@@ -129,6 +129,10 @@ def _demo_args(d: DemoArgs, buffer: str) -> Any:
     raise ValueError(f"algo: must be dqn, sac or ppo, got {d.algo!r}")
 
 
+def _change(red: float) -> str:
+    return f"{100 * red:.0f}% lower" if red >= 0 else f"{-100 * red:.0f}% higher"
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit demo``: a heavy-payload workload, inline and then Conduit."""
     p = argparse.ArgumentParser(
@@ -170,8 +174,8 @@ def demo_main(argv: list[str] | None = None) -> int:
     print("\nper-iteration medians (ms)    inline    conduit")
     for k in ("rollout", "ingestion", "delivery", "update", "other", "exposed", "end_to_end"):
         print(f"  {k:<26} {1000 * inline[k]:8.2f}   {1000 * conduit[k]:8.2f}")
-    print(f"\nexposed experience-path latency: {100 * red_exp:+.0f}% lower with Conduit")
-    print(f"end-to-end iteration latency:    {100 * red_e2e:+.0f}% lower with Conduit")
+    print(f"\nexposed experience-path latency: {_change(red_exp)} with Conduit")
+    print(f"end-to-end iteration latency:    {_change(red_e2e)} with Conduit")
     plan = results["conduit"].plan
     print(f"\nplan Conduit chose: placement {plan.get('placement')}, schedule "
           f"{plan.get('schedule')}")

@@ -34,8 +34,9 @@ def mlp(sizes: list[int], *, activation: type[nn.Module] = nn.ReLU,
 class ConvEncoder(nn.Module):
     """Small conv encoder for ``N×H×W×3`` uint8 images.
 
-    Large images are first subsampled to about 64×64 by striding, so the learner's cost stays
-    bounded as the payload grows (the payload is what the experience path carries).
+    Large images are first subsampled to about 32×32 by striding, so the learner's cost stays
+    small and bounded as the payload grows: these workloads stress the experience path, which
+    carries the full image.
 
     Args:
         image_size: Image side in pixels.
@@ -44,11 +45,11 @@ class ConvEncoder(nn.Module):
 
     def __init__(self, image_size: int, features: int = 64) -> None:
         super().__init__()
-        self.stride = max(1, image_size // 64)
+        self.stride = max(1, image_size // 32)
         side = (image_size + self.stride - 1) // self.stride
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 8, stride=4), nn.ReLU(),
-            nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.Flatten())
+            nn.Conv2d(3, 16, 5, stride=2), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(), nn.Flatten())
         with torch.no_grad():
             n = self.net(torch.zeros(1, 3, side, side)).shape[1]
         self.head = nn.Sequential(nn.Linear(n, features), nn.ReLU())

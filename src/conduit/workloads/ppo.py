@@ -45,6 +45,8 @@ class Args:
     placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0")
     seed: int = arg(1, "random seed")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
+    learner_threads: int = arg(0, "torch threads of the learner (0: the cores the actors "
+                               "leave free, at least 1)")
     use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
     address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray)")
     log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
@@ -123,6 +125,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
     np.random.seed(args.seed)
     runner.quiet_readonly_warning()
     device = runner.resolve_device(args.device)
+    runner.set_learner_threads(args.learner_threads, actors=args.actors, use_ray=args.use_ray)
     info = env_info(args.env, image_size=args.image_size)
     rows_per_iter = args.actors * args.envs_per_actor * args.steps_per_rollout
     if rows_per_iter % args.num_minibatches:

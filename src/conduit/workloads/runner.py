@@ -41,6 +41,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_learner_threads(n: int, *, actors: int, use_ray: bool) -> int:
+    """Set torch's intra-op threads for the learner and return the count.
+
+    ``0`` picks one thread per core left over by the actors (at least one): on a small machine
+    an oversubscribed learner slows down several-fold.
+    """
+    import os
+
+    if n <= 0:
+        spare = (os.cpu_count() or 1) - (actors if use_ray else 0)
+        n = max(1, min(torch.get_num_threads(), spare))
+    torch.set_num_threads(n)
+    return n
+
+
 def parse_schedule(text: str) -> Any:
     """``"inline"``, ``"auto"`` or ``"ov_ing,g_ing,ov_del,g_del"`` (g may be ``1/4``)."""
     from conduit import Schedule
