@@ -185,6 +185,19 @@ def test_migration_triggers_a_replan():
         assert not auto.observe().replan
 
 
+def test_plane_migration_is_noticed_by_observe():
+    from conduit.storage import Placement
+    with _off_policy_plane(g_max=2) as plane:
+        auto = AutoScheduler(plane=plane, profile=_profile(t_ing={1: 0.004, 2: 0.005},
+                                                           t_del={1: 0.003, 2: 0.004}))
+        auto.plan()
+        assert not auto.observe().replan
+        plane.migrate(Placement.sharded(["cpu", "cpu"]))
+        d = auto.observe()
+        assert d.replan and "migration" in d.reasons
+        assert not auto.observe().replan
+
+
 def test_replan_with_a_step_measures_again():
     with _off_policy_plane(g_max=2) as plane:
         auto = AutoScheduler(plane=plane, step=_off_policy_step, iterations_per_g=1)

@@ -15,3 +15,14 @@ def test_discarded_prefetch_wakes_the_delivery_worker(small_spec):
             b = plane.pull(timeout=5)
             plane.update_priorities(b["_index"], torch.rand(16) + 0.1)
         assert plane.stats()["discarded_batches"] > 0
+
+
+def test_switch_to_smaller_g_with_pending_units_does_not_block(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=200, batch_size=4, timeout=3,
+                             schedule=Schedule(0, 8, 0, 1)) as plane:
+        for i in range(7):  # 7 pending units: more than g_ing=1 allows
+            plane.push(make_rows(small_spec, 2, start=2 * i))
+        assert plane.stats()["pending_units"] == 7
+        plane.set_schedule(Schedule(0, 1, 0, 1))
+        plane.push(make_rows(small_spec, 2, start=14))
+        assert plane.stats()["ingested_units"] == 8 and len(plane.buffer) == 16

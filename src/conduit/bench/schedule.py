@@ -64,14 +64,15 @@ class ScheduleBenchArgs:
     base_dim: int = arg(1000, "transition dimension of the batch-size sweep")
     base_batch: int = arg(512, "batch size of the dimension sweep")
     granularities: tuple[int, ...] = arg((1, 2, 4, 8), "g of the manual configs (g_ing = g_del)")
-    placements: tuple[str, ...] = arg(PLACEMENTS, "manual placements (pageable, pinned, "
-                                                  "sharded-cpu)")
+    placements: tuple[str, ...] = arg((), "manual placements among pageable, pinned, "
+                                          "sharded-cpu (default: all with CUDA; without it "
+                                          "pinned is pageable memory, so it is left out)")
     g_max: int = arg(8, "granularity cap of the auto-optimizer's space")
     iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)")
     rounds: int = arg(3, "measurement rounds per configuration; the median round is reported")
     warmup: int = arg(2, "unmeasured iterations after each switch (at least g)")
     profile_iters: int = arg(3, "measured operator invocations per g in the auto warm-up")
-    hidden: int = arg(64, "hidden width of the synthetic policy / learner MLPs")
+    hidden: int = arg(32, "hidden width of the synthetic policy / learner MLPs")
     capacity: int = arg(20_000, "buffer capacity (rows), capped by --buffer-mb")
     buffer_mb: int = arg(512, "memory budget of one buffer (MB)")
     fill_units: int = arg(8, "rollout units pushed before measuring")
@@ -275,6 +276,9 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
     """Run the sweep; prints a table, writes JSON and PNG under ``args.out``."""
     if args.quick:
         args = _quick(args)
+    if not args.placements:
+        args = replace(args, placements=PLACEMENTS if torch.cuda.is_available()
+                       else ("pageable", "sharded-cpu"))
     for name in args.placements:
         _placement(name)
     if any(g < 1 or g > args.g_max for g in args.granularities):
@@ -282,7 +286,8 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
     topology = Topology.detect()
     before = torch.get_num_threads()
     torch.set_num_threads(args.compute_threads)
-    points = []
+    points: list[dict[str, Any]] = []
+    out = Path(args.out)
     t0 = time.perf_counter()
     try:
         pts = sweep_points(args)
@@ -294,6 +299,8 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
                      f"{p['best_manual']['label']} {p['best_manual']['wall_ms']:.2f} ms; auto "
                      f"{p['auto']['label']} {p['auto']['wall_ms']:.2f} ms "
                      f"(gap {100 * p['gap']:+.1f}%)")
+            write_json(out / "schedule.json", {"args": asdict(args), "target_gap": TARGET_GAP,
+                                               "points": points, "partial": True})
     finally:
         torch.set_num_threads(before)
     summary = summarize(points, args.top_k)
@@ -320,7 +327,6 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
         print(f"auto pick within {100 * TARGET_GAP:.0f}% of the best manual config at "
               f"{summary['points_within_target']}/{summary['n_points']} points (max gap "
               f"{100 * summary['max_gap']:+.1f}%)")
-    out = Path(args.out)
     result = {"args": asdict(args), "target_gap": TARGET_GAP, "points": points,
               "summary": summary}
     jp = write_json(out / "schedule.json", result)

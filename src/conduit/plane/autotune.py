@@ -34,6 +34,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -126,11 +127,13 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
 
     For each schedule of :func:`profiling_schedules` the plane is switched with
     :meth:`~ExperienceDataPlane.set_schedule` and ``step(plane)`` runs ``warmup`` unmeasured
-    and then ``iterations_per_g`` measured operator invocations' worth of iterations. The
-    operator costs ``T_ing(g)`` / ``T_del(g)`` are read from the inline runs; the sync costs
-    from the overlapped runs; ``T_rollout`` / ``T_update`` from both. The plane's own timings
-    are left in place (the profile reads only the measured windows) and the plane's schedule is
-    restored at the end.
+    and then ``iterations_per_g`` measured operator invocations' worth of iterations.
+    ``T_rollout``, ``T_update``, ``T_ing(g)`` and ``T_del(g)`` are read from the inline runs.
+    The sync costs come from the overlapped runs: the plane's ``sync_ing`` / ``sync_del``
+    hand-off times plus the slowdown overlap inflicts on the neighbouring compute stage (the
+    median rollout / update time under overlap minus the inline one, if positive), since both
+    are critical-path time that overlap adds. The plane's own timings are left in place (the
+    profile reads only the measured windows) and the plane's schedule is restored at the end.
 
     Off-policy, ``step`` is assumed to push one rollout unit and pull one training batch; the
     number of steps per granularity ``g`` is then ``(warmup + iterations_per_g)·g``. On-policy,
@@ -162,7 +165,8 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
     schedules = profiling_schedules(space, granularities)
     for s in schedules:
         plane.space.check(s)
-    collected = Timings(window=1 << 16)
+    inline = Timings(window=1 << 16)
+    overlapped = Timings(window=1 << 16)
     original = plane.schedule
     try:
         for sched in schedules:
@@ -173,12 +177,34 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
             for _ in range(_steps_for(plane, sched, iterations_per_g)):
                 step(plane)
             _switch(plane, sched)  # quiesce: in-flight invocations finish and are recorded
-            names = (("rollout", "update", "ingestion", "delivery") if not sched.overlap_ing
-                     else ("rollout", "update", "sync_ing", "sync_del"))
-            _copy_since(plane.timings, collected, names, t0)
+            if sched.overlap_ing:
+                _copy_since(plane.timings, overlapped, ("rollout", "update", "sync_ing",
+                                                        "sync_del"), t0)
+            else:
+                _copy_since(plane.timings, inline, ("rollout", "update", "ingestion",
+                                                    "delivery"), t0)
     finally:
         _switch(plane, original)
-    return profile_from_timings(collected, space, default_sync=default_sync)
+    for name in ("sync_ing", "sync_del"):
+        for r in overlapped.records(name):
+            inline.record(r.name, r.seconds, units=r.units, start=r.start)
+    prof = profile_from_timings(inline, space, default_sync=default_sync)
+    # Overlap costs the critical path its hand-off time plus the slowdown its background
+    # worker inflicts on the compute it runs next to (shared cores, memory bandwidth).
+    return replace(prof,
+                   t_sync_ing=prof.t_sync_ing + _slowdown(inline, overlapped, "rollout"),
+                   t_sync_del=prof.t_sync_del + _slowdown(inline, overlapped, "update"))
+
+
+def _median(t: Timings, name: str) -> float | None:
+    secs = [r.seconds for r in t.records(name)]
+    return statistics.median(secs) if secs else None
+
+
+def _slowdown(inline: Timings, overlapped: Timings, name: str) -> float:
+    """How much longer a compute stage ran under overlap than inline (``>= 0``)."""
+    a, b = _median(inline, name), _median(overlapped, name)
+    return 0.0 if a is None or b is None else max(0.0, b - a)
 
 
 def _switch(plane: ExperienceDataPlane, schedule: Schedule) -> None:
@@ -253,6 +279,7 @@ class AutoScheduler:
         self.history: list[tuple[tuple[str, ...], Plan]] = []
         self._seen: dict[str, int] = {}
         self._recent: list[TimingRecord] = []
+        self._migrations_seen = plane.timings.count("migration")
 
     # ------------------------------------------------------------------ planning
 
@@ -325,6 +352,11 @@ class AutoScheduler:
             ConfigError: :meth:`plan` was not called yet.
         """
         policy = self._require_policy()
+        migrations = self.plane.timings.count("migration")
+        if migrations > self._migrations_seen:
+            # The plane moved its buffer (Alg. 2): operator costs changed with the placement.
+            self._migrations_seen = migrations
+            self.notify_migration()
         new = self._new_records()
         decision = policy.decision()
         for r in new:

@@ -390,6 +390,9 @@ class ExperienceDataPlane:
         """
         self._check_open()
         self.space.check(schedule)
+        # Units queued under the old granularity are ingested under it first, so a smaller
+        # g_ing never starts with more pending units than its backpressure bound allows.
+        self.flush()
         with self.paused():
             self._start(schedule)
 
@@ -462,6 +465,14 @@ class ExperienceDataPlane:
                         break
                 elif len(self._pending) + self._inflight_units < self._max_pending_units():
                     break
+                elif self.schedule.overlap_ing == 0 and not self._paused:
+                    # Inline ingestion: this thread is the one that drains the queue.
+                    self._cv.release()
+                    try:
+                        self._drain_inline(force=True)
+                    finally:
+                        self._cv.acquire()
+                    continue
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     raise BackpressureTimeout(

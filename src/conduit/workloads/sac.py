@@ -33,7 +33,6 @@ class Args:
                    "metaworld/reach-v3 (needs the optional metaworld extra)")
     image_size: int = arg(0, "attach a size x size x 3 uint8 image to every observation "
                           "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
-    num_agents: int = arg(4, "unused by SAC (single-agent environments only)")
     actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)")
     envs_per_actor: int = arg(2, "environment copies each actor steps in lock-step")
     steps_per_rollout: int = arg(16, "lock-steps per actor per iteration (one rollout unit)")

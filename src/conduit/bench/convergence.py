@@ -1,0 +1,183 @@
+"""``conduit bench convergence``: learning curves inline against Conduit (the paper's Fig. 17).
+
+For each algorithm and seed, the same trainer runs with ``--buffer inline`` and
+``--buffer conduit``. The benchmark records the mean return of the last 20 finished episodes
+after every iteration, against the iteration and against wall-clock time, and reports when each
+run first reaches the target return (PPO on CartPole-v1: 475; DQN on CartPole-v1: 195).
+Same iterations to target means the algorithm is unchanged; less wall time means Conduit's
+shorter iterations pay off.
+
+    conduit bench convergence --out runs/bench/convergence
+    conduit bench convergence --algos ppo --seeds 1 2 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conduit.bench.common import table, write_json
+from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.workloads import runner
+
+TARGETS = {"ppo": 475.0, "dqn": 195.0}
+
+
+@dataclass(frozen=True)
+class ConvergenceArgs:
+    """Arguments of ``conduit bench convergence``."""
+
+    algos: tuple[str, ...] = arg(("ppo", "dqn"), "algorithms to run on CartPole-v1 (ppo, dqn)")
+    seeds: tuple[int, ...] = arg((1, 2, 3), "seeds; each runs inline and with Conduit")
+    ppo_iters: int = arg(80, "PPO iterations per run (1,024 env steps each)")
+    dqn_iters: int = arg(250, "DQN iterations per run (128 env steps each)")
+    window: int = arg(20, "episodes in the moving mean of the return")
+    actors: int = arg(2, "Ray rollout actors")
+    device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
+    use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
+    out: str = arg("runs/bench/convergence", "folder for convergence.json / convergence.png")
+
+
+def curve(result: runner.RunResult, window: int) -> list[dict[str, float]]:
+    """Per iteration: the moving mean return of the last ``window`` finished episodes.
+
+    Wall time counts from the end of the first iteration, so the actors' start-up (process
+    launch, imports) is not charged to either mode.
+    """
+    t0 = result.records[0].wall_time if result.records else 0.0
+    by_iter: dict[int, list[float]] = {}
+    for it, _, r in result.returns:
+        by_iter.setdefault(it, []).append(r)
+    recent: list[float] = []
+    out = []
+    for rec in result.records:
+        recent = (recent + by_iter.get(rec.iteration, []))[-window:]
+        out.append({"iteration": rec.iteration + 1, "wall_s": rec.wall_time - t0,
+                    "return": sum(recent) / len(recent) if recent else float("nan")})
+    return out
+
+
+def first_reach(points: list[dict[str, float]], target: float) -> dict[str, float] | None:
+    """The first point whose moving mean reaches ``target``."""
+    for p in points:
+        if not math.isnan(p["return"]) and p["return"] >= target:
+            return p
+    return None
+
+
+def run(a: ConvergenceArgs) -> dict[str, Any]:
+    """Run every (algo, seed, mode) and write JSON + PNG; returns the JSON payload."""
+    from dataclasses import replace
+
+    from conduit.workloads import dqn, ppo
+    from conduit.workloads.actors import init_ray
+
+    bad = [x for x in a.algos if x not in TARGETS]
+    if bad:
+        raise SystemExit(f"algos: {bad} not supported; choose from {sorted(TARGETS)}")
+    started = init_ray() if a.use_ray else False
+    runs: list[dict[str, Any]] = []
+    try:
+        for algo in a.algos:
+            for seed in a.seeds:
+                for buffer in ("inline", "conduit"):
+                    if algo == "ppo":
+                        args = ppo.Args(iters=a.ppo_iters, steps_per_rollout=128,
+                                        envs_per_actor=4)
+                        mod = ppo
+                    else:
+                        args = dqn.Args(iters=a.dqn_iters)
+                        mod = dqn
+                    args = replace(args, env="CartPole-v1", buffer=buffer, seed=seed,
+                                   actors=a.actors, device=a.device, use_ray=a.use_ray,
+                                   log_every=0)
+                    t0 = time.perf_counter()
+                    res = mod.train(args)
+                    pts = curve(res, a.window)
+                    hit = first_reach(pts, TARGETS[algo])
+                    runs.append({"algo": algo, "seed": seed, "buffer": buffer, "curve": pts,
+                                 "reached": hit, "final_return": pts[-1]["return"],
+                                 "median_iteration_s": res.summary["end_to_end"],
+                                 "losses_finite": res.losses_finite})
+                    where = (f"reached {TARGETS[algo]:.0f} at iteration {hit['iteration']} "
+                             f"({hit['wall_s']:.0f}s)" if hit else "did not reach the target")
+                    print(f"  .. {algo} seed {seed} {buffer:<8} "
+                          f"{time.perf_counter() - t0:5.0f}s  final {pts[-1]['return']:6.1f}  "
+                          f"{where}", flush=True)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    rows = []
+    for algo in a.algos:
+        for buffer in ("inline", "conduit"):
+            rs = [r for r in runs if r["algo"] == algo and r["buffer"] == buffer]
+            hits = [r["reached"] for r in rs if r["reached"]]
+            rows.append([algo, buffer, f"{len(hits)}/{len(rs)}",
+                         _med([h["iteration"] for h in hits]), _med([h["wall_s"] for h in hits]),
+                         _med([r["final_return"] for r in rs]),
+                         _med([1000 * r["median_iteration_s"] for r in rs])])
+    print(f"\nCartPole-v1, targets {TARGETS}; medians over seeds that reached the target")
+    print(table(["algo", "buffer", "reached", "iters to target", "wall s to target",
+                 "final return", "ms / iteration"], rows))
+    out = Path(a.out)
+    payload = {"args": a.__dict__, "targets": TARGETS, "runs": runs}
+    write_json(out / "convergence.json", payload)
+    png = plot(runs, a.algos, out / "convergence.png")
+    print(f"wrote {out / 'convergence.json'} and {png}")
+    return payload
+
+
+def _med(xs: list[float]) -> float | str:
+    return statistics.median(xs) if xs else "-"
+
+
+def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path:
+    """Return against iteration (left) and wall-clock time (right), one row per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(algos), 2, figsize=(10, 3.2 * len(algos)), squeeze=False)
+    colors = {"inline": "#8c8c8c", "conduit": "#C44E52"}
+    for row, algo in enumerate(algos):
+        for r in (x for x in runs if x["algo"] == algo):
+            label = ("inline (sequential)" if r["buffer"] == "inline" else "Conduit")
+            first = r["seed"] == min(x["seed"] for x in runs if x["algo"] == algo)
+            for col, key in ((0, "iteration"), (1, "wall_s")):
+                axes[row][col].plot([p[key] for p in r["curve"]],
+                                    [p["return"] for p in r["curve"]],
+                                    color=colors[r["buffer"]], alpha=0.8, lw=1.2,
+                                    label=label if first else None)
+        for col, xlabel in ((0, "training iteration"), (1, "wall-clock time (s)")):
+            ax = axes[row][col]
+            ax.axhline(TARGETS[algo], ls="--", color="k", lw=0.8)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("episode return (moving mean)")
+            ax.set_title(f"{algo.upper()} on CartPole-v1", fontsize=10)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit bench convergence``."""
+    p = argparse.ArgumentParser(prog="conduit bench convergence", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, ConvergenceArgs)
+    run(parse_dataclass(ConvergenceArgs, p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

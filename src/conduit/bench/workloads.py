@@ -1,0 +1,168 @@
+"""``conduit bench workloads``: per-iteration breakdown of every reference workload, inline
+against Conduit, in the same run (the paper's Fig. 11).
+
+For each workload the same trainer runs twice with the same seed and budget: ``--buffer inline``
+(every operator on the caller's thread, pageable CPU memory) and ``--buffer conduit`` (auto
+placement and schedule). The table reports per-iteration medians of the actor rollout, the
+exposed experience path (ingestion + delivery, the time the caller spent inside push/pull), the
+learner update and the end-to-end iteration, and the reductions. The image workloads are
+payload-size stand-ins (128×128×3 ≈ 48 KB like Meta-World, 256×256×3 ≈ 192 KB like Open
+X-Embodiment), not the real tasks.
+
+    conduit bench workloads --out runs/bench/workloads
+    conduit bench workloads --only DQN-CP PPO-img128 --iters-scale 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from conduit.bench.common import table, write_json
+from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.workloads import runner
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row of the table: a trainer and its arguments (without the buffer mode)."""
+
+    name: str
+    algo: str
+    heavy: bool
+    kwargs: dict[str, Any]
+
+
+def workloads(*, gpu: bool) -> list[Workload]:
+    """The sweep of the issue: DQN on MountainCar, CartPole and multi-agent CartPole; SAC on
+    Pendulum (and Meta-World reach-v3 when installed); PPO on CartPole; each algorithm with
+    the 48 KB and 192 KB image payloads."""
+    off = dict(envs_per_actor=4, steps_per_rollout=16, updates_per_iter=8, batch_size=128,
+               learning_starts=512)
+    buf = 50_000 if gpu else 20_000
+    img_buf = {128: 20_000 if gpu else 3_000, 256: 10_000 if gpu else 1_500}
+    ppo = dict(envs_per_actor=4, num_minibatches=4, update_epochs=2)
+    out = [
+        Workload("DQN-MC", "dqn", False, dict(env="MountainCar-v0", buffer_size=buf, **off)),
+        Workload("DQN-CP", "dqn", False, dict(env="CartPole-v1", buffer_size=buf, **off)),
+        Workload("DQN-MACP", "dqn", False, dict(env="MultiAgentCartPole", num_agents=4,
+                                                buffer_size=buf, **off)),
+        Workload("DQN-img128", "dqn", True, dict(env="CartPole-v1", image_size=128,
+                                                 buffer_size=img_buf[128], **off)),
+        Workload("DQN-img256", "dqn", True, dict(env="CartPole-v1", image_size=256,
+                                                 buffer_size=img_buf[256], **off)),
+        Workload("SAC-Pendulum", "sac", False, dict(env="Pendulum-v1", buffer_size=buf, **off)),
+        Workload("SAC-img128", "sac", True, dict(env="Pendulum-v1", image_size=128,
+                                                 buffer_size=img_buf[128], **off)),
+        Workload("SAC-img256", "sac", True, dict(env="Pendulum-v1", image_size=256,
+                                                 buffer_size=img_buf[256], **off)),
+        Workload("PPO-CP", "ppo", False, dict(env="CartPole-v1", steps_per_rollout=128, **ppo)),
+        Workload("PPO-img128", "ppo", True, dict(env="CartPole-v1", image_size=128,
+                                                 steps_per_rollout=64, **ppo)),
+        Workload("PPO-img256", "ppo", True, dict(env="CartPole-v1", image_size=256,
+                                                 steps_per_rollout=32, **ppo)),
+    ]
+    try:
+        import metaworld  # noqa: F401
+
+        out.insert(8, Workload("SAC-MW-reach", "sac", False,
+                               dict(env="metaworld/reach-v3", buffer_size=buf, **off)))
+    except ImportError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class WorkloadBenchArgs:
+    """Arguments of ``conduit bench workloads``."""
+
+    only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)")
+    iters: int = arg(0, "iterations per run (0: per-algorithm defaults)")
+    actors: int = arg(2, "Ray rollout actors")
+    seed: int = arg(1, "random seed (the same for both modes)")
+    device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
+    use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
+    out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png")
+
+
+def _iters(algo: str, requested: int, gpu: bool) -> int:
+    if requested:
+        return requested
+    return {"dqn": 40, "sac": 40, "ppo": 12}[algo] * (3 if gpu else 1)
+
+
+def run(a: WorkloadBenchArgs) -> dict[str, Any]:
+    """Run the sweep and write JSON + PNG; returns the JSON payload."""
+    from conduit.workloads import dqn, ppo, sac
+    from conduit.workloads.actors import init_ray
+
+    mods = {"dqn": dqn, "sac": sac, "ppo": ppo}
+    gpu = runner.resolve_device(a.device).type == "cuda"
+    chosen = [w for w in workloads(gpu=gpu) if not a.only or w.name in a.only]
+    unknown = set(a.only) - {w.name for w in workloads(gpu=gpu)}
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from "
+                         f"{[w.name for w in workloads(gpu=gpu)]}")
+    started = init_ray() if a.use_ray else False
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for w in chosen:
+            mod = mods[w.algo]
+            base = mod.Args(**w.kwargs, actors=a.actors, seed=a.seed, device=a.device,
+                            use_ray=a.use_ray, log_every=0,
+                            iters=_iters(w.algo, a.iters, gpu))
+            rows[w.name] = {"heavy": w.heavy, "algo": w.algo}
+            for buffer in ("inline", "conduit"):
+                t0 = time.perf_counter()
+                res = mod.train(replace(base, buffer=buffer))
+                rows[w.name][buffer] = res.summary
+                rows[w.name][f"{buffer}_plan"] = res.plan
+                rows[w.name][f"{buffer}_losses_finite"] = res.losses_finite
+                print(f"  .. {w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
+                      f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
+                      f"{1000 * res.summary['end_to_end']:8.2f} ms", flush=True)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    table_rows = []
+    for name, r in rows.items():
+        i, c = r["inline"], r["conduit"]
+        table_rows.append([
+            name, f"{1000 * i['rollout']:.1f}/{1000 * c['rollout']:.1f}",
+            f"{1000 * i['ingestion']:.2f}/{1000 * c['ingestion']:.2f}",
+            f"{1000 * i['delivery']:.2f}/{1000 * c['delivery']:.2f}",
+            f"{1000 * i['update']:.1f}/{1000 * c['update']:.1f}",
+            f"{1000 * i['end_to_end']:.1f}/{1000 * c['end_to_end']:.1f}",
+            f"{100 * runner.reduction(i['exposed'], c['exposed']):.0f}%",
+            f"{100 * runner.reduction(i['end_to_end'], c['end_to_end']):.0f}%",
+            r["conduit_plan"].get("schedule", "")])
+        r["exposed_reduction"] = runner.reduction(i["exposed"], c["exposed"])
+        r["end_to_end_reduction"] = runner.reduction(i["end_to_end"], c["end_to_end"])
+    print("\nper-iteration medians, inline/conduit (ms); reductions are Conduit vs inline")
+    print(table(["workload", "rollout", "exp. ingestion", "exp. delivery", "update",
+                 "end to end", "exposed -", "e2e -", "conduit schedule"], table_rows))
+    out = Path(a.out)
+    payload = {"args": a.__dict__, "workloads": rows}
+    write_json(out / "workloads.json", payload)
+    png = runner.plot_comparison({n: {"inline": r["inline"], "conduit": r["conduit"]}
+                                  for n, r in rows.items()}, out / "workloads.png")
+    print(f"wrote {out / 'workloads.json'} and {png}")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit bench workloads``."""
+    p = argparse.ArgumentParser(prog="conduit bench workloads", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, WorkloadBenchArgs)
+    run(parse_dataclass(WorkloadBenchArgs, p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

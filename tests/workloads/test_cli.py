@@ -1,0 +1,67 @@
+"""``conduit train`` / ``conduit demo`` entry points and the workload benchmarks' plumbing,
+on tiny budgets with in-process actors (the Ray path is covered by test_trainers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conduit.workloads.cli import demo_main, train_main, train_parser
+
+
+def test_train_help_lists_the_trainer_flags(capsys) -> None:
+    with pytest.raises(SystemExit):
+        train_main(["--algo", "sac", "--help"])
+    text = capsys.readouterr().out
+    assert "--reward-scale" in text and "--buffer {inline,conduit}" in text
+    assert "--image-size" in train_parser("dqn").format_help()
+
+
+def test_train_writes_json_and_png(tmp_path: Path, capsys) -> None:
+    out, png = tmp_path / "run.json", tmp_path / "run.png"
+    rc = train_main(["--algo", "dqn", "--no-use-ray", "--iters", "4", "--actors", "1",
+                     "--envs-per-actor", "2", "--steps-per-rollout", "8", "--batch-size", "16",
+                     "--learning-starts", "32", "--updates-per-iter", "2", "--buffer-size",
+                     "500", "--device", "cpu", "--log-every", "2", "--buffer", "inline",
+                     "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    log = json.loads(out.read_text())
+    assert log["algo"] == "dqn" and log["buffer"] == "inline"
+    assert len(log["iterations"]) == 4
+    assert {"rollout", "ingestion", "delivery", "update", "end_to_end", "exposed"} <= set(
+        log["iterations"][-1])
+    assert png.stat().st_size > 1000
+    assert "iter    2/4" in capsys.readouterr().out
+
+
+def test_demo_runs_both_modes(tmp_path: Path, capsys) -> None:
+    rc = demo_main(["--algo", "ppo", "--image-size", "32", "--iters", "2", "--actors", "1",
+                    "--no-use-ray", "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "exposed experience-path latency" in text and "plan Conduit chose" in text
+    res = json.loads((tmp_path / "demo.json").read_text())
+    assert res["inline"]["buffer"] == "inline" and res["conduit"]["buffer"] == "conduit"
+    assert (tmp_path / "demo.png").exists()
+
+
+def test_bench_workloads_plumbing(tmp_path: Path) -> None:
+    from conduit.bench.workloads import main
+
+    assert main(["--only", "DQN-CP", "--iters", "6", "--actors", "1", "--no-use-ray",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "workloads.json").read_text())
+    assert set(res["workloads"]) == {"DQN-CP"}
+    assert (tmp_path / "workloads.png").exists()
+
+
+def test_bench_convergence_curve_helpers() -> None:
+    from conduit.bench.convergence import first_reach
+
+    pts = [{"iteration": 1, "wall_s": 1.0, "return": float("nan")},
+           {"iteration": 2, "wall_s": 2.0, "return": 150.0},
+           {"iteration": 3, "wall_s": 3.0, "return": 200.0}]
+    assert first_reach(pts, 195)["iteration"] == 3
+    assert first_reach(pts, 500) is None
