@@ -119,3 +119,19 @@ def test_ports_are_the_same_plane(small_spec):
     with ExperienceDataPlane(spec=small_spec, capacity=20, batch_size=2) as p:
         p.actor_port.push(make_rows(small_spec, 4))
         assert p.learner_port.pull()["obs"].shape == (2, 4)
+
+
+def test_auto_placement_uses_the_planner(small_spec):
+    import pytest
+
+    from conduit import ConfigError
+    with ExperienceDataPlane(spec=small_spec, capacity=100, batch_size=4,
+                             placement="auto") as p:
+        d = p.placement_decision
+        assert d is not None and p.buffer.placement == d.placement
+        if not torch.cuda.is_available():
+            assert d.placement.kind == "pageable"  # the only executable CPU tier here
+        p.push(make_rows(small_spec, 8))
+        assert p.pull()["obs"].shape == (4, 4)
+    with pytest.raises(ConfigError, match="placement"):
+        ExperienceDataPlane(spec=small_spec, capacity=100, placement="gpu")

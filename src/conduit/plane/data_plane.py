@@ -171,7 +171,9 @@ class ExperienceDataPlane:
         sampler: ``"uniform"`` (default off-policy), ``"prioritized"``, or a
             :class:`~conduit.storage.Sampler`. On-policy always uses a FIFO consume-once
             sampler.
-        placement: Where the buffer lives (default pageable CPU memory).
+        placement: Where the buffer lives: a :class:`~conduit.storage.Placement`, ``"auto"``
+            (Alg. 1 over this machine's detected topology; the decision is kept in
+            :attr:`placement_decision`), or None for pageable CPU memory.
         schedule: Overlap and granularity of both operators (default: everything inline,
             g = 1; on-policy delivery g = 1/M).
         learner_device: Device the learner trains on; delivered batches end up there.
@@ -189,7 +191,8 @@ class ExperienceDataPlane:
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, mode: Mode = "off_policy",
                  batch_size: int = 256, num_minibatches: int = 1, num_epochs: int = 1,
-                 sampler: SamplerArg = None, placement: Placement | None = None,
+                 sampler: SamplerArg = None,
+                 placement: Placement | Literal["auto"] | None = None,
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
                  g_max: int = 8, max_priority_lag: int = 0, timeout: float = 60.0,
@@ -232,6 +235,12 @@ class ExperienceDataPlane:
         self.space: ScheduleSpace = feasible_space(
             mode=mode, num_minibatches=num_minibatches, g_max_ing=g_max, g_max_del=g_max)
         self.timings = Timings()
+        self.placement_decision: Any = None
+        if placement == "auto":
+            placement = self._auto_placement()
+        elif placement is not None and not isinstance(placement, Placement):
+            raise ConfigError("placement", f"expected a Placement, 'auto' or None, got "
+                                           f"{placement!r}")
         self.buffer = ExperienceBuffer(spec=spec, capacity=capacity,
                                        sampler=self._make_sampler(sampler, seed),
                                        placement=placement)
@@ -298,6 +307,18 @@ class ExperienceDataPlane:
             return sampler
         raise ConfigError("sampler", f"expected 'uniform', 'prioritized' or a Sampler, got "
                                      f"{sampler!r}")
+
+    def _auto_placement(self) -> Placement:
+        from conduit.placement import Topology, plan_placement
+
+        topo = Topology.detect()
+        learner = str(self.learner_device)
+        if self.learner_device.type == "cuda" and self.learner_device.index is None:
+            learner = "cuda:0"
+        decision = plan_placement(capacity=self.capacity, spec=self.spec, actor_device="cpu",
+                                  learner_device=learner, topology=topo)
+        self.placement_decision = decision
+        return decision.placement
 
     def register_ingestion(self, *, input: str = "Actor",
                            output: str = "ExperienceBuffer") -> Callable[[IngestionFn],
