@@ -134,4 +134,4 @@ def test_auto_placement_uses_the_planner(small_spec):
         p.push(make_rows(small_spec, 8))
         assert p.pull()["obs"].shape == (4, 4)
     with pytest.raises(ConfigError, match="placement"):
-        ExperienceDataPlane(spec=small_spec, capacity=100, placement="gpu")
+        ExperienceDataPlane(spec=small_spec, capacity=100, batch_size=4, placement="gpu")
