@@ -63,25 +63,29 @@ class SumTree:
         self._repair(node)
 
     def _repair(self, node: np.ndarray) -> None:
-        node = np.unique(node // 2)
-        while node.size:
-            left, right = 2 * node, 2 * node + 1
-            self._sum[node] = self._sum[left] + self._sum[right]
-            self._min[node] = np.minimum(self._min[left], self._min[right])
-            if node[0] == 1:
-                break
-            node = np.unique(node // 2)
+        # Duplicate parents are harmless (each recomputes the same value from its children),
+        # so no level deduplicates: np.unique costs more than the redundant arithmetic.
+        # Column gathers, not axis-1 reductions, for the same reason.
+        s, m = self._sum, self._min
+        node = node // 2
+        for _ in range(self._levels):
+            left = 2 * node
+            right = left + 1
+            s[node] = s[left] + s[right]
+            m[node] = np.minimum(m[left], m[right])
+            node //= 2
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index whose prefix-sum interval contains each ``mass`` (vectorized descent)."""
         mass = np.array(mass, dtype=np.float64)
         node = np.ones(mass.shape, dtype=np.int64)
+        s = self._sum
         for _ in range(self._levels):
-            left = 2 * node
-            lsum = self._sum[left]
+            node *= 2
+            lsum = s[node]
             right = mass >= lsum
-            mass = np.where(right, mass - lsum, mass)
-            node = left + right
+            np.subtract(mass, lsum, out=mass, where=right)
+            node += right
         leaf = node - self._p
         return np.minimum(leaf, self.capacity - 1)
 
