@@ -111,3 +111,50 @@ class ConduitPeer(PeerAdapter):
 
     def close(self) -> None:
         self._buf = None
+
+
+class ConduitPrefetchPeer(PeerAdapter):
+    """Uniform sampling through the plane with delivery overlapped: the counterpart of
+    TorchRL's ``prefetch``.
+
+    An :class:`~conduit.plane.ExperienceDataPlane` with ``Schedule(0, 1, 1, 4)``: a delivery
+    worker draws and gathers four batches per invocation while the caller consumes the staged
+    ones, so ``pull()`` measures the latency the learner sees, as TorchRL's prefetch row does.
+    Like that row, it measures uniform sampling only.
+    """
+
+    name = "conduit-prefetch"
+    description = ("conduit.ExperienceDataPlane(schedule=Schedule(0, 1, 1, 4)).pull(): "
+                   "delivery prefetches 4 batches per invocation on a background worker")
+    package = "conduit-rl"
+    metrics = ("sample_uniform",)
+
+    def __init__(self) -> None:
+        self._plane: Any = None
+
+    def notes(self) -> list[str]:
+        return ["pull() latency with delivery running ahead on one worker thread (like "
+                "torchrl-prefetch); in a tight loop its median reflects staged batches"]
+
+    def prepare(self, chunk: Chunk) -> Any:
+        return {k: torch.from_numpy(v) for k, v in chunk.items()}
+
+    def setup(self, workload: Workload) -> None:
+        from conduit.plane import ExperienceDataPlane
+        from conduit.scheduling import Schedule
+
+        self.close()
+        self._plane = ExperienceDataPlane(
+            spec=bench_spec(workload.dim), capacity=workload.capacity,
+            batch_size=workload.batch, schedule=Schedule(0, 1, 1, 4), seed=workload.seed)
+
+    def insert(self, chunk: Any) -> None:
+        self._plane.push(chunk)
+
+    def sample_uniform(self) -> Any:
+        return self._plane.pull()
+
+    def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
