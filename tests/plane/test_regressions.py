@@ -26,3 +26,13 @@ def test_switch_to_smaller_g_with_pending_units_does_not_block(small_spec):
         plane.set_schedule(Schedule(0, 1, 0, 1))
         plane.push(make_rows(small_spec, 2, start=14))
         assert plane.stats()["ingested_units"] == 8 and len(plane.buffer) == 16
+
+
+def test_inline_schedule_for_on_policy(small_spec):
+    from fractions import Fraction
+    s = Schedule.inline(num_minibatches=4)
+    assert s == Schedule(0, 1, 0, Fraction(1, 4))
+    with ExperienceDataPlane(spec=small_spec, capacity=16, mode="on_policy", num_minibatches=4,
+                             schedule=s) as plane:
+        plane.push(make_rows(small_spec, 16), policy_version=0)
+        assert sum(mb["id"].numel() for mb in plane.minibatches()) == 16

@@ -119,6 +119,22 @@ def test_mode_d_overlap_fractional_pipelining():
     assert r.t_iter == approx(50 * ms)
 
 
+def test_on_policy_whole_rollout_ingestion_hides_nothing():
+    # On-policy g_ing = 1 ingests the rollout only after its last unit: gamma = 1 - 1 = 0, so
+    # overlap adds its sync cost and hides nothing. Off-policy g = 1 hides min(T, T̄) fully.
+    from conduit.scheduling import gamma
+    assert gamma(1, mode="on_policy") == 0.0
+    assert gamma(Fraction(1, 4), mode="on_policy") == 0.75
+    assert gamma(1) == 1.0
+    prof = Profile(t_rollout=10 * ms, t_update=20 * ms, t_ing={1: 4 * ms},
+                   t_del={0.25: 2 * ms}, t_sync_ing=1 * ms, t_sync_del=1 * ms)
+    on = predict(prof, Schedule(1, 1, 0, 0.25), mode="on_policy")
+    assert on.hide_ing == 0.0
+    assert on.t_ing_path == approx((10 + 4 + 1) * ms)
+    off = predict(prof, Schedule(1, 1, 0, 0.25))
+    assert off.hide_ing == approx(4 * ms)
+
+
 def test_overlap_with_expensive_sync_is_worse():
     # sync 5 ms > hide 2 ms: ing-path = 10 + 2 + (5 - 2) = 15 vs 12 without overlap.
     prof = off_profile(t_sync_ing=5 * ms)

@@ -96,9 +96,9 @@ def test_overhead_not_fully_hidden_picks_overlap_and_largest_g():
 
 def test_on_policy_pipelining_choice():
     # M = 4; T_ing(g) = 1 ms + 8 ms * g, T_del(1/4) = 2 ms; rollout 10, update 20; sync 1.
-    # ing-path, overlap=1: 10 + T̄ + 1 - gamma * min(10, T̄):
-    #   g=1/4: T̄=12, hide=7.5 -> 15.5      g=1/2: T̄=10, hide=5 -> 16
-    #   g=3/4: T̄=9.33, hide=2.33 -> 18     g=1:   T̄=9,  hide=9 -> 11   <- best
+    # ing-path, overlap=1: 10 + T̄ + 1 - gamma * min(10, T̄), gamma = 1 - g on-policy:
+    #   g=1/4: T̄=12, hide=7.5 -> 15.5   <- best     g=1/2: T̄=10, hide=5 -> 16
+    #   g=3/4: T̄=9.33, hide=2.33 -> 18              g=1:   T̄=9,  hide=0 -> 20
     # ing-path, overlap=0: 10 + T̄ >= 19.   del-path: overlap=1: 20 + 8 + 1 - 6 = 23 < 28.
     space = feasible_space(mode="on_policy", num_minibatches=4)
     prof = Profile(t_rollout=10 * ms, t_update=20 * ms,
@@ -106,13 +106,16 @@ def test_on_policy_pipelining_choice():
                    t_del={Fraction(1, 4): 2 * ms}, t_sync_ing=1 * ms, t_sync_del=1 * ms)
     plan = choose(prof, space)
     assert plan.num_candidates == 16
-    assert plan.schedule == Schedule(1, 1, 1, Fraction(1, 4))
-    assert plan.prediction.t_iter == pytest.approx(34 * ms)
-    # capping the fraction removes g=1; best is then pipelining at g=1/4
-    capped = feasible_space(mode="on_policy", num_minibatches=4, max_fraction_ing=0.75)
+    assert plan.schedule == Schedule(1, Fraction(1, 4), 1, Fraction(1, 4))
+    assert plan.prediction.t_iter == pytest.approx(38.5 * ms)
+    # whole-rollout ingestion with overlap hides nothing on-policy: worse than inline g = 1
+    def t(s):
+        return predict(prof, s, mode="on_policy").t_iter
+    assert t(Schedule(1, 1, 1, Fraction(1, 4))) > t(Schedule(0, 1, 1, Fraction(1, 4)))
+    # capping the fraction at 1/2 keeps the pipelined pick
+    capped = feasible_space(mode="on_policy", num_minibatches=4, max_fraction_ing=0.5)
     plan2 = choose(prof, capped)
     assert plan2.schedule == Schedule(1, Fraction(1, 4), 1, Fraction(1, 4))
-    assert plan2.prediction.t_iter == pytest.approx(38.5 * ms)
     assert plan2.baseline is None  # inline g_ing = 1 was capped out
 
 

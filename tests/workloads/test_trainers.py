@@ -31,8 +31,8 @@ def ray_session() -> Iterator[None]:
 def _tiny(mod, **kw):
     base = dict(actors=2, log_every=0, device="cpu", seed=3)
     if mod is ppo:
-        base.update(envs_per_actor=2, steps_per_rollout=16, num_minibatches=4,
-                    update_epochs=2, iters=3)
+        base.update(envs_per_actor=2, steps_per_rollout=8, rollout_fragments=2,
+                    num_minibatches=4, update_epochs=2, iters=3)
     else:
         base.update(envs_per_actor=2, steps_per_rollout=8, batch_size=32, buffer_size=2_000,
                     learning_starts=64, updates_per_iter=2, iters=5)
@@ -93,7 +93,7 @@ def test_ppo_trains_in_both_modes(ray_session, buffer: str) -> None:
     batches: list[dict[str, torch.Tensor]] = []
     res = ppo.train(_tiny(ppo, buffer=buffer), on_batch=batches.append)
     _check_run(res, batches, expect_keys={"obs", "action", "advantage", "ret", "logprob"})
-    # 3 iterations x 2 epochs x 4 mini-batches of 2*2*16/4 rows.
+    # 3 iterations x 2 epochs x 4 mini-batches of (2 actors * 2 envs * 8 steps * 2 fragments)/4.
     assert len(batches) == 3 * 2 * 4
     assert all(b["obs"].shape[0] == 16 for b in batches)
     # Advantages are normalized per mini-batch in delivery.

@@ -34,7 +34,7 @@ class ConvergenceArgs:
 
     algos: tuple[str, ...] = arg(("ppo", "dqn"), "algorithms to run on CartPole-v1 (ppo, dqn)")
     seeds: tuple[int, ...] = arg((1, 2, 3), "seeds; each runs inline and with Conduit")
-    ppo_iters: int = arg(80, "PPO iterations per run (1,024 env steps each)")
+    ppo_iters: int = arg(120, "PPO iterations per run (1,024 env steps each)")
     dqn_iters: int = arg(250, "DQN iterations per run (128 env steps each)")
     window: int = arg(20, "episodes in the moving mean of the return")
     actors: int = arg(2, "Ray rollout actors")
@@ -87,7 +87,7 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
             for seed in a.seeds:
                 for buffer in ("inline", "conduit"):
                     if algo == "ppo":
-                        args = ppo.Args(iters=a.ppo_iters, steps_per_rollout=128,
+                        args = ppo.Args(iters=a.ppo_iters, steps_per_rollout=32,
                                         envs_per_actor=4)
                         mod = ppo
                     else:

@@ -197,7 +197,7 @@ def run_point(args: ScheduleBenchArgs, batch: int, dim: int,
     for m in same:
         s = Schedule(m["schedule"]["overlap_ing"], int(m["schedule"]["g_ing"]),
                      m["schedule"]["overlap_del"], int(m["schedule"]["g_del"]))
-        m["predicted_ms"] = predict(profile, s).t_iter * 1e3
+        m["predicted_ms"] = predict(profile, s, mode=space.mode).t_iter * 1e3
     fid = None
     if len(same) >= 2:
         fid = fidelity([m["predicted_ms"] for m in same], [m["wall_ms"] for m in same],

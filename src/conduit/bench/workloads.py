@@ -59,11 +59,11 @@ def workloads(*, gpu: bool) -> list[Workload]:
                                                  buffer_size=img_buf[128], **off)),
         Workload("SAC-img256", "sac", True, dict(env="Pendulum-v1", image_size=256,
                                                  buffer_size=img_buf[256], **off)),
-        Workload("PPO-CP", "ppo", False, dict(env="CartPole-v1", steps_per_rollout=128, **ppo)),
+        Workload("PPO-CP", "ppo", False, dict(env="CartPole-v1", steps_per_rollout=32, **ppo)),
         Workload("PPO-img128", "ppo", True, dict(env="CartPole-v1", image_size=128,
-                                                 steps_per_rollout=64, **ppo)),
+                                                 steps_per_rollout=16, **ppo)),
         Workload("PPO-img256", "ppo", True, dict(env="CartPole-v1", image_size=256,
-                                                 steps_per_rollout=32, **ppo)),
+                                                 steps_per_rollout=8, **ppo)),
     ]
     try:
         import metaworld  # noqa: F401

@@ -23,20 +23,26 @@ from conduit.scheduling.profile import Profile, as_granularity
 from conduit.scheduling.space import Schedule
 
 
-def gamma(g: float | Fraction) -> float:
+def gamma(g: float | Fraction, *, mode: str = "off_policy") -> float:
     """Overlapable fraction of the hiding bound, Eq. 6.
 
     Args:
         g: Granularity, ``> 0``.
+        mode: ``"off_policy"`` or ``"on_policy"``.
 
     Returns:
         ``1`` for ``g >= 1`` (off-policy batching hides the full per-unit cost) and ``1 − g``
-        for ``0 < g < 1`` (on-policy pipelining hides only the unexposed fraction).
+        for ``0 < g < 1`` (on-policy pipelining hides only the unexposed fraction). On-policy,
+        ``g = 1`` also gives ``1 − g = 0``: the whole rollout is ingested only after its last
+        unit arrives, and freshness forbids overlapping it with the next iteration's rollout,
+        so Eq. 6's off-policy branch does not apply there.
 
     Raises:
         ScheduleError: ``g`` is not positive.
     """
     g = as_granularity(g)
+    if mode == "on_policy":
+        return float(1 - min(g, Fraction(1)))
     return 1.0 if g >= 1 else float(1 - g)
 
 
@@ -45,7 +51,8 @@ def per_unit(seconds: float, g: float | Fraction) -> float:
     return float(seconds) / float(as_granularity(g))
 
 
-def hide(t_compute: float, unit_cost: float, g: float | Fraction) -> float:
+def hide(t_compute: float, unit_cost: float, g: float | Fraction, *,
+         mode: str = "off_policy") -> float:
     """Hidden latency of an overlapped operator, Eq. 4/5: ``γ(g)·min(T_compute, T̄_op(g))``.
 
     Args:
@@ -53,11 +60,12 @@ def hide(t_compute: float, unit_cost: float, g: float | Fraction) -> float:
             delivery).
         unit_cost: The operator's per-unit cost ``T̄_op(g)``.
         g: The operator's granularity.
+        mode: ``"off_policy"`` or ``"on_policy"`` (see :func:`gamma`).
 
     Returns:
         Seconds of operator latency that overlap can hide.
     """
-    return gamma(g) * min(float(t_compute), float(unit_cost))
+    return gamma(g, mode=mode) * min(float(t_compute), float(unit_cost))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +101,7 @@ class Prediction:
                 "unit_ing": self.unit_ing, "unit_del": self.unit_del}
 
 
-def predict(profile: Profile, schedule: Schedule) -> Prediction:
+def predict(profile: Profile, schedule: Schedule, *, mode: str = "off_policy") -> Prediction:
     """Score one schedule with the iteration-latency model (Eq. 2, Eq. 4–6).
 
     Args:
@@ -111,8 +119,8 @@ def predict(profile: Profile, schedule: Schedule) -> Prediction:
         raise ScheduleError(f"expected a Schedule, got {type(schedule).__name__}")
     unit_ing = per_unit(profile.ing_time(schedule.g_ing), schedule.g_ing)
     unit_del = per_unit(profile.del_time(schedule.g_del), schedule.g_del)
-    hide_ing = hide(profile.t_rollout, unit_ing, schedule.g_ing)
-    hide_del = hide(profile.t_update, unit_del, schedule.g_del)
+    hide_ing = hide(profile.t_rollout, unit_ing, schedule.g_ing, mode=mode)
+    hide_del = hide(profile.t_update, unit_del, schedule.g_del, mode=mode)
     t_ing_path = (profile.t_rollout + unit_ing
                   + schedule.overlap_ing * (profile.t_sync_ing - hide_ing))
     t_del_path = (profile.t_update + unit_del

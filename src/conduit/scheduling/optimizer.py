@@ -71,7 +71,7 @@ def rank_candidates(profile: Profile, space: ScheduleSpace) -> list[Candidate]:
     Raises:
         ScheduleError: ``profile`` lacks a cost for a granularity of ``space``.
     """
-    scored = [(predict(profile, s), s) for s in space.candidates()]
+    scored = [(predict(profile, s, mode=space.mode), s) for s in space.candidates()]
     if not scored:
         raise ScheduleError("the schedule space is empty")
     scored.sort(key=lambda ps: (ps[0].t_iter, tie_key(ps[1])))

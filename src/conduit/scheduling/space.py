@@ -53,9 +53,10 @@ class Schedule:
             object.__setattr__(self, name, Fraction(v).limit_denominator(1024))
 
     @classmethod
-    def inline(cls) -> Schedule:
-        """The sequential baseline of Fig. 5a: everything on the caller's thread, g = 1."""
-        return cls(0, 1, 0, 1)
+    def inline(cls, *, num_minibatches: int = 1) -> Schedule:
+        """The sequential baseline of Fig. 5a: everything on the caller's thread, ``g_ing = 1``;
+        delivery one batch per invocation (one mini-batch, ``1/M``, on-policy)."""
+        return cls(0, 1, 0, Fraction(1, num_minibatches))
 
     def as_tuple(self) -> tuple[int, float, int, float]:
         """``(overlap_ing, g_ing, overlap_del, g_del)`` with floats."""

@@ -109,7 +109,7 @@ def _demo_args(d: DemoArgs, buffer: str) -> Any:
     if d.algo == "dqn":
         from conduit.workloads import dqn
 
-        iters = d.iters or (120 if gpu else 40)
+        iters = d.iters or (150 if gpu else 60)
         return dqn.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         buffer_size=20_000 if gpu else 4_000, batch_size=128,
                         updates_per_iter=8, learning_starts=512, **common)
@@ -124,7 +124,7 @@ def _demo_args(d: DemoArgs, buffer: str) -> Any:
         from conduit.workloads import ppo
 
         iters = d.iters or (60 if gpu else 12)
-        return ppo.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=64,
+        return ppo.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         num_minibatches=4, update_epochs=2, **common)
     raise ValueError(f"algo: must be dqn, sac or ppo, got {d.algo!r}")
 

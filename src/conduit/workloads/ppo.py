@@ -39,7 +39,10 @@ class Args:
                           "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
     actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)")
     envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step")
-    steps_per_rollout: int = arg(128, "lock-steps per actor per iteration (one rollout unit)")
+    steps_per_rollout: int = arg(32, "lock-steps per rollout fragment (one rollout unit; GAE "
+                                 "bootstraps at its end, as with RLlib's rollout fragments)")
+    rollout_fragments: int = arg(4, "fragments each actor produces per iteration; the plane "
+                                 "ingests one while the actors step the next")
     iters: int = arg(150, "training iterations (one policy version each)")
     buffer: Literal["inline", "conduit"] = arg("conduit", "experience path: 'inline' runs "
                                                "every operator on the caller's thread; "
@@ -93,7 +96,7 @@ def buffer_spec(info: EnvInfo) -> ExperienceSpec:
 
 def compute_gae(unit: dict[str, torch.Tensor], *, num_envs: int, gamma: float,
                 lam: float) -> dict[str, torch.Tensor]:
-    """GAE over one time-major rollout unit (row ``t * num_envs + e``).
+    """GAE over one time-major rollout unit (row ``t * num_envs + e``), bootstrapped at its end.
 
     A terminated step does not bootstrap; a truncated one bootstraps from the value of its final
     observation (``next_value``); either ends the advantage recursion.
@@ -130,7 +133,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
     device = runner.resolve_device(args.device)
     runner.set_learner_threads(args.learner_threads, actors=args.actors, use_ray=args.use_ray)
     info = env_info(args.env, image_size=args.image_size)
-    rows_per_iter = args.actors * args.envs_per_actor * args.steps_per_rollout
+    rows_per_iter = (args.actors * args.envs_per_actor * args.steps_per_rollout
+                     * args.rollout_fragments)
     if rows_per_iter % args.num_minibatches:
         raise ValueError(f"num_minibatches: {args.num_minibatches} does not divide the "
                          f"{rows_per_iter} samples of an iteration")
@@ -179,7 +183,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                     # Rollouts are pushed in actor order with the current policy version;
                     # ingestion (GAE) runs per rollout, inline or overlapped with the others.
                     got = runner.rollout_and_push(plane, actors, args.steps_per_rollout,
-                                                  runner.cpu_weights(agent), on_policy=True)
+                                                  runner.cpu_weights(agent), on_policy=True,
+                                                  fragments=args.rollout_fragments)
                     returns = got["episode_returns"]
                     env_steps += rows_per_iter
                     log.update(env_steps=env_steps, returns=returns)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from conduit.errors import ConduitError
+
 PHASES = ("rollout", "ingestion", "delivery", "update", "other")
 PHASE_COLORS = {"rollout": "#4C72B0", "ingestion": "#DD8452", "delivery": "#C44E52",
                 "update": "#55A868", "other": "#B0B0B0"}
@@ -102,38 +104,14 @@ def default_conduit_schedule(mode: str, num_minibatches: int, *,
     return Schedule(1, 1, 1, 2)
 
 
-def auto_placement(*, spec: Any, capacity: int, learner_device: torch.device
-                   ) -> tuple[Any, str]:
-    """Ask the placement planner (Eq. 1, Alg. 1) for this machine; returns the placement and
-    its explanation. Without a working planner: the learner's device when it is an
-    accelerator and the buffer fits in half its free memory, else pageable CPU memory."""
-    from conduit.storage.layout import Placement
+class WarmupScheduleTuner:
+    """Applies the cost model's schedule once the plane has timed a few learning iterations.
 
-    try:
-        from conduit.placement.planner import plan_placement
-        from conduit.placement.topology import Topology
-
-        decision = plan_placement(capacity=capacity, actor_device="cpu",
-                                  learner_device=str(learner_device),
-                                  topology=Topology.detect(), spec=spec)
-        return decision.placement, decision.explain()
-    except Exception as exc:
-        reason = f"planner unavailable ({type(exc).__name__}: {exc})"
-    need = capacity * spec.bytes_per_sample
-    if learner_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(learner_device)
-        if need <= free // 2:
-            return Placement.device(learner_device), f"{reason}; buffer fits on the learner GPU"
-    return Placement.pageable(), f"{reason}; pageable CPU memory"
-
-
-class AutoScheduler:
-    """Picks the schedule with the cost model once the plane has profiled a few iterations.
-
-    Used when the plane itself does not take ``schedule="auto"``: the run starts on the
-    hand-set overlap schedule, and after ``warmup`` learning iterations the profile from the
-    plane's timings goes through :func:`conduit.scheduling.choose`, and the plane switches to
-    the chosen schedule.
+    The run starts on :func:`default_conduit_schedule`; after ``warmup`` learning iterations
+    the plane's own timings become a :class:`~conduit.scheduling.Profile`, and
+    :class:`conduit.plane.AutoScheduler` chooses the argmin of Eq. 2 and applies it. With
+    prioritized replay and no allowed priority lag, a batch prefetched during an update is
+    always discarded (DESIGN §4.4), so overlapped delivery is left out of the choice.
     """
 
     def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3,
@@ -152,81 +130,74 @@ class AutoScheduler:
         if self.seen < self.warmup:
             return
         self.done = True
-        from conduit.scheduling import choose, profile_from_timings
+        from conduit.plane import AutoScheduler
+        from conduit.scheduling import profile_from_timings
 
+        space = self.plane.space
         try:
-            space = self.plane.space
-            plan = choose(profile_from_timings(self.plane.timings, space), space,
-                          top_k=len(space))
-            if self.prioritized and plan.schedule.overlap_del:  # see default_conduit_schedule
-                ok = [c for c in plan.ranked if not c.schedule.overlap_del]
-                if not ok:
-                    self.plan["note"] = "kept the hand-set schedule (prioritized replay)"
-                    return
-                plan = dataclasses.replace(plan, schedule=ok[0].schedule,
-                                           prediction=ok[0].prediction)
-        except Exception as exc:
-            self.plan["note"] = f"auto schedule failed ({type(exc).__name__}: {exc})"
+            auto = AutoScheduler(plane=self.plane, space=space, top_k=5,
+                                 profile=profile_from_timings(self.plane.timings, space))
+            plan = auto.plan()
+        except ConduitError as exc:
+            self.plan["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
             return
-        self.plane.set_schedule(plan.schedule)
+        if self.prioritized and plan.schedule.overlap_del and self.plane.max_priority_lag == 0:
+            keep = [c for c in plan.ranked if not c.schedule.overlap_del]
+            if keep:
+                plan = dataclasses.replace(plan, schedule=keep[0].schedule,
+                                           prediction=keep[0].prediction)
+                self.plane.set_schedule(plan.schedule)
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule"] = plan.schedule.label()
-        self.plan["schedule_plan"] = {**plan.to_dict(), "ranked": plan.to_dict()["ranked"][:5]}
+        self.plan["schedule_plan"] = plan.to_dict()
         self.plan["schedule_explain"] = self.explanation
 
 
 def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
                num_minibatches: int = 1, **plane_kw: Any
-               ) -> tuple[Any, dict[str, Any], AutoScheduler | None]:
+               ) -> tuple[Any, dict[str, Any], WarmupScheduleTuner | None]:
     """Build the :class:`~conduit.ExperienceDataPlane` for a buffer mode.
 
     ``buffer="inline"`` is the sequential baseline: pageable CPU memory, every operator on the
-    caller's thread. ``buffer="conduit"`` takes ``schedule`` / ``placement``; ``"auto"`` asks
-    the placement planner and the schedule optimizer (through the plane when it supports
-    ``"auto"``, otherwise through :func:`auto_placement` and :class:`AutoScheduler`).
+    caller's thread. ``buffer="conduit"`` takes ``schedule`` / ``placement``: ``"auto"``
+    placement runs the planner (Eq. 1, Alg. 1) inside the plane; ``"auto"`` schedule starts
+    from :func:`default_conduit_schedule` and lets :class:`WarmupScheduleTuner` apply the
+    cost model's pick after a few iterations.
 
     Returns:
-        The plane, a JSON-friendly description of its plan, and the :class:`AutoScheduler` to
-        step once per iteration (None when nothing is left to decide).
+        The plane, a JSON-friendly description of its plan, and the tuner to step once per
+        iteration (None when nothing is left to decide).
     """
-    from conduit import ExperienceDataPlane
+    from conduit import ExperienceDataPlane, Schedule
 
     if buffer not in ("inline", "conduit"):
         raise ValueError(f"buffer: must be 'inline' or 'conduit', got {buffer!r}")
     learner_device = torch.device(plane_kw.get("learner_device", "cpu"))
     if buffer == "inline":
-        plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
-                                    schedule=None, placement=None, **plane_kw)
+        plane = ExperienceDataPlane(
+            mode=mode, num_minibatches=num_minibatches, placement=None,
+            schedule=Schedule.inline(num_minibatches=num_minibatches if mode == "on_policy"
+                                     else 1), **plane_kw)
         return plane, describe_plan(plane, buffer=buffer), None
     sched = parse_schedule(schedule)
     place = parse_placement(placement, learner_device)
-    if sched == "auto" or place == "auto":
-        try:  # the plane plans by itself when it can
-            plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
-                                        schedule=sched, placement=place, **plane_kw)
-            return plane, describe_plan(plane, buffer=buffer, auto=True), None
-        except (TypeError, ValueError, AttributeError, NotImplementedError):
-            pass
-    plan_extra: dict[str, Any] = {}
-    if place == "auto":
-        place, why = auto_placement(spec=plane_kw["spec"], capacity=plane_kw["capacity"],
-                                    learner_device=learner_device)
-        plan_extra["placement_plan"] = why
-    auto_sched = sched == "auto"
     sampler = plane_kw.get("sampler")
     prioritized = sampler == "prioritized" or type(sampler).__name__ == "PrioritizedSampler"
+    auto_sched = sched == "auto"
     if auto_sched:
         sched = default_conduit_schedule(mode, num_minibatches, prioritized=prioritized)
     plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
                                 schedule=sched, placement=place, **plane_kw)
-    plan = {**describe_plan(plane, buffer=buffer), **plan_extra}
-    auto = AutoScheduler(plane, plan, prioritized=prioritized) if auto_sched else None
-    return plane, plan, auto
+    plan = describe_plan(plane, buffer=buffer)
+    if plane.placement_decision is not None:
+        plan["placement_plan"] = plane.placement_decision.explain()
+    tuner = WarmupScheduleTuner(plane, plan, prioritized=prioritized) if auto_sched else None
+    return plane, plan, tuner
 
 
-def describe_plan(plane: Any, *, buffer: str, auto: bool = False) -> dict[str, Any]:
+def describe_plan(plane: Any, *, buffer: str) -> dict[str, Any]:
     """The schedule and placement a plane actually runs, as plain data."""
-    out: dict[str, Any] = {"buffer": buffer, "planned_by_plane": auto}
+    out: dict[str, Any] = {"buffer": buffer}
     sched = getattr(plane, "schedule", None)
     place = getattr(plane, "placement", None)
     out["schedule"] = sched.label() if hasattr(sched, "label") else str(sched)
@@ -517,10 +488,12 @@ def pixels_of(batch: dict[str, torch.Tensor], key: str = "pixels") -> torch.Tens
 
 def rollout_and_push(plane: Any, actors: Any, num_steps: int,
                      weights: dict[str, torch.Tensor] | None, params: dict[str, Any] | None = None,
-                     *, on_policy: bool = False) -> dict[str, Any]:
-    """One actor-rollout phase: start every actor, then push each rollout through the plane's
-    actor port as it is collected, in actor order (so batches never depend on which actor
-    finished first).
+                     *, on_policy: bool = False, fragments: int = 1) -> dict[str, Any]:
+    """One actor-rollout phase: every actor produces ``fragments`` rollout units of
+    ``num_steps`` steps each, back to back; each unit is pushed through the plane's actor port
+    as soon as it is collected, in (fragment, actor) order, so batches never depend on which
+    actor finished first. While the learner pushes fragment k, the actors already step
+    fragment k+1 (like RLlib's rollout fragments), in both buffer modes.
 
     The learner's waiting time is recorded as ``"rollout"``, one record per rollout unit (the
     per-unit ``T_rollout`` the cost model reads); the time inside ``push`` is the plane's own
@@ -530,19 +503,24 @@ def rollout_and_push(plane: Any, actors: Any, num_steps: int,
         ``rows`` pushed and the finished ``episode_returns``.
     """
     t0 = time.perf_counter()
-    handles = actors.submit(num_steps, weights, params)
+    # Ray runs an actor's calls in order, so all fragments can be queued at once; the weights
+    # travel with the first.
+    handles = [actors.submit(num_steps, weights if k == 0 else None, params)
+               for k in range(fragments)]
     waited = time.perf_counter() - t0
-    rows, returns = 0, []
-    for h in handles:
-        t1 = time.perf_counter()
-        out = actors.result(h)
-        waited += time.perf_counter() - t1
-        if on_policy:
-            plane.push(out["rollout"], policy_version=plane.policy_version)
-        else:
-            plane.push(out["rollout"])
-        rows += out["stats"]["rows"]
-        returns += out["stats"]["episode_returns"]
-    for _ in handles:
-        plane.timings.record("rollout", waited / len(handles), start=t0)
+    rows, returns, units = 0, [], 0
+    for fragment in handles:
+        for h in fragment:
+            t1 = time.perf_counter()
+            out = actors.result(h)
+            waited += time.perf_counter() - t1
+            if on_policy:
+                plane.push(out["rollout"], policy_version=plane.policy_version)
+            else:
+                plane.push(out["rollout"])
+            rows += out["stats"]["rows"]
+            returns += out["stats"]["episode_returns"]
+            units += 1
+    for _ in range(units):
+        plane.timings.record("rollout", waited / units, start=t0)
     return {"rows": rows, "episode_returns": returns}
