@@ -185,3 +185,16 @@ def test_on_policy_concurrent_actors(small_spec):
                 t.join()
             ids = torch.cat([mb["id"] for mb in plane.minibatches()]).tolist()
             assert sorted(ids) == list(range(it * 1000, it * 1000 + n))
+
+
+def test_on_policy_prefetch_depth_is_bounded(small_spec):
+    """Overlapped on-policy delivery stages at most two mini-batches of the current iteration."""
+    import time
+    with ExperienceDataPlane(spec=small_spec, capacity=64, mode="on_policy", num_minibatches=8,
+                             schedule=Schedule(1, 1, 1, 0.125), timeout=20) as plane:
+        plane.push(make_rows(small_spec, 64), policy_version=0)
+        plane.pull()
+        time.sleep(0.2)  # give the worker time to run ahead as far as it may
+        assert plane.stats()["staged_batches"] <= plane.prefetch_bound == 2
+        rest = [plane.pull() for _ in range(7)]
+        assert plane.policy_version == 1 and len(rest) == 7

@@ -370,10 +370,21 @@ class ExperienceDataPlane:
 
     @property
     def prefetch_bound(self) -> int:
-        """Training batches that may be staged ahead of the learner."""
+        """Training batches that may be staged ahead of the learner.
+
+        Off-policy: one invocation's ``g_del`` batches (the worker refills only when the stage
+        is empty, so prefetched batches are at most ``g_del`` ahead). On-policy: two
+        mini-batches of the current iteration with overlapped delivery, so one slow gather does
+        not stall the learner; the order is fixed by the FIFO layout, so this changes nothing
+        the learner sees.
+        """
         if self.mode == "on_policy":
-            return 1
+            return 2 if self.schedule.overlap_del else 1
         return int(self.schedule.g_del)
+
+    def _stage_room(self) -> int:
+        # Off-policy refills an empty stage with one invocation of g_del batches.
+        return 1 if self.mode == "off_policy" else self.prefetch_bound
 
     def _max_pending_units(self) -> int:
         return max(1, 2 * int(self.schedule.g_ing)) if self.mode == "off_policy" else 1 << 30
@@ -724,7 +735,7 @@ class ExperienceDataPlane:
         self._delivered_in_iter = 0
 
     def _take_delivery_locked(self) -> _DeliveryJob | None:
-        if self._paused or self._staged:
+        if self._paused or len(self._staged) >= self._stage_room():
             return None
         if self.mode == "off_policy":
             if len(self.buffer) < self.min_size:
