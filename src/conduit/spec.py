@@ -8,7 +8,7 @@ the per-sample size ``x`` that the placement and cost models read.
 from __future__ import annotations
 
 import keyword
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,6 +222,3 @@ class _FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self.items()))
-
-    def __iter__(self) -> Iterator[str]:
-        return super().__iter__()

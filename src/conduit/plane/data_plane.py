@@ -29,6 +29,7 @@ from conduit.errors import (
     EmptyBufferError,
     OperatorError,
     PlaneClosedError,
+    SpecError,
     StaleRolloutError,
 )
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
@@ -52,7 +53,6 @@ SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
 
 
 def _check_growth(old: ExperienceSpec, new: ExperienceSpec) -> None:
-    from conduit.errors import SpecError
     for name, fs in old.fields.items():
         if name not in new.fields:
             raise SpecError(name, "a migration may widen fields but not drop them")
@@ -255,7 +255,6 @@ class ExperienceDataPlane:
         self._pending_rows = 0
         self._inflight_units = 0
         self._staged: deque[_Staged] = deque()
-        self._delivering = 0
         self._error: OperatorError | None = None
         self._closed = False
         self._stop = False
@@ -755,7 +754,6 @@ class ExperienceDataPlane:
             info = sampler.sample(self.capacity)
             self._drawn_in_iter += 1
             job = _DeliveryJob(info, 1, int(info.indices.numel()), self._priority_generation)
-        self._delivering += 1
         self._busy += 1
         return job
 
@@ -796,7 +794,6 @@ class ExperienceDataPlane:
             with self._cv:
                 if self._error is None:
                     self._staged.extend(_Staged(b, job.generation, event) for b in out.staged)
-                self._delivering -= 1
                 self._busy -= 1
                 self.counters["invocations_del"] += 1
                 self._cv.notify_all()

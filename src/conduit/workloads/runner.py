@@ -105,16 +105,13 @@ def default_conduit_schedule(mode: str, num_minibatches: int, *,
 
 
 class WarmupScheduleTuner:
-    """Applies the cost model's schedule after a short two-phase warm-up inside training.
+    """Applies the cost model's schedule once the plane has timed a few learning iterations.
 
-    Phase one runs ``warmup`` learning iterations on :func:`default_conduit_schedule`
-    (overlapped), phase two ``warmup`` more on the inline schedule. The profile takes the
-    operator costs the plane timed in both phases, rollout and update times from the inline
-    phase, and charges overlap with the hand-off time plus the compute slowdown overlap caused
-    (overlapped minus inline medians), as :func:`conduit.plane.profile_plane` does. Then
-    :class:`conduit.plane.AutoScheduler` applies the argmin of Eq. 2. With prioritized replay
-    and no allowed priority lag, a batch prefetched during an update is always discarded
-    (DESIGN §4.4), so overlapped delivery is left out of the choice.
+    The run starts on :func:`default_conduit_schedule`; after ``warmup`` learning iterations
+    the plane's own timings become a :class:`~conduit.scheduling.Profile`, and
+    :class:`conduit.plane.AutoScheduler` chooses the argmin of Eq. 2 and applies it. With
+    prioritized replay and no allowed priority lag, a batch prefetched during an update is
+    always discarded (DESIGN §4.4), so overlapped delivery is left out of the choice.
     """
 
     def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3,
@@ -124,22 +121,13 @@ class WarmupScheduleTuner:
         self.seen = 0
         self.done = False
         self.explanation = ""
-        self._overlapped_since = time.perf_counter()
-        self._inline_since: float | None = None
 
     def step(self, learning: bool) -> None:
         """Call once per iteration, at its end."""
         if self.done or not learning:
             return
         self.seen += 1
-        if self.seen == self.warmup:
-            from conduit import Schedule
-
-            self._inline_since = time.perf_counter()
-            m = self.plane.num_minibatches if self.plane.mode == "on_policy" else 1
-            self.plane.set_schedule(Schedule.inline(num_minibatches=m))
-            return
-        if self.seen < 2 * self.warmup:
+        if self.seen < self.warmup:
             return
         self.done = True
         from conduit.plane import AutoScheduler
@@ -147,11 +135,11 @@ class WarmupScheduleTuner:
 
         space = self.plane.space
         try:
-            profile = self._profile(profile_from_timings(self.plane.timings, space))
-            auto = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=profile)
+            auto = AutoScheduler(plane=self.plane, space=space, top_k=5,
+                                 profile=profile_from_timings(self.plane.timings, space))
             plan = auto.plan()
         except ConduitError as exc:
-            self.plan["note"] = f"kept the inline schedule ({type(exc).__name__}: {exc})"
+            self.plan["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
             return
         if self.prioritized and plan.schedule.overlap_del and self.plane.max_priority_lag == 0:
             keep = [c for c in plan.ranked if not c.schedule.overlap_del]
@@ -163,27 +151,6 @@ class WarmupScheduleTuner:
         self.plan["schedule"] = plan.schedule.label()
         self.plan["schedule_plan"] = plan.to_dict()
         self.plan["schedule_explain"] = self.explanation
-
-    def _profile(self, base: Any) -> Any:
-        """Rollout/update from the inline phase; overlap pays hand-off plus slowdown."""
-        assert self._inline_since is not None
-        t = self.plane.timings
-
-        def med(name: str, lo: float, hi: float) -> float | None:
-            xs = [r.seconds for r in t.records(name) if lo <= r.start < hi]
-            return statistics.median(xs) if xs else None
-
-        mid, now = self._inline_since, time.perf_counter()
-        out = {}
-        for name, sync in (("rollout", "t_sync_ing"), ("update", "t_sync_del")):
-            inline = med(name, mid, now)
-            overlapped = med(name, self._overlapped_since, mid)
-            if inline is None:
-                continue
-            out[f"t_{name}"] = inline
-            if overlapped is not None:
-                out[sync] = getattr(base, sync) + max(0.0, overlapped - inline)
-        return dataclasses.replace(base, **out)
 
 
 def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
