@@ -20,12 +20,25 @@ import torch
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    """What the numbers were measured on, including the load other processes put on it."""
+    return {"host": platform.node(), "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def median_time(fn: Callable[[], Any], *, repeats: int = 30, warmup: int = 3,

@@ -196,14 +196,9 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
                    t_sync_del=prof.t_sync_del + _slowdown(inline, overlapped, "update"))
 
 
-def _median(t: Timings, name: str) -> float | None:
-    secs = [r.seconds for r in t.records(name)]
-    return statistics.median(secs) if secs else None
-
-
 def _slowdown(inline: Timings, overlapped: Timings, name: str) -> float:
     """How much longer a compute stage ran under overlap than inline (``>= 0``)."""
-    a, b = _median(inline, name), _median(overlapped, name)
+    a, b = inline.median(name), overlapped.median(name)
     return 0.0 if a is None or b is None else max(0.0, b - a)
 
 

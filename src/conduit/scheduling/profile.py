@@ -196,13 +196,9 @@ class Profile:
     def to_dict(self) -> dict:
         """JSON-friendly description (granularities as strings such as ``"1/4"``)."""
         return {"t_rollout": self.t_rollout, "t_update": self.t_update,
-                "t_ing": {_fmt(g): t for g, t in self.t_ing.items()},
-                "t_del": {_fmt(g): t for g, t in self.t_del.items()},
+                "t_ing": {str(g): t for g, t in self.t_ing.items()},
+                "t_del": {str(g): t for g, t in self.t_del.items()},
                 "t_sync_ing": self.t_sync_ing, "t_sync_del": self.t_sync_del}
-
-
-def _fmt(g: Fraction) -> str:
-    return str(g.numerator) if g.denominator == 1 else f"{g.numerator}/{g.denominator}"
 
 
 def _lookup(name: str, costs: Mapping[Fraction, float], fit: CostFit | None,
@@ -213,13 +209,8 @@ def _lookup(name: str, costs: Mapping[Fraction, float], fit: CostFit | None,
         return t
     if fit is not None:
         return fit(key)
-    raise ScheduleError(f"{name}: no profiled cost at g={_fmt(key)}; profiled: "
-                        f"{{{', '.join(_fmt(k) for k in costs)}}}")
-
-
-def _median_of(timings: Timings, name: str) -> float | None:
-    secs = [r.seconds for r in timings.records(name)]
-    return statistics.median(secs) if secs else None
+    raise ScheduleError(f"{name}: no profiled cost at g={key!s}; profiled: "
+                        f"{{{', '.join(str(k) for k in costs)}}}")
 
 
 def _medians_by_units(timings: Timings, name: str) -> dict[Fraction, float]:
@@ -263,7 +254,7 @@ def profile_from_timings(timings: Timings, space: ScheduleSpace, *,
     default_sync = _seconds("default_sync", default_sync)
     stages: dict[str, float] = {}
     for name in ("rollout", "update"):
-        v = _median_of(timings, name)
+        v = timings.median(name)
         if v is None:
             raise ProfileError(name, f"no {name!r} timing was recorded; profile at least one "
                                "iteration before planning")
@@ -284,7 +275,7 @@ def profile_from_timings(timings: Timings, space: ScheduleSpace, *,
         costs[name] = filled
     sync = {}
     for name in ("sync_ing", "sync_del"):
-        v = _median_of(timings, name)
+        v = timings.median(name)
         sync[name] = default_sync if v is None else v
     return Profile(t_rollout=stages["rollout"], t_update=stages["update"],
                    t_ing=costs["ingestion"], t_del=costs["delivery"],

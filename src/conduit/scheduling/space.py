@@ -64,17 +64,13 @@ class Schedule:
 
     def label(self) -> str:
         """Compact label, e.g. ``ing(ov=1,g=4) del(ov=1,g=2)``."""
-        return (f"ing(ov={self.overlap_ing},g={_fmt(self.g_ing)}) "
-                f"del(ov={self.overlap_del},g={_fmt(self.g_del)})")
+        return (f"ing(ov={self.overlap_ing},g={self.g_ing!s}) "
+                f"del(ov={self.overlap_del},g={self.g_del!s})")
 
     def to_dict(self) -> dict:
         """JSON-friendly description."""
-        return {"overlap_ing": self.overlap_ing, "g_ing": _fmt(self.g_ing),
-                "overlap_del": self.overlap_del, "g_del": _fmt(self.g_del)}
-
-
-def _fmt(g: Fraction) -> str:
-    return str(g.numerator) if g.denominator == 1 else f"{g.numerator}/{g.denominator}"
+        return {"overlap_ing": self.overlap_ing, "g_ing": str(self.g_ing),
+                "overlap_del": self.overlap_del, "g_del": str(self.g_del)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,12 +101,12 @@ class ScheduleSpace:
         """Raise :class:`ScheduleError` if ``schedule`` is outside the space."""
         if schedule.g_ing not in self.g_ing:
             raise ScheduleError(
-                f"g_ing: {_fmt(schedule.g_ing)} is not feasible for {self.mode}; "
-                f"choose one of {{{', '.join(_fmt(g) for g in self.g_ing)}}}")
+                f"g_ing: {schedule.g_ing!s} is not feasible for {self.mode}; "
+                f"choose one of {{{', '.join(str(g) for g in self.g_ing)}}}")
         if schedule.g_del not in self.g_del:
             raise ScheduleError(
-                f"g_del: {_fmt(schedule.g_del)} is not feasible for {self.mode}; "
-                f"choose one of {{{', '.join(_fmt(g) for g in self.g_del)}}}")
+                f"g_del: {schedule.g_del!s} is not feasible for {self.mode}; "
+                f"choose one of {{{', '.join(str(g) for g in self.g_del)}}}")
 
 
 #: Largest off-policy granularity cap accepted (bounds the enumeration and the staging memory).

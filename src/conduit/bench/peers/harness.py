@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from conduit.bench.common import machine as common_machine
 from conduit.bench.peers.adapter import (
     OperationSkipped,
     PeerAdapter,
@@ -450,25 +450,6 @@ def _make(name: str) -> PeerAdapter:
 # Machine description
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on, including the load other processes put on it."""
-    from conduit.bench.common import machine
-
-    info = machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info["platform"] = platform.platform()
-    info["python"] = platform.python_version()
-    info["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    return info
-
-
 # ---------------------------------------------------------------------------------------------
 # Reporting
 
@@ -612,7 +593,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.torch_threads)
     try:
-        machine = machine_info()
+        machine = common_machine()
         started = time.time()
         workloads = []
         capacity_notes = {}
