@@ -271,6 +271,8 @@ def _importable(*mods: str) -> bool:
 
 ADAPTERS = [
     ("conduit", ()),
+    ("conduit-prefetch", ()),
+    ("gather-floor", ()),
     ("gear-placement", ()),
     ("cpprb", ("cpprb",)),
     ("torchrl", ("torchrl", "tensordict")),
@@ -316,6 +318,20 @@ def test_conduit_epoch_covers_the_rollout_exactly_once() -> None:
     for _ in range(TINY.minibatches):
         seen += buf.sample(TINY.minibatch)["action"].tolist()
     assert sorted(seen) == list(range(TINY.epoch_rows)) and seen != sorted(seen)
+
+
+def test_gather_floor_returns_inserted_rows_only() -> None:
+    from conduit.bench.peers.floor_peer import GatherFloorPeer
+
+    peer = GatherFloorPeer()
+    peer.setup(TINY)
+    chunk = make_chunk(TINY.batch + 5, TINY.dim)
+    chunk["action"] = np.arange(TINY.batch + 5, dtype=np.int64) + 100
+    peer.insert(peer.prepare(chunk))
+    obs, action, _, _ = peer.sample_uniform()
+    assert action.shape == (TINY.batch,)
+    assert set(action.tolist()) <= set(range(100, 100 + TINY.batch + 5))
+    assert np.array_equal(obs.numpy(), chunk["obs"][action.numpy() - 100])
 
 
 def test_gear_row_says_what_it_measures() -> None:

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conduit import EmptyBufferError, PriorityError
+from conduit import ConfigError, EmptyBufferError, PriorityError
 from conduit.storage import (
     ExperienceBuffer,
     FifoSampler,
@@ -45,10 +45,11 @@ def test_empty_buffer_raises(small_spec):
         buf.sample(2)
 
 
-@given(st.lists(st.floats(0, 100), min_size=1, max_size=40), st.integers(0, 2**31))
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@given(values=st.lists(st.floats(0, 100), min_size=1, max_size=40), seed=st.integers(0, 2**31))
 @settings(max_examples=60, deadline=None)
-def test_sum_tree_matches_numpy(values, seed):
-    tree = SumTree(capacity=len(values))
+def test_sum_tree_matches_numpy(backend, values, seed):
+    tree = SumTree(capacity=len(values), backend=backend)
     tree.set(np.arange(len(values)), np.array(values))
     assert tree.total == pytest.approx(sum(values), rel=1e-9, abs=1e-9)
     assert tree.min == pytest.approx(min(values))
@@ -60,6 +61,54 @@ def test_sum_tree_matches_numpy(values, seed):
         want = np.minimum(np.searchsorted(cum, mass, side="right"), len(values) - 1)
         # Equal prefix sums (zero leaves) may resolve to any index of the same mass interval.
         assert np.allclose(cum[got], cum[want])
+
+
+@given(capacity=st.integers(1, 300), seed=st.integers(0, 2**31),
+       ops=st.lists(st.sampled_from(["set", "clear", "set_dup", "find", "draw", "check"]),
+                    min_size=1,
+                    max_size=25))
+@settings(max_examples=80, deadline=None)
+def test_sum_tree_backends_agree_bit_for_bit(capacity, seed, ops):
+    """The compiled and the numpy walk leave identical trees and find identical leaves."""
+    rng = np.random.default_rng(seed)
+    a, b = SumTree(capacity=capacity, backend="numba"), SumTree(capacity=capacity,
+                                                                 backend="numpy")
+    for op in ops:
+        if op in ("set", "set_dup"):
+            n = int(rng.integers(1, 2 * capacity + 2))
+            idx = rng.integers(0, capacity, n)
+            if op == "set_dup":  # repeated indices: the last write must win in both
+                idx[-1] = idx[0]
+            vals = rng.random(n) * 10
+            a.set(idx, vals)
+            b.set(idx, vals)
+        elif op == "clear":
+            idx = rng.integers(0, capacity, int(rng.integers(1, capacity + 1)))
+            a.clear(idx)
+            b.clear(idx)
+        elif op == "check":
+            idx = rng.integers(-1, capacity + 1, 5)
+            pr = rng.choice([0.0, 1.5, -1.0, np.nan, np.inf], 5)
+            assert a.check(idx, pr) == b.check(idx, pr)
+        elif a.total > 0 and op == "find":
+            mass = rng.random(int(rng.integers(1, 70))) * a.total
+            assert np.array_equal(a.find(mass), b.find(mass))
+        elif a.total > 0:
+            u, size = rng.random(int(rng.integers(1, 70))), int(rng.integers(1, capacity + 1))
+            with np.errstate(over="ignore"):  # cleared leaves clamped into a draw: weight inf
+                (ia, wa), (ib, wb) = (t.stratified_draw(u, size=size, beta=0.4)
+                                      for t in (a, b))
+            assert np.array_equal(ia, ib) and ia.max() < size
+            assert wa.dtype == wb.dtype == np.float32
+            np.testing.assert_allclose(wa, wb, rtol=1e-6)
+        assert np.array_equal(a._sum, b._sum)
+        assert np.array_equal(a._min, b._min)
+    assert a.total == b.total and a.min == b.min
+
+
+def test_sum_tree_backend_is_validated():
+    with pytest.raises(ConfigError, match="backend"):
+        SumTree(capacity=4, backend="cuda")
 
 
 def test_prioritized_weights_and_updates(small_spec):

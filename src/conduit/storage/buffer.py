@@ -77,7 +77,8 @@ class ExperienceBuffer:
         with self._lock, data_path_threads(self.threads):
             pieces = self.writer.reserve(n)
             for store_start, b0, length in pieces:
-                self.store.set_range(store_start, {k: v[b0:b0 + length] for k, v in data.items()})
+                part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
+                self.store.set_range(store_start, part)
             idx = RingWriter.indices(pieces)
             self.sampler.on_write(idx, data, size=self.writer.size)
         return idx

@@ -104,6 +104,16 @@ class UniformSampler(Sampler):
         return SampleInfo(torch.from_numpy(idx))
 
 
+def _host(values: Any) -> np.ndarray:
+    """A flat numpy view of a CPU tensor (a copy for other devices or other array types)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach()
+        if values.device.type != "cpu":
+            values = values.cpu()
+        return values.reshape(-1).numpy()
+    return np.asarray(values).reshape(-1)
+
+
 class PrioritizedSampler(Sampler):
     """Proportional prioritized replay (Schaul et al., 2016) over a vectorized sum tree.
 
@@ -157,17 +167,8 @@ class PrioritizedSampler(Sampler):
         total = tree.total
         if not total > 0:
             raise PriorityError("all priorities are zero; nothing can be sampled")
-        u = self._rng.random(batch_size)
-        mass = (np.arange(batch_size) + u) * (total / batch_size)
-        mass = np.minimum(mass, np.nextafter(total, 0))
-        idx = tree.find(mass)
-        idx = np.minimum(idx, size - 1)
-        p = tree.get(idx) / total
-        p_min = tree.min / total
-        w = np.power(size * np.maximum(p, 1e-300), -self.beta)
-        w_max = (size * p_min) ** -self.beta
-        weights = torch.from_numpy((w / w_max).astype(np.float32))
-        return SampleInfo(torch.from_numpy(idx.astype(np.int64)), weights)
+        idx, w = tree.stratified_draw(self._rng.random(batch_size), size=size, beta=self.beta)
+        return SampleInfo(torch.from_numpy(idx), torch.from_numpy(w))
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Set new priorities for ``indices``.
@@ -175,20 +176,20 @@ class PrioritizedSampler(Sampler):
         Raises:
             PriorityError: NaN, infinite or negative priorities, or mismatched lengths.
         """
-        idx = np.asarray(torch.as_tensor(indices).detach().cpu().reshape(-1), dtype=np.int64)
-        pr = np.asarray(torch.as_tensor(priorities).detach().cpu().reshape(-1),
-                        dtype=np.float64)
+        idx = np.ascontiguousarray(_host(indices), dtype=np.int64)
+        pr = np.ascontiguousarray(_host(priorities), dtype=np.float64)
         if idx.shape != pr.shape:
             raise PriorityError(f"priorities: {pr.size} values for {idx.size} indices")
-        if not np.all(np.isfinite(pr)):
+        problem, pmax = self.tree.check(idx, pr)
+        if problem == "not finite":
             raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
-        if np.any(pr < 0):
+        if problem == "negative":
             raise PriorityError("priorities: contain negative values; pass |TD error|")
-        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+        if problem == "index":
             raise PriorityError(f"indices: must lie in [0, {self.capacity}), got "
                                 f"[{idx.min()}, {idx.max()}]")
         if pr.size:
-            self.max_priority = max(self.max_priority, float(pr.max()))
+            self.max_priority = max(self.max_priority, pmax)
         self.tree.set(idx, (pr + self.eps) ** self.alpha)
 
     def priorities(self, indices: torch.Tensor) -> torch.Tensor:

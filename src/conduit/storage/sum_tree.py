@@ -1,8 +1,13 @@
 """Vectorized sum tree (and min tree) for prioritized sampling.
 
-Leaves hold priorities; every update and every prefix-sum query walks the tree level by level
-with numpy array operations over the whole batch, so the cost is O(B·log N) with no per-row
-Python loop.
+Leaves hold priorities; an update or a batch of prefix-sum queries costs O(B·log N) with no
+per-row Python loop. Two interchangeable backends do the walking:
+
+* ``"numba"`` (used when Numba is importable): compiled loops from
+  :mod:`conduit.storage._tree_kernels`;
+* ``"numpy"``: the same walk level by level with numpy array operations over the whole batch.
+
+Both give identical trees and identical search results; the tests check one against the other.
 """
 
 from __future__ import annotations
@@ -11,15 +16,36 @@ from typing import Any
 
 import numpy as np
 
+from conduit.errors import ConfigError
+
+try:  # Numba is a core dependency; the numpy path keeps the tree usable where it cannot load.
+    from conduit.storage import _tree_kernels as _kernels
+except ImportError:  # pragma: no cover - depends on the environment
+    _kernels = None
+
+BACKENDS = ("auto", "numba", "numpy")
+
 
 class SumTree:
     """Binary tree over ``capacity`` leaves keeping subtree sums and minima.
 
     Args:
         capacity: Number of leaves.
+        backend: ``"numba"``, ``"numpy"``, or ``"auto"`` (Numba when importable).
+
+    Raises:
+        ConfigError: Unknown backend, or ``"numba"`` requested without Numba.
     """
 
-    def __init__(self, *, capacity: int) -> None:
+    def __init__(self, *, capacity: int, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
+        if backend == "numba" and _kernels is None:
+            raise ConfigError("backend", "'numba' requested but numba cannot be imported; "
+                                         "pip install numba or use backend='numpy'")
+        if backend == "auto":
+            backend = "numba" if _kernels is not None else "numpy"
+        self.backend = backend
         self.capacity = capacity
         p = 2
         while p < capacity:
@@ -45,8 +71,13 @@ class SumTree:
 
     def set(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` to ``values`` and repair both trees (last write wins)."""
-        node = self._p + np.asarray(idx, dtype=np.int64)
         vals = np.asarray(values, dtype=np.float64)
+        if self.backend == "numba":
+            leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+            vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
+            _kernels.set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
+            return
+        node = self._p + np.asarray(idx, dtype=np.int64)
         self._sum[node] = vals
         self._min[node] = vals
         self._repair(node)
@@ -56,6 +87,11 @@ class SumTree:
         if idx is None:
             self._sum[:] = 0.0
             self._min[:] = np.inf
+            return
+        if self.backend == "numba":
+            leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+            _kernels.set_leaves(self._sum, self._min, self._p, leaf,
+                                np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
         self._sum[node] = 0.0
@@ -78,6 +114,10 @@ class SumTree:
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index whose prefix-sum interval contains each ``mass`` (vectorized descent)."""
         mass = np.array(mass, dtype=np.float64)
+        if self.backend == "numba":
+            leaf = np.empty(mass.size, dtype=np.int64)
+            _kernels.find(self._sum, self._p, mass.reshape(-1), leaf)
+            return np.minimum(leaf.reshape(mass.shape), self.capacity - 1)
         node = np.ones(mass.shape, dtype=np.int64)
         s = self._sum
         for _ in range(self._levels):
@@ -88,6 +128,57 @@ class SumTree:
             node += right
         leaf = node - self._p
         return np.minimum(leaf, self.capacity - 1)
+
+    def stratified_draw(self, u: np.ndarray, *, size: int,
+                        beta: float) -> tuple[np.ndarray, np.ndarray]:
+        """Stratified proportional draw over the first ``size`` leaves, with IS weights.
+
+        Row ``k`` of the batch takes the prefix-sum mass ``(k + u[k]) · total / B``; its
+        importance weight is ``(size · P(i))^-β`` divided by the largest possible one,
+        ``(size · P_min)^-β``.
+
+        Args:
+            u: ``B`` uniform numbers in ``[0, 1)``.
+            size: Filled leaves (draws are clamped below it).
+            beta: Importance-weight exponent.
+
+        Returns:
+            ``(indices int64, weights float32)``, each of length ``B``.
+        """
+        total = self.total
+        u = np.ascontiguousarray(u, dtype=np.float64)
+        cap = float(np.nextafter(total, 0))
+        if self.backend == "numba":
+            idx = np.empty(u.size, dtype=np.int64)
+            w = np.empty(u.size, dtype=np.float64)
+            _kernels.stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
+                                     float(beta), size, idx, w)
+            return idx, w.astype(np.float32)
+        mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
+        idx = np.minimum(self.find(mass), size - 1)
+        p = self.get(idx) / total
+        w = np.power(size * np.maximum(p, 1e-300), -beta)
+        w_max = (size * (self.min / total)) ** -beta
+        return idx.astype(np.int64), (w / w_max).astype(np.float32)
+
+    def check(self, idx: np.ndarray, priorities: np.ndarray) -> tuple[str | None, float]:
+        """Validate leaves and raw priorities before :meth:`set`.
+
+        Returns:
+            ``(problem, max priority)``: ``problem`` is ``None`` when every priority is finite
+            and non-negative and every index lies in ``[0, capacity)``, otherwise one of
+            ``"not finite"``, ``"negative"``, ``"index"``.
+        """
+        if self.backend == "numba":
+            code, pmax = _kernels.check_priorities(idx, priorities, self.capacity)
+            return (None, "not finite", "negative", "index")[code], float(pmax)
+        if not np.all(np.isfinite(priorities)):
+            return "not finite", 0.0
+        if np.any(priorities < 0):
+            return "negative", 0.0
+        if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
+            return "index", 0.0
+        return None, float(priorities.max()) if priorities.size else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         """Leaves only; inner nodes are rebuilt on load."""

@@ -51,6 +51,9 @@ class RingWriter:
         """The slot indices covered by ``pieces``, in batch order."""
         if not pieces:
             return torch.empty(0, dtype=torch.int64)
+        if len(pieces) == 1:
+            s, _, n = pieces[0]
+            return torch.arange(s, s + n, dtype=torch.int64)
         return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, _, n in pieces])
 
     def logical_order(self) -> torch.Tensor:

@@ -56,8 +56,8 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 """Metric key -> (column title, unit). ``rows/s`` is higher-better, ``ms`` lower-better."""
 
-ALL_PEERS = ("conduit", "conduit-prefetch", "gear-placement", "torchrl", "torchrl-prefetch",
-             "cpprb", "rllib", "reverb")
+ALL_PEERS = ("conduit", "conduit-prefetch", "gather-floor", "gear-placement", "torchrl",
+             "torchrl-prefetch", "cpprb", "rllib", "reverb")
 REFERENCE = "conduit"
 
 
@@ -427,6 +427,10 @@ def _make(name: str) -> PeerAdapter:
         from conduit.bench.peers.conduit_peer import ConduitPrefetchPeer
 
         return ConduitPrefetchPeer()
+    if name == "gather-floor":
+        from conduit.bench.peers.floor_peer import GatherFloorPeer
+
+        return GatherFloorPeer()
     if name == "gear-placement":
         from conduit.bench.peers.gear_peer import GearPlacementPeer
 

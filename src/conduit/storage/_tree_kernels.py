@@ -1,0 +1,128 @@
+"""Compiled sum-tree kernels (Numba), used by :class:`~conduit.storage.SumTree` when Numba is
+importable.
+
+A prioritized draw of 512 rows walks 17 levels of a 2^17-leaf tree per row. Vectorized numpy
+pays one array operation (~10 µs) per level and per step of the descent; these loops pay a
+memory access. Both kernels advance a whole batch one level at a time (the inner loop runs
+over the batch), so the independent cache misses of the lower levels overlap instead of
+serializing row by row.
+
+The kernels are compiled on first use and cached next to this file (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.ndarray,
+               mvals: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Set leaf ``idx[k]`` to ``svals[k]`` (sum tree) and ``mvals[k]`` (min tree).
+
+    Leaves are written in order (a repeated index keeps its last value); then the touched
+    parents are repaired bottom-up, level by level, in address order and once each, so the
+    walk streams through memory instead of chasing one random path per write.
+    """
+    n = idx.shape[0]
+    if n == 0:
+        return
+    for k in range(n):
+        s[p + idx[k]] = svals[k]
+        m[p + idx[k]] = mvals[k]
+    node = np.sort(idx + p) >> 1
+    while node[0] >= 1:
+        prev = -1
+        for k in range(n):
+            c = node[k]
+            if c != prev:
+                left = 2 * c
+                s[c] = s[left] + s[left + 1]
+                a = m[left]
+                b = m[left + 1]
+                m[c] = a if a < b else b
+                prev = c
+            node[k] = c >> 1
+
+
+@numba.njit(cache=True, nogil=True)
+def find(s: np.ndarray, p: int, mass: np.ndarray,
+         out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Leaf whose prefix-sum interval holds each ``mass[k]``, written to ``out[k]``."""
+    n = mass.shape[0]
+    x = mass.copy()
+    node = np.ones(n, np.int64)
+    width = 1
+    while width < p:
+        for k in range(n):
+            c = node[k] * 2
+            ls = s[c]
+            if x[k] >= ls:
+                x[k] -= ls
+                c += 1
+            node[k] = c
+        width *= 2
+    for k in range(n):
+        out[k] = node[k] - p
+
+
+@numba.njit(cache=True, nogil=True)
+def stratified_draw(s: np.ndarray, m: np.ndarray, p: int, last: int, u: np.ndarray,
+                    mass_cap: float, beta: float, size: int, out_idx: np.ndarray,
+                    out_w: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One stratified proportional draw with importance weights, in a single pass.
+
+    Row ``k`` takes the mass ``(k + u[k]) · total / B`` (capped below ``total``), descends to
+    its leaf (clamped to ``last``), and gets ``(size · P(i))^-β`` normalized by the largest
+    weight over the buffer, ``(size · P_min)^-β``.
+    """
+    n = u.shape[0]
+    total = s[1]
+    step = total / n
+    x = np.empty(n)
+    for k in range(n):
+        v = (k + u[k]) * step
+        x[k] = v if v < mass_cap else mass_cap
+    node = np.ones(n, np.int64)
+    width = 1
+    while width < p:
+        for k in range(n):
+            c = node[k] * 2
+            ls = s[c]
+            if x[k] >= ls:
+                x[k] -= ls
+                c += 1
+            node[k] = c
+        width *= 2
+    w_max = (size * (m[1] / total)) ** -beta
+    for k in range(n):
+        leaf = node[k] - p
+        if leaf > last:
+            leaf = last
+        out_idx[k] = leaf
+        prob = s[p + leaf] / total
+        if prob < 1e-300:
+            prob = 1e-300
+        out_w[k] = ((size * prob) ** -beta) / w_max
+
+
+@numba.njit(cache=True, nogil=True)
+def check_priorities(idx: np.ndarray, pr: np.ndarray,
+                     capacity: int) -> tuple[int, float]:  # pragma: no cover - compiled
+    """(0, max) when every priority is finite and >= 0 and every index in range; otherwise a
+    code: 1 not finite, 2 negative, 3 index out of range."""
+    for k in range(pr.shape[0]):
+        if not np.isfinite(pr[k]):
+            return 1, 0.0
+    pmax = 0.0
+    for k in range(pr.shape[0]):
+        v = pr[k]
+        if v < 0:
+            return 2, 0.0
+        if v > pmax:
+            pmax = v
+    for k in range(idx.shape[0]):
+        if idx[k] < 0 or idx[k] >= capacity:
+            return 3, 0.0
+    return 0, pmax
