@@ -36,6 +36,36 @@ class Store(Protocol):
         """Restore from :meth:`state_dict`."""
 
 
+_ROW_LOOP_BYTES = 16 << 10
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
+              src_rows: torch.Tensor | None = None) -> None:
+    """``dst[dst_rows] = src[src_rows]`` (all of ``src`` when ``src_rows`` is None).
+
+    Host tensors of a dtype numpy has go through numpy's fancy assignment, a row-wise memcpy;
+    ``Tensor.index_copy_`` walks such rows element by element on CPU and was measured ~25×
+    slower for 48 KB image rows. Anything else uses ``index_copy_``.
+    """
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and not src.requires_grad
+            and dst.dtype == src.dtype):
+        try:
+            d, s = dst.numpy(), src.numpy()
+        except TypeError:  # e.g. bfloat16
+            pass
+        else:
+            di = dst_rows.numpy()
+            if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _ROW_LOOP_BYTES:
+                # Large rows (images): one memcpy per row, no temporary gathered copy.
+                for a, b in zip(di.tolist(), src_rows.numpy().tolist()):
+                    d[a] = s[b]
+            else:
+                d[di] = s if src_rows is None else s[src_rows.numpy()]
+            return
+    rows = src if src_rows is None else src.index_select(0, src_rows.to(src.device))
+    dst.index_copy_(0, dst_rows.to(dst.device), rows.to(dst.device, non_blocking=True))
+
+
 def _check_capacity(capacity: int) -> int:
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ConfigError("capacity", f"must be a positive integer, got {capacity!r}")
@@ -97,9 +127,8 @@ class ColumnStore:
 
     def set(self, indices: torch.Tensor, batch: Batch) -> None:
         """Write rows at ``indices``; one vectorized copy per field."""
-        idx = indices.to(self.device) if self.device.type != "cpu" else indices
         for name, col in self._cols.items():
-            col.index_copy_(0, idx, batch[name].to(self.device, non_blocking=True))
+            copy_rows(col, indices, batch[name])
 
     def set_range(self, start: int, batch: Batch) -> None:
         """Write contiguous rows starting at ``start``; a plain slice copy per field."""

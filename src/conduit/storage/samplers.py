@@ -245,12 +245,20 @@ class FifoSampler(Sampler):
             raise EmptyBufferError(f"an epoch of {self.num_minibatches} mini-batches needs at "
                                    f"least {self.num_minibatches} rows, got {size}")
         self.iteration, self.epoch, self.cursor = iteration, epoch, 0
+        self._parts = self.layout(size, iteration=iteration, epoch=epoch)
+
+    def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
+        """The slots of each mini-batch of one epoch, without touching the sampler's state.
+
+        A pure function of ``(seed, iteration, epoch, size)``: the plane uses it to start
+        assembling an iteration's first mini-batches while its rows are still arriving.
+        """
         if self.shuffle:
             rng = np.random.default_rng([self.seed, iteration, epoch])
             order = torch.from_numpy(rng.permutation(size).astype(np.int64))
         else:
             order = torch.arange(size, dtype=torch.int64)
-        self._parts = list(torch.tensor_split(order, self.num_minibatches))
+        return list(torch.tensor_split(order, self.num_minibatches))
 
     @property
     def remaining(self) -> int:

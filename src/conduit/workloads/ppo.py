@@ -104,17 +104,21 @@ def compute_gae(unit: dict[str, torch.Tensor], *, num_envs: int, gamma: float,
     n = unit["reward"].shape[0]
     steps = n // num_envs
     shape = (steps, num_envs)
-    reward = unit["reward"].reshape(shape)
-    value = unit["value"].reshape(shape)
-    next_value = unit["next_value"].reshape(shape)
-    term = unit["terminated"].reshape(shape).float()
-    done = (unit["terminated"] | unit["truncated"]).reshape(shape).float()
-    delta = reward + gamma * next_value * (1.0 - term) - value
-    adv = torch.zeros_like(reward)
-    last = torch.zeros(num_envs, dtype=reward.dtype)
+    # numpy for the backward recursion: a step is a few tiny vector ops, where torch's
+    # per-call dispatch would cost more than the arithmetic.
+    reward = unit["reward"].numpy().reshape(shape)
+    value = unit["value"].numpy().reshape(shape)
+    next_value = unit["next_value"].numpy().reshape(shape)
+    term = unit["terminated"].numpy().reshape(shape)
+    not_done = ~(term | unit["truncated"].numpy().reshape(shape))
+    delta = reward + np.float32(gamma) * next_value * ~term - value
+    adv_np = np.zeros(shape, dtype=np.float32)
+    last = np.zeros(num_envs, dtype=np.float32)
+    decay = np.float32(gamma * lam)
     for t in reversed(range(steps)):
-        last = delta[t] + gamma * lam * (1.0 - done[t]) * last
-        adv[t] = last
+        last = delta[t] + decay * not_done[t] * last
+        adv_np[t] = last
+    adv = torch.from_numpy(adv_np)
     adv = adv.reshape(-1)
     out = {k: unit[k] for k in ("obs", "action", "logprob", "value")}
     if "pixels" in unit:

@@ -1,0 +1,91 @@
+"""On-policy: the iteration's first mini-batches are assembled while its rows arrive."""
+
+import threading
+
+import pytest
+import torch
+
+from conduit import EmptyBufferError, ExperienceDataPlane, Schedule
+from tests.conftest import make_rows
+
+N, M, EPOCHS, UNIT = 48, 4, 2, 12
+
+
+def _plane(spec, schedule):
+    return ExperienceDataPlane(spec=spec, capacity=N, mode="on_policy", num_minibatches=M,
+                               num_epochs=EPOCHS, schedule=schedule, seed=3, timeout=20)
+
+
+def _run(plane, spec, iters=2):
+    out = []
+    for it in range(iters):
+        for start in range(0, N, UNIT):
+            plane.push(make_rows(spec, UNIT, start=it * 1000 + start), policy_version=it)
+        out.append(list(plane.minibatches()))
+    return out
+
+
+def test_early_minibatches_are_the_same_batches(small_spec):
+    with _plane(small_spec, Schedule.inline(num_minibatches=M)) as ref_plane:
+        ref = _run(ref_plane, small_spec)
+        assert ref_plane.counters["early_batches"] == 0  # the inline baseline gathers
+    with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
+        got = _run(plane, small_spec)
+        # Two per iteration: the overlapped delivery's prefetch depth.
+        assert plane.counters["early_batches"] == 2 * 2
+    for it_ref, it_got in zip(ref, got):
+        for a, b in zip(it_ref, it_got):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+
+
+def test_first_minibatch_does_not_wait_for_the_buffer_write(small_spec):
+    """The last rollout's buffer write is held back: the first mini-batches are delivered
+    anyway, the rest of the iteration waits for the write, and nothing is lost."""
+    gate = threading.Event()
+    with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
+        written = []
+        extend = plane.buffer.extend
+
+        def held_extend(data, validate=True):
+            written.append(int(data["id"].shape[0]))
+            if sum(written) == N:  # the write that completes the iteration
+                assert gate.wait(20)
+            return extend(data, validate=validate)
+
+        plane.buffer.extend = held_extend
+        for start in range(0, N, UNIT):
+            plane.push(make_rows(small_spec, UNIT, start=start), policy_version=0)
+        first = [plane.pull(timeout=10) for _ in range(2)]
+        with pytest.raises(EmptyBufferError):
+            plane.pull(timeout=0.3)  # the third needs every row in the buffer
+        gate.set()
+        rest = [plane.pull(timeout=10) for _ in range(M * EPOCHS - 2)]
+        assert plane.policy_version == 1
+        ids = [mb["id"] for mb in first + rest]
+        for e in range(EPOCHS):
+            assert sorted(torch.cat(ids[e * M:(e + 1) * M]).tolist()) == list(range(N))
+
+
+def test_minibatches_that_cannot_be_assembled_fall_back_to_a_gather(small_spec, monkeypatch):
+    with _plane(small_spec, Schedule.inline(num_minibatches=M)) as ref_plane:
+        ref = _run(ref_plane, small_spec, iters=1)
+    monkeypatch.setattr(ExperienceDataPlane, "_fill_early",
+                        lambda self, early, data, start, n: [0] * len(early))
+    with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
+        got = _run(plane, small_spec, iters=1)
+        assert plane.counters["early_batches"] == 0
+    for a, b in zip(ref[0], got[0]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_early_minibatch_ends_the_iteration(small_spec):
+    """With one mini-batch per iteration, delivering it clears the buffer: it is never
+    assembled early, so it waits for every write."""
+    with ExperienceDataPlane(spec=small_spec, capacity=N, mode="on_policy", num_minibatches=1,
+                             num_epochs=1, schedule=Schedule(1, 1, 1, 1), timeout=20) as plane:
+        for it in range(3):
+            plane.push(make_rows(small_spec, N, start=it * 1000), policy_version=it)
+            assert sorted(plane.pull()["id"].tolist()) == list(range(it * 1000, it * 1000 + N))
+        assert plane.counters["early_batches"] == 0
