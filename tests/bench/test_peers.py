@@ -31,6 +31,7 @@ from conduit.bench.peers.harness import (
     apply_quick,
     fit_capacity,
     format_reasons,
+    merge_rounds,
     format_table,
     measure_adapter,
     ratios,
@@ -169,6 +170,27 @@ def test_measure_adapter_reports_measured_skipped_and_failed_metrics() -> None:
     assert "boom" in (r.metrics["onpolicy_epoch"].reason or "")
 
 
+def test_rounds_merge_to_the_median_of_round_medians() -> None:
+    def row(ms: float | None, rate: float, note: str) -> RowResult:
+        sample = (MetricResult.missing("sample_uniform", "error", "boom") if ms is None else
+                  MetricResult(status="ok", unit="ms", value=ms, median_s=ms / 1e3,
+                               min_s=ms / 2e3, samples=10, rows_per_op=512))
+        ins = MetricResult(status="ok", unit="rows/s", value=rate, median_s=1024 / rate,
+                           min_s=512 / rate, samples=5, rows_per_op=1024)
+        return RowResult(peer="p", dim=8, capacity=64, notes=[note],
+                         metrics={"sample_uniform": sample, "insert_1024": ins})
+
+    merged = merge_rounds([row(3.0, 100.0, "a"), row(None, 300.0, "b"), row(1.0, 200.0, "a")])
+    s, i = merged.metrics["sample_uniform"], merged.metrics["insert_1024"]
+    assert s.status == "ok" and s.value == 2.0 and s.samples == 20 and s.min_s == 0.5e-3
+    assert i.value == 200.0 and i.samples == 15
+    assert merged.notes == ["a", "b"]
+    failed = merge_rounds([row(None, 1.0, "x"), row(None, 1.0, "x")])
+    assert failed.metrics["sample_uniform"].status == "error"
+    with pytest.raises(ValueError):
+        merge_rounds([])
+
+
 def test_an_epoch_that_loses_rows_is_an_error_not_a_number() -> None:
     r = measure_adapter(NumpyPeer(short_epoch=True), TINY, TINY_CFG, quiet)
     assert r.metrics["onpolicy_epoch"].status == "error"
@@ -237,7 +259,7 @@ def test_main_writes_json_and_never_fails_because_of_a_peer(tmp_path: Path,
     argv = ["--peers", "conduit", "reverb", "--reverb-python", str(tmp_path / "nope"),
             "--dims", "8", "--capacity", "2048", "--batch", "32", "--epoch-rows", "256",
             "--warmup", "1", "--repeats", "2", "--insert-64-repeats", "2",
-            "--epoch-repeats", "1", "--out", str(out)]
+            "--epoch-repeats", "1", "--rounds", "2", "--out", str(out)]
     assert harness.main(argv) == 0
     doc = json.loads((out / "peers.json").read_text())
     by_peer = {r["peer"]: r for r in doc["rows"]}
@@ -246,6 +268,9 @@ def test_main_writes_json_and_never_fails_because_of_a_peer(tmp_path: Path,
     assert all(m["status"] == "ok" for m in by_peer["conduit"]["metrics"].values())
     assert by_peer["reverb"]["status"] == "skipped"
     assert doc["config"]["dims"] == [8] and doc["machine"]["cores"] >= 1
+    assert doc["config"]["rounds"] == 2
+    # Two rounds of 2 timed repetitions each were merged.
+    assert by_peer["conduit"]["metrics"]["sample_uniform"]["samples"] == 4
     assert doc["command"].startswith("conduit bench peers")
     printed = capsys.readouterr().out
     assert "conduit" in printed and "make peers" in printed

@@ -140,6 +140,30 @@ def speedup(metric: str, conduit: float, peer: float) -> float:
     return conduit / peer if METRICS[metric][1] == "rows/s" else peer / conduit
 
 
+def merge_rounds(rounds: Sequence[RowResult]) -> RowResult:
+    """One row from the same peer measured in several rounds: per metric, the median of the
+    rounds that measured it (a metric no round measured keeps the first round's status)."""
+    if not rounds:
+        raise ValueError("merge_rounds: no rounds")
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    metrics: dict[str, MetricResult] = {}
+    for m, res in first.metrics.items():
+        ok = [r.metrics[m] for r in rounds if m in r.metrics and r.metrics[m].status == "ok"]
+        if not ok:
+            metrics[m] = res
+            continue
+        metrics[m] = MetricResult(
+            status="ok", unit=res.unit,
+            value=statistics.median(x.value for x in ok if x.value is not None),
+            median_s=statistics.median(x.median_s for x in ok if x.median_s is not None),
+            min_s=min(x.min_s for x in ok if x.min_s is not None),
+            samples=sum(x.samples for x in ok), rows_per_op=ok[0].rows_per_op)
+    notes = list(dict.fromkeys(n for r in rounds for n in r.notes))
+    return replace(first, metrics=metrics, notes=notes)
+
+
 def ratios(rows: Sequence[RowResult], reference: str = REFERENCE) -> list[dict[str, Any]]:
     """Conduit/peer speed-ups for every (dim, peer, metric) measured on both sides."""
     ref = {r.dim: r for r in rows if r.peer == reference and r.status == "ok"}
@@ -177,6 +201,9 @@ class PeersConfig:
     repeats: int = arg(50, "timed repetitions per sampling metric (the median is reported)")
     insert_64_repeats: int = arg(200, "timed inserts of 64-row chunks")
     epoch_repeats: int = arg(10, "timed on-policy epochs")
+    rounds: int = arg(1, "measure every in-process peer this many times, alternating the "
+                         "order each round, and report the median of the round medians (a "
+                         "shared machine drifts; rounds spread the drift over all peers)")
     peers: tuple[str, ...] = arg(ALL_PEERS, f"peers to run, from {', '.join(ALL_PEERS)}")
     quick: bool = arg(False, "short development run: d in (128, 1000), capacity 16384, few "
                              "repetitions, Reverb in-process only (flags given explicitly win)")
@@ -199,7 +226,7 @@ class PeersConfig:
         if not self.dims or any(d < 1 for d in self.dims):
             raise ValueError(f"dims: need positive dimensions, got {self.dims}")
         for name in ("capacity", "batch", "epoch_rows", "minibatches", "repeats",
-                     "insert_64_repeats", "epoch_repeats", "torch_threads"):
+                     "insert_64_repeats", "epoch_repeats", "torch_threads", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -616,13 +643,21 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
         rows: list[RowResult] = []
         adapters = build_adapters(cfg.peers)
         for w in workloads:
+            measured: dict[str, list[RowResult]] = {}
+            for r in range(cfg.rounds):
+                order = adapters if r % 2 == 0 else adapters[::-1]
+                for name, adapter, _ in order:
+                    if adapter is None:
+                        continue
+                    log(f"d={w.dim} {name}: start" + (f" (round {r + 1}/{cfg.rounds})"
+                                                      if cfg.rounds > 1 else ""))
+                    measured.setdefault(name, []).append(measure_adapter(adapter, w, cfg, log))
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
                                           status="skipped", reason=reason))
-                    continue
-                log(f"d={w.dim} {name}: start")
-                rows.append(measure_adapter(adapter, w, cfg, log))
+                else:
+                    rows.append(merge_rounds(measured[name]))
 
         versions: dict[str, Any] = {}
         if "reverb" in cfg.peers:
