@@ -672,8 +672,15 @@ class ExperienceDataPlane:
                         needed=self._iter_written_rows + n, available=self.capacity)
                 start = self._iter_written_rows
                 self._iter_written_rows += n
-                if start == 0:
-                    self._early = self._plan_early_locked()
+                plan = start == 0 and self._wants_early_locked()
+                version = self.policy_version
+            if plan:
+                # Outside the plane's lock (a permutation of the iteration's rows); the
+                # iteration cannot end meanwhile, since its last batch needs this write.
+                planned = self._plan_early(version)
+                with self._cv:
+                    self._early = planned
+            with self._cv:
                 early = list(self._early.values())
             for e in early:  # in delivery order, each released as soon as it is filled
                 [k] = self._fill_early([e], data, start, n)
@@ -690,16 +697,17 @@ class ExperienceDataPlane:
                 self._cv.notify_all()
         return n
 
-    def _plan_early_locked(self) -> dict[int, _Early]:
-        """Which of this iteration's mini-batches to assemble while rows arrive: the ones the
-        delivery worker would stage first, when delivery is overlapped and the rows live in
-        host memory."""
-        if not self.schedule.overlap_del or any(
-                torch.device(d).type != "cpu" for d in self.buffer.placement.devices):
-            return {}
+    def _wants_early_locked(self) -> bool:
+        """Assemble the first mini-batches while rows arrive? Only when delivery is
+        overlapped (it would stage them first) and the rows live in host memory."""
+        return bool(self.schedule.overlap_del) and all(
+            torch.device(d).type == "cpu" for d in self.buffer.placement.devices)
+
+    def _plan_early(self, version: int) -> dict[int, _Early]:
+        """The first mini-batches of iteration ``version`` (epoch 0), by their slots."""
         sampler = self.buffer.sampler
         assert isinstance(sampler, FifoSampler)
-        parts = sampler.layout(self.capacity, iteration=self.policy_version, epoch=0)
+        parts = sampler.layout(self.capacity, iteration=version, epoch=0)
         # Never the iteration's last mini-batch: delivering it ends the iteration and clears
         # the buffer, which must wait until every write has landed.
         total = self.num_minibatches * self.num_epochs
