@@ -51,10 +51,31 @@ def test_bench_workloads_plumbing(tmp_path: Path) -> None:
     from conduit.bench.workloads import main
 
     assert main(["--only", "DQN-CP", "--iters", "6", "--actors", "1", "--no-use-ray",
-                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+                 "--device", "cpu", "--rounds", "2", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "workloads.json").read_text())
     assert set(res["workloads"]) == {"DQN-CP"}
+    row = res["workloads"]["DQN-CP"]
+    # Two rounds per mode, pooled: 6 iterations each, none past learning_starts (one actor
+    # fills 64 of 512 rows per iteration), so every iteration of both runs counts.
+    assert row["inline"]["iterations_measured"] == row["conduit"]["iterations_measured"] == 12
+    assert row["inline_losses_finite"] and row["conduit_losses_finite"]
     assert (tmp_path / "workloads.png").exists()
+
+
+def test_summaries_pool_the_runs_they_are_given() -> None:
+    from conduit.workloads.runner import IterationRecord, summarize_records
+
+    def rec(i: int, e2e: float, learning: bool = True) -> IterationRecord:
+        return IterationRecord(iteration=i, end_to_end=e2e, rollout=0.0, ingestion=0.0,
+                               delivery=0.0, update=0.0, other=e2e, env_steps=0,
+                               learning=learning, wall_time=0.0)
+
+    a = [rec(0, 9.0, False), rec(1, 100.0), rec(2, 1.0), rec(3, 2.0)]
+    b = [rec(1, 100.0), rec(2, 3.0)]
+    s = summarize_records([a, b], skip=1)
+    assert s["iterations_measured"] == 3 and s["end_to_end"] == 2.0
+    with pytest.raises(ValueError):
+        summarize_records([])
 
 
 def test_bench_convergence_curve_helpers() -> None:

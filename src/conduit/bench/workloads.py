@@ -85,6 +85,8 @@ class WorkloadBenchArgs:
     seed: int = arg(1, "random seed (the same for both modes)")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
+    rounds: int = arg(1, "runs per mode and workload, alternating the order (inline first, "
+                         "then Conduit first, ...); medians pool every run's iterations")
     out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png")
 
 
@@ -96,6 +98,8 @@ def _iters(algo: str, requested: int, gpu: bool) -> int:
 
 def run(a: WorkloadBenchArgs) -> dict[str, Any]:
     """Run the sweep and write JSON + PNG; returns the JSON payload."""
+    if a.rounds < 1:
+        raise SystemExit(f"rounds: must be >= 1, got {a.rounds}")
     from conduit.workloads import dqn, ppo, sac
     from conduit.workloads.actors import init_ray
 
@@ -115,15 +119,21 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                             use_ray=a.use_ray, log_every=0,
                             iters=_iters(w.algo, a.iters, gpu))
             rows[w.name] = {"heavy": w.heavy, "algo": w.algo}
-            for buffer in ("inline", "conduit"):
-                t0 = time.perf_counter()
-                res = mod.train(replace(base, buffer=buffer))
-                rows[w.name][buffer] = res.summary
-                rows[w.name][f"{buffer}_plan"] = res.plan
-                rows[w.name][f"{buffer}_losses_finite"] = res.losses_finite
-                print(f"  .. {w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
-                      f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
-                      f"{1000 * res.summary['end_to_end']:8.2f} ms", flush=True)
+            records: dict[str, list[Any]] = {"inline": [], "conduit": []}
+            for r in range(a.rounds):
+                for buffer in ("inline", "conduit") if r % 2 == 0 else ("conduit", "inline"):
+                    t0 = time.perf_counter()
+                    res = mod.train(replace(base, buffer=buffer))
+                    records[buffer].append(res.records)
+                    rows[w.name][f"{buffer}_plan"] = res.plan
+                    rows[w.name][f"{buffer}_losses_finite"] = (
+                        rows[w.name].get(f"{buffer}_losses_finite", True)
+                        and res.losses_finite)
+                    print(f"  .. {w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
+                          f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
+                          f"{1000 * res.summary['end_to_end']:8.2f} ms", flush=True)
+            for buffer, runs in records.items():
+                rows[w.name][buffer] = runner.summarize_records(runs)
     finally:
         if started:
             import ray

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -304,13 +304,25 @@ class BreakdownRecorder:
     def summary(self, *, skip: int = 1) -> dict[str, float]:
         """Median per-iteration breakdown over learning iterations (the first ``skip`` of them
         dropped as warm-up)."""
-        recs = [r for r in self.records if r.learning][skip:] or \
-            [r for r in self.records if r.learning] or self.records
-        out = {k: statistics.median(getattr(r, k) for r in recs)
-               for k in (*PHASES, "end_to_end", "exposed")}
-        out["iterations_measured"] = len(recs)
+        out = summarize_records([self.records], skip=skip)
         out["final_return"] = self.recent_return()
         return out
+
+
+def summarize_records(runs: Sequence[Sequence[IterationRecord]], *, skip: int = 1
+                      ) -> dict[str, float]:
+    """Median per-iteration breakdown over the learning iterations of one or more runs of the
+    same configuration, the first ``skip`` learning iterations of each run dropped."""
+    recs: list[IterationRecord] = []
+    for records in runs:
+        learning = [r for r in records if r.learning]
+        recs += learning[skip:] or learning or list(records)
+    if not recs:
+        raise ValueError("summarize_records: no iterations recorded")
+    out = {k: statistics.median(getattr(r, k) for r in recs)
+           for k in (*PHASES, "end_to_end", "exposed")}
+    out["iterations_measured"] = len(recs)
+    return out
 
 
 @dataclass
