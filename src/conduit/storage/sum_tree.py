@@ -18,12 +18,28 @@ import numpy as np
 
 from conduit.errors import ConfigError
 
-try:  # Numba is a core dependency; the numpy path keeps the tree usable where it cannot load.
-    from conduit.storage import _tree_kernels as _kernels
-except ImportError:  # pragma: no cover - depends on the environment
-    _kernels = None
-
 BACKENDS = ("auto", "numba", "numpy")
+
+_kernels: Any = None
+_kernels_tried = False
+
+
+def _load_kernels() -> Any:
+    """The compiled kernels module, or None where Numba cannot be imported.
+
+    Imported on first use, not with ``conduit``: Numba adds about 0.3 s to an import that
+    buffers without priorities never need. Numba is a core dependency; the numpy path keeps
+    the tree usable where it cannot load.
+    """
+    global _kernels, _kernels_tried
+    if not _kernels_tried:
+        _kernels_tried = True
+        try:
+            from conduit.storage import _tree_kernels
+        except ImportError:  # pragma: no cover - depends on the environment
+            _tree_kernels = None
+        _kernels = _tree_kernels
+    return _kernels
 
 
 class SumTree:
@@ -40,11 +56,12 @@ class SumTree:
     def __init__(self, *, capacity: int, backend: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-        if backend == "numba" and _kernels is None:
+        kernels = _load_kernels() if backend != "numpy" else None
+        if backend == "numba" and kernels is None:
             raise ConfigError("backend", "'numba' requested but numba cannot be imported; "
                                          "pip install numba or use backend='numpy'")
         if backend == "auto":
-            backend = "numba" if _kernels is not None else "numpy"
+            backend = "numba" if kernels is not None else "numpy"
         self.backend = backend
         self.capacity = capacity
         p = 2
