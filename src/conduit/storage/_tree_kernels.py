@@ -47,11 +47,10 @@ def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.
 
 
 @numba.njit(cache=True, nogil=True)
-def find(s: np.ndarray, p: int, mass: np.ndarray,
-         out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """Leaf whose prefix-sum interval holds each ``mass[k]``, written to ``out[k]``."""
-    n = mass.shape[0]
-    x = mass.copy()
+def _descend(s: np.ndarray, p: int, x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Node reached by each prefix-sum mass ``x[k]`` (consumed), the whole batch advanced one
+    level at a time."""
+    n = x.shape[0]
     node = np.ones(n, np.int64)
     width = 1
     while width < p:
@@ -63,7 +62,15 @@ def find(s: np.ndarray, p: int, mass: np.ndarray,
                 c += 1
             node[k] = c
         width *= 2
-    for k in range(n):
+    return node
+
+
+@numba.njit(cache=True, nogil=True)
+def find(s: np.ndarray, p: int, mass: np.ndarray,
+         out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Leaf whose prefix-sum interval holds each ``mass[k]``, written to ``out[k]``."""
+    node = _descend(s, p, mass.copy())
+    for k in range(mass.shape[0]):
         out[k] = node[k] - p
 
 
@@ -84,17 +91,7 @@ def stratified_draw(s: np.ndarray, m: np.ndarray, p: int, last: int, u: np.ndarr
     for k in range(n):
         v = (k + u[k]) * step
         x[k] = v if v < mass_cap else mass_cap
-    node = np.ones(n, np.int64)
-    width = 1
-    while width < p:
-        for k in range(n):
-            c = node[k] * 2
-            ls = s[c]
-            if x[k] >= ls:
-                x[k] -= ls
-                c += 1
-            node[k] = c
-        width *= 2
+    node = _descend(s, p, x)
     w_max = (size * (m[1] / total)) ** -beta
     for k in range(n):
         leaf = node[k] - p
