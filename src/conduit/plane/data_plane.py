@@ -674,13 +674,12 @@ class ExperienceDataPlane:
                 self._iter_written_rows += n
                 plan = start == 0 and self._wants_early_locked()
                 version = self.policy_version
-            if plan:
-                # Outside the plane's lock (a permutation of the iteration's rows); the
-                # iteration cannot end meanwhile, since its last batch needs this write.
-                planned = self._plan_early(version)
-                with self._cv:
-                    self._early = planned
+            # Planned outside the plane's lock (a permutation of the iteration's rows); the
+            # iteration cannot end meanwhile, since its last batch needs this write.
+            planned = self._plan_early(version) if plan else None
             with self._cv:
+                if planned is not None:
+                    self._early = planned
                 early = list(self._early.values())
             for e in early:  # in delivery order, each released as soon as it is filled
                 [k] = self._fill_early([e], data, start, n)
