@@ -72,7 +72,7 @@ def test_minibatches_that_cannot_be_assembled_fall_back_to_a_gather(small_spec, 
     with _plane(small_spec, Schedule.inline(num_minibatches=M)) as ref_plane:
         ref = _run(ref_plane, small_spec, iters=1)
     monkeypatch.setattr(ExperienceDataPlane, "_fill_early",
-                        lambda self, early, data, start, n: [0] * len(early))
+                        lambda self, e, data, start, n: 0)
     with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
         got = _run(plane, small_spec, iters=1)
         assert plane.counters["early_batches"] == 0

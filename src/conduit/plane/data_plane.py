@@ -682,7 +682,7 @@ class ExperienceDataPlane:
                     self._early = planned
                 early = list(self._early.values())
             for e in early:  # in delivery order, each released as soon as it is filled
-                [k] = self._fill_early([e], data, start, n)
+                k = self._fill_early(e, data, start, n)
                 if k:
                     with self._cv:
                         e.filled += k
@@ -713,29 +713,25 @@ class ExperienceDataPlane:
         return {d: _Early(parts[d])
                 for d in range(min(self.prefetch_bound, len(parts), total - 1))}
 
-    def _fill_early(self, early: list[_Early], data: Batch, start: int, n: int) -> list[int]:
-        """Copy the rows of ``data`` (slots ``start..start+n``) that belong to ``early``."""
-        filled = []
-        for e in early:
-            sel = (e.indices >= start) & (e.indices < start + n)
-            pos = sel.nonzero().squeeze(1)
-            if pos.numel() and any(v.device.type != "cpu" for v in data.values()):
-                filled.append(0)  # never completes; the mini-batch falls back to a gather
-                continue
-            if e.out is None:
-                m = int(e.indices.numel())
-                # zeros, not empty: touching the pages in one sequential pass is far cheaper
-                # than faulting them in row by row as scattered rows arrive (~20× measured).
-                e.out = {name: torch.zeros((m, *fs.shape), dtype=fs.dtype)
-                         for name, fs in self.spec.fields.items()}
-                e.out["_index"] = e.indices
-            if pos.numel():
-                src = e.indices[pos] - start
-                with data_path_threads(1):
-                    for name in self.spec.fields:
-                        copy_rows(e.out[name], pos, data[name], src)
-            filled.append(int(pos.numel()))
-        return filled
+    def _fill_early(self, e: _Early, data: Batch, start: int, n: int) -> int:
+        """Copy the rows of ``data`` (slots ``start..start+n``) that belong to ``e``; returns
+        how many."""
+        pos = ((e.indices >= start) & (e.indices < start + n)).nonzero().squeeze(1)
+        if pos.numel() and any(v.device.type != "cpu" for v in data.values()):
+            return 0  # never completes; the mini-batch falls back to a gather
+        if e.out is None:
+            m = int(e.indices.numel())
+            # zeros, not empty: touching the pages in one sequential pass is far cheaper than
+            # faulting them in row by row as scattered rows arrive (~20× measured).
+            e.out = {name: torch.zeros((m, *fs.shape), dtype=fs.dtype)
+                     for name, fs in self.spec.fields.items()}
+            e.out["_index"] = e.indices
+        if pos.numel():
+            src = e.indices[pos] - start
+            with data_path_threads(1):
+                for name in self.spec.fields:
+                    copy_rows(e.out[name], pos, data[name], src)
+        return int(pos.numel())
 
     # ------------------------------------------------------------------ learner side
 
