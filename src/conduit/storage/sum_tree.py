@@ -12,6 +12,7 @@ Both give identical trees and identical search results; the tests check one agai
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,7 @@ from conduit.errors import ConfigError
 
 BACKENDS = ("auto", "numba", "numpy")
 
-_kernels: Any = None
-_kernels_tried = False
-
-
+@functools.cache
 def _load_kernels() -> Any:
     """The compiled kernels module, or None where Numba cannot be imported.
 
@@ -31,15 +29,11 @@ def _load_kernels() -> Any:
     buffers without priorities never need. Numba is a core dependency; the numpy path keeps
     the tree usable where it cannot load.
     """
-    global _kernels, _kernels_tried
-    if not _kernels_tried:
-        _kernels_tried = True
-        try:
-            from conduit.storage import _tree_kernels
-        except ImportError:  # pragma: no cover - depends on the environment
-            _tree_kernels = None
-        _kernels = _tree_kernels
-    return _kernels
+    try:
+        from conduit.storage import _tree_kernels
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return _tree_kernels
 
 
 class SumTree:
@@ -62,6 +56,7 @@ class SumTree:
                                          "pip install numba or use backend='numpy'")
         if backend == "auto":
             backend = "numba" if kernels is not None else "numpy"
+        self._kernels = kernels
         self.backend = backend
         self.capacity = capacity
         p = 2
@@ -92,7 +87,7 @@ class SumTree:
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
             vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
-            _kernels.set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
+            self._kernels.set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
         self._sum[node] = vals
@@ -107,7 +102,7 @@ class SumTree:
             return
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-            _kernels.set_leaves(self._sum, self._min, self._p, leaf,
+            self._kernels.set_leaves(self._sum, self._min, self._p, leaf,
                                 np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
@@ -133,7 +128,7 @@ class SumTree:
         mass = np.array(mass, dtype=np.float64)
         if self.backend == "numba":
             leaf = np.empty(mass.size, dtype=np.int64)
-            _kernels.find(self._sum, self._p, mass.reshape(-1), leaf)
+            self._kernels.find(self._sum, self._p, mass.reshape(-1), leaf)
             return np.minimum(leaf.reshape(mass.shape), self.capacity - 1)
         node = np.ones(mass.shape, dtype=np.int64)
         s = self._sum
@@ -168,7 +163,7 @@ class SumTree:
         if self.backend == "numba":
             idx = np.empty(u.size, dtype=np.int64)
             w = np.empty(u.size, dtype=np.float64)
-            _kernels.stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
+            self._kernels.stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
                                      float(beta), size, idx, w)
             return idx, w.astype(np.float32)
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
@@ -187,7 +182,7 @@ class SumTree:
             ``"not finite"``, ``"negative"``, ``"index"``.
         """
         if self.backend == "numba":
-            code, pmax = _kernels.check_priorities(idx, priorities, self.capacity)
+            code, pmax = self._kernels.check_priorities(idx, priorities, self.capacity)
             return (None, "not finite", "negative", "index")[code], float(pmax)
         if not np.all(np.isfinite(priorities)):
             return "not finite", 0.0
