@@ -56,7 +56,6 @@ class SumTree:
                                          "pip install numba or use backend='numpy'")
         if backend == "auto":
             backend = "numba" if kernels is not None else "numpy"
-        self._kernels = kernels
         self.backend = backend
         self.capacity = capacity
         p = 2
@@ -87,7 +86,7 @@ class SumTree:
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
             vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
-            self._kernels.set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
+            _load_kernels().set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
         self._sum[node] = vals
@@ -102,7 +101,7 @@ class SumTree:
             return
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-            self._kernels.set_leaves(self._sum, self._min, self._p, leaf,
+            _load_kernels().set_leaves(self._sum, self._min, self._p, leaf,
                                 np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
@@ -128,7 +127,7 @@ class SumTree:
         mass = np.array(mass, dtype=np.float64)
         if self.backend == "numba":
             leaf = np.empty(mass.size, dtype=np.int64)
-            self._kernels.find(self._sum, self._p, mass.reshape(-1), leaf)
+            _load_kernels().find(self._sum, self._p, mass.reshape(-1), leaf)
             return np.minimum(leaf.reshape(mass.shape), self.capacity - 1)
         node = np.ones(mass.shape, dtype=np.int64)
         s = self._sum
@@ -163,7 +162,7 @@ class SumTree:
         if self.backend == "numba":
             idx = np.empty(u.size, dtype=np.int64)
             w = np.empty(u.size, dtype=np.float64)
-            self._kernels.stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
+            _load_kernels().stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
                                      float(beta), size, idx, w)
             return idx, w.astype(np.float32)
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
@@ -182,7 +181,7 @@ class SumTree:
             ``"not finite"``, ``"negative"``, ``"index"``.
         """
         if self.backend == "numba":
-            code, pmax = self._kernels.check_priorities(idx, priorities, self.capacity)
+            code, pmax = _load_kernels().check_priorities(idx, priorities, self.capacity)
             return (None, "not finite", "negative", "index")[code], float(pmax)
         if not np.all(np.isfinite(priorities)):
             return "not finite", 0.0
