@@ -33,7 +33,13 @@ from conduit.errors import (
     StaleRolloutError,
 )
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
-from conduit.scheduling.space import Mode, Schedule, ScheduleSpace, feasible_space
+from conduit.scheduling.space import (
+    MAX_MINIBATCHES,
+    Mode,
+    Schedule,
+    ScheduleSpace,
+    feasible_space,
+)
 from conduit.spec import Batch, ExperienceSpec, as_tensor, batch_rows
 from conduit.storage import (
     ExperienceBuffer,
@@ -204,6 +210,11 @@ class ExperienceDataPlane:
         rollout_spec: Optional spec that pushed rollouts must match when a registered
             ingestion operator reshapes them. Without it and without an ingestion operator,
             pushes are checked against ``spec``.
+        rollout_rows: On-policy: rows in every pushed rollout unit, when that is fixed (for
+            example envs × steps of a rollout fragment). Units smaller than a mini-batch then
+            add their share of the iteration to the feasible ingestion granularities, so
+            ingestion can run once per arriving unit (see
+            :func:`~conduit.scheduling.feasible_space`). Pushes are not required to match it.
         g_max: Cap on off-policy granularity (bounds staleness and memory).
         max_priority_lag: Priority updates that a prefetched prioritized batch may miss.
             0 (default) discards prefetched batches drawn before the latest update.
@@ -217,7 +228,7 @@ class ExperienceDataPlane:
                  placement: Placement | Literal["auto"] | None = None,
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
-                 g_max: int = 8, max_priority_lag: int = 0, timeout: float = 60.0,
+                 rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0, timeout: float = 60.0,
                  seed: int = 0) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError("spec", f"expected an ExperienceSpec, got {type(spec).__name__}")
@@ -254,8 +265,21 @@ class ExperienceDataPlane:
             raise ConfigError("min_size", f"must be an integer in [1, capacity={capacity}], "
                                           f"got {min_size!r}")
         self.min_size = min_size
+        unit = None
+        if rollout_rows is not None:
+            if (not isinstance(rollout_rows, int) or isinstance(rollout_rows, bool)
+                    or not 1 <= rollout_rows <= capacity):
+                raise ConfigError("rollout_rows", f"must be an integer in [1, capacity="
+                                                  f"{capacity}], got {rollout_rows!r}")
+            if mode != "on_policy":
+                raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
+                                                  "granularity already counts rollout units")
+            unit = Fraction(rollout_rows, capacity)
+            if unit.denominator > MAX_MINIBATCHES:
+                unit = None  # not representable as a granularity; the hint is not needed
         self.space: ScheduleSpace = feasible_space(
-            mode=mode, num_minibatches=num_minibatches, g_max_ing=g_max, g_max_del=g_max)
+            mode=mode, num_minibatches=num_minibatches, g_max_ing=g_max, g_max_del=g_max,
+            unit_fraction_ing=unit)
         self.timings = Timings()
         self.placement_decision: Any = None
         if placement == "auto":
@@ -686,7 +710,13 @@ class ExperienceDataPlane:
                 if k:
                     with self._cv:
                         e.filled += k
+                        # Complete and next in line: stage it from this thread rather than
+                        # wake the delivery worker for it (one thread hand-off fewer on the
+                        # way to the learner's first pull).
+                        job = self._take_delivery_locked() if e.complete else None
                         self._cv.notify_all()
+                    if job is not None:
+                        self._deliver_here(job)
             # Slots [start, start + n): the buffer was cleared when the iteration began and
             # the write lock keeps concurrent ingestions in order.
             self.buffer.extend(data, validate=False)
@@ -874,11 +904,15 @@ class ExperienceDataPlane:
                     if job is not None:
                         break
                     self._cv.wait(1.0)  # notifications drive progress; the timeout is a backstop
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    self._run_delivery(job)
-            else:
+            self._deliver_here(job)
+
+    def _deliver_here(self, job: _DeliveryJob) -> None:
+        """Run a delivery job on this background thread (on the plane's copy stream)."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
                 self._run_delivery(job)
+        else:
+            self._run_delivery(job)
 
     def _run_delivery(self, job: _DeliveryJob) -> None:
         t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """The schedule and its feasible space, derived only from the RL configuration (§4.1–4.2, §6.3).
 
 Off-policy: ``G_ing = {1..g_max_ing}``, ``G_del = {1..g_max_del}``.
-On-policy with M mini-batches per update: ``G_ing = {1/M, 2/M, ..., 1}``, ``G_del = {1/M}``.
+On-policy with M mini-batches per update: ``G_ing = {1/M, 2/M, ..., 1}``, ``G_del = {1/M}``;
+when fixed-size rollout units are smaller than a mini-batch, ``G_ing`` also holds the multiples
+of one unit's share below 1/M.
 Users may cap the space (``g_max_ing`` / ``g_max_del`` off-policy, ``max_fraction_ing``
 on-policy); an infeasible cap is rejected with :class:`~conduit.errors.ConfigError`.
 """
@@ -118,12 +120,14 @@ MAX_MINIBATCHES = 1024
 
 def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
                    g_max_del: int = 8,
-                   max_fraction_ing: float | Fraction | None = None) -> ScheduleSpace:
+                   max_fraction_ing: float | Fraction | None = None,
+                   unit_fraction_ing: Fraction | None = None) -> ScheduleSpace:
     """Derive the feasible granularity sets from the RL configuration, optionally capped.
 
     Off-policy: ``G_ing = {1..g_max_ing}``, ``G_del = {1..g_max_del}``; the two caps are the
     user's caps (they bound staleness and staging memory). On-policy with ``M`` mini-batches:
-    ``G_ing = {1/M, 2/M, ..., f_max}`` where ``f_max`` is ``max_fraction_ing`` (default 1) and
+    ``G_ing = {1/M, 2/M, ..., f_max}`` where ``f_max`` is ``max_fraction_ing`` (default 1),
+    preceded by ``u, 2u, ... < 1/M`` for a unit share ``u = unit_fraction_ing``, and
     ``G_del = {1/M}``.
 
     Args:
@@ -134,6 +138,10 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
         g_max_del: Off-policy cap on prefetched batches per delivery, ``1..MAX_GRANULARITY``.
         max_fraction_ing: On-policy only: largest fraction of a rollout one ingestion
             invocation may process, in ``[1/M, 1]``. ``None`` means 1 (no cap).
+        unit_fraction_ing: On-policy only: the share of an iteration that one pushed rollout
+            unit holds (rows per unit / rows per iteration), when units have a fixed size.
+            When it is below 1/M, its multiples below 1/M join ``G_ing``, so ingestion can run
+            once per arriving unit instead of waiting for a mini-batch's worth of rows.
 
     Returns:
         The :class:`ScheduleSpace`.
@@ -153,6 +161,9 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
         if v > limit:
             raise ConfigError(name, f"must be at most {limit}, got {v}")
     if mode == "off_policy":
+        if unit_fraction_ing is not None:
+            raise ConfigError("unit_fraction_ing", "only applies on-policy; off-policy "
+                                                   "granularity already counts rollout units")
         if max_fraction_ing is not None:
             raise ConfigError("max_fraction_ing",
                               "only applies on-policy; cap off-policy ingestion with g_max_ing")
@@ -171,7 +182,13 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
             raise ConfigError("max_fraction_ing",
                               f"must be at least 1/M = 1/{m} (one mini-batch), got {v!r}; "
                               "a smaller cap leaves no feasible ingestion granularity")
-    return ScheduleSpace(mode=mode,
-                         g_ing=tuple(Fraction(k, m) for k in range(1, m + 1)
-                                     if Fraction(k, m) <= f_max),
-                         g_del=(Fraction(1, m),))
+    g_ing = [Fraction(k, m) for k in range(1, m + 1) if Fraction(k, m) <= f_max]
+    if unit_fraction_ing is not None:
+        u = unit_fraction_ing
+        if not isinstance(u, Fraction) or not 0 < u <= 1:
+            raise ConfigError("unit_fraction_ing", f"must be a Fraction in (0, 1], got {u!r}")
+        if u.denominator > MAX_MINIBATCHES:
+            raise ConfigError("unit_fraction_ing", f"{u} is finer than 1/{MAX_MINIBATCHES}; "
+                                                   f"push larger rollout units")
+        g_ing = [u * j for j in range(1, m) if u * j < Fraction(1, m)] + g_ing
+    return ScheduleSpace(mode=mode, g_ing=tuple(g_ing), g_del=(Fraction(1, m),))

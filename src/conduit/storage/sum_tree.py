@@ -12,28 +12,19 @@ Both give identical trees and identical search results; the tests check one agai
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from conduit.errors import ConfigError
+from conduit.storage import compiled
 
 BACKENDS = ("auto", "numba", "numpy")
 
-@functools.cache
-def _load_kernels() -> Any:
-    """The compiled kernels module, or None where Numba cannot be imported.
 
-    Imported on first use, not with ``conduit``: Numba adds about 0.3 s to an import that
-    buffers without priorities never need. Numba is a core dependency; the numpy path keeps
-    the tree usable where it cannot load.
-    """
-    try:
-        from conduit.storage import _tree_kernels
-    except ImportError:  # pragma: no cover - depends on the environment
-        return None
-    return _tree_kernels
+def _load_kernels() -> Any:
+    """The compiled tree kernels, or None where Numba cannot be imported."""
+    return compiled.load("_tree_kernels")
 
 
 class SumTree:

@@ -4,7 +4,9 @@ breakdown (Fig. 1 / Fig. 11 style), the progress line, and the JSON + PNG output
 Breakdown of one iteration (all wall-clock seconds, measured in the same run):
 
 * ``rollout``: the learner waiting on actor rollouts (plus the policy broadcast);
-* ``ingestion``: exposed ingestion, the time the caller spent inside ``plane.push``;
+* ``ingestion``: exposed ingestion, the time the learner's thread spent inside
+  ``plane.push``, or, when the actor port pushes on its own thread, waiting for its pushes
+  after the last rollout unit arrived;
 * ``delivery``: exposed delivery, the time the caller spent inside ``plane.pull``;
 * ``update``: learner update compute;
 * ``other``: the rest (bookkeeping);
@@ -18,9 +20,10 @@ import json
 import math
 import statistics
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -89,18 +92,21 @@ def parse_placement(text: str, learner_device: torch.device) -> Any:
 
 
 def default_conduit_schedule(mode: str, num_minibatches: int, *,
-                             prioritized: bool = False) -> Any:
+                             prioritized: bool = False, g_ing: Fraction | None = None) -> Any:
     """Hand-set overlap schedule: the starting point of auto-planning, and the fallback.
 
     With prioritized replay, delivery stays on the learner's thread: a batch prefetched before
     a priority update would be discarded (priorities reach the sampler first, DESIGN §4.4).
+    On-policy, ingestion runs at ``g_ing`` (default 1/M; pass the finest feasible one, such
+    as one rollout unit, to ingest every unit as it arrives).
     """
     from conduit import Schedule
 
     if prioritized:
         return Schedule(1, 1, 0, 1)
     if mode == "on_policy":
-        return Schedule(1, Fraction(1, num_minibatches), 1, Fraction(1, num_minibatches))
+        return Schedule(1, g_ing or Fraction(1, num_minibatches), 1,
+                        Fraction(1, num_minibatches))
     return Schedule(1, 1, 1, 2)
 
 
@@ -184,10 +190,13 @@ def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
     sampler = plane_kw.get("sampler")
     prioritized = sampler == "prioritized" or type(sampler).__name__ == "PrioritizedSampler"
     auto_sched = sched == "auto"
-    if auto_sched:
-        sched = default_conduit_schedule(mode, num_minibatches, prioritized=prioritized)
     plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
-                                schedule=sched, placement=place, **plane_kw)
+                                schedule=None if auto_sched else sched, placement=place,
+                                **plane_kw)
+    if auto_sched:  # the finest feasible ingestion step (one rollout unit when they are given)
+        plane.set_schedule(default_conduit_schedule(mode, num_minibatches,
+                                                    prioritized=prioritized,
+                                                    g_ing=min(plane.space.g_ing)))
     plan = describe_plan(plane, buffer=buffer)
     if plane.placement_decision is not None:
         plan["placement_plan"] = plane.placement_decision.explain()
@@ -262,7 +271,11 @@ class BreakdownRecorder:
 
     def _totals(self) -> dict[str, float]:
         t = self.plane.timings
-        return {k: t.total(v) for k, v in self._NAMES.items()}
+        out = {k: t.total(v) for k, v in self._NAMES.items()}
+        # Pushes made on the actor port's thread are not the learner's time; its wait for
+        # them after the last unit arrived is (see rollout_and_push).
+        out["ingestion"] += t.total("push_wait") - t.total("push_offthread")
+        return out
 
     @contextmanager
     def iteration(self, i: int) -> Iterator[dict[str, Any]]:
@@ -504,12 +517,19 @@ def rollout_and_push(plane: Any, actors: Any, num_steps: int,
     """One actor-rollout phase: every actor produces ``fragments`` rollout units of
     ``num_steps`` steps each, back to back; each unit is pushed through the plane's actor port
     as soon as it is collected, in (fragment, actor) order, so batches never depend on which
-    actor finished first. While the learner pushes fragment k, the actors already step
-    fragment k+1 (like RLlib's rollout fragments), in both buffer modes.
+    actor finished first. While fragment k is pushed, the actors already step fragment k+1
+    (like RLlib's rollout fragments), in both buffer modes.
 
-    The learner's waiting time is recorded as ``"rollout"``, one record per rollout unit (the
-    per-unit ``T_rollout`` the cost model reads); the time inside ``push`` is the plane's own
-    ``"push"`` record.
+    Who pushes depends on the schedule. With inline ingestion (the sequential baseline) the
+    learner's thread collects and pushes every unit itself. With overlapped ingestion the
+    actor port receives the units on a thread of its own, so the learner's thread only waits
+    for the actors and then for the last push to return.
+
+    Timing records: the learner's wait for the actors is ``"rollout"``, one record per unit
+    (the per-unit ``T_rollout`` the cost model reads). Time inside ``push`` is the plane's own
+    ``"push"`` record; pushes made by the port's thread are also recorded as
+    ``"push_offthread"``, and the learner's wait for them after the last unit arrived as
+    ``"push_wait"`` (see :class:`BreakdownRecorder`).
 
     Returns:
         ``rows`` pushed and the finished ``episode_returns``.
@@ -517,22 +537,49 @@ def rollout_and_push(plane: Any, actors: Any, num_steps: int,
     t0 = time.perf_counter()
     # Ray runs an actor's calls in order, so all fragments can be queued at once; the weights
     # travel with the first.
-    handles = [actors.submit(num_steps, weights if k == 0 else None, params)
-               for k in range(fragments)]
-    waited = time.perf_counter() - t0
-    rows, returns, units = 0, [], 0
-    for fragment in handles:
-        for h in fragment:
+    handles = [h for k in range(fragments)
+               for h in actors.submit(num_steps, weights if k == 0 else None, params)]
+    got: dict[str, Any] = {"rows": 0, "episode_returns": [], "waited": time.perf_counter() - t0}
+
+    def receive(offthread: bool) -> None:
+        for h in handles:
             t1 = time.perf_counter()
             out = actors.result(h)
-            waited += time.perf_counter() - t1
-            if on_policy:
-                plane.push(out["rollout"], policy_version=plane.policy_version)
-            else:
-                plane.push(out["rollout"])
-            rows += out["stats"]["rows"]
-            returns += out["stats"]["episode_returns"]
-            units += 1
-    for _ in range(units):
-        plane.timings.record("rollout", waited / units, start=t0)
-    return {"rows": rows, "episode_returns": returns}
+            got["arrived"] = time.perf_counter()
+            got["waited"] += got["arrived"] - t1
+            version = {"policy_version": plane.policy_version} if on_policy else {}
+            t2 = time.perf_counter()
+            plane.push(out["rollout"], **version)
+            if offthread:
+                plane.timings.record("push_offthread", time.perf_counter() - t2, start=t2)
+            got["rows"] += out["stats"]["rows"]
+            got["episode_returns"] += out["stats"]["episode_returns"]
+
+    if plane.schedule.overlap_ing:
+        _run_port_thread(receive)
+        waited = got["arrived"] - t0  # the learner's thread waited for the actors until here
+        plane.timings.record("push_wait", time.perf_counter() - got["arrived"],
+                             start=got["arrived"])
+    else:
+        receive(offthread=False)
+        waited = got["waited"]
+    for _ in handles:
+        plane.timings.record("rollout", waited / len(handles), start=t0)
+    return {"rows": got["rows"], "episode_returns": got["episode_returns"]}
+
+
+def _run_port_thread(receive: Callable[[bool], None]) -> None:
+    """Run ``receive(True)`` on the actor port's thread; re-raise what it raised."""
+    failure: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            receive(True)
+        except BaseException as exc:  # handed to the learner's thread below
+            failure.append(exc)
+
+    port = threading.Thread(target=body, name="conduit-actor-port", daemon=True)
+    port.start()
+    port.join()
+    if failure:
+        raise failure[0]
