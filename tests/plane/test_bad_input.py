@@ -242,3 +242,15 @@ def test_rollout_spec_validates_raw_rollouts(small_spec):
 def _frames(exc):
     import traceback
     return "".join(traceback.format_tb(exc.__traceback__))
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(mode="on_policy", rollout_rows=0), "rollout_rows"),
+    (dict(mode="on_policy", rollout_rows=1000), "rollout_rows"),
+    (dict(mode="on_policy", rollout_rows=2.5), "rollout_rows"),
+    (dict(mode="off_policy", rollout_rows=8), "only applies on-policy"),
+])
+def test_rollout_rows_is_checked(small_spec, kw, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, **kw)
+    assert info.value.field == "rollout_rows"

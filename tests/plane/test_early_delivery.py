@@ -1,6 +1,7 @@
 """On-policy: the iteration's first mini-batches are assembled while its rows arrive."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -89,3 +90,62 @@ def test_no_early_minibatch_ends_the_iteration(small_spec):
             plane.push(make_rows(small_spec, N, start=it * 1000), policy_version=it)
             assert sorted(plane.pull()["id"].tolist()) == list(range(it * 1000, it * 1000 + N))
         assert plane.counters["early_batches"] == 0
+
+
+def test_early_minibatch_is_staged_by_the_ingestion_thread(small_spec):
+    """A complete early mini-batch that is next in line is delivered by the thread that
+    completed it, without a hand-off to the delivery worker."""
+    threads = []
+    with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
+        @plane.register_delivery()
+        def delivery(exp_in, learn_out):
+            threads.append(threading.current_thread().name)
+            learn_out.write(exp_in.read())
+
+        _run(plane, small_spec, iters=1)
+    assert threads[0] == "conduit-ingestion"
+    assert threads[-1] == "conduit-delivery"  # gathers stay on the delivery worker
+
+
+@pytest.mark.parametrize("g_ing", [0.125, 0.25])
+def test_per_unit_ingestion_delivers_the_same_batches(small_spec, g_ing):
+    """Rollout units smaller than a mini-batch make their share a feasible granularity;
+    ingesting once per unit changes when rows land, never the batches."""
+    half = UNIT // 2  # 6-row units: 1/8 of the iteration, half a mini-batch
+    with _plane(small_spec, Schedule.inline(num_minibatches=M)) as ref_plane:
+        ref = _run(ref_plane, small_spec)
+    with ExperienceDataPlane(spec=small_spec, capacity=N, mode="on_policy", num_minibatches=M,
+                             num_epochs=EPOCHS, seed=3, timeout=20, rollout_rows=half,
+                             schedule=Schedule(1, g_ing, 1, 0.25)) as plane:
+        # One unit alone is ingested at g = 1/8, and waits for a second one at g = 1/4.
+        plane.push(make_rows(small_spec, half, start=0), policy_version=0)
+        deadline = time.monotonic() + 10
+        while g_ing == 0.125 and plane.counters["ingested_rows"] < half:
+            assert time.monotonic() < deadline, "a lone unit was not ingested at g = 1/8"
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert plane.counters["ingested_rows"] == (half if g_ing == 0.125 else 0)
+        plane.push(make_rows(small_spec, half, start=half), policy_version=0)
+        for start in range(UNIT, N, half):
+            plane.push(make_rows(small_spec, half, start=start), policy_version=0)
+        first = list(plane.minibatches())
+        for it in range(1, 2):
+            for start in range(0, N, half):
+                plane.push(make_rows(small_spec, half, start=it * 1000 + start),
+                           policy_version=it)
+        got = [first, list(plane.minibatches())]
+    for it_ref, it_got in zip(ref, got):
+        for a, b in zip(it_ref, it_got):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollout_rows_shapes_the_space(small_spec):
+    def space(**kw):
+        with ExperienceDataPlane(spec=small_spec, capacity=N, mode="on_policy",
+                                 num_minibatches=M, **kw) as plane:
+            return [str(g) for g in plane.space.g_ing]
+
+    assert space() == ["1/4", "1/2", "3/4", "1"]
+    assert space(rollout_rows=UNIT // 2) == ["1/8", "1/4", "1/2", "3/4", "1"]
+    assert space(rollout_rows=UNIT // 3) == ["1/12", "1/6", "1/4", "1/2", "3/4", "1"]
+    assert space(rollout_rows=N) == ["1/4", "1/2", "3/4", "1"]  # units of a whole iteration

@@ -84,7 +84,31 @@ def test_on_policy_max_fraction_cap():
     assert space.g_ing[-1] == 1
 
 
+def test_on_policy_unit_fraction_adds_finer_steps():
+    space = feasible_space(mode="on_policy", num_minibatches=4, unit_fraction_ing=F(1, 8))
+    assert space.g_ing == (F(1, 8), F(1, 4), F(1, 2), F(3, 4), F(1))
+    space = feasible_space(mode="on_policy", num_minibatches=4, unit_fraction_ing=F(1, 16))
+    assert space.g_ing[:4] == (F(1, 16), F(1, 8), F(3, 16), F(1, 4))
+    # Units of a mini-batch or more add nothing.
+    for u in (F(1, 4), F(1, 2), F(1)):
+        space = feasible_space(mode="on_policy", num_minibatches=4, unit_fraction_ing=u)
+        assert space.g_ing == (F(1, 4), F(1, 2), F(3, 4), F(1))
+    space = feasible_space(mode="on_policy", num_minibatches=4, max_fraction_ing=0.5,
+                           unit_fraction_ing=F(1, 8))
+    assert space.g_ing == (F(1, 8), F(1, 4), F(1, 2))
+    space.check(Schedule(1, F(1, 8), 1, F(1, 4)))
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
+    ({"mode": "on_policy", "num_minibatches": 4, "unit_fraction_ing": F(0)},
+     "unit_fraction_ing"),
+    ({"mode": "on_policy", "num_minibatches": 4, "unit_fraction_ing": 0.125},
+     "unit_fraction_ing"),
+    ({"mode": "on_policy", "num_minibatches": 4, "unit_fraction_ing": F(3, 2)},
+     "unit_fraction_ing"),
+    ({"mode": "on_policy", "num_minibatches": 4, "unit_fraction_ing": F(1, 2048)},
+     "unit_fraction_ing"),
+    ({"mode": "off_policy", "unit_fraction_ing": F(1, 8)}, "unit_fraction_ing"),
     ({"mode": "off_policy", "g_max_ing": 0}, "g_max_ing"),
     ({"mode": "off_policy", "g_max_ing": -2}, "g_max_ing"),
     ({"mode": "off_policy", "g_max_ing": 2.5}, "g_max_ing"),
