@@ -293,7 +293,12 @@ class ExperienceDataPlane:
         self.actor_port = ActorPort(self)
         self.learner_port = LearnerPort(self)
 
-        self._cv = threading.Condition()
+        # One lock; a condition per kind of waiter, so that an event wakes only the threads
+        # it concerns (every wake-up costs the learner a GIL hand-off on a small machine).
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # callers: push, pull, flush, paused()
+        self._ing_cv = threading.Condition(lock)  # the ingestion worker
+        self._del_cv = threading.Condition(lock)  # the delivery worker
         self._ingest_fn: IngestionFn = _identity_ingestion
         self._deliver_fn: DeliveryFn = _identity_delivery
         self._ingest_registered = False
@@ -451,10 +456,20 @@ class ExperienceDataPlane:
         for w in self._workers:
             w.start()
 
+    def _wake(self, *, callers: bool = False, ingestion: bool = False,
+              delivery: bool = False) -> None:
+        """Wake the waiters an event concerns (call with the lock held)."""
+        if callers:
+            self._cv.notify_all()
+        if ingestion:
+            self._ing_cv.notify_all()
+        if delivery:
+            self._del_cv.notify_all()
+
     def _stop_workers(self) -> None:
         with self._cv:
             self._stop = True
-            self._cv.notify_all()
+            self._wake(callers=True, ingestion=True, delivery=True)
         for w in self._workers:
             w.join(timeout=self.timeout)
             if w.is_alive():  # pragma: no cover - an operator stuck in user code
@@ -492,7 +507,7 @@ class ExperienceDataPlane:
         finally:
             with self._cv:
                 self._paused -= 1
-                self._cv.notify_all()
+                self._wake(callers=True, ingestion=True, delivery=True)
             if not self._workers and not self._closed:
                 self._start(self.schedule)
 
@@ -570,7 +585,7 @@ class ExperienceDataPlane:
             self.counters["pushed_rows"] += rows
             if self.mode == "on_policy":
                 self._iter_pushed_rows += rows
-            self._cv.notify_all()
+            self._wake(ingestion=True)
             inline = self.schedule.overlap_ing == 0
         if inline:
             self._drain_inline(force=False)
@@ -595,7 +610,7 @@ class ExperienceDataPlane:
         deadline = time.perf_counter() + (self.timeout if timeout is None else timeout)
         with self._cv:
             self._flush_requested += 1
-            self._cv.notify_all()
+            self._wake(ingestion=True)
             try:
                 while self._pending or self._inflight_units:
                     self._raise_if_failed()
@@ -657,7 +672,7 @@ class ExperienceDataPlane:
                     units = self._take_ingestion_locked(force=self._flush_requested > 0)
                     if units is not None:
                         break
-                    self._cv.wait(1.0)  # notifications drive progress; the timeout is a backstop
+                    self._ing_cv.wait(1.0)  # wake-ups drive progress; the timeout is a backstop
             self._run_ingestion(units)
 
     def _run_ingestion(self, units: list[_Unit]) -> None:
@@ -677,7 +692,7 @@ class ExperienceDataPlane:
                 self._busy -= 1
                 self.counters["ingested_units"] += len(units)
                 self.counters["invocations_ing"] += 1
-                self._cv.notify_all()
+                self._wake(callers=True)
 
     def _write_rows(self, batch: Mapping[str, Any]) -> int:
         data, n = self.spec.validate(batch, what="write")
@@ -685,7 +700,7 @@ class ExperienceDataPlane:
             self.buffer.extend(data, validate=False)
             with self._cv:
                 self.counters["ingested_rows"] += n
-                self._cv.notify_all()
+                self._wake(callers=True, delivery=True)
             return n
         with self._write_lock:
             with self._cv:
@@ -714,7 +729,7 @@ class ExperienceDataPlane:
                         # wake the delivery worker for it (one thread hand-off fewer on the
                         # way to the learner's first pull).
                         job = self._take_delivery_locked() if e.complete else None
-                        self._cv.notify_all()
+                        self._wake(delivery=True)
                     if job is not None:
                         self._deliver_here(job)
             # Slots [start, start + n): the buffer was cleared when the iteration began and
@@ -723,7 +738,7 @@ class ExperienceDataPlane:
             with self._cv:
                 self._iter_landed_rows += n
                 self.counters["ingested_rows"] += n
-                self._cv.notify_all()
+                self._wake(callers=True, delivery=True)
         return n
 
     def _wants_early_locked(self) -> bool:
@@ -833,14 +848,15 @@ class ExperienceDataPlane:
             if (isinstance(self.buffer.sampler, PrioritizedSampler)
                     and s.generation < self._priority_generation - self.max_priority_lag):
                 self.counters["discarded_batches"] += 1
-                self._cv.notify_all()  # the delivery worker may now refill the stage
+                self._wake(delivery=True)  # the worker may now refill the stage
                 continue
             self.counters["delivered_batches"] += 1
             if self.mode == "on_policy":
                 self._delivered_in_iter += 1
                 if self._delivered_in_iter == self.num_minibatches * self.num_epochs:
                     self._advance_iteration_locked()
-            self._cv.notify_all()
+                    self._wake(callers=True, ingestion=True)  # pushes of the next version
+            self._wake(delivery=True)  # room on the stage
             return s
         return None
 
@@ -903,7 +919,7 @@ class ExperienceDataPlane:
                     job = self._take_delivery_locked()
                     if job is not None:
                         break
-                    self._cv.wait(1.0)  # notifications drive progress; the timeout is a backstop
+                    self._del_cv.wait(1.0)  # wake-ups drive progress; the timeout is a backstop
             self._deliver_here(job)
 
     def _deliver_here(self, job: _DeliveryJob) -> None:
@@ -937,7 +953,7 @@ class ExperienceDataPlane:
                     self._staged.extend(_Staged(b, job.generation, event) for b in out.staged)
                 self._busy -= 1
                 self.counters["invocations_del"] += 1
-                self._cv.notify_all()
+                self._wake(callers=True)
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Give new priorities to delivered rows (prioritized sampler only).
@@ -952,7 +968,7 @@ class ExperienceDataPlane:
         self.buffer.update_priorities(indices, priorities)
         with self._cv:
             self._priority_generation += 1
-            self._cv.notify_all()
+            self._wake(delivery=True)
 
     # ------------------------------------------------------------------ placement migration
 
@@ -1066,7 +1082,7 @@ class ExperienceDataPlane:
         with self._cv:
             if self._error is None:
                 self._error = err
-            self._cv.notify_all()
+            self._wake(callers=True, ingestion=True, delivery=True)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -1095,7 +1111,7 @@ class ExperienceDataPlane:
                 self._drain_inline(force=True)
         with self._cv:
             self._closed = True
-            self._cv.notify_all()
+            self._wake(callers=True, ingestion=True, delivery=True)
 
     def __enter__(self) -> ExperienceDataPlane:
         return self
