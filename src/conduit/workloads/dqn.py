@@ -142,8 +142,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             plane.update_priorities(batch["_index"], td.abs() + 1e-3)
                     if learning and losses:
                         log["loss"] = losses[-1]
-                if auto is not None:  # auto-schedule: profile, then pick with the cost model
-                    auto.step(learning)
+                if auto is not None:  # auto-schedule: cost model, then a measured trial
+                    auto.step(rec.records[-1])
             plane.flush()
     finally:
         actors.close()

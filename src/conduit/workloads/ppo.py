@@ -215,8 +215,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             optimizer.step()
                             losses.append(loss.item())
                     log.update(loss=losses[-1], **stats)
-                if auto is not None:  # auto-schedule: profile, then pick with the cost model
-                    auto.step(True)
+                if auto is not None:  # auto-schedule: cost model, then a measured trial
+                    auto.step(rec.records[-1])
             plane.flush()
     finally:
         actors.close()

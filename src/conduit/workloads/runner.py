@@ -111,31 +111,59 @@ def default_conduit_schedule(mode: str, num_minibatches: int, *,
 
 
 class WarmupScheduleTuner:
-    """Applies the cost model's schedule once the plane has timed a few learning iterations.
+    """Chooses the schedule during a run's first learning iterations, in two steps.
 
-    The run starts on :func:`default_conduit_schedule`; after ``warmup`` learning iterations
-    the plane's own timings become a :class:`~conduit.scheduling.Profile`, and
-    :class:`conduit.plane.AutoScheduler` chooses the argmin of Eq. 2 and applies it. With
-    prioritized replay and no allowed priority lag, a batch prefetched during an update is
-    always discarded (DESIGN §4.4), so overlapped delivery is left out of the choice.
+    1. **Model.** The run starts on :func:`default_conduit_schedule`. After ``warmup``
+       learning iterations the plane's own timings become a
+       :class:`~conduit.scheduling.Profile`, and :class:`conduit.plane.AutoScheduler` picks
+       the argmin of Eq. 2. With prioritized replay and no allowed priority lag, a batch
+       prefetched during an update is always discarded (DESIGN §4.4), so overlapped delivery
+       is left out of that choice.
+    2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
+       learner itself where threads compete for few cores and for the GIL (measured on a
+       2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
+       runs the model's pick, the same schedule with ingestion inline, and the same schedule
+       fully inline, ``trial`` iterations each, interleaved (A B C C B A), scores each
+       iteration by the learner's time outside the rollout wait (end to end minus rollout:
+       exposed path, update, bookkeeping), and keeps the model's pick unless another
+       candidate's median is lower by more than ``margin``.
+
+    Call :meth:`step` once per iteration, at its end, with that iteration's record.
     """
 
-    def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3,
-                 prioritized: bool = False) -> None:
+    def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3, trial: int = 2,
+                 margin: float = 0.05, prioritized: bool = False) -> None:
         self.plane, self.plan, self.warmup = plane, plan, warmup
+        self.trial, self.margin = trial, margin
         self.prioritized = prioritized
         self.seen = 0
         self.done = False
         self.explanation = ""
+        self._candidates: list[Any] = []
+        self._order: list[int] = []
+        self._scores: dict[int, list[float]] = {}
 
-    def step(self, learning: bool) -> None:
-        """Call once per iteration, at its end."""
-        if self.done or not learning:
+    def step(self, record: IterationRecord) -> None:
+        """Account for one finished iteration; may switch the plane's schedule."""
+        if self.done or not record.learning:
             return
         self.seen += 1
         if self.seen < self.warmup:
             return
-        self.done = True
+        if not self._candidates:
+            self._plan_with_model()
+        else:
+            ran = self._order.pop(0)
+            self._scores[ran].append(record.end_to_end - record.rollout)
+        if self.done:
+            return
+        if self._order:
+            self.plane.set_schedule(self._candidates[self._order[0]])
+        else:
+            self._choose()
+
+    def _plan_with_model(self) -> None:
+        from conduit import Schedule
         from conduit.plane import AutoScheduler
         from conduit.scheduling import profile_from_timings
 
@@ -146,6 +174,7 @@ class WarmupScheduleTuner:
             plan = auto.plan()
         except ConduitError as exc:
             self.plan["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
+            self.done = True
             return
         if self.prioritized and plan.schedule.overlap_del and self.plane.max_priority_lag == 0:
             keep = [c for c in plan.ranked if not c.schedule.overlap_del]
@@ -154,8 +183,39 @@ class WarmupScheduleTuner:
                                            prediction=keep[0].prediction)
                 self.plane.set_schedule(plan.schedule)
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
-        self.plan["schedule"] = plan.schedule.label()
         self.plan["schedule_plan"] = plan.to_dict()
+        a = plan.schedule
+        for cand in (a, Schedule(0, a.g_ing, a.overlap_del, a.g_del),
+                     Schedule(0, a.g_ing, 0, a.g_del)):
+            if cand not in self._candidates:
+                self._candidates.append(cand)
+        if len(self._candidates) == 1 or self.trial < 1:
+            self._finish(a, "")
+            return
+        ids = list(range(len(self._candidates)))
+        for k in range(self.trial):  # A B C C B A ...: drift lands on every candidate
+            self._order += ids if k % 2 == 0 else ids[::-1]
+        self._scores = {i: [] for i in ids}
+
+    def _choose(self) -> None:
+        med = {i: statistics.median(v) for i, v in self._scores.items() if v}
+        best = min(med, key=med.__getitem__)
+        pick = best if med[best] < med[0] * (1 - self.margin) else 0
+        lines = [f"  {self._candidates[i].label()}: {1000 * med[i]:.1f} ms"
+                 + ("  <- model" if i == 0 else "") + ("  <- kept" if i == pick else "")
+                 for i in med]
+        self.plan["schedule_trial_ms"] = {self._candidates[i].label(): 1000 * med[i]
+                                          for i in med}
+        self._finish(self._candidates[pick],
+                     f"measured (median learner ms per iteration outside the rollout wait, "
+                     f"{self.trial} iterations each):\n" + "\n".join(lines))
+
+    def _finish(self, schedule: Any, trial_text: str) -> None:
+        self.plane.set_schedule(schedule)
+        self.done = True
+        self.plan["schedule"] = schedule.label()
+        if trial_text:
+            self.explanation += "\n" + trial_text
         self.plan["schedule_explain"] = self.explanation
 
 

@@ -160,8 +160,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             losses += [qf_loss.item(), actor_loss.item()]
                     if learning and losses:
                         log.update(qf_loss=losses[-2], actor_loss=losses[-1], alpha=alpha)
-                if auto is not None:  # auto-schedule: profile, then pick with the cost model
-                    auto.step(learning)
+                if auto is not None:  # auto-schedule: cost model, then a measured trial
+                    auto.step(rec.records[-1])
             plane.flush()
     finally:
         actors.close()

@@ -1,0 +1,70 @@
+"""``WarmupScheduleTuner``: the cost model's pick, then a measured, interleaved trial."""
+
+from __future__ import annotations
+
+import pytest
+
+from conduit import ExperienceDataPlane, Schedule
+from conduit.workloads.runner import IterationRecord, WarmupScheduleTuner
+
+
+def _plane(small_spec):
+    plane = ExperienceDataPlane(spec=small_spec, capacity=256, batch_size=8,
+                                schedule=Schedule(1, 1, 1, 2), timeout=20)
+    t = plane.timings  # a profile in which overlap clearly pays: the model picks it
+    for _ in range(5):
+        t.record("rollout", 0.010)
+        t.record("update", 0.010)
+        t.record("ingestion", 0.004, units=1)
+        t.record("delivery", 0.004, units=1)
+        t.record("sync_ing", 0.0001)
+        t.record("sync_del", 0.0001)
+    return plane
+
+
+def _record(learner_s, learning=True):
+    return IterationRecord(0, end_to_end=0.01 + learner_s, rollout=0.01, ingestion=0.0,
+                           delivery=0.0, update=learner_s, other=0.0, env_steps=0,
+                           learning=learning, wall_time=0.0)
+
+
+def _run(tuner, plane, cost_of):
+    """Feed iterations whose learner time depends on the schedule they ran."""
+    tuner.step(_record(0.5, learning=False))  # not a learning iteration: ignored
+    ran = []
+    while not tuner.done:
+        ran.append(plane.schedule)
+        tuner.step(_record(cost_of(plane.schedule)))
+    return ran
+
+
+@pytest.mark.parametrize("faster,gain,kept", [
+    ("ingestion inline", 0.03, "model"),  # within the 5 % margin: the model's pick stays
+    ("ingestion inline", 0.20, "ingestion inline"),
+    ("inline", 0.20, "inline"),
+])
+def test_trial_keeps_the_model_pick_unless_another_is_clearly_faster(small_spec, faster, gain,
+                                                                     kept):
+    with _plane(small_spec) as plane:
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, trial=2, margin=0.05)
+
+        def cost_of(s):
+            kind = ("inline" if not (s.overlap_ing or s.overlap_del) else
+                    "ingestion inline" if not s.overlap_ing else "model")
+            return 0.100 * (1 - gain) if kind == faster else 0.100
+
+        ran = _run(tuner, plane, cost_of)
+        # Warm-up on the hand-set schedule, then A B C C B A.
+        assert ran[:2] == [Schedule(1, 1, 1, 2)] * 2
+        trial = ran[2:]
+        assert len(trial) == 6 and trial[:3] == trial[3:][::-1]
+        assert len(set(trial)) == 3
+        a = trial[0]
+        assert a.overlap_ing and a.overlap_del
+        want = {"model": a, "ingestion inline": Schedule(0, a.g_ing, 1, a.g_del),
+                "inline": Schedule(0, a.g_ing, 0, a.g_del)}[kept]
+        assert plane.schedule == want
+        assert plan["schedule"] == want.label()
+        assert len(plan["schedule_trial_ms"]) == 3
+        assert "measured" in plan["schedule_explain"]
