@@ -77,7 +77,7 @@ def test_pushes_and_attribution(small_spec, overlap):
 
 
 def test_a_failing_push_on_the_port_thread_reaches_the_learner(small_spec):
-    with _plane(small_spec, Schedule(1, 1, 0, 1)) as plane:
-        with pytest.raises(SpecError, match="obs"):
-            rollout_and_push(plane, FakeActors(small_spec, delay=0, bad_unit=3), 4, None,
-                             fragments=2)
+    with (_plane(small_spec, Schedule(1, 1, 0, 1)) as plane,
+          pytest.raises(SpecError, match="obs")):
+        rollout_and_push(plane, FakeActors(small_spec, delay=0, bad_unit=3), 4, None,
+                         fragments=2)

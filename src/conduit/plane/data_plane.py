@@ -228,7 +228,8 @@ class ExperienceDataPlane:
                  placement: Placement | Literal["auto"] | None = None,
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
-                 rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0, timeout: float = 60.0,
+                 rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0,
+                 timeout: float = 60.0,
                  seed: int = 0) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError("spec", f"expected an ExperienceSpec, got {type(spec).__name__}")
