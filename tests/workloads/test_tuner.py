@@ -68,3 +68,26 @@ def test_trial_keeps_the_model_pick_unless_another_is_clearly_faster(small_spec,
         assert plan["schedule"] == want.label()
         assert len(plan["schedule_trial_ms"]) == 3
         assert "measured" in plan["schedule_explain"]
+
+
+def test_a_single_noisy_trial_does_not_switch(small_spec):
+    """Inline's median is 18 % lower, but one of the model pick's iterations was faster than
+    one of inline's: not a clear win, so the model's pick stays."""
+    with _plane(small_spec) as plane:
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, trial=2, margin=0.05)
+        costs = {"model": iter([0.100, 0.060]),  # the second one was a lucky iteration
+                 "ingestion inline": iter([0.100, 0.100]),
+                 "inline": iter([0.070, 0.062])}
+
+        def cost_of(s):
+            if not tuner._candidates:
+                return 0.100  # warm-up
+            kind = ("inline" if not (s.overlap_ing or s.overlap_del) else
+                    "ingestion inline" if not s.overlap_ing else "model")
+            return next(costs[kind])
+
+        ran = _run(tuner, plane, cost_of)
+        assert plane.schedule == ran[2]  # the model's pick
+        assert plan["schedule_trial_ms"][Schedule(0, ran[2].g_ing, 0, ran[2].g_del).label()] \
+            == pytest.approx(66.0)

@@ -126,7 +126,8 @@ class WarmupScheduleTuner:
        fully inline, ``trial`` iterations each, interleaved (A B C C B A), scores each
        iteration by the learner's time outside the rollout wait (end to end minus rollout:
        exposed path, update, bookkeeping), and keeps the model's pick unless another
-       candidate's median is lower by more than ``margin``.
+       candidate wins clearly: its median lower by more than ``margin`` and each of its
+       iterations faster than each of the model pick's.
 
     Call :meth:`step` once per iteration, at its end, with that iteration's record.
     """
@@ -199,8 +200,13 @@ class WarmupScheduleTuner:
 
     def _choose(self) -> None:
         med = {i: statistics.median(v) for i, v in self._scores.items() if v}
-        best = min(med, key=med.__getitem__)
-        pick = best if med[best] < med[0] * (1 - self.margin) else 0
+        # A clear win only: a median lower by more than the margin, and every one of the
+        # candidate's iterations faster than every one of the model pick's. Iteration times
+        # of a heavy workload vary by more than what overlap saves there, and a single
+        # noisy trial must not switch it to inline.
+        clear = [i for i in med if i != 0 and med[i] < med[0] * (1 - self.margin)
+                 and max(self._scores[i]) < min(self._scores[0])]
+        pick = min(clear, key=med.__getitem__) if clear else 0
         lines = [f"  {self._candidates[i].label()}: {1000 * med[i]:.1f} ms"
                  + ("  <- model" if i == 0 else "") + ("  <- kept" if i == pick else "")
                  for i in med]
