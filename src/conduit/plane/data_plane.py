@@ -726,10 +726,11 @@ class ExperienceDataPlane:
                 if k:
                     with self._cv:
                         e.filled += k
-                        # Complete and next in line: stage it from this thread rather than
-                        # wake the delivery worker for it (one thread hand-off fewer on the
-                        # way to the learner's first pull).
-                        job = self._take_delivery_locked() if e.complete else None
+                        # Complete and next in line: the ingestion worker stages it itself
+                        # rather than wake the delivery worker for it (one thread hand-off
+                        # fewer on the way to the learner's first pull).
+                        job = (self._take_delivery_locked()
+                               if e.complete and self.schedule.overlap_ing else None)
                         self._wake(delivery=True)
                     if job is not None:
                         self._deliver_here(job)
@@ -924,7 +925,7 @@ class ExperienceDataPlane:
             self._deliver_here(job)
 
     def _deliver_here(self, job: _DeliveryJob) -> None:
-        """Run a delivery job on this background thread (on the plane's copy stream)."""
+        """Run a delivery job on the calling worker thread (on the plane's copy stream)."""
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 self._run_delivery(job)
