@@ -102,7 +102,8 @@ class WorkloadBenchArgs:
 def _iters(algo: str, requested: int, gpu: bool) -> int:
     if requested:
         return requested
-    return {"dqn": 40, "sac": 40, "ppo": 12}[algo] * (3 if gpu else 1)
+    # PPO: 3 warm-up + 8 trial iterations of the schedule tuner, then the chosen schedule.
+    return {"dqn": 40, "sac": 40, "ppo": 20}[algo] * (3 if gpu else 1)
 
 
 def run(a: WorkloadBenchArgs) -> dict[str, Any]:
