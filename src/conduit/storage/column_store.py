@@ -38,7 +38,7 @@ class Store(Protocol):
         """Restore from :meth:`state_dict`."""
 
 
-_ROW_LOOP_BYTES = 16 << 10
+_LARGE_ROW_BYTES = 16 << 10
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
@@ -61,7 +61,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
             pass
         else:
             di = dst_rows.numpy()
-            if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _ROW_LOOP_BYTES:
+            if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _LARGE_ROW_BYTES:
                 # Large rows (images): row by row, no temporary gathered copy (~25 % faster
                 # for 16 rows of 48 KB than the fancy assignment below).
                 _copy_large_rows(d, di, s, src_rows.numpy())

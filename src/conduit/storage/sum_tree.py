@@ -93,7 +93,7 @@ class SumTree:
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
             _load_kernels().set_leaves(self._sum, self._min, self._p, leaf,
-                                np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
+                                       np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
             return
         node = self._p + np.asarray(idx, dtype=np.int64)
         self._sum[node] = 0.0
@@ -154,7 +154,7 @@ class SumTree:
             idx = np.empty(u.size, dtype=np.int64)
             w = np.empty(u.size, dtype=np.float64)
             _load_kernels().stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
-                                     float(beta), size, idx, w)
+                                            float(beta), size, idx, w)
             return idx, w.astype(np.float32)
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
         idx = np.minimum(self.find(mass), size - 1)

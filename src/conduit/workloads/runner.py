@@ -183,7 +183,6 @@ class WarmupScheduleTuner:
             if keep:
                 plan = dataclasses.replace(plan, schedule=keep[0].schedule,
                                            prediction=keep[0].prediction)
-                self.plane.set_schedule(plan.schedule)
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule_plan"] = plan.to_dict()
         a = plan.schedule
