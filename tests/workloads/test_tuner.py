@@ -85,3 +85,63 @@ def test_a_noisy_trial_does_not_switch(small_spec):
         assert plane.schedule == ran[2]  # the model's pick
         inline = Schedule(0, ran[2].g_ing, 0, ran[2].g_del).label()
         assert plan["schedule_trial_ms"][inline] == pytest.approx(77.5)
+
+
+def test_off_policy_warmup_probes_coarse_delivery_and_trials_the_best_threadless(small_spec):
+    """The middle warm-up iteration delivers at the coarsest g_del, so the profile sees what
+    a coarse invocation amortizes; the trial's alternative is then the model's best schedule
+    without threads (here: every batch of an invocation gathered at once), not g = 1 inline."""
+    with _plane(small_spec) as plane:
+        start = plane.schedule
+        coarsest = max(plane.space.g_del)
+        assert coarsest > start.g_del
+        # A fixed cost per delivery invocation: 8 batches at once cost 2x one batch.
+        for _ in range(5):
+            plane.timings.record("delivery", 0.008, units=float(coarsest))
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=3, margin=0.05)
+
+        def cost_of(s):  # the threadless schedule wins clearly, as on a light workload
+            return 0.080 if not (s.overlap_ing or s.overlap_del) else 0.100
+
+        ran = _run(tuner, plane, cost_of)
+        assert ran[:3] == [start, Schedule(1, 1, 1, coarsest), start]
+        a, b = ran[3], ran[4]
+        assert a.overlap_del and not (b.overlap_ing or b.overlap_del)
+        assert b.g_del == coarsest  # amortized: the model's best threadless granularity
+        assert ran[3:] == [a, b, b, a, a, b, b, a]
+        assert plane.schedule == b
+        assert plan["schedule"] == b.label()
+
+
+def test_on_policy_warmup_does_not_probe(small_spec):
+    """On-policy delivery has one granularity (1/M): warm-up stays on the start schedule."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=16, mode="on_policy",
+                                num_minibatches=4, timeout=20)
+    with plane:
+        start = plane.schedule
+        tuner = WarmupScheduleTuner(plane, {}, warmup=3)
+        for _ in range(2):
+            tuner.step(_record(0.1))
+            assert plane.schedule == start
+
+
+@pytest.mark.parametrize("inversions,switches", [(0, False), (1, True)])
+def test_one_inverted_pair_is_tolerated_by_default(small_spec, inversions, switches):
+    """The threadless schedule is 20 % faster by median; one of its iterations is slower than
+    one of the model pick's (1 inverted pair of 16). The default tolerates one inversion."""
+    with _plane(small_spec) as plane:
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, inversions=inversions)
+        costs = {True: iter([0.070, 0.080, 0.080, 0.095]),  # threadless; 0.095 > 0.090
+                 False: iter([0.100, 0.100, 0.100, 0.090])}  # the model's pick
+
+        def cost_of(s):
+            if not tuner._candidates:
+                return 0.100  # warm-up
+            return next(costs[not (s.overlap_ing or s.overlap_del)])
+
+        ran = _run(tuner, plane, cost_of)
+        threadless = not (plane.schedule.overlap_ing or plane.schedule.overlap_del)
+        assert threadless == switches
+        assert plane.schedule == (ran[3] if switches else ran[2])

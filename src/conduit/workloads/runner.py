@@ -116,28 +116,37 @@ class WarmupScheduleTuner:
     1. **Model.** The run starts on :func:`default_conduit_schedule`. After ``warmup``
        learning iterations the plane's own timings become a
        :class:`~conduit.scheduling.Profile`, and :class:`conduit.plane.AutoScheduler` picks
-       the argmin of Eq. 2. With prioritized replay and no allowed priority lag, a batch
-       prefetched during an update is always discarded (DESIGN §4.4), so overlapped delivery
-       is left out of that choice.
+       the argmin of Eq. 2. Off-policy, the middle warm-up iterations deliver at the coarsest
+       granularity of ``G_del`` (all of an invocation's batches drawn and gathered at once),
+       so the profile measures two granularities and its ``T(g) = a + b·g`` fit sees the
+       fixed per-invocation cost that coarse delivery amortizes (with one granularity the
+       fit can only assume ``T`` proportional to ``g``). With prioritized replay and no
+       allowed priority lag, a batch prefetched during an update is always discarded
+       (DESIGN §4.4), so overlapped delivery is left out of that choice.
     2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
        learner itself where threads compete for few cores and for the GIL (measured on a
        2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
-       runs the model's pick and the same schedule fully inline, ``trial`` iterations each,
+       runs the model's pick (A) against the model's best schedule that starts no thread
+       (B: neither operator overlapped, granularities by Eq. 2), ``trial`` iterations each,
        interleaved (A B B A A B B A), scores each iteration by the learner's time outside the
        rollout wait (end to end minus rollout: exposed path, update, bookkeeping), and keeps
-       the model's pick unless inline wins clearly: its median lower by more than ``margin``
-       and each of its iterations faster than each of the model pick's. With four iterations
-       each, two equally fast schedules pass that test by chance once in 70 trials; with two,
-       once in 6, which on a noisy machine switched heavy workloads to inline.
+       the model's pick unless B wins clearly: its median lower by more than ``margin`` and
+       at most ``inversions`` of the 16 (B, A) pairs of iterations with B's not faster (a
+       one-sided Mann–Whitney count). With four iterations each and one inversion allowed,
+       two equally fast schedules pass that test by chance twice in 70 trials; with two
+       iterations each and none allowed, once in 6, which on a noisy machine switched heavy
+       workloads away from overlap.
 
     Call :meth:`step` once per iteration, at its end, with that iteration's record.
     """
 
     def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3, trial: int = 4,
-                 margin: float = 0.05, prioritized: bool = False) -> None:
+                 margin: float = 0.05, inversions: int = 1, prioritized: bool = False
+                 ) -> None:
         self.plane, self.plan, self.warmup = plane, plan, warmup
-        self.trial, self.margin = trial, margin
+        self.trial, self.margin, self.inversions = trial, margin, inversions
         self.prioritized = prioritized
+        self.default = plane.schedule
         self.seen = 0
         self.done = False
         self.explanation = ""
@@ -151,6 +160,7 @@ class WarmupScheduleTuner:
             return
         self.seen += 1
         if self.seen < self.warmup:
+            self._probe_granularity()
             return
         if not self._candidates:
             self._plan_with_model()
@@ -164,10 +174,20 @@ class WarmupScheduleTuner:
         else:
             self._choose()
 
+    def _probe_granularity(self) -> None:
+        """Off-policy warm-up: the next iteration delivers at the coarsest ``g_del`` when
+        ``seen`` is odd and at the starting schedule's otherwise (the last warm-up iteration
+        is always at the start schedule's, which the trial then compares against)."""
+        coarsest = max(self.plane.space.g_del)
+        if self.plane.mode != "off_policy" or coarsest == self.default.g_del:
+            return
+        probe = self.seen % 2 == 1 and self.seen + 1 < self.warmup
+        self.plane.set_schedule(dataclasses.replace(self.default, g_del=coarsest)
+                                if probe else self.default)
+
     def _plan_with_model(self) -> None:
-        from conduit import Schedule
         from conduit.plane import AutoScheduler
-        from conduit.scheduling import profile_from_timings
+        from conduit.scheduling import profile_from_timings, rank_candidates
 
         space = self.plane.space
         try:
@@ -186,7 +206,9 @@ class WarmupScheduleTuner:
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule_plan"] = plan.to_dict()
         a = plan.schedule
-        for cand in (a, Schedule(0, a.g_ing, 0, a.g_del)):
+        threadless = next(c.schedule for c in rank_candidates(plan.profile, space)
+                          if not c.schedule.overlap_ing and not c.schedule.overlap_del)
+        for cand in (a, threadless):
             if cand not in self._candidates:
                 self._candidates.append(cand)
         if len(self._candidates) == 1 or self.trial < 1:
@@ -199,12 +221,15 @@ class WarmupScheduleTuner:
 
     def _choose(self) -> None:
         med = {i: statistics.median(v) for i, v in self._scores.items() if v}
-        # A clear win only: a median lower by more than the margin, and every one of the
-        # candidate's iterations faster than every one of the model pick's. Iteration times
-        # of a heavy workload vary by more than what overlap saves there, and a single
-        # noisy trial must not switch it to inline.
+        # A clear win only: a median lower by more than the margin, and the candidate's
+        # iterations faster than the model pick's in all but `inversions` of the pairs.
+        # Iteration times of a heavy workload vary by more than what overlap saves there, and
+        # a single noisy trial must not switch it away from overlap.
+        def inverted(i: int) -> int:
+            return sum(b >= a for b in self._scores[i] for a in self._scores[0])
+
         clear = [i for i in med if i != 0 and med[i] < med[0] * (1 - self.margin)
-                 and max(self._scores[i]) < min(self._scores[0])]
+                 and inverted(i) <= self.inversions]
         pick = min(clear, key=med.__getitem__) if clear else 0
         lines = [f"  {self._candidates[i].label()}: {1000 * med[i]:.1f} ms"
                  + ("  <- model" if i == 0 else "") + ("  <- kept" if i == pick else "")
