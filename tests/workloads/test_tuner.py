@@ -88,16 +88,21 @@ def test_a_noisy_trial_does_not_switch(small_spec):
 
 
 def test_off_policy_warmup_probes_coarse_delivery_and_trials_the_best_threadless(small_spec):
-    """The middle warm-up iteration delivers at the coarsest g_del, so the profile sees what
-    a coarse invocation amortizes; the trial's alternative is then the model's best schedule
-    without threads (here: every batch of an invocation gathered at once), not g = 1 inline."""
+    """The middle warm-up iteration runs threadless at the coarsest g_del, so the profile sees
+    what a coarse invocation amortizes; the trial's alternative is then the model's best
+    schedule without threads (here: every batch of an invocation gathered at once), not
+    g = 1 inline, while the model's overlapped pick is priced without the probe."""
     with _plane(small_spec) as plane:
         start = plane.schedule
         coarsest = max(plane.space.g_del)
         assert coarsest > start.g_del
-        # A fixed cost per delivery invocation: 8 batches at once cost 2x one batch.
+        # A fixed cost per delivery invocation: 8 batches at once cost 2x one batch. Updates
+        # (2 ms, the median after these records) are shorter than one batch's delivery (4 ms),
+        # so Eq. 5 with the amortized fit would favour coarse overlapped delivery.
         for _ in range(5):
             plane.timings.record("delivery", 0.008, units=float(coarsest))
+        for _ in range(11):
+            plane.timings.record("update", 0.002)
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=3, margin=0.05)
 
@@ -105,9 +110,12 @@ def test_off_policy_warmup_probes_coarse_delivery_and_trials_the_best_threadless
             return 0.080 if not (s.overlap_ing or s.overlap_del) else 0.100
 
         ran = _run(tuner, plane, cost_of)
-        assert ran[:3] == [start, Schedule(1, 1, 1, coarsest), start]
+        assert ran[:3] == [start, Schedule(0, 1, 0, coarsest), start]
         a, b = ran[3], ran[4]
         assert a.overlap_del and not (b.overlap_ing or b.overlap_del)
+        # A is priced without the probe: an overlapped invocation of g batches overlaps one
+        # update only (the stage refills when empty), so coarse overlap must not look cheap.
+        assert a.g_del == min(plane.space.g_del)
         assert b.g_del == coarsest  # amortized: the model's best threadless granularity
         assert ran[3:] == [a, b, b, a, a, b, b, a]
         assert plane.schedule == b

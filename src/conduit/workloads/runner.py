@@ -116,18 +116,22 @@ class WarmupScheduleTuner:
     1. **Model.** The run starts on :func:`default_conduit_schedule`. After ``warmup``
        learning iterations the plane's own timings become a
        :class:`~conduit.scheduling.Profile`, and :class:`conduit.plane.AutoScheduler` picks
-       the argmin of Eq. 2. Off-policy, the middle warm-up iterations deliver at the coarsest
-       granularity of ``G_del`` (all of an invocation's batches drawn and gathered at once),
-       so the profile measures two granularities and its ``T(g) = a + b·g`` fit sees the
-       fixed per-invocation cost that coarse delivery amortizes (with one granularity the
-       fit can only assume ``T`` proportional to ``g``). With prioritized replay and no
-       allowed priority lag, a batch prefetched during an update is always discarded
-       (DESIGN §4.4), so overlapped delivery is left out of that choice.
+       the argmin of Eq. 2. With prioritized replay and no allowed priority lag, a batch
+       prefetched during an update is always discarded (DESIGN §4.4), so overlapped delivery
+       is left out of that choice.
     2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
        learner itself where threads compete for few cores and for the GIL (measured on a
        2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
        runs the model's pick (A) against the model's best schedule that starts no thread
-       (B: neither operator overlapped, granularities by Eq. 2), ``trial`` iterations each,
+       (B: neither operator overlapped, granularities by Eq. 2). Off-policy, the middle
+       warm-up iterations run B's kind of schedule at the coarsest ``G_del`` (every batch of
+       an invocation drawn and gathered at once, on the learner's thread), so B is priced
+       from two measured granularities, whose ``T(g) = a + b·g`` fit sees the fixed
+       per-invocation cost that coarse delivery amortizes. A is chosen without those
+       records: an overlapped invocation of g batches is refilled only once the stage is
+       empty (the prefetch bound), so it overlaps one update, not the g that Eq. 5 assumes,
+       and an amortized fit would make coarse overlapped delivery look better than it runs.
+       A and B then run ``trial`` iterations each,
        interleaved (A B B A A B B A), scores each iteration by the learner's time outside the
        rollout wait (end to end minus rollout: exposed path, update, bookkeeping), and keeps
        the model's pick unless B wins clearly: its median lower by more than ``margin`` and
@@ -147,6 +151,7 @@ class WarmupScheduleTuner:
         self.trial, self.margin, self.inversions = trial, margin, inversions
         self.prioritized = prioritized
         self.default = plane.schedule
+        self._probed: Any = None  # the g_del a warm-up iteration probed, if any
         self.seen = 0
         self.done = False
         self.explanation = ""
@@ -175,14 +180,18 @@ class WarmupScheduleTuner:
             self._choose()
 
     def _probe_granularity(self) -> None:
-        """Off-policy warm-up: the next iteration delivers at the coarsest ``g_del`` when
-        ``seen`` is odd and at the starting schedule's otherwise (the last warm-up iteration
-        is always at the start schedule's, which the trial then compares against)."""
+        """Off-policy warm-up: the next iteration runs threadless at the coarsest ``g_del``
+        when ``seen`` is odd, and the start schedule otherwise (the last warm-up iteration
+        always runs the start schedule)."""
+        from conduit import Schedule
+
         coarsest = max(self.plane.space.g_del)
         if self.plane.mode != "off_policy" or coarsest == self.default.g_del:
             return
         probe = self.seen % 2 == 1 and self.seen + 1 < self.warmup
-        self.plane.set_schedule(dataclasses.replace(self.default, g_del=coarsest)
+        if probe:
+            self._probed = coarsest
+        self.plane.set_schedule(Schedule(0, self.default.g_ing, 0, coarsest)
                                 if probe else self.default)
 
     def _plan_with_model(self) -> None:
@@ -190,9 +199,12 @@ class WarmupScheduleTuner:
         from conduit.scheduling import profile_from_timings, rank_candidates
 
         space = self.plane.space
+        timings = self.plane.timings
         try:
-            auto = AutoScheduler(plane=self.plane, space=space, top_k=5,
-                                 profile=profile_from_timings(self.plane.timings, space))
+            probed = profile_from_timings(timings, space)
+            unprobed = probed if self._probed is None else profile_from_timings(
+                _without_units(timings, "delivery", float(self._probed)), space)
+            auto = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=unprobed)
             plan = auto.plan()
         except ConduitError as exc:
             self.plan["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
@@ -206,7 +218,7 @@ class WarmupScheduleTuner:
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule_plan"] = plan.to_dict()
         a = plan.schedule
-        threadless = next(c.schedule for c in rank_candidates(plan.profile, space)
+        threadless = next(c.schedule for c in rank_candidates(probed, space)
                           if not c.schedule.overlap_ing and not c.schedule.overlap_del)
         for cand in (a, threadless):
             if cand not in self._candidates:
@@ -247,6 +259,18 @@ class WarmupScheduleTuner:
         if trial_text:
             self.explanation += "\n" + trial_text
         self.plan["schedule_explain"] = self.explanation
+
+
+def _without_units(timings: Any, name: str, units: float) -> Any:
+    """A copy of ``timings`` without the ``name`` records of granularity ``units``."""
+    from conduit.timing import Timings
+
+    out = Timings()
+    for n in timings.names():
+        for r in timings.records(n):
+            if n != name or r.units != units:
+                out.record(n, r.seconds, units=r.units, start=r.start)
+    return out
 
 
 def make_plane(*, buffer: str, schedule: str, placement: str, mode: str,
