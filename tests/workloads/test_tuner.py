@@ -68,13 +68,14 @@ def test_trial_keeps_the_model_pick_unless_inline_is_clearly_faster(small_spec, 
 
 
 def test_a_noisy_trial_does_not_switch(small_spec):
-    """Inline's median is 20 % lower, but one of the model pick's iterations was faster than
-    one of inline's: not a clear win, so the model's pick stays."""
+    """Inline's median is 13 % lower, but two of the model pick's iterations were faster
+    than some of inline's (5 of 16 pairs inverted, more than the 3 allowed): not a clear
+    win, so the model's pick stays."""
     with _plane(small_spec) as plane:
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05)
         costs = {True: iter([0.070, 0.075, 0.080, 0.085]),  # inline
-                 False: iter([0.100, 0.100, 0.100, 0.078])}  # the model's pick; one lucky
+                 False: iter([0.100, 0.100, 0.072, 0.078])}  # the model's pick; two lucky
 
         def cost_of(s):
             if not tuner._candidates:
@@ -134,15 +135,16 @@ def test_on_policy_warmup_does_not_probe(small_spec):
             assert plane.schedule == start
 
 
-@pytest.mark.parametrize("inversions,switches", [(0, False), (1, True)])
-def test_one_inverted_pair_is_tolerated_by_default(small_spec, inversions, switches):
-    """The threadless schedule is 20 % faster by median; one of its iterations is slower than
-    one of the model pick's (1 inverted pair of 16). The default tolerates one inversion."""
+@pytest.mark.parametrize("inversions,switches", [(0, False), (2, False), (3, True)])
+def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions, switches):
+    """The threadless schedule is 11 % faster by median; three of the 16 (threadless, model)
+    pairs are inverted. The default allowance (3) tolerates that; a stricter one does not."""
     with _plane(small_spec) as plane:
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=2, inversions=inversions)
-        costs = {True: iter([0.070, 0.080, 0.080, 0.095]),  # threadless; 0.095 > 0.090
-                 False: iter([0.100, 0.100, 0.100, 0.090])}  # the model's pick
+        # threadless 0.095 > 0.091 and 0.090, 0.0905 > 0.090: three inversions
+        costs = {True: iter([0.070, 0.080, 0.0905, 0.095]),
+                 False: iter([0.100, 0.100, 0.091, 0.090])}  # the model's pick
 
         def cost_of(s):
             if not tuner._candidates:
@@ -153,3 +155,4 @@ def test_one_inverted_pair_is_tolerated_by_default(small_spec, inversions, switc
         threadless = not (plane.schedule.overlap_ing or plane.schedule.overlap_del)
         assert threadless == switches
         assert plane.schedule == (ran[3] if switches else ran[2])
+        assert tuner.inversions == inversions
