@@ -131,19 +131,19 @@ class WarmupScheduleTuner:
        records: an overlapped invocation of g batches is refilled only once the stage is
        empty (the prefetch bound), so it overlaps one update, not the g that Eq. 5 assumes,
        and an amortized fit would make coarse overlapped delivery look better than it runs.
-       A and B then run ``trial`` iterations each,
-       interleaved (A B B A A B B A), scores each iteration by the learner's time outside the
-       rollout wait (end to end minus rollout: exposed path, update, bookkeeping), and keeps
-       the model's pick unless B wins clearly: its median lower by more than ``margin`` and
-       at most ``inversions`` of the 16 (B, A) pairs of iterations with B's not faster (a
+       A and B then run ``trial`` iterations each, interleaved (A B B A A B B A). Each
+       iteration scores the learner's time outside the rollout wait (end to end minus
+       rollout: exposed path, update, bookkeeping), and the tuner keeps the model's pick
+       unless B wins clearly: its median lower by more than ``margin`` and at most
+       ``inversions`` of the ``trial``² (B, A) pairs of iterations with B's not faster (a
        one-sided Mann–Whitney count). With four iterations each and three inversions
        allowed, two equally fast schedules pass the count by chance 7 times in 70 (less
        often with the margin); a first version with two iterations each and none allowed
        (1 in 6 per candidate, three candidates) switched heavy workloads away from overlap
-       on noise. Where overlap wins it wins by more than the noise: in the session-4
-       workloads run the threadless schedule's trial median was 2–109 % above the
-       overlapped pick's on every heavy workload and 11–32 % below it on five of six light
-       ones.
+       on noise. Where overlap wins it wins by more than the noise: in one
+       ``conduit bench workloads`` run on the 2-core development VM, the threadless
+       schedule's trial median was 2–109 % above the overlapped pick's on every heavy
+       workload and 11–32 % below it on five of six light ones.
 
     Call :meth:`step` once per iteration, at its end, with that iteration's record.
     """
