@@ -254,10 +254,3 @@ def test_rollout_rows_is_checked(small_spec, kw, fragment):
     with pytest.raises(ConfigError, match=fragment) as info:
         ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, **kw)
     assert info.value.field == "rollout_rows"
-
-
-@pytest.mark.parametrize("bad", [-1, 20, 2.5, True, "10"])
-def test_worker_nice_is_checked(small_spec, bad):
-    with pytest.raises(ConfigError, match="worker_nice") as info:
-        ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, worker_nice=bad)
-    assert info.value.field == "worker_nice"

@@ -51,7 +51,7 @@ from conduit.storage import (
     UniformSampler,
 )
 from conduit.storage.column_store import copy_rows
-from conduit.storage.threads import data_path_threads, lower_thread_priority
+from conduit.storage.threads import data_path_threads
 from conduit.timing import Timings
 
 IngestionFn = Callable[[ActorIn, BufferOut], None]
@@ -219,10 +219,6 @@ class ExperienceDataPlane:
         max_priority_lag: Priority updates that a prefetched prioritized batch may miss.
             0 (default) discards prefetched batches drawn before the latest update.
         timeout: Seconds a push or pull may wait before raising (never hangs).
-        worker_nice: Niceness (0–19) added to the plane's worker threads on Linux, so that
-            where cores are scarce the actors (during rollout) and the learner (during its
-            update) get the CPU before the data path. 0 leaves the workers at the process's
-            priority.
         seed: Seed of the sampler.
     """
 
@@ -233,7 +229,7 @@ class ExperienceDataPlane:
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
                  rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0,
-                 timeout: float = 60.0, worker_nice: int = 10,
+                 timeout: float = 60.0,
                  seed: int = 0) -> None:
         if not isinstance(spec, ExperienceSpec):
             raise ConfigError("spec", f"expected an ExperienceSpec, got {type(spec).__name__}")
@@ -250,10 +246,6 @@ class ExperienceDataPlane:
                                                  f"cut from {capacity} rows per iteration")
         if not timeout > 0:
             raise ConfigError("timeout", f"must be > 0 seconds, got {timeout!r}")
-        if (not isinstance(worker_nice, int) or isinstance(worker_nice, bool)
-                or not 0 <= worker_nice <= 19):
-            raise ConfigError("worker_nice", f"must be an integer in [0, 19] (0 keeps the "
-                                             f"process's priority), got {worker_nice!r}")
         if not isinstance(max_priority_lag, int) or max_priority_lag < 0:
             raise ConfigError("max_priority_lag", f"must be an integer >= 0, got "
                                                   f"{max_priority_lag!r}")
@@ -267,7 +259,6 @@ class ExperienceDataPlane:
         self.learner_device = torch.device(learner_device)
         self.timeout = float(timeout)
         self.max_priority_lag = max_priority_lag
-        self.worker_nice = worker_nice
         self.seed = seed
         if min_size is None:
             min_size = batch_size if mode == "off_policy" else capacity
@@ -674,7 +665,6 @@ class ExperienceDataPlane:
 
     def _ingestion_worker(self) -> None:
         torch.set_num_threads(1)
-        lower_thread_priority(self.worker_nice)
         while True:
             with self._cv:
                 while True:
@@ -923,7 +913,6 @@ class ExperienceDataPlane:
 
     def _delivery_worker(self) -> None:
         torch.set_num_threads(1)
-        lower_thread_priority(self.worker_nice)
         while True:
             with self._cv:
                 while True:

@@ -9,8 +9,6 @@ setting is per OS thread, so a worker thread can use one thread while the learne
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,24 +27,3 @@ def data_path_threads(n: int = 1) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def lower_thread_priority(nice: int) -> bool:
-    """Add ``nice`` to the calling OS thread's niceness (Linux; per thread, not per process).
-
-    The plane's workers call this so that, where cores are scarce, the CPU goes first to the
-    threads and processes they serve: the actors while they roll out, the learner while it
-    updates. Raising niceness needs no privilege. Returns False where the platform cannot set
-    a thread's priority (the thread then keeps the process's).
-    """
-    if nice == 0:
-        return True
-    setpriority = getattr(os, "setpriority", None)
-    if setpriority is None or not hasattr(threading, "get_native_id"):
-        return False
-    tid = threading.get_native_id()
-    try:
-        setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError:
-        return False
-    return True
