@@ -21,7 +21,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,15 +62,19 @@ class Timings:
     def record(self, name: str, seconds: float, *, units: float = 1.0,
                start: float | None = None) -> None:
         """Add one record."""
-        rec = TimingRecord(name, float(seconds), float(units),
-                           start if start is not None else time.perf_counter() - seconds)
+        self.add([TimingRecord(name, float(seconds), float(units),
+                               start if start is not None else time.perf_counter() - seconds)])
+
+    def add(self, records: Iterable[TimingRecord]) -> None:
+        """Add existing records (for example another recorder's, filtered)."""
         with self._lock:
-            q = self._records.get(name)
-            if q is None:
-                q = self._records[name] = deque(maxlen=self._window)
-            q.append(rec)
-            self._totals[name] = self._totals.get(name, 0.0) + rec.seconds
-            self._counts[name] = self._counts.get(name, 0) + 1
+            for rec in records:
+                q = self._records.get(rec.name)
+                if q is None:
+                    q = self._records[rec.name] = deque(maxlen=self._window)
+                q.append(rec)
+                self._totals[rec.name] = self._totals.get(rec.name, 0.0) + rec.seconds
+                self._counts[rec.name] = self._counts.get(rec.name, 0) + 1
 
     @contextmanager
     def time(self, name: str, *, units: float = 1.0) -> Iterator[None]:

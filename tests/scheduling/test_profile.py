@@ -146,3 +146,13 @@ def test_profile_normalizes_keys_and_uses_fit_for_missing_g():
     assert prof.to_dict()["t_ing"] == {"1/4": 0.1}
     assert hash(prof) == hash(Profile(t_rollout=1.0, t_update=1.0, t_ing={F(1, 4): 0.1},
                                       t_del={1: 0.2}))
+
+
+def test_timings_add_copies_records_with_their_totals_and_window():
+    src = filled_timings()
+    dst = Timings(window=2)
+    dst.add(r for r in src.records("update"))
+    assert [r.seconds for r in dst.records("update")] == [0.025, 0.021]  # window kept
+    assert dst.count("update") == 4
+    assert dst.total("update") == approx(0.096)
+    assert dst.names() == ["update"]

@@ -42,8 +42,8 @@ def _run(tuner, plane, cost_of):
     (0.03, True),  # within the 5 % margin: the model's pick stays
     (0.20, False),
 ])
-def test_trial_keeps_the_model_pick_unless_inline_is_clearly_faster(small_spec, gain,
-                                                                   kept_model):
+def test_trial_keeps_the_model_pick_unless_threadless_is_clearly_faster(small_spec, gain,
+                                                                       kept_model):
     with _plane(small_spec) as plane:
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05)

@@ -185,9 +185,7 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
                                                     "delivery"), t0)
     finally:
         _switch(plane, original)
-    for name in ("sync_ing", "sync_del"):
-        for r in overlapped.records(name):
-            inline.record(r.name, r.seconds, units=r.units, start=r.start)
+    inline.add(r for name in ("sync_ing", "sync_del") for r in overlapped.records(name))
     prof = profile_from_timings(inline, space, default_sync=default_sync)
     # Overlap costs the critical path its hand-off time plus the slowdown its background
     # worker inflicts on the compute it runs next to (shared cores, memory bandwidth).
@@ -213,10 +211,7 @@ def _switch(plane: ExperienceDataPlane, schedule: Schedule) -> None:
 
 
 def _copy_since(src: Timings, dst: Timings, names: Sequence[str], since: float) -> None:
-    for name in names:
-        for r in src.records(name):
-            if r.start >= since:
-                dst.record(r.name, r.seconds, units=r.units, start=r.start)
+    dst.add(r for name in names for r in src.records(name) if r.start >= since)
 
 
 class AutoScheduler:

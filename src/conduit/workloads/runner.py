@@ -271,10 +271,8 @@ def _without_units(timings: Any, name: str, units: float) -> Any:
     from conduit.timing import Timings
 
     out = Timings()
-    for n in timings.names():
-        for r in timings.records(n):
-            if n != name or r.units != units:
-                out.record(n, r.seconds, units=r.units, start=r.start)
+    out.add(r for n in timings.names() for r in timings.records(n)
+            if n != name or r.units != units)
     return out
 
 
