@@ -64,9 +64,16 @@ def test_pushes_and_attribution(small_spec, overlap):
             # The actor port's thread pushed; the learner only waited for it at the end.
             assert set(pushers) == {"conduit-actor-port"}
             assert t.count("push_offthread") == 6 and t.count("push_wait") == 1
-            assert r.ingestion == pytest.approx(
-                t.total("push") - t.total("push_offthread") + t.total("push_wait"), abs=1e-9)
-            assert r.ingestion < t.total("push")
+            # The recorder clamps each phase at 0: the port's push_offthread windows enclose
+            # the plane's own push records, so with a near-zero final wait the raw sum can
+            # dip a few microseconds below 0.
+            assert r.ingestion == pytest.approx(max(0.0, (
+                t.total("push") - t.total("push_offthread") + t.total("push_wait"))), abs=1e-9)
+            # The port's pushes are not the learner's time: each push_offthread window
+            # encloses its push record, so only the final wait can remain (a timing-free
+            # check; "less than the pushes" failed when a loaded machine delayed the join).
+            assert t.total("push") <= t.total("push_offthread")
+            assert r.ingestion <= t.total("push_wait") + 1e-9
         else:
             assert set(pushers) == {threading.current_thread().name}
             assert t.count("push_offthread") == 0
