@@ -67,6 +67,28 @@ def test_trial_keeps_the_model_pick_unless_threadless_is_clearly_faster(small_sp
         assert "measured" in plan["schedule_explain"]
 
 
+def test_no_trial_when_the_model_predicts_overlap_saves_less_than_the_margin(small_spec):
+    """A light workload: the experience path is 1 % of the iteration, so the model's pick can
+    save at most that. Four noisy iterations each cannot resolve it and the threads' cost is
+    not modelled: the tuner keeps the best threadless schedule without a trial."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=256, batch_size=8,
+                                schedule=Schedule(1, 1, 1, 2), timeout=20)
+    with plane:
+        for _ in range(5):
+            plane.timings.record("rollout", 0.010)
+            plane.timings.record("update", 0.010)
+            plane.timings.record("ingestion", 0.0001, units=1)
+            plane.timings.record("delivery", 0.0001, units=1)
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05)
+        ran = _run(tuner, plane, lambda s: 0.100)
+        assert ran == [Schedule(1, 1, 1, 2)] * 2  # warm-up only, no trial iterations
+        assert not (plane.schedule.overlap_ing or plane.schedule.overlap_del)
+        assert plan["schedule"] == plane.schedule.label()
+        assert "schedule_trial_ms" not in plan
+        assert "no trial" in plan["schedule_explain"]
+
+
 def test_a_noisy_trial_does_not_switch(small_spec):
     """Inline's median is 13 % lower, but two of the model pick's iterations were faster
     than some of inline's (5 of 16 pairs inverted, more than the 3 allowed): not a clear

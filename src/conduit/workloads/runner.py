@@ -131,7 +131,11 @@ class WarmupScheduleTuner:
        records: an overlapped invocation of g batches is refilled only once the stage is
        empty (the prefetch bound), so it overlaps one update, not the g that Eq. 5 assumes,
        and an amortized fit would make coarse overlapped delivery look better than it runs.
-       A and B then run ``trial`` iterations each, interleaved (A B B A A B B A). Each
+       Where the model predicts that A saves less than ``margin`` of B's iteration (a light
+       workload: little experience-path time to hide), no trial runs and B is kept: four
+       noisy iterations each cannot resolve such a gain, and the threads' unmodelled cost
+       can exceed it (a trial on a light DQN row costs ~6 iterations slowed by 20–70 %).
+       Otherwise A and B run ``trial`` iterations each, interleaved (A B B A A B B A). Each
        iteration scores the learner's time outside the rollout wait (end to end minus
        rollout: exposed path, update, bookkeeping), and the tuner keeps the model's pick
        unless B wins clearly: its median lower by more than ``margin`` and at most
@@ -223,8 +227,17 @@ class WarmupScheduleTuner:
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
         self.plan["schedule_plan"] = plan.to_dict()
         a = plan.schedule
-        threadless = next(c.schedule for c in rank_candidates(probed, space)
-                          if not c.schedule.overlap_ing and not c.schedule.overlap_del)
+        best_b = next(c for c in rank_candidates(probed, space)
+                      if not c.schedule.overlap_ing and not c.schedule.overlap_del)
+        threadless = best_b.schedule
+        gain = best_b.prediction.t_iter - plan.prediction.t_iter
+        if a != threadless and gain < self.margin * best_b.prediction.t_iter:
+            # A saving the trial could not resolve is not worth the threads' unmodelled cost.
+            self._finish(threadless, f"no trial: the model's pick would save "
+                         f"{1000 * gain:.2f} ms of a {1000 * best_b.prediction.t_iter:.1f} ms "
+                         f"iteration over {threadless.label()}, within the "
+                         f"{self.margin:.0%} margin; kept the schedule without threads")
+            return
         for cand in (a, threadless):
             if cand not in self._candidates:
                 self._candidates.append(cand)
