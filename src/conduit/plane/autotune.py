@@ -190,15 +190,12 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
     # Overlap costs the critical path its hand-off time plus the slowdown its background
     # worker inflicts on the compute it runs next to (shared cores, memory bandwidth).
     return replace(prof,
-                   t_sync_ing=prof.t_sync_ing + overlap_slowdown(inline, overlapped, "rollout"),
-                   t_sync_del=prof.t_sync_del + overlap_slowdown(inline, overlapped, "update"))
+                   t_sync_ing=prof.t_sync_ing + _slowdown(inline, overlapped, "rollout"),
+                   t_sync_del=prof.t_sync_del + _slowdown(inline, overlapped, "update"))
 
 
-def overlap_slowdown(inline: Timings, overlapped: Timings, name: str) -> float:
-    """How much longer a compute stage (``"rollout"`` or ``"update"``) ran per record under
-    overlap than without it: the difference of the medians, or 0 when it is negative or a
-    side has no record. Overlap pays it on the critical path, so it belongs to the sync
-    cost."""
+def _slowdown(inline: Timings, overlapped: Timings, name: str) -> float:
+    """How much longer a compute stage ran under overlap than inline (``>= 0``)."""
     a, b = inline.median(name), overlapped.median(name)
     return 0.0 if a is None or b is None else max(0.0, b - a)
 

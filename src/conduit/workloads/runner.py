@@ -119,18 +119,15 @@ class WarmupScheduleTuner:
        the argmin of Eq. 2. With prioritized replay and no allowed priority lag, a batch
        prefetched during an update is always discarded (DESIGN §4.4), so overlapped delivery
        is left out of that choice.
-    2. **Trial.** Operator costs alone do not show what overlap costs the learner itself
-       where threads compete for few cores and for the GIL (measured on a 2-core VM: a light
-       DQN update 20–70 % slower beside the workers). So the middle warm-up iterations run
-       without threads, and, as :func:`~conduit.plane.profile_plane` does, the median rollout
-       unit and update under the start schedule's threads minus their medians without them
-       are added to the sync costs the model reads. The tuner then runs the model's pick (A)
-       against the model's best schedule that starts no thread (B: neither operator
-       overlapped, granularities by Eq. 2). Off-policy, those threadless warm-up iterations
-       run at the coarsest ``G_del`` (every batch of an invocation drawn and gathered at
-       once, on the learner's thread), so B is priced from two measured granularities, whose
-       ``T(g) = a + b·g`` fit sees the fixed per-invocation cost that coarse delivery
-       amortizes. A is chosen without those
+    2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
+       learner itself where threads compete for few cores and for the GIL (measured on a
+       2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
+       runs the model's pick (A) against the model's best schedule that starts no thread
+       (B: neither operator overlapped, granularities by Eq. 2). Off-policy, the middle
+       warm-up iterations run B's kind of schedule at the coarsest ``G_del`` (every batch of
+       an invocation drawn and gathered at once, on the learner's thread), so B is priced
+       from two measured granularities, whose ``T(g) = a + b·g`` fit sees the fixed
+       per-invocation cost that coarse delivery amortizes. A is chosen without those
        records: an overlapped invocation of g batches is refilled only once the stage is
        empty (the prefetch bound), so it overlaps one update, not the g that Eq. 5 assumes,
        and an amortized fit would make coarse overlapped delivery look better than it runs.
@@ -163,10 +160,6 @@ class WarmupScheduleTuner:
         self.prioritized = prioritized
         self.default = plane.schedule
         self._probed: Any = None  # the g_del a warm-up iteration probed, if any
-        # Warm-up iterations as (start, end, ran without threads), to price what the start
-        # schedule's threads cost the rollout and the update.
-        self._windows: list[tuple[float, float, bool]] = []
-        self._last = time.perf_counter()
         self.seen = 0
         self.done = False
         self.explanation = ""
@@ -176,14 +169,9 @@ class WarmupScheduleTuner:
 
     def step(self, record: IterationRecord) -> None:
         """Account for one finished iteration; may switch the plane's schedule."""
-        start, self._last = self._last, time.perf_counter()
         if self.done or not record.learning:
             return
         self.seen += 1
-        if self.seen <= self.warmup:
-            ran = self.plane.schedule
-            self._windows.append((start, self._last,
-                                  not (ran.overlap_ing or ran.overlap_del)))
         if self.seen < self.warmup:
             self._probe_granularity()
             return
@@ -200,14 +188,16 @@ class WarmupScheduleTuner:
             self._choose()
 
     def _probe_granularity(self) -> None:
-        """Warm-up: the next iteration runs threadless (off-policy at the coarsest ``g_del``)
+        """Off-policy warm-up: the next iteration runs threadless at the coarsest ``g_del``
         when ``seen`` is odd, and the start schedule otherwise (the last warm-up iteration
         always runs the start schedule)."""
         from conduit import Schedule
 
         coarsest = max(self.plane.space.g_del)
+        if self.plane.mode != "off_policy" or coarsest == self.default.g_del:
+            return
         probe = self.seen % 2 == 1 and self.seen + 1 < self.warmup
-        if probe and coarsest != self.default.g_del:
+        if probe:
             self._probed = coarsest
         want = Schedule(0, self.default.g_ing, 0, coarsest) if probe else self.default
         if self.plane.schedule != want:
@@ -219,17 +209,10 @@ class WarmupScheduleTuner:
 
         space = self.plane.space
         timings = self.plane.timings
-        slow_rollout, slow_update = self._slowdowns()
-
-        def priced(t: Any) -> Any:  # overlap's slowdown of the compute is critical-path time
-            p = profile_from_timings(t, space)
-            return dataclasses.replace(p, t_sync_ing=p.t_sync_ing + slow_rollout,
-                                       t_sync_del=p.t_sync_del + slow_update)
-
         try:
-            probed = priced(timings)
-            unprobed = probed if self._probed is None else priced(
-                _without_units(timings, "delivery", float(self._probed)))
+            probed = profile_from_timings(timings, space)
+            unprobed = probed if self._probed is None else profile_from_timings(
+                _without_units(timings, "delivery", float(self._probed)), space)
             auto = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=unprobed)
             plan = auto.plan()
         except ConduitError as exc:
@@ -242,11 +225,6 @@ class WarmupScheduleTuner:
                 plan = dataclasses.replace(plan, schedule=keep[0].schedule,
                                            prediction=keep[0].prediction)
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
-        if any(w[2] for w in self._windows[1:]):
-            self.explanation += (
-                f"\nwarm-up: beside the start schedule's threads a rollout unit took "
-                f"{1000 * slow_rollout:.2f} ms and an update {1000 * slow_update:.2f} ms longer "
-                f"than without threads (in T_sync above)")
         self.plan["schedule_plan"] = plan.to_dict()
         a = plan.schedule
         best_b = next(c for c in rank_candidates(probed, space)
@@ -270,26 +248,6 @@ class WarmupScheduleTuner:
         for k in range(self.trial):  # A B B A ...: drift lands on every candidate
             self._order += ids if k % 2 == 0 else ids[::-1]
         self._scores = {i: [] for i in ids}
-
-    def _slowdowns(self) -> tuple[float, float]:
-        """Per rollout unit and per update: how much longer the warm-up's overlapped
-        iterations after the first ran them than its threadless one (0 for an operator the
-        start schedule did not overlap, or without a threadless iteration)."""
-        from conduit.plane.autotune import overlap_slowdown
-        from conduit.timing import Timings
-
-        split = {True: Timings(), False: Timings()}
-        windows = self._windows[1:]  # the first also times start-up (actors, caches)
-        for name in ("rollout", "update"):
-            for r in self.plane.timings.records(name):
-                for t0, t1, threadless in windows:
-                    if t0 <= r.start < t1:
-                        split[threadless].add([r])
-                        break
-        return (overlap_slowdown(split[True], split[False], "rollout")
-                if self.default.overlap_ing else 0.0,
-                overlap_slowdown(split[True], split[False], "update")
-                if self.default.overlap_del else 0.0)
 
     def _choose(self) -> None:
         med = {i: statistics.median(v) for i, v in self._scores.items() if v}
