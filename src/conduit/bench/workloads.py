@@ -5,18 +5,21 @@ For each workload the same trainer runs twice with the same seed and budget: ``-
 (every operator on the caller's thread, pageable CPU memory) and ``--buffer conduit`` (auto
 placement and schedule). The table reports per-iteration medians of the actor rollout, the
 exposed experience path (ingestion + delivery, the time the caller spent inside push/pull), the
-learner update and the end-to-end iteration, and the reductions. The image workloads are
-payload-size stand-ins (128×128×3 ≈ 48 KB like Meta-World, 256×256×3 ≈ 192 KB like Open
-X-Embodiment), not the real tasks.
+learner update and the end-to-end iteration, and the reductions. With ``--rounds`` > 1 the
+medians pool every round, and the end-to-end reduction is also given per round (each Conduit
+run against the inline run of its round), whose spread shows how much the machine's drift
+moves it. The image workloads are payload-size stand-ins (128×128×3 ≈ 48 KB like Meta-World,
+256×256×3 ≈ 192 KB like Open X-Embodiment), not the real tasks.
 
-    conduit bench workloads --out runs/bench/workloads
-    conduit bench workloads --only DQN-CP PPO-img128 --iters-scale 0.5
+    conduit bench workloads --rounds 3 --out runs/bench/workloads
+    conduit bench workloads --only DQN-CP PPO-img128 --iters 10
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -106,6 +109,32 @@ def _iters(algo: str, requested: int, gpu: bool) -> int:
     return {"dqn": 40, "sac": 40, "ppo": 20}[algo] * (3 if gpu else 1)
 
 
+def round_reductions(inline: Sequence[Sequence[Any]], conduit: Sequence[Sequence[Any]], *,
+                     key: str = "end_to_end") -> list[float]:
+    """Per round, Conduit's reduction of the median ``key`` against the inline run of the
+    same round (``1 - conduit/inline``): the spread of these paired figures shows how much
+    of a pooled reduction the machine's drift could account for.
+
+    Args:
+        inline: Each round's inline run, as its iteration records.
+        conduit: Each round's Conduit run, in the same order.
+        key: A field of :func:`~conduit.workloads.runner.summarize_records`.
+
+    Raises:
+        ValueError: The two sequences differ in length.
+    """
+    if len(inline) != len(conduit):
+        raise ValueError(f"rounds: {len(inline)} inline runs but {len(conduit)} Conduit runs")
+    return [runner.reduction(runner.summarize_records([i])[key],
+                             runner.summarize_records([c])[key])
+            for i, c in zip(inline, conduit)]
+
+
+def _spread(values: Sequence[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{100 * lo:.0f}..{100 * hi:.0f}%"
+
+
 def run(a: WorkloadBenchArgs) -> dict[str, Any]:
     """Run the sweep and write JSON + PNG; returns the JSON payload."""
     if a.rounds < 1:
@@ -144,6 +173,8 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                           f"{1000 * res.summary['end_to_end']:8.2f} ms", flush=True)
             for buffer, runs in records.items():
                 rows[w.name][buffer] = runner.summarize_records(runs)
+            rows[w.name]["end_to_end_reduction_per_round"] = round_reductions(
+                records["inline"], records["conduit"])
     finally:
         if started:
             import ray
@@ -160,12 +191,15 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
             f"{1000 * i['end_to_end']:.1f}/{1000 * c['end_to_end']:.1f}",
             f"{100 * runner.reduction(i['exposed'], c['exposed']):.0f}%",
             f"{100 * runner.reduction(i['end_to_end'], c['end_to_end']):.0f}%",
+            _spread(r["end_to_end_reduction_per_round"]),
             r["conduit_plan"].get("schedule", "")])
         r["exposed_reduction"] = runner.reduction(i["exposed"], c["exposed"])
         r["end_to_end_reduction"] = runner.reduction(i["end_to_end"], c["end_to_end"])
-    print("\nper-iteration medians, inline/conduit (ms); reductions are Conduit vs inline")
+    print("\nper-iteration medians, inline/conduit (ms); reductions are Conduit vs inline "
+          "(pooled over rounds; 'per round': lowest..highest of each round's paired runs)")
     print(table(["workload", "rollout", "exp. ingestion", "exp. delivery", "update",
-                 "end to end", "exposed -", "e2e -", "conduit schedule"], table_rows))
+                 "end to end", "exposed -", "e2e -", "e2e - per round", "conduit schedule"],
+                table_rows))
     out = Path(a.out)
     payload = {"args": a.__dict__, "workloads": rows}
     write_json(out / "workloads.json", payload)
