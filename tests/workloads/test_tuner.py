@@ -67,21 +67,33 @@ def test_trial_keeps_the_model_pick_unless_threadless_is_clearly_faster(small_sp
         assert "measured" in plan["schedule_explain"]
 
 
-def test_no_trial_when_the_model_predicts_overlap_saves_less_than_the_margin(small_spec):
-    """A light workload: the experience path is 1 % of the iteration, so the model's pick can
-    save at most that. Four noisy iterations each cannot resolve it and the threads' cost is
-    not modelled: the tuner keeps the best threadless schedule without a trial."""
+@pytest.mark.parametrize("op_s,trial", [
+    (0.0001, False),  # the experience path is 1 % of the iteration: no trial, no threads
+    (0.0003, True),  # about 3 %: within the trial's reach
+])
+def test_no_trial_when_the_model_predicts_overlap_saves_less_than_min_gain(small_spec, op_s,
+                                                                         trial):
+    """A light workload: the model's pick can save at most the experience path. Four noisy
+    iterations each cannot resolve 1 % and the threads' cost is not modelled, so the tuner
+    keeps the best threadless schedule without a trial; at 3 % (above ``min_gain``) it
+    runs the trial."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=256, batch_size=8,
                                 schedule=Schedule(1, 1, 1, 2), timeout=20)
     with plane:
         for _ in range(5):
             plane.timings.record("rollout", 0.010)
             plane.timings.record("update", 0.010)
-            plane.timings.record("ingestion", 0.0001, units=1)
-            plane.timings.record("delivery", 0.0001, units=1)
+            plane.timings.record("ingestion", op_s, units=1)
+            plane.timings.record("delivery", op_s, units=1)
         plan = {}
-        tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05)
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05, min_gain=0.02)
         ran = _run(tuner, plane, lambda s: 0.100)
+        assert ran[:2] == [Schedule(1, 1, 1, 2)] * 2
+        if trial:
+            assert len(ran) == 2 + 8
+            assert "model's pick would save" in plan["schedule_explain"]
+            assert len(plan["schedule_trial_ms"]) == 2
+            return
         assert ran == [Schedule(1, 1, 1, 2)] * 2  # warm-up only, no trial iterations
         assert not (plane.schedule.overlap_ing or plane.schedule.overlap_del)
         assert plan["schedule"] == plane.schedule.label()
