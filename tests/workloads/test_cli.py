@@ -45,6 +45,12 @@ def test_demo_runs_both_modes(tmp_path: Path, capsys) -> None:
     res = json.loads((tmp_path / "demo.json").read_text())
     assert res["inline"]["buffer"] == "inline" and res["conduit"]["buffer"] == "conduit"
     assert (tmp_path / "demo.png").exists()
+    # Two rounds by default (inline, Conduit, Conduit, inline), pooled: one measured
+    # iteration per run (the first of each is skipped), so two per mode.
+    assert res["rounds"] == 2
+    assert "[conduit, round 2/2]" in text
+    assert res["pooled"]["inline"]["iterations_measured"] == 2
+    assert res["pooled"]["conduit"]["iterations_measured"] == 2
 
 
 def test_bench_workloads_plumbing(tmp_path: Path) -> None:
@@ -58,6 +64,7 @@ def test_bench_workloads_plumbing(tmp_path: Path) -> None:
     # Two rounds per mode, pooled: 6 iterations each, none past learning_starts (one actor
     # fills 64 of 512 rows per iteration), so every iteration of both runs counts.
     assert row["inline"]["iterations_measured"] == row["conduit"]["iterations_measured"] == 12
+    assert len(row["end_to_end_reduction_per_round"]) == 2
     assert row["inline_losses_finite"] and row["conduit_losses_finite"]
     assert (tmp_path / "workloads.png").exists()
 

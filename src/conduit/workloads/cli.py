@@ -91,7 +91,11 @@ class DemoArgs:
         "help": "image payload side (128 ~ 48 KB, 256 ~ 192 KB per observation); a "
                 "payload-size stand-in"})
     iters: int = dataclasses.field(default=0, metadata={
-        "help": "iterations per mode (0: sized for about 3 minutes in total)"})
+        "help": "iterations per run (0: sized for about 3 minutes in total)"})
+    rounds: int = dataclasses.field(default=2, metadata={
+        "help": "runs per mode, alternating the order (inline, Conduit, Conduit, inline, "
+                "...); the medians pool every run's iterations, so the shared machine's drift "
+                "does not land on one mode"})
     actors: int = dataclasses.field(default=2, metadata={"help": "Ray rollout actors"})
     seed: int = dataclasses.field(default=1, metadata={"help": "random seed"})
     device: str = dataclasses.field(default="auto", metadata={
@@ -109,7 +113,7 @@ def _demo_args(d: DemoArgs, buffer: str) -> Any:
     if d.algo == "dqn":
         from conduit.workloads import dqn
 
-        iters = d.iters or (150 if gpu else 60)
+        iters = d.iters or (150 if gpu else 45)
         return dqn.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         buffer_size=20_000 if gpu else 4_000, batch_size=128,
                         updates_per_iter=8, learning_starts=512, **common)
@@ -134,14 +138,17 @@ def _change(red: float) -> str:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``conduit demo``: a heavy-payload workload, inline and then Conduit."""
+    """Entry point of ``conduit demo``: a heavy-payload workload, inline against Conduit."""
     p = argparse.ArgumentParser(
         prog="conduit demo",
         description="Run a heavy-payload workload (image observations, a payload-size "
-                    "stand-in) with the inline experience path, then with Conduit (auto "
-                    "placement and schedule); print the reductions and the plan; write a plot.")
+                    "stand-in) with the inline experience path and with Conduit (auto "
+                    "placement and schedule), in alternating rounds; print the reductions and "
+                    "the plan; write a plot.")
     add_dataclass_args(p, DemoArgs)
     d = parse_dataclass(DemoArgs, p.parse_args(argv))
+    if d.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {d.rounds}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     device = runner.resolve_device(d.device)
     print(f"conduit demo: {d.algo.upper()} with a {d.image_size}x{d.image_size}x3 uint8 image "
@@ -151,27 +158,31 @@ def demo_main(argv: list[str] | None = None) -> int:
         from conduit.workloads.actors import init_ray
 
         started = init_ray()
-    results: dict[str, runner.RunResult] = {}
+    runs: dict[str, list[runner.RunResult]] = {"inline": [], "conduit": []}
     t_start = time.perf_counter()
     try:
-        for buffer in ("inline", "conduit"):
-            args = _demo_args(d, buffer)
-            t0 = time.perf_counter()
-            print(f"\n[{buffer}] {args.iters} iterations ...", flush=True)
-            results[buffer] = _module(d.algo).train(args)
-            s = results[buffer].summary
-            print(f"[{buffer}] done in {time.perf_counter() - t0:.0f}s: exposed "
-                  f"{1000 * s['exposed']:.1f} ms, end to end {1000 * s['end_to_end']:.1f} ms "
-                  f"per iteration", flush=True)
+        for r in range(d.rounds):
+            for buffer in ("inline", "conduit") if r % 2 == 0 else ("conduit", "inline"):
+                args = _demo_args(d, buffer)
+                tag = f"[{buffer}, round {r + 1}/{d.rounds}]"
+                t0 = time.perf_counter()
+                print(f"\n{tag} {args.iters} iterations ...", flush=True)
+                res = _module(d.algo).train(args)
+                runs[buffer].append(res)
+                print(f"{tag} done in {time.perf_counter() - t0:.0f}s: exposed "
+                      f"{1000 * res.summary['exposed']:.1f} ms, end to end "
+                      f"{1000 * res.summary['end_to_end']:.1f} ms per iteration", flush=True)
     finally:
         if started:
             import ray
 
             ray.shutdown()
-    inline, conduit = results["inline"].summary, results["conduit"].summary
+    results = {b: rs[-1] for b, rs in runs.items()}
+    inline, conduit = (runner.summarize_records([res.records for res in runs[b]])
+                       for b in ("inline", "conduit"))
     red_exp = runner.reduction(inline["exposed"], conduit["exposed"])
     red_e2e = runner.reduction(inline["end_to_end"], conduit["end_to_end"])
-    print("\nper-iteration medians (ms)    inline    conduit")
+    print(f"\nper-iteration medians over {d.rounds} run(s) per mode (ms)    inline    conduit")
     for k in ("rollout", "ingestion", "delivery", "update", "other", "exposed", "end_to_end"):
         print(f"  {k:<26} {1000 * inline[k]:8.2f}   {1000 * conduit[k]:8.2f}")
     print(f"\nexposed experience-path latency: {_change(red_exp)} with Conduit")
@@ -190,6 +201,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     runner.write_json(out / "demo.json", {
         "workload": label, "device": str(device), "exposed_reduction": red_exp,
         "end_to_end_reduction": red_e2e, "wall_s": time.perf_counter() - t_start,
+        "rounds": d.rounds, "pooled": {"inline": inline, "conduit": conduit},
         "inline": results["inline"].to_json(), "conduit": results["conduit"].to_json()})
     print(f"wrote {out / 'demo.json'} and {png}  ({time.perf_counter() - t_start:.0f}s)")
     return 0
