@@ -27,3 +27,10 @@ def test_each_round_is_paired_with_its_own_inline_run():
 def test_unpaired_rounds_are_rejected():
     with pytest.raises(ValueError, match="rounds"):
         round_reductions([_run([0.1])], [])
+
+
+def test_rounds_alternate_which_mode_runs_first():
+    from conduit.workloads.runner import buffer_order
+
+    assert [buffer_order(r) for r in range(3)] == [
+        ("inline", "conduit"), ("conduit", "inline"), ("inline", "conduit")]

@@ -87,7 +87,7 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
             for k, seed in enumerate(a.seeds):
                 # Alternate which mode runs first, so drift of the shared machine does not
                 # land on one mode only.
-                for buffer in ("inline", "conduit") if k % 2 == 0 else ("conduit", "inline"):
+                for buffer in runner.buffer_order(k):
                     if algo == "ppo":
                         args = ppo.Args(iters=a.ppo_iters, steps_per_rollout=32,
                                         envs_per_actor=4)

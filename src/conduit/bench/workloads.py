@@ -160,7 +160,7 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
             rows[w.name] = {"heavy": w.heavy, "algo": w.algo}
             records: dict[str, list[Any]] = {"inline": [], "conduit": []}
             for r in range(a.rounds):
-                for buffer in ("inline", "conduit") if r % 2 == 0 else ("conduit", "inline"):
+                for buffer in runner.buffer_order(r):
                     t0 = time.perf_counter()
                     res = mod.train(replace(base, buffer=buffer))
                     records[buffer].append(res.records)

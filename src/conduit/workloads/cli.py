@@ -162,7 +162,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     try:
         for r in range(d.rounds):
-            for buffer in ("inline", "conduit") if r % 2 == 0 else ("conduit", "inline"):
+            for buffer in runner.buffer_order(r):
                 args = _demo_args(d, buffer)
                 tag = f"[{buffer}, round {r + 1}/{d.rounds}]"
                 t0 = time.perf_counter()

@@ -595,6 +595,13 @@ def plot_comparison(rows: dict[str, dict[str, dict[str, float]]], path: str | Pa
     return p
 
 
+def buffer_order(round_index: int) -> tuple[str, str]:
+    """The two buffer modes in the order round ``round_index`` runs them: inline first in even
+    rounds, Conduit first in odd ones (A B B A ...), so a shared machine's drift lands on both
+    modes alike."""
+    return ("inline", "conduit") if round_index % 2 == 0 else ("conduit", "inline")
+
+
 def reduction(before: float, after: float) -> float:
     """Relative reduction ``1 - after/before`` (NaN when ``before`` is not positive)."""
     return 1.0 - after / before if before > 0 else float("nan")
