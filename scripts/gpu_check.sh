@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (placement), prepared for a lent device machine.
-#
-# Run from the repository root, e.g. through the device tool:
+# GPU check for issue 3 (placement) and issue 6 (the reference workloads and the demo),
+# prepared for a lent device machine. One call of the device tool, run from the repository
+# root:
 #     bash scripts/gpu_check.sh
 # It needs no network: the venv reuses the machine's CUDA torch (--system-site-packages) and the
-# project is installed without dependencies. Everything it writes lands under $OUT (at most
-# 8 files, two folders deep), or runs/gpu_check when OUT is unset:
-#     $OUT/env.txt                 GPU, driver, torch
-#     $OUT/gpu_tests.log           pytest -m gpu (CUDA stores and the plane on cuda)
-#     $OUT/plane_storage.log       tests/plane tests/storage with CUDA present
-#     $OUT/bench.log               conduit bench placement (table + progress)
-#     $OUT/bench/placement.json    the benchmark's JSON
-#     $OUT/bench/placement.png     the Fig. 12-style plot
-# Knobs (environment): BENCH_ARGS (extra flags for the bench, default "--max-buffer-gb 4
-# --shards 2"), QUICK=1 (smoke run: --quick bench, only the GPU tests), PYTHON (interpreter),
-# SKIP_VENV=1 (use PYTHON as is, with PYTHONPATH=src).
+# project is installed without dependencies. Packages the machine lacks travel as wheels in
+# .whl (carry it): Gymnasium, for the workloads. Prepare them here once:
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#         --implementation cp --platform manylinux2014_x86_64 -d .whl \
+#         gymnasium==1.2.2 farama-notifications==0.0.6
+# Ray's wheel (79 MB) is over what a call carries, so the workloads run their rollout workers
+# in-process (--no-use-ray); conduit never imports Ray on that path.
+#
+# Everything it writes lands under $OUT (8 files, two folders deep: the device tool's limit),
+# or runs/gpu_check when OUT is unset:
+#     $OUT/env.txt                     GPU, driver, torch
+#     $OUT/tests.log                   pytest -m gpu, then tests/plane tests/storage with CUDA
+#     $OUT/bench.log                   the three benchmarks' tables and progress
+#     $OUT/bench/placement.json|png    conduit bench placement (issue 3)
+#     $OUT/workloads/workloads.json|png  conduit bench workloads, heavy rows (issue 6)
+#     $OUT/demo/demo.json              conduit demo (its PNG is dropped: the 8-file limit)
+# Knobs (environment): PARTS (default "tests placement workloads demo"), BENCH_ARGS (extra
+# flags for the placement bench, default "--max-buffer-gb 4 --shards 2"), WORKLOAD_ARGS
+# (default "--rounds 2 --iters 24"), DEMO_ARGS (default "--rounds 2 --iters 30"), QUICK=1
+# (smoke run: --quick placement bench, only the GPU tests), PYTHON (interpreter), SKIP_VENV=1
+# (use PYTHON as is, with PYTHONPATH=src). Each part has a time limit (LIMIT_TESTS,
+# LIMIT_PLACEMENT, LIMIT_WORKLOADS, LIMIT_DEMO seconds) that together fit one 10-minute call.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT/bench"
@@ -24,6 +36,12 @@ VENV=${VENV:-/tmp/conduit-gpu-venv}
 status=0
 
 : >"$OUT/env.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "== carried wheels: $(ls .whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl 2>>"$OUT/env.txt" || status=1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if [ "${SKIP_VENV:-0}" = "1" ]; then
     echo "== using $PY as is (SKIP_VENV=1)"
     VPY="$PY"
@@ -53,26 +71,59 @@ PY
 } >>"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-echo "== pytest -m gpu"
-"$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+PARTS=${PARTS:-tests placement workloads demo}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# run LIMIT LOG CMD...: CMD under a time limit, its output shown and appended to LOG.
+run() {
+    local limit=$1 log=$2
+    shift 2
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && echo "!! stopped after ${limit}s: $*" | tee -a "$log"
+    [ "$rc" -eq 0 ] || status=1
+}
 
-if [ "${QUICK:-0}" != "1" ]; then
-    echo "== tests/plane tests/storage with CUDA present"
-    "$VPY" -m pytest tests/plane tests/storage -q -rs -p no:cacheprovider 2>&1 \
-        | tee "$OUT/plane_storage.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if want tests; then
+    echo "== pytest -m gpu" | tee "$OUT/tests.log"
+    run "${LIMIT_TESTS:-150}" "$OUT/tests.log" "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider
+    if [ "${QUICK:-0}" != "1" ]; then
+        echo "== tests/plane tests/storage with CUDA present" | tee -a "$OUT/tests.log"
+        run "${LIMIT_TESTS:-150}" "$OUT/tests.log" \
+            "$VPY" -m pytest tests/plane tests/storage -q -rs -p no:cacheprovider
+    fi
 fi
 
-echo "== conduit bench placement"
-if [ "${QUICK:-0}" = "1" ]; then
-    bench_args="--quick"
-else
-    bench_args=${BENCH_ARGS:---max-buffer-gb 4 --shards 2}
+: >"$OUT/bench.log"
+if want placement; then
+    echo "== conduit bench placement" | tee -a "$OUT/bench.log"
+    if [ "${QUICK:-0}" = "1" ]; then
+        bench_args="--quick"
+    else
+        bench_args=${BENCH_ARGS:---max-buffer-gb 4 --shards 2}
+    fi
+    # shellcheck disable=SC2086
+    run "${LIMIT_PLACEMENT:-130}" "$OUT/bench.log" \
+        "$VPY" -m conduit.cli bench placement $bench_args --out "$OUT/bench"
 fi
-# shellcheck disable=SC2086
-"$VPY" -m conduit.cli bench placement $bench_args --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if want workloads; then
+    echo "== conduit bench workloads (heavy rows, in-process rollout workers)" \
+        | tee -a "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    run "${LIMIT_WORKLOADS:-200}" "$OUT/bench.log" \
+        "$VPY" -m conduit.cli bench workloads --no-use-ray \
+        --only DQN-img128 DQN-img256 SAC-img128 SAC-img256 PPO-img128 PPO-img256 \
+        ${WORKLOAD_ARGS:---rounds 2 --iters 24} --out "$OUT/workloads"
+fi
+
+if want demo; then
+    echo "== conduit demo (in-process rollout workers)" | tee -a "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    run "${LIMIT_DEMO:-110}" "$OUT/bench.log" \
+        "$VPY" -m conduit.cli demo --no-use-ray ${DEMO_ARGS:---rounds 2 --iters 30} \
+        --out "$OUT/demo"
+    rm -f "$OUT/demo/demo.png"
+fi
 
 echo "== done (status $status); outputs under $OUT"
 exit $status
