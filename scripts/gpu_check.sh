@@ -21,12 +21,15 @@
 #     $OUT/bench/placement.json|png    conduit bench placement (issue 3)
 #     $OUT/workloads/workloads.json|png  conduit bench workloads, heavy rows (issue 6)
 #     $OUT/demo/demo.json              conduit demo (its PNG is dropped: the 8-file limit)
+# A second call, PARTS=convergence (over 10 minutes would not fit the first), adds
+#     $OUT/convergence/convergence.json|png  conduit bench convergence (issue 6)
 # Knobs (environment): PARTS (default "tests placement workloads demo"), BENCH_ARGS (extra
 # flags for the placement bench, default "--max-buffer-gb 4 --shards 2"), WORKLOAD_ARGS
 # (default "--rounds 2 --iters 24"), DEMO_ARGS (default "--rounds 2 --iters 30"), QUICK=1
 # (smoke run: --quick placement bench, only the GPU tests), PYTHON (interpreter), SKIP_VENV=1
-# (use PYTHON as is, with PYTHONPATH=src). Each part has a time limit (LIMIT_TESTS,
-# LIMIT_PLACEMENT, LIMIT_WORKLOADS, LIMIT_DEMO seconds) that together fit one 10-minute call.
+# (use PYTHON as is, with PYTHONPATH=src), CONVERGENCE_ARGS (default "--ppo-iters 80
+# --dqn-iters 250"). Each part has a time limit (LIMIT_TESTS, LIMIT_PLACEMENT, LIMIT_WORKLOADS,
+# LIMIT_DEMO, LIMIT_CONVERGENCE seconds); the default parts' limits fit one 10-minute call.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT/bench"
@@ -123,6 +126,14 @@ if want demo; then
         "$VPY" -m conduit.cli demo --no-use-ray ${DEMO_ARGS:---rounds 2 --iters 30} \
         --out "$OUT/demo"
     rm -f "$OUT/demo/demo.png"
+fi
+
+if want convergence; then
+    echo "== conduit bench convergence (in-process rollout workers)" | tee -a "$OUT/bench.log"
+    # shellcheck disable=SC2086
+    run "${LIMIT_CONVERGENCE:-420}" "$OUT/bench.log" \
+        "$VPY" -m conduit.cli bench convergence --no-use-ray \
+        ${CONVERGENCE_ARGS:---ppo-iters 80 --dqn-iters 250} --out "$OUT/convergence"
 fi
 
 echo "== done (status $status); outputs under $OUT"
