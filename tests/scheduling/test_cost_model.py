@@ -162,6 +162,27 @@ def test_prediction_is_frozen_and_pure():
     assert set(a.to_dict()) >= {"t_iter", "t_ing_path", "t_del_path", "exposed"}
 
 
+def test_copy_time_caps_what_overlap_hides():
+    """``t_copy_*``: only an operator's data movement runs beside the caller on a Python
+    thread. Mode (b) of Fig. 10 with g = 1: unbounded (Eq. 4/5) it hides min(10, 4) = 4 and
+    min(20, 3) = 3; capped at 0.5 and 0.25 per unit it hides only those, so the overlapped
+    schedule now pays its sync costs for little: T_iter = 37 - 0.5 + 1 - 0.25 + 0.5."""
+    sched = Schedule(1, 1, 1, 1)
+    free = predict(off_profile(), sched)
+    assert (free.hide_ing, free.hide_del) == (approx(4 * ms), approx(3 * ms))
+    capped = predict(off_profile(t_copy_ing=0.5 * ms, t_copy_del=0.25 * ms), sched)
+    assert (capped.hide_ing, capped.hide_del) == (approx(0.5 * ms), approx(0.25 * ms))
+    assert capped.t_iter == approx((37 - 0.5 + 1 - 0.25 + 0.5) * ms)
+    inline = predict(off_profile(t_copy_ing=0.5 * ms, t_copy_del=0.25 * ms), Schedule(0, 1, 0, 1))
+    assert capped.t_iter > inline.t_iter  # overlap no longer pays
+    # A cap above the per-unit cost changes nothing.
+    roomy = predict(off_profile(t_copy_ing=1.0, t_copy_del=1.0), sched)
+    assert roomy.t_iter == approx(free.t_iter)
+    with pytest.raises(ConfigError) as info:
+        off_profile(t_copy_del=-1 * ms)
+    assert info.value.field == "t_copy_del"
+
+
 def test_profile_validates_inputs():
     with pytest.raises(ConfigError) as info:
         off_profile(t_rollout=-1.0)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conduit import ExperienceDataPlane, Schedule
+from conduit.placement import plan_placement
+from conduit.placement.presets import preset
 from conduit.workloads.runner import IterationRecord, WarmupScheduleTuner
+from tests.conftest import make_rows
 
 
 def _plane(small_spec):
@@ -190,3 +193,38 @@ def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions
         assert threadless == switches
         assert plane.schedule == (ran[3] if switches else ran[2])
         assert tuner.inversions == inversions
+
+
+@pytest.mark.parametrize("bytes_per_sample,threads", [(64, False), (2_000_000, True)])
+def test_interpreter_bound_operators_run_without_threads(small_spec, bytes_per_sample,
+                                                         threads):
+    """The same measured operator costs (4 ms per unit), under two placement decisions. At 64
+    bytes per sample the operators move almost nothing for their cost: it is Python, which
+    holds the interpreter lock and competes with the learner instead of hiding behind it. The
+    model then caps what overlap hides at the copies, picks the schedule without threads,
+    and no trial runs. At 2 MB per sample, 8-row units move 1.6 ms of data (40 % of their
+    cost): data movement, and Eq. 4/5 apply as they are, so overlap is picked and tried."""
+    with _plane(small_spec) as plane:
+        for k in range(2):  # pushed units give the rows per unit (8)
+            plane.push(make_rows(small_spec, 8, start=8 * k))
+        plane.flush()
+        plane.placement_decision = plan_placement(
+            capacity=256, actor_device="cpu", learner_device="cpu", topology=preset("a100-8"),
+            spec_bytes=bytes_per_sample, allowed_kinds=("pageable",))
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2)
+        ran = _run(tuner, plane, lambda s: 0.100)
+        shares = plan["copy_share"]
+        assert set(shares) == {"ingestion", "delivery"}
+        overlapped = plane.schedule.overlap_ing or plane.schedule.overlap_del
+        if threads:
+            assert min(shares.values()) >= tuner.copy_share
+            assert len(ran) == 2 + 8  # warm-up, then the trial
+            assert ran[2].overlap_ing and ran[2].overlap_del
+            assert "T_copy" not in plan["schedule_explain"]
+            return
+        assert max(shares.values()) < tuner.copy_share
+        assert ran == [Schedule(1, 1, 1, 2)] * 2  # warm-up only
+        assert not overlapped
+        assert "T_copy,ing" in plan["schedule_explain"]
+        assert "no trial: the model's pick starts no thread" in plan["schedule_explain"]

@@ -6,6 +6,9 @@ For a schedule ``(overlap_ing, g_ing, overlap_del, g_del)`` and a :class:`Profil
 * ``hide_ing = γ(g_ing)·min(T_rollout, T̄_ing(g_ing))`` (Eq. 4),
   ``hide_del = γ(g_del)·min(T_update, T̄_del(g_del))`` (Eq. 5),
   with ``γ(g) = 1`` for ``g >= 1`` and ``1 − g`` for ``0 < g < 1`` (Eq. 6);
+  where the profile gives the per-unit data-movement time ``T_copy`` (``t_copy_ing`` /
+  ``t_copy_del``), ``T̄`` in the ``min`` is capped at it: on CPython threads only the copies
+  run beside the caller, the operator's Python competes with it for the interpreter lock;
 * ``T_ing-path = T_rollout + T̄_ing(g_ing) + overlap_ing·(T_sync,ing − hide_ing)``;
 * ``T_del-path = T_update + T̄_del(g_del) + overlap_del·(T_sync,del − hide_del)``;
 * ``T_iter = T_ing-path + T_del-path``.
@@ -119,8 +122,10 @@ def predict(profile: Profile, schedule: Schedule, *, mode: str = "off_policy") -
         raise ScheduleError(f"expected a Schedule, got {type(schedule).__name__}")
     unit_ing = per_unit(profile.ing_time(schedule.g_ing), schedule.g_ing)
     unit_del = per_unit(profile.del_time(schedule.g_del), schedule.g_del)
-    hide_ing = hide(profile.t_rollout, unit_ing, schedule.g_ing, mode=mode)
-    hide_del = hide(profile.t_update, unit_del, schedule.g_del, mode=mode)
+    hide_ing = hide(profile.t_rollout, _overlappable(unit_ing, profile.t_copy_ing),
+                    schedule.g_ing, mode=mode)
+    hide_del = hide(profile.t_update, _overlappable(unit_del, profile.t_copy_del),
+                    schedule.g_del, mode=mode)
     t_ing_path = (profile.t_rollout + unit_ing
                   + schedule.overlap_ing * (profile.t_sync_ing - hide_ing))
     t_del_path = (profile.t_update + unit_del
@@ -130,3 +135,8 @@ def predict(profile: Profile, schedule: Schedule, *, mode: str = "off_policy") -
                       exposed=t_iter - profile.t_rollout - profile.t_update,
                       hide_ing=hide_ing, hide_del=hide_del,
                       unit_ing=unit_ing, unit_del=unit_del)
+
+
+def _overlappable(unit_cost: float, copy_cost: float | None) -> float:
+    """The part of a per-unit operator cost that can run beside the caller."""
+    return unit_cost if copy_cost is None else min(unit_cost, copy_cost)

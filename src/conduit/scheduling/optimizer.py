@@ -143,7 +143,10 @@ class Plan:
             f"Conduit schedule plan ({self.mode}, {self.num_candidates} candidates scored "
             "with Eq. 2)",
             f"profile: T_rollout={_ms(p.t_rollout)} ms  T_update={_ms(p.t_update)} ms  "
-            f"T_sync,ing={_ms(p.t_sync_ing)} ms  T_sync,del={_ms(p.t_sync_del)} ms",
+            f"T_sync,ing={_ms(p.t_sync_ing)} ms  T_sync,del={_ms(p.t_sync_del)} ms"
+            + "".join(f"  {label}={_ms(v)} ms" for label, v in (("T_copy,ing", p.t_copy_ing),
+                                                             ("T_copy,del", p.t_copy_del))
+                      if v is not None),
             f"chosen:  {self.schedule.label()}  T_iter={_ms(self.prediction.t_iter)} ms  "
             f"exposed={_ms(self.prediction.exposed)} ms",
         ]

@@ -148,6 +148,14 @@ class Profile:
         t_sync_del: Synchronization cost of overlapping delivery (``T_sync,del``).
         ing_fit: Optional fit used for granularities missing from ``t_ing``.
         del_fit: Optional fit used for granularities missing from ``t_del``.
+        t_copy_ing: Optional seconds per unit of ingestion that move data (the unit's bytes at
+            the placement's measured bandwidth). An operator on a Python thread overlaps its
+            caller only where it is outside CPython's interpreter lock (GIL): tensor copies
+            are, the per-invocation Python around them is not, and that part competes with
+            the caller rather than hiding behind it. When set, overlap hides at most this much
+            per unit (see :func:`~conduit.scheduling.cost_model.predict`). None: all of the
+            per-unit cost is overlappable, as Eq. 4 assumes.
+        t_copy_del: The same for delivery (Eq. 5).
     """
 
     t_rollout: float
@@ -158,10 +166,15 @@ class Profile:
     t_sync_del: float = 0.0
     ing_fit: CostFit | None = field(default=None, compare=False)
     del_fit: CostFit | None = field(default=None, compare=False)
+    t_copy_ing: float | None = None
+    t_copy_del: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("t_rollout", "t_update", "t_sync_ing", "t_sync_del"):
             object.__setattr__(self, name, _seconds(name, getattr(self, name)))
+        for name in ("t_copy_ing", "t_copy_del"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _seconds(name, getattr(self, name)))
         for name in ("t_ing", "t_del"):
             object.__setattr__(self, name, _freeze_costs(name, getattr(self, name)))
         for name in ("ing_fit", "del_fit"):
@@ -175,7 +188,8 @@ class Profile:
 
     def __hash__(self) -> int:
         return hash((self.t_rollout, self.t_update, tuple(self.t_ing.items()),
-                     tuple(self.t_del.items()), self.t_sync_ing, self.t_sync_del))
+                     tuple(self.t_del.items()), self.t_sync_ing, self.t_sync_del,
+                     self.t_copy_ing, self.t_copy_del))
 
     def ing_time(self, g: float | Fraction) -> float:
         """``T_ing(g)``: seconds of one ingestion invocation at granularity ``g``.
@@ -198,7 +212,8 @@ class Profile:
         return {"t_rollout": self.t_rollout, "t_update": self.t_update,
                 "t_ing": {str(g): t for g, t in self.t_ing.items()},
                 "t_del": {str(g): t for g, t in self.t_del.items()},
-                "t_sync_ing": self.t_sync_ing, "t_sync_del": self.t_sync_del}
+                "t_sync_ing": self.t_sync_ing, "t_sync_del": self.t_sync_del,
+                "t_copy_ing": self.t_copy_ing, "t_copy_del": self.t_copy_del}
 
 
 def _lookup(name: str, costs: Mapping[Fraction, float], fit: CostFit | None,

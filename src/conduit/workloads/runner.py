@@ -118,7 +118,16 @@ class WarmupScheduleTuner:
        :class:`~conduit.scheduling.Profile`, and :class:`conduit.plane.AutoScheduler` picks
        the argmin of Eq. 2. With prioritized replay and no allowed priority lag, a batch
        prefetched during an update is always discarded (DESIGN §4.4), so overlapped delivery
-       is left out of that choice.
+       is left out of that choice. Eq. 4/5 assume an overlapped operator runs beside its
+       neighbour for free; on a Python thread only its tensor copies do, while its Python
+       holds the interpreter lock that the learner needs. So an operator whose data movement
+       (a unit's bytes at the placement's measured bandwidth) is under ``copy_share`` of its
+       measured per-unit cost is taken as interpreter-bound, and overlap hides only its
+       copies (``Profile.t_copy_*``). On the 2-core development VM PPO-CP's shares were
+       0.07–0.2 % and the heavy workloads' 10–40 %; without this bound the model picked
+       overlap for PPO-CP, whose update then ran 10–40 % slower beside the delivery thread.
+       Heavy operators keep Eq. 4/5 unbounded: the rest of their cost (scattered gathers,
+       page faults) runs in torch, outside the lock, and the bandwidth figure undercounts it.
     2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
        learner itself where threads compete for few cores and for the GIL (measured on a
        2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
@@ -156,10 +165,11 @@ class WarmupScheduleTuner:
 
     def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3, trial: int = 4,
                  margin: float = 0.05, inversions: int = 3, min_gain: float = 0.02,
-                 prioritized: bool = False) -> None:
+                 copy_share: float = 0.04, prioritized: bool = False) -> None:
         self.plane, self.plan, self.warmup = plane, plan, warmup
         self.trial, self.margin, self.inversions = trial, margin, inversions
         self.min_gain = min_gain
+        self.copy_share = copy_share
         self.prioritized = prioritized
         self.default = plane.schedule
         self._probed: Any = None  # the g_del a warm-up iteration probed, if any
@@ -216,6 +226,9 @@ class WarmupScheduleTuner:
             probed = profile_from_timings(timings, space)
             unprobed = probed if self._probed is None else profile_from_timings(
                 _without_units(timings, "delivery", float(self._probed)), space)
+            copy = self._interpreter_bound(unprobed)
+            probed = dataclasses.replace(probed, **copy)
+            unprobed = dataclasses.replace(unprobed, **copy)
             auto = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=unprobed)
             plan = auto.plan()
         except ConduitError as exc:
@@ -233,10 +246,13 @@ class WarmupScheduleTuner:
         best_b = next(c for c in rank_candidates(probed, space)
                       if not c.schedule.overlap_ing and not c.schedule.overlap_del)
         threadless = best_b.schedule
+        if a == threadless:
+            self._finish(a, "no trial: the model's pick starts no thread")
+            return
         gain = best_b.prediction.t_iter - plan.prediction.t_iter
         saving = (f"the model's pick would save {1000 * gain:.2f} ms of a "
                   f"{1000 * best_b.prediction.t_iter:.1f} ms iteration over {threadless.label()}")
-        if a != threadless and gain < self.min_gain * best_b.prediction.t_iter:
+        if gain < self.min_gain * best_b.prediction.t_iter:
             # A saving the trial could not resolve is not worth the threads' unmodelled cost.
             self._finish(threadless, f"no trial: {saving}, less than {self.min_gain:.0%}; "
                          f"kept the schedule without threads")
@@ -252,6 +268,51 @@ class WarmupScheduleTuner:
         for k in range(self.trial):  # A B B A ...: drift lands on every candidate
             self._order += ids if k % 2 == 0 else ids[::-1]
         self._scores = {i: [] for i in ids}
+
+    def _interpreter_bound(self, profile: Any) -> dict[str, float]:
+        """``t_copy_*`` for the operators that are interpreter-bound: whose data movement
+        (:meth:`_copy_costs`) is less than ``copy_share`` of their measured per-unit cost at
+        the finest granularity. Overlap hides only their copies (see
+        :class:`~conduit.scheduling.Profile`); the others keep Eq. 4/5 as they are, since the
+        rest of a heavy operator (scattered gathers, page faults) runs in torch, outside the
+        interpreter lock, and the bandwidth figure undercounts it."""
+        space = self.plane.space
+        out: dict[str, float] = {}
+        shares: dict[str, float] = {}
+        for name, t_copy in self._copy_costs().items():
+            op = "ingestion" if name == "t_copy_ing" else "delivery"
+            g = min(space.g_ing if op == "ingestion" else space.g_del)
+            cost = profile.ing_time(g) if op == "ingestion" else profile.del_time(g)
+            unit = cost / float(g)
+            if unit <= 0:
+                continue
+            shares[op] = t_copy / unit
+            if shares[op] < self.copy_share:
+                out[name] = t_copy
+        self.plan["copy_share"] = shares
+        return out
+
+    def _copy_costs(self) -> dict[str, float]:
+        """Per-unit data-movement seconds of each operator (``t_copy_ing``, ``t_copy_del``):
+        a unit's rows times the per-sample legs of the placement's transfer model (Eq. 1, from
+        measured bandwidths). Empty when the placement was set by hand (no transfer model).
+
+        A unit is what the cost model's per-unit costs cover: off-policy one rollout unit
+        (ingestion) and one batch (delivery); on-policy the iteration's rows (``T(g)/g``).
+        """
+        decision = getattr(self.plane, "placement_decision", None)
+        if decision is None:
+            return {}
+        legs = decision.chosen_evaluation
+        plane = self.plane
+        if plane.mode == "on_policy":
+            return {"t_copy_ing": plane.capacity * legs.ingest_s,
+                    "t_copy_del": plane.capacity * legs.deliver_s}
+        out = {"t_copy_del": plane.batch_size * legs.deliver_s}
+        units = plane.counters["pushed_units"]
+        if units:  # rows per rollout unit, as pushed so far
+            out["t_copy_ing"] = plane.counters["pushed_rows"] / units * legs.ingest_s
+        return out
 
     def _choose(self) -> None:
         med = {i: statistics.median(v) for i, v in self._scores.items() if v}
