@@ -65,6 +65,9 @@ def test_bench_workloads_plumbing(tmp_path: Path) -> None:
     # fills 64 of 512 rows per iteration), so every iteration of both runs counts.
     assert row["inline"]["iterations_measured"] == row["conduit"]["iterations_measured"] == 12
     assert len(row["end_to_end_reduction_per_round"]) == 2
+    # Every run is kept with its own schedule, in run order (inline, Conduit, Conduit, inline).
+    assert [r["buffer"] for r in row["runs"]] == ["inline", "conduit", "conduit", "inline"]
+    assert all(r["schedule"] and r["summary"]["iterations_measured"] == 6 for r in row["runs"])
     assert row["inline_losses_finite"] and row["conduit_losses_finite"]
     assert (tmp_path / "workloads.png").exists()
 

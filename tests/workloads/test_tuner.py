@@ -199,11 +199,12 @@ def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions
 def test_interpreter_bound_operators_run_without_threads(small_spec, bytes_per_sample,
                                                          threads):
     """The same measured operator costs (4 ms per unit), under two placement decisions. At 64
-    bytes per sample the operators move almost nothing for their cost: it is Python, which
-    holds the interpreter lock and competes with the learner instead of hiding behind it. The
-    model then caps what overlap hides at the copies, picks the schedule without threads,
-    and no trial runs. At 2 MB per sample, 8-row units move 1.6 ms of data (40 % of their
-    cost): data movement, and Eq. 4/5 apply as they are, so overlap is picked and tried."""
+    bytes per sample an 8-row unit moves its data in well under ``min_copy`` (0.1 ms): the
+    operators' cost is Python, which holds the interpreter lock and competes with the
+    learner instead of hiding behind it. The model then caps what overlap hides at the
+    copies, picks the schedule without threads, and no trial runs. At 2 MB per sample a
+    unit moves 1.6 ms of data: data movement, so Eq. 4/5 apply as they are, and overlap is
+    picked and tried."""
     with _plane(small_spec) as plane:
         for k in range(2):  # pushed units give the rows per unit (8)
             plane.push(make_rows(small_spec, 8, start=8 * k))
@@ -214,16 +215,16 @@ def test_interpreter_bound_operators_run_without_threads(small_spec, bytes_per_s
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=2)
         ran = _run(tuner, plane, lambda s: 0.100)
-        shares = plan["copy_share"]
-        assert set(shares) == {"ingestion", "delivery"}
+        copies = plan["copy_ms_per_unit"]
+        assert set(copies) == {"t_copy_ing", "t_copy_del"}
         overlapped = plane.schedule.overlap_ing or plane.schedule.overlap_del
         if threads:
-            assert min(shares.values()) >= tuner.copy_share
+            assert min(copies.values()) == pytest.approx(1.6)
             assert len(ran) == 2 + 8  # warm-up, then the trial
             assert ran[2].overlap_ing and ran[2].overlap_del
             assert "T_copy" not in plan["schedule_explain"]
             return
-        assert max(shares.values()) < tuner.copy_share
+        assert max(copies.values()) < 1000 * tuner.min_copy
         assert ran == [Schedule(1, 1, 1, 2)] * 2  # warm-up only
         assert not overlapped
         assert "T_copy,ing" in plan["schedule_explain"]

@@ -121,13 +121,12 @@ class WarmupScheduleTuner:
        is left out of that choice. Eq. 4/5 assume an overlapped operator runs beside its
        neighbour for free; on a Python thread only its tensor copies do, while its Python
        holds the interpreter lock that the learner needs. So an operator whose data movement
-       (a unit's bytes at the placement's measured bandwidth) is under ``copy_share`` of its
-       measured per-unit cost is taken as interpreter-bound, and overlap hides only its
-       copies (``Profile.t_copy_*``). On the 2-core development VM PPO-CP's shares were
-       0.07–0.2 % and the heavy workloads' 10–40 %; without this bound the model picked
+       (a unit's bytes at the placement's measured bandwidth) takes under ``min_copy`` per
+       unit is taken as interpreter-bound, and overlap hides only its copies
+       (``Profile.t_copy_*``). On the 2-core development VM the light workloads' copies took
+       0.5–4 µs per unit (their operators 0.2–10 ms) and the heavy ones' 0.6–4.7 ms, so the
+       default 0.1 ms sits 25× and 6× from either side. Without this bound the model picked
        overlap for PPO-CP, whose update then ran 10–40 % slower beside the delivery thread.
-       Heavy operators keep Eq. 4/5 unbounded: the rest of their cost (scattered gathers,
-       page faults) runs in torch, outside the lock, and the bandwidth figure undercounts it.
     2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
        learner itself where threads compete for few cores and for the GIL (measured on a
        2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
@@ -165,11 +164,11 @@ class WarmupScheduleTuner:
 
     def __init__(self, plane: Any, plan: dict[str, Any], *, warmup: int = 3, trial: int = 4,
                  margin: float = 0.05, inversions: int = 3, min_gain: float = 0.02,
-                 copy_share: float = 0.04, prioritized: bool = False) -> None:
+                 min_copy: float = 1e-4, prioritized: bool = False) -> None:
         self.plane, self.plan, self.warmup = plane, plan, warmup
         self.trial, self.margin, self.inversions = trial, margin, inversions
         self.min_gain = min_gain
-        self.copy_share = copy_share
+        self.min_copy = min_copy
         self.prioritized = prioritized
         self.default = plane.schedule
         self._probed: Any = None  # the g_del a warm-up iteration probed, if any
@@ -226,7 +225,7 @@ class WarmupScheduleTuner:
             probed = profile_from_timings(timings, space)
             unprobed = probed if self._probed is None else profile_from_timings(
                 _without_units(timings, "delivery", float(self._probed)), space)
-            copy = self._interpreter_bound(unprobed)
+            copy = self._interpreter_bound()
             probed = dataclasses.replace(probed, **copy)
             unprobed = dataclasses.replace(unprobed, **copy)
             auto = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=unprobed)
@@ -269,28 +268,16 @@ class WarmupScheduleTuner:
             self._order += ids if k % 2 == 0 else ids[::-1]
         self._scores = {i: [] for i in ids}
 
-    def _interpreter_bound(self, profile: Any) -> dict[str, float]:
-        """``t_copy_*`` for the operators that are interpreter-bound: whose data movement
-        (:meth:`_copy_costs`) is less than ``copy_share`` of their measured per-unit cost at
-        the finest granularity. Overlap hides only their copies (see
-        :class:`~conduit.scheduling.Profile`); the others keep Eq. 4/5 as they are, since the
-        rest of a heavy operator (scattered gathers, page faults) runs in torch, outside the
-        interpreter lock, and the bandwidth figure undercounts it."""
-        space = self.plane.space
-        out: dict[str, float] = {}
-        shares: dict[str, float] = {}
-        for name, t_copy in self._copy_costs().items():
-            op = "ingestion" if name == "t_copy_ing" else "delivery"
-            g = min(space.g_ing if op == "ingestion" else space.g_del)
-            cost = profile.ing_time(g) if op == "ingestion" else profile.del_time(g)
-            unit = cost / float(g)
-            if unit <= 0:
-                continue
-            shares[op] = t_copy / unit
-            if shares[op] < self.copy_share:
-                out[name] = t_copy
-        self.plan["copy_share"] = shares
-        return out
+    def _interpreter_bound(self) -> dict[str, float]:
+        """``t_copy_*`` for the operators that are interpreter-bound: whose data movement per
+        unit (:meth:`_copy_costs`) is under ``min_copy`` seconds. What such an operator costs
+        beyond its copies is Python, which holds the interpreter lock, so overlap hides only
+        the copies (see :class:`~conduit.scheduling.Profile`). The others keep Eq. 4/5 as
+        they are: the rest of a heavy operator (scattered gathers, page faults) runs in torch,
+        outside the lock, and the bandwidth figure undercounts it."""
+        copies = self._copy_costs()
+        self.plan["copy_ms_per_unit"] = {k: 1000 * v for k, v in copies.items()}
+        return {k: v for k, v in copies.items() if v < self.min_copy}
 
     def _copy_costs(self) -> dict[str, float]:
         """Per-unit data-movement seconds of each operator (``t_copy_ing``, ``t_copy_del``):
