@@ -11,9 +11,9 @@ from conduit.workloads.runner import IterationRecord, WarmupScheduleTuner
 from tests.conftest import make_rows
 
 
-def _plane(small_spec):
+def _plane(small_spec, **kw):
     plane = ExperienceDataPlane(spec=small_spec, capacity=256, batch_size=8,
-                                schedule=Schedule(1, 1, 1, 2), timeout=20)
+                                schedule=Schedule(1, 1, 1, 2), timeout=20, **kw)
     t = plane.timings  # a profile in which overlap clearly pays: the model picks it
     for _ in range(5):
         t.record("rollout", 0.010)
@@ -205,8 +205,10 @@ def test_interpreter_bound_operators_run_without_threads(small_spec, bytes_per_s
     copies, picks the schedule without threads, and no trial runs. At 2 MB per sample a
     unit moves 1.6 ms of data: data movement, so Eq. 4/5 apply as they are, and overlap is
     picked and tried."""
-    with _plane(small_spec) as plane:
-        for k in range(2):  # pushed units give the rows per unit (8)
+    # min_size = capacity: the pushes below give the rows per unit (8) and leave the
+    # delivery worker idle, so the recorded operator costs stay the ones written here.
+    with _plane(small_spec, min_size=256) as plane:
+        for k in range(2):
             plane.push(make_rows(small_spec, 8, start=8 * k))
         plane.flush()
         plane.placement_decision = plan_placement(
