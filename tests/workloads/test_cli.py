@@ -68,6 +68,8 @@ def test_bench_workloads_plumbing(tmp_path: Path) -> None:
     # Every run is kept with its own schedule, in run order (inline, Conduit, Conduit, inline).
     assert [r["buffer"] for r in row["runs"]] == ["inline", "conduit", "conduit", "inline"]
     assert all(r["schedule"] and r["summary"]["iterations_measured"] == 6 for r in row["runs"])
+    assert all({"schedule_trial_ms", "copy_ms_per_unit", "schedule_explain"} <= set(r)
+               for r in row["runs"])
     assert row["inline_losses_finite"] and row["conduit_losses_finite"]
     assert (tmp_path / "workloads.png").exists()
 

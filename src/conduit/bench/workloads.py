@@ -170,7 +170,7 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                         {"buffer": buffer, "schedule": res.plan.get("schedule", ""),
                          "summary": res.summary,
                          "schedule_trial_ms": res.plan.get("schedule_trial_ms"),
-                         "copy_share": res.plan.get("copy_share"),
+                         "copy_ms_per_unit": res.plan.get("copy_ms_per_unit"),
                          "schedule_explain": res.plan.get("schedule_explain")})
                     rows[w.name][f"{buffer}_losses_finite"] = (
                         rows[w.name].get(f"{buffer}_losses_finite", True)

@@ -257,13 +257,11 @@ class WarmupScheduleTuner:
                          f"kept the schedule without threads")
             return
         self.explanation += f"\n{saving}"
-        for cand in (a, threadless):
-            if cand not in self._candidates:
-                self._candidates.append(cand)
-        if len(self._candidates) == 1 or self.trial < 1:
+        if self.trial < 1:
             self._finish(a, "")
             return
-        ids = list(range(len(self._candidates)))
+        self._candidates = [a, threadless]
+        ids = [0, 1]
         for k in range(self.trial):  # A B B A ...: drift lands on every candidate
             self._order += ids if k % 2 == 0 else ids[::-1]
         self._scores = {i: [] for i in ids}
