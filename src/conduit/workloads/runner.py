@@ -245,8 +245,9 @@ class WarmupScheduleTuner:
         best_b = next(c for c in rank_candidates(probed, space)
                       if not c.schedule.overlap_ing and not c.schedule.overlap_del)
         threadless = best_b.schedule
-        if a == threadless:
-            self._finish(a, "no trial: the model's pick starts no thread")
+        if not (a.overlap_ing or a.overlap_del):
+            # Then B, the same kind of schedule priced with the coarse-delivery probe.
+            self._finish(threadless, "no trial: the model's pick starts no thread")
             return
         gain = best_b.prediction.t_iter - plan.prediction.t_iter
         saving = (f"the model's pick would save {1000 * gain:.2f} ms of a "
