@@ -247,7 +247,10 @@ class WarmupScheduleTuner:
         threadless = best_b.schedule
         if not (a.overlap_ing or a.overlap_del):
             # Then B, the same kind of schedule priced with the coarse-delivery probe.
-            self._finish(threadless, "no trial: the model's pick starts no thread")
+            probed_note = (f"; {threadless.label()} with the coarse-delivery probe priced"
+                           if threadless != a else "")
+            self._finish(threadless, f"no trial: the model's pick starts no thread"
+                                     f"{probed_note}")
             return
         gain = best_b.prediction.t_iter - plan.prediction.t_iter
         saving = (f"the model's pick would save {1000 * gain:.2f} ms of a "
