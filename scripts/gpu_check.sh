@@ -29,7 +29,9 @@
 # (smoke run: --quick placement bench, only the GPU tests), PYTHON (interpreter), SKIP_VENV=1
 # (use PYTHON as is, with PYTHONPATH=src), CONVERGENCE_ARGS (default "--ppo-iters 80
 # --dqn-iters 250"). Each part has a time limit (LIMIT_TESTS, LIMIT_PLACEMENT, LIMIT_WORKLOADS,
-# LIMIT_DEMO, LIMIT_CONVERGENCE seconds); the default parts' limits fit one 10-minute call.
+# LIMIT_DEMO, LIMIT_CONVERGENCE seconds); the default parts' limits (60 + 60 + 120 + 200 + 100
+# s, the tests' limit applying to each of their two runs) fit one 10-minute call with the
+# venv's setup: run it with timeout_s=600.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT/bench"
@@ -88,10 +90,10 @@ run() {
 
 if want tests; then
     echo "== pytest -m gpu" | tee "$OUT/tests.log"
-    run "${LIMIT_TESTS:-150}" "$OUT/tests.log" "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider
+    run "${LIMIT_TESTS:-60}" "$OUT/tests.log" "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider
     if [ "${QUICK:-0}" != "1" ]; then
         echo "== tests/plane tests/storage with CUDA present" | tee -a "$OUT/tests.log"
-        run "${LIMIT_TESTS:-150}" "$OUT/tests.log" \
+        run "${LIMIT_TESTS:-60}" "$OUT/tests.log" \
             "$VPY" -m pytest tests/plane tests/storage -q -rs -p no:cacheprovider
     fi
 fi
@@ -105,7 +107,7 @@ if want placement; then
         bench_args=${BENCH_ARGS:---max-buffer-gb 4 --shards 2}
     fi
     # shellcheck disable=SC2086
-    run "${LIMIT_PLACEMENT:-130}" "$OUT/bench.log" \
+    run "${LIMIT_PLACEMENT:-120}" "$OUT/bench.log" \
         "$VPY" -m conduit.cli bench placement $bench_args --out "$OUT/bench"
 fi
 
@@ -122,7 +124,7 @@ fi
 if want demo; then
     echo "== conduit demo (in-process rollout workers)" | tee -a "$OUT/bench.log"
     # shellcheck disable=SC2086
-    run "${LIMIT_DEMO:-110}" "$OUT/bench.log" \
+    run "${LIMIT_DEMO:-100}" "$OUT/bench.log" \
         "$VPY" -m conduit.cli demo --no-use-ray ${DEMO_ARGS:---rounds 2 --iters 30} \
         --out "$OUT/demo"
     rm -f "$OUT/demo/demo.png"
