@@ -124,9 +124,9 @@ class WarmupScheduleTuner:
        (a unit's bytes at the placement's measured bandwidth) takes under ``min_copy`` per
        unit is taken as interpreter-bound, and overlap hides only its copies
        (``Profile.t_copy_*``). On the 2-core development VM the light workloads' copies took
-       0.5–4 µs per unit (their operators 0.2–10 ms) and the heavy ones' 0.6–4.7 ms, so the
-       default 0.1 ms sits 25× and 6× from either side. Without this bound the model picked
-       overlap for PPO-CP, whose update then ran 10–40 % slower beside the delivery thread.
+       0.2–4 µs per unit and the heavy ones' 0.6–4.7 ms, so the default 0.1 ms sits 25× and
+       6× from either side. Without this bound the model picked overlap for PPO-CP, whose
+       update ran 8–27 % longer than inline's in six ``conduit bench workloads`` runs.
     2. **Trial.** The cost model scores operator costs; it does not see what overlap costs the
        learner itself where threads compete for few cores and for the GIL (measured on a
        2-core VM: a light DQN update 20–70 % slower beside the workers). So the tuner then
