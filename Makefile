@@ -2,20 +2,19 @@
 PYTHON ?= python3
 TEST_VENV := .venv-test
 DEMO_VENV := .venv-demo
-export RAY_AUTH_MODE := disabled
 
 .PHONY: demo test lint bench clean
 
 $(TEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/pip install -q --upgrade pip
-	$(TEST_VENV)/bin/pip install -q -e ".[rl,test]"
+	$(TEST_VENV)/bin/pip install -q -e ".[rl,test,plots]"
 	touch $@
 
 $(DEMO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/pip install -q --upgrade pip
-	$(DEMO_VENV)/bin/pip install -q -e ".[rl]"
+	$(DEMO_VENV)/bin/pip install -q -e ".[rl,plots]"
 	touch $@
 
 ## demo: install into .venv-demo and run the main job (a real distributed training run)

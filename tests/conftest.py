@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from conduit.spec import ExperienceSpec
 

@@ -13,10 +13,10 @@ Subcommands:
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import os
 import sys
+
+from conduit.cli_args import command_parser
 
 _BENCHES = {
     "plane": ("conduit.bench.plane", "exposed latency inline vs overlap; gather vs copy"),
@@ -51,11 +51,8 @@ def _call(module: str, func: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``conduit`` console script."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="conduit", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("conduit", __doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

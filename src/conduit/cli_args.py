@@ -2,17 +2,52 @@
 
 Each dataclass field becomes ``--field-name``; its help text comes from
 ``field(metadata={"help": ...})``; ``Literal`` types become ``choices``; ``bool`` fields become
-``--flag/--no-flag``.
+``--flag/--no-flag``. Docstrings used as help are turned into plain text (:func:`plain_text`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]*?)(?:\s*<[^`>]*>)?`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+
+
+def plain_text(text: str) -> str:
+    """``text`` with reStructuredText inline markup removed, for a terminal.
+
+    Literals lose their double backquotes. A cross-reference (a role such as ``:func:``)
+    becomes its title when it has one, otherwise its target, shortened to the last dotted
+    component when the target starts with a tilde.
+    """
+    def role(m: re.Match[str]) -> str:
+        short, target = m.groups()
+        return target.rsplit(".", 1)[-1] if short else target
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, text))
+
+
+def command_parser(prog: str, doc: str | None, cls: type | None = None
+                   ) -> argparse.ArgumentParser:
+    """The parser of one ``conduit`` command.
+
+    Args:
+        prog: Command name shown in usage (``"conduit bench plane"``).
+        doc: Description, usually the command module's docstring; printed as plain text with
+            its line breaks kept.
+        cls: Dataclass whose fields become the flags (see :func:`add_dataclass_args`).
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=plain_text(doc or ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if cls is not None:
+        add_dataclass_args(parser, cls)
+    return parser
 
 
 def arg(default: Any, help: str, **kw: Any) -> Any:
@@ -32,7 +67,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        help_text = f.metadata.get("help", "")
+        help_text = plain_text(f.metadata.get("help", ""))
         kw: dict[str, Any] = {"dest": f.name, "default": default,
                               "help": f"{help_text} (default: {default!r})"}
         origin = typing.get_origin(tp)

@@ -1,8 +1,9 @@
 """Typed errors raised by Conduit.
 
 Every error derives from :class:`ConduitError`, so callers can catch the whole family with one
-``except`` clause. Messages name the offending field (in the user's terms) and say what was
-expected, so that the fix is obvious from the message alone.
+``except`` clause, and from the builtin a caller would expect (``ValueError``, ``RuntimeError``,
+``TimeoutError``). Messages name the offending field (in the user's terms) and say what was
+expected, so that the fix is obvious from the message alone (``docs/design.md §8``).
 """
 
 from __future__ import annotations
@@ -87,13 +88,52 @@ class OperatorError(ConduitError, RuntimeError):
     one.
 
     Attributes:
-        operator: ``"ingestion"`` or ``"delivery"``.
+        operator: ``"ingestion"``, ``"delivery"`` or ``"runtime"`` (a worker that did not
+            stop).
+        lost_units: Rollout units whose ingestion failed, so their rows were not stored.
+        lost_rows: Rows of those units.
     """
 
-    def __init__(self, operator: str, original: BaseException) -> None:
+    def __init__(self, operator: str, original: BaseException, *, lost_units: int = 0,
+                 lost_rows: int = 0) -> None:
         self.operator = operator
-        super().__init__(f"{operator} operator raised {type(original).__name__}: {original}")
+        self.lost_units = lost_units
+        self.lost_rows = lost_rows
+        lost = (f" ({lost_units} rollout units, {lost_rows} rows, were not stored)"
+                if lost_units else "")
+        super().__init__(f"{operator} operator raised {type(original).__name__}: "
+                         f"{original}{lost}")
+
+
+class DataLossError(ConduitError, RuntimeError):
+    """``close()`` could not store every rollout that ``push`` acknowledged.
+
+    The operator error that caused it, if any, is attached as ``__cause__``.
+
+    Attributes:
+        lost_units: Rollout units not stored.
+        lost_rows: Rows of those units.
+    """
+
+    def __init__(self, message: str, *, lost_units: int, lost_rows: int) -> None:
+        self.lost_units = lost_units
+        self.lost_rows = lost_rows
+        super().__init__(message)
+
+
+class StateError(ConduitError, ValueError):
+    """A state dict given to ``load_state_dict`` (or read from a checkpoint) is missing a key
+    or holds a value that would corrupt the buffer.
+
+    Attributes:
+        key: Where the bad value sits, as a path (``"buffer.writer.cursor"``).
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"state {key}: {message}")
 
 
 class BackpressureTimeout(ConduitError, TimeoutError):  # noqa: N818 - reads as Reverb names it
-    """A push waited longer than its timeout for room in the bounded actor queue."""
+    """A push waited longer than its timeout for room in the bounded actor queue, or a flush
+    for ingestion to finish."""

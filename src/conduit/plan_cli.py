@@ -4,8 +4,8 @@ Placement comes from Alg. 1 over the topology (a preset, a JSON file, or this ma
 schedule from the iteration-latency model (Eq. 2) over the feasible space of the RL
 configuration. The operator costs the model needs come from one of:
 
-* ``--profile``: a short warm-up of the synthetic workload on this machine (real operators on a
-  real plane, :func:`conduit.plane.autotune.profile_plane`);
+* ``--profile``: a short warm-up of the synthetic workload (:mod:`conduit.plane.synthetic`) on
+  this machine: real operators on a real plane, :func:`~conduit.plane.profile_plane`;
 * otherwise an estimate from the placement's transfer model: one invocation at granularity
   ``g`` costs ``overhead + g·rows·T(p)`` for the ingestion (actor -> buffer) and delivery
   (buffer -> learner) legs of the chosen placement.
@@ -21,18 +21,21 @@ Example:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Literal
 
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+import torch
+
+from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.errors import ConduitError, ConfigError
 from conduit.placement import PlacementDecision, Topology, plan_placement, preset, preset_names
+from conduit.plane import ExperienceDataPlane, profile_plane
+from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
+from conduit.report import write_json
 from conduit.scheduling import Plan, Profile, ScheduleSpace, choose, feasible_space
+from conduit.storage import Placement
 
 #: Compute time assumed when neither measured times nor ``--profile`` are given.
 ASSUMED_COMPUTE_MS = 10.0
@@ -115,7 +118,6 @@ def _bytes_per_sample(args: PlanArgs) -> int:
         return args.bytes_per_sample
     if args.dim < 1:
         raise ConfigError("dim", f"must be >= 1, got {args.dim}")
-    from conduit.bench.synthetic import synthetic_spec
     return synthetic_spec(args.dim).bytes_per_sample
 
 
@@ -157,13 +159,6 @@ def measured_profile(args: PlanArgs, decision: PlacementDecision, space: Schedul
     Returns:
         The profile and notes about what was substituted.
     """
-    import torch
-
-    from conduit.bench.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
-    from conduit.plane import ExperienceDataPlane
-    from conduit.plane.autotune import profile_plane
-    from conduit.storage import Placement
-
     notes: list[str] = []
     dim = args.dim if args.bytes_per_sample is None else max(1, (x - 17) // 8)
     spec = synthetic_spec(dim)
@@ -221,7 +216,6 @@ def _pow2(g: Fraction) -> bool:
 
 
 def _available_here(device: str) -> bool:
-    import torch
     dev = torch.device(device)
     if dev.type == "cpu":
         return True
@@ -280,9 +274,7 @@ def render(result: PlanResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit plan``."""
-    p = argparse.ArgumentParser(prog="conduit plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, PlanArgs)
+    p = command_parser("conduit plan", __doc__, PlanArgs)
     args = parse_dataclass(PlanArgs, p.parse_args(argv))
     try:
         result = plan(args)
@@ -291,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(render(result))
     if args.json_out:
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        path = write_json(args.json_out, result.to_dict())
         print(f"wrote {path}")
     return 0
 

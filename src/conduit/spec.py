@@ -183,8 +183,16 @@ class ExperienceSpec:
 
 
 def as_tensor(value: Any, *, field: str) -> torch.Tensor:
-    """Convert a tensor-like value once at the boundary (numpy arrays without a copy)."""
+    """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
+
+    Raises:
+        SpecError: The value cannot become a tensor, or is a tensor without data (on the
+            ``meta`` device).
+    """
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise SpecError(field, "is a tensor on the 'meta' device, which holds no data; "
+                                   "materialise it on the CPU or a GPU first")
         return value
     if isinstance(value, np.ndarray):
         if value.dtype == np.bool_ or value.dtype.kind in "biuf":

@@ -21,7 +21,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -126,3 +126,30 @@ class Timings:
             self._records.clear()
             self._totals.clear()
             self._counts.clear()
+
+
+def repeat_times(fn: Callable[[], object], *, repeats: int, warmup: int = 1,
+                 sync: Callable[[], None] | None = None) -> list[float]:
+    """Wall seconds of ``repeats`` calls of ``fn()``, after ``warmup`` untimed calls.
+
+    Args:
+        fn: What to time.
+        repeats: Timed calls.
+        warmup: Untimed calls first (caches, allocator, lazy initialisation).
+        sync: Called before and after each timed call (for example
+            ``torch.cuda.synchronize``), so asynchronous work is inside the window.
+    """
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return times

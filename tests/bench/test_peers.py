@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,14 @@ def test_plot_is_written_when_there_are_ratios(tmp_path: Path) -> None:
     assert harness.write_plot(rows, tmp_path / "p.png") is None
     assert (tmp_path / "p.png").stat().st_size > 0
     assert harness.write_plot([row("conduit", sample_uniform=0.1)], tmp_path / "q.png")
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_its_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rows = [row("conduit", sample_uniform=0.1), row("cpprb", sample_uniform=0.3)]
+    assert harness.write_plot(rows, tmp_path / "p.png") == "matplotlib is not installed"
+    assert not (tmp_path / "p.png").exists()
 
 
 # --- each real adapter on a tiny workload, when its package is importable ----------------------

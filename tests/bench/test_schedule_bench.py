@@ -32,9 +32,13 @@ def test_quick_run_writes_json_and_png(tmp_path, capsys):
             assert m["wall_ms"] > 0 and m["exposed_ms"] >= 0
         auto = p["auto"]
         assert {"placement", "schedule", "label", "wall_ms", "predicted_ms", "profile",
-                "top_candidates"} <= set(auto)
+                "top_candidates", "model_pick", "schedule_explain"} <= set(auto)
         assert set(auto["profile"]["t_ing"]) == {"1", "2"}  # the profile covers the space
-        assert auto["top_candidates"][0]["schedule"] == auto["schedule"]
+        # The trainers' tuner chose: the model's pick, or the threadless schedule it was tried
+        # (or, without threads, priced) against.
+        assert auto["top_candidates"][0]["schedule"] == auto["model_pick"]
+        kept = auto["schedule"]
+        assert kept == auto["model_pick"] or kept["overlap_ing"] == kept["overlap_del"] == 0
         assert p["best_manual"]["wall_ms"] == min(m["wall_ms"] for m in p["manual"])
         assert p["gap"] == auto["wall_ms"] / p["best_manual"]["wall_ms"] - 1
         fid = p["fidelity"]

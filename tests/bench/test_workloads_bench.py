@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conduit.bench.workloads import round_reductions
-from conduit.workloads.runner import IterationRecord
+from conduit.workloads.breakdown import IterationRecord
 
 
 def _run(end_to_end_s):
@@ -30,7 +30,7 @@ def test_unpaired_rounds_are_rejected():
 
 
 def test_rounds_alternate_which_mode_runs_first():
-    from conduit.workloads.runner import buffer_order
+    from conduit.workloads.breakdown import buffer_order
 
     assert [buffer_order(r) for r in range(3)] == [
         ("inline", "conduit"), ("conduit", "inline"), ("inline", "conduit")]

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from conduit.errors import ConfigError
+from conduit.placement import plan_placement
+from conduit.placement.presets import preset
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.autotune import AutoScheduler, profile_plane, profiling_schedules
 from conduit.scheduling import Profile, Schedule, choose, feasible_space
@@ -225,3 +227,22 @@ def test_bad_arguments():
             profile_plane(plane, _off_policy_step, granularities=[])
         plane.set_schedule(Schedule(1, 2, 1, 2))
         assert plane.schedule == Schedule(1, 2, 1, 2)
+
+
+@pytest.mark.parametrize("bytes_per_sample,overlap", [(20, False), (2_000_000, True)])
+def test_plan_applies_the_copy_time_bound_of_the_placement(bytes_per_sample, overlap):
+    """The profile of ``test_plan_applies_the_argmin_of_a_given_profile``, where overlap hides
+    everything, under two placement decisions. At 20 bytes per sample an 8-row unit moves its
+    data in nanoseconds: the operators are interpreter-bound, overlap hides only their copies,
+    and the plan starts no thread. At 2 MB per sample they move data, and overlap is picked."""
+    prof = _profile(t_ing={1: 0.004, 2: 0.005, 3: 0.0055}, t_del={1: 0.003, 2: 0.0035,
+                                                                 3: 0.0038})
+    with _off_policy_plane(g_max=3) as plane:
+        plane.placement_decision = plan_placement(
+            capacity=512, actor_device="cpu", learner_device="cpu", topology=preset("a100-8"),
+            spec_bytes=bytes_per_sample, allowed_kinds=("pageable",))
+        plan = AutoScheduler(plane=plane, profile=prof).plan()
+        assert plane.schedule == plan.schedule
+        assert bool(plan.schedule.overlap_ing or plan.schedule.overlap_del) == overlap
+        assert (plan.profile.t_copy_ing is None) == overlap
+        assert ("T_copy,ing" in plan.explain()) != overlap

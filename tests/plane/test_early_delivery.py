@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conduit import EmptyBufferError, ExperienceDataPlane, Schedule
+from conduit.plane.early import EarlyBatch
 from tests.conftest import make_rows
 
 N, M, EPOCHS, UNIT = 48, 4, 2, 12
@@ -72,8 +73,7 @@ def test_first_minibatch_does_not_wait_for_the_buffer_write(small_spec):
 def test_minibatches_that_cannot_be_assembled_fall_back_to_a_gather(small_spec, monkeypatch):
     with _plane(small_spec, Schedule.inline(num_minibatches=M)) as ref_plane:
         ref = _run(ref_plane, small_spec, iters=1)
-    monkeypatch.setattr(ExperienceDataPlane, "_fill_early",
-                        lambda self, e, data, start, n: 0)
+    monkeypatch.setattr(EarlyBatch, "fill", lambda self, spec, data, start, n: 0)
     with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
         got = _run(plane, small_spec, iters=1)
         assert plane.counters["early_batches"] == 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conduit import ExperienceDataPlane, Schedule, SpecError
-from conduit.workloads.runner import BreakdownRecorder, rollout_and_push
+from conduit.workloads.actor_port import rollout_and_push
+from conduit.workloads.breakdown import BreakdownRecorder
 from tests.conftest import make_rows
 
 

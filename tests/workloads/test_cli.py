@@ -4,6 +4,9 @@ on tiny budgets with in-process actors (the Ray path is covered by test_trainers
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,7 +78,7 @@ def test_bench_workloads_plumbing(tmp_path: Path) -> None:
 
 
 def test_summaries_pool_the_runs_they_are_given() -> None:
-    from conduit.workloads.runner import IterationRecord, summarize_records
+    from conduit.workloads.breakdown import IterationRecord, summarize_records
 
     def rec(i: int, e2e: float, learning: bool = True) -> IterationRecord:
         return IterationRecord(iteration=i, end_to_end=e2e, rollout=0.0, ingestion=0.0,
@@ -98,3 +101,27 @@ def test_bench_convergence_curve_helpers() -> None:
            {"iteration": 3, "wall_s": 3.0, "return": 200.0}]
     assert first_reach(pts, 195)["iteration"] == 3
     assert first_reach(pts, 500) is None
+
+
+@pytest.mark.ray
+def test_conduit_train_keeps_ray_token_authentication_on(tmp_path: Path) -> None:
+    """``conduit train`` on Ray actors, started the way a user starts it (no RAY_AUTH_MODE):
+    Ray enables its default token authentication, writes its token, and the run attaches its
+    actors with it. The library never sets RAY_AUTH_MODE itself."""
+    pytest.importorskip("ray")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    env["HOME"] = str(tmp_path)  # Ray writes its token to ~/.ray/auth_token
+    run_train = ("import os, sys; from conduit.cli import main; rc = main(sys.argv[1:]); "
+                 "print('RAY_AUTH_MODE=' + os.environ.get('RAY_AUTH_MODE', '')); sys.exit(rc)")
+    proc = subprocess.run(
+        [sys.executable, "-c", run_train, "train", "--algo", "dqn", "--iters", "2",
+         "--actors", "1", "--envs-per-actor", "2", "--steps-per-rollout", "8",
+         "--batch-size", "16", "--learning-starts", "16", "--updates-per-iter", "1",
+         "--buffer-size", "500", "--device", "cpu", "--log-every", "0", "--buffer", "inline",
+         "--out", str(tmp_path / "run.json"), "--plot", str(tmp_path / "run.png")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "RAY_AUTH_MODE=token" in proc.stdout  # the mode Ray chose for the session
+    assert (tmp_path / ".ray" / "auth_token").read_text().strip()
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["use_ray"] is True

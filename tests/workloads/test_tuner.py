@@ -7,7 +7,8 @@ import pytest
 from conduit import ExperienceDataPlane, Schedule
 from conduit.placement import plan_placement
 from conduit.placement.presets import preset
-from conduit.workloads.runner import IterationRecord, WarmupScheduleTuner
+from conduit.plane.tuner import WarmupScheduleTuner
+from conduit.workloads.breakdown import IterationRecord
 from tests.conftest import make_rows
 
 
@@ -192,7 +193,7 @@ def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions
         threadless = not (plane.schedule.overlap_ing or plane.schedule.overlap_del)
         assert threadless == switches
         assert plane.schedule == (ran[3] if switches else ran[2])
-        assert tuner.inversions == inversions
+        assert tuner.policy.inversions == inversions
 
 
 @pytest.mark.parametrize("bytes_per_sample,threads", [(64, False), (2_000_000, True)])
@@ -226,7 +227,7 @@ def test_interpreter_bound_operators_run_without_threads(small_spec, bytes_per_s
             assert ran[2].overlap_ing and ran[2].overlap_del
             assert "T_copy" not in plan["schedule_explain"]
             return
-        assert max(copies.values()) < 1000 * tuner.min_copy
+        assert max(copies.values()) < 1000 * tuner.policy.min_copy
         assert ran == [Schedule(1, 1, 1, 2)] * 2  # warm-up only
         assert not overlapped
         assert "T_copy,ing" in plan["schedule_explain"]

@@ -13,17 +13,20 @@ shorter iterations pay off.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from conduit.bench.common import table, write_json
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
-from conduit.workloads import runner
+from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.report import pyplot, save_figure, table, write_json
+from conduit.workloads import dqn, ppo
+from conduit.workloads.actors import ray_running
+from conduit.workloads.args import TrainerArgs
+from conduit.workloads.breakdown import RunResult, buffer_order
+from conduit.workloads.figures import MODE_COLORS
 
 TARGETS = {"ppo": 475.0, "dqn": 195.0}
 
@@ -43,7 +46,7 @@ class ConvergenceArgs:
     out: str = arg("runs/bench/convergence", "folder for convergence.json / convergence.png")
 
 
-def curve(result: runner.RunResult, window: int) -> list[dict[str, float]]:
+def curve(result: RunResult, window: int) -> list[dict[str, float]]:
     """Per iteration: the moving mean return of the last ``window`` finished episodes.
 
     Wall time counts from the end of the first iteration, so the actors' start-up (process
@@ -72,34 +75,29 @@ def first_reach(points: list[dict[str, float]], target: float) -> dict[str, floa
 
 def run(a: ConvergenceArgs) -> dict[str, Any]:
     """Run every (algo, seed, mode) and write JSON + PNG; returns the JSON payload."""
-    from dataclasses import replace
-
-    from conduit.workloads import dqn, ppo
-    from conduit.workloads.actors import init_ray
-
     bad = [x for x in a.algos if x not in TARGETS]
     if bad:
         raise SystemExit(f"algos: {bad} not supported; choose from {sorted(TARGETS)}")
-    started = init_ray() if a.use_ray else False
     runs: list[dict[str, Any]] = []
-    try:
+    with ray_running(enabled=a.use_ray):
         for algo in a.algos:
             for k, seed in enumerate(a.seeds):
                 # Alternate which mode runs first, so drift of the shared machine does not
                 # land on one mode only.
-                for buffer in runner.buffer_order(k):
+                for buffer in buffer_order(k):
+                    args: TrainerArgs
                     if algo == "ppo":
                         args = ppo.Args(iters=a.ppo_iters, steps_per_rollout=32,
                                         envs_per_actor=4)
-                        mod = ppo
+                        train = ppo.train
                     else:
                         args = dqn.Args(iters=a.dqn_iters)
-                        mod = dqn
+                        train = dqn.train
                     args = replace(args, env="CartPole-v1", buffer=buffer, seed=seed,
                                    actors=a.actors, device=a.device, use_ray=a.use_ray,
                                    log_every=0)
                     t0 = time.perf_counter()
-                    res = mod.train(args)
+                    res = train(args)
                     pts = curve(res, a.window)
                     hit = first_reach(pts, TARGETS[algo])
                     runs.append({"algo": algo, "seed": seed, "buffer": buffer, "curve": pts,
@@ -111,11 +109,6 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
                     print(f"  .. {algo} seed {seed} {buffer:<8} "
                           f"{time.perf_counter() - t0:5.0f}s  final {pts[-1]['return']:6.1f}  "
                           f"{where}", flush=True)
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
     rows = []
     for algo in a.algos:
         for buffer in ("inline", "conduit"):
@@ -129,10 +122,10 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
     print(table(["algo", "buffer", "reached", "iters to target", "wall s to target",
                  "final return", "ms / iteration"], rows))
     out = Path(a.out)
-    payload = {"args": a.__dict__, "targets": TARGETS, "runs": runs}
-    write_json(out / "convergence.json", payload)
+    payload = {"args": asdict(a), "targets": TARGETS, "runs": runs}
+    write_json(out / "convergence.json", payload, with_machine=True)
     png = plot(runs, a.algos, out / "convergence.png")
-    print(f"wrote {out / 'convergence.json'} and {png}")
+    print(f"wrote {out / 'convergence.json'}" + (f" and {png}" if png else ""))
     return payload
 
 
@@ -140,15 +133,16 @@ def _med(xs: list[float]) -> float | str:
     return statistics.median(xs) if xs else "-"
 
 
-def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path:
-    """Return against iteration (left) and wall-clock time (right), one row per algorithm."""
-    import matplotlib
+def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path | None:
+    """Return against iteration (left) and wall-clock time (right), one row per algorithm.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Returns:
+        The PNG written, or None without matplotlib.
+    """
+    plt = pyplot()
+    if plt is None:
+        return None
     fig, axes = plt.subplots(len(algos), 2, figsize=(10, 3.2 * len(algos)), squeeze=False)
-    colors = {"inline": "#8c8c8c", "conduit": "#C44E52"}
     for row, algo in enumerate(algos):
         for r in (x for x in runs if x["algo"] == algo):
             label = ("inline (sequential)" if r["buffer"] == "inline" else "Conduit")
@@ -156,7 +150,7 @@ def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path
             for col, key in ((0, "iteration"), (1, "wall_s")):
                 axes[row][col].plot([p[key] for p in r["curve"]],
                                     [p["return"] for p in r["curve"]],
-                                    color=colors[r["buffer"]], alpha=0.8, lw=1.2,
+                                    color=MODE_COLORS[r["buffer"]], alpha=0.8, lw=1.2,
                                     label=label if first else None)
         for col, xlabel in ((0, "training iteration"), (1, "wall-clock time (s)")):
             ax = axes[row][col]
@@ -166,17 +160,12 @@ def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path
             ax.set_title(f"{algo.upper()} on CartPole-v1", fontsize=10)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench convergence``."""
-    p = argparse.ArgumentParser(prog="conduit bench convergence", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, ConvergenceArgs)
+    p = command_parser("conduit bench convergence", __doc__, ConvergenceArgs)
     run(parse_dataclass(ConvergenceArgs, p.parse_args(argv)))
     return 0
 

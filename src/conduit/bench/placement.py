@@ -28,25 +28,28 @@ line per placement, a star on the planner's pick) under ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from conduit.bench.common import median_time, progress, table, write_json
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.bench.common import progress
+from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.errors import CapacityError
+from conduit.placement import Topology, plan_placement
 from conduit.plane import ExperienceDataPlane
+from conduit.report import pyplot, save_figure, table, write_json
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import Placement
+from conduit.timing import repeat_times
 
 PAPER_CAPACITY = 1_000_000
 
@@ -139,7 +142,7 @@ def _fill(plane: ExperienceDataPlane, spec: ExperienceSpec, capacity: int, seed:
         left -= n
 
 
-def _sync(device: torch.device) -> Any:
+def _sync(device: torch.device) -> Callable[[], None] | None:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return None
@@ -156,7 +159,8 @@ def measure(args: PlacementBenchArgs, target: _Target, spec: ExperienceSpec, cap
         _fill(plane, spec, capacity, args.seed)
         fill_s = time.perf_counter() - t0
         sync = _sync(learner)
-        inline = median_time(plane.pull, repeats=args.repeats, warmup=args.warmup, sync=sync)
+        inline = statistics.median(repeat_times(plane.pull, repeats=args.repeats,
+                                                warmup=args.warmup, sync=sync))
         row: dict[str, Any] = {"inline_s": inline, "fill_s": fill_s}
         if args.overlap:
             # Overlapped delivery: a background worker prefetches the next batch while a
@@ -186,9 +190,8 @@ def measure(args: PlacementBenchArgs, target: _Target, spec: ExperienceSpec, cap
             torch.cuda.empty_cache()
 
 
-def planner_pick(topology: Any, x: int, capacity: int, learner: str) -> dict[str, Any]:
+def planner_pick(topology: Topology, x: int, capacity: int, learner: str) -> dict[str, Any]:
     """What Alg. 1 picks on this machine's topology, or why nothing fits."""
-    from conduit.placement import plan_placement
     try:
         dec = plan_placement(spec_bytes=x, capacity=capacity, actor_device="cpu",
                              learner_device=learner, topology=topology)
@@ -211,19 +214,19 @@ def _match(targets: list[_Target], chosen: dict[str, Any] | None) -> str | None:
 
 def apply_quick(args: PlacementBenchArgs) -> PlacementBenchArgs:
     """Tiny sizes for a smoke run."""
-    from dataclasses import replace
     return replace(args, dims=tuple(args.dims[:2]),
                    capacity=min(args.capacity, 4096), repeats=min(args.repeats, 5),
                    warmup=2, max_buffer_gb=min(args.max_buffer_gb, 0.064), shards=(2,))
 
 
 def plot(path: Path, result: dict[str, Any]) -> Path | None:
-    """Fig. 12 style: latency (log) vs d, one line per placement, a star on the pick."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a dependency
+    """Fig. 12 style: latency (log) vs d, one line per placement, a star on the pick.
+
+    Returns:
+        The PNG written, or None when matplotlib is not installed.
+    """
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     dims = result["dims"]
@@ -246,14 +249,11 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args: PlacementBenchArgs) -> dict[str, Any]:
     """The whole sweep; returns the JSON payload (without writing it)."""
-    from conduit.placement import Topology
     if args.quick:
         args = apply_quick(args)
     if args.learner_device == "auto":
@@ -343,9 +343,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench placement``."""
-    parser = argparse.ArgumentParser(prog="conduit bench placement", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(parser, PlacementBenchArgs)
+    parser = command_parser("conduit bench placement", __doc__, PlacementBenchArgs)
     args = parse_dataclass(PlacementBenchArgs, parser.parse_args(argv))
     bad = [d for d in args.dims if d < 1]
     if bad or args.capacity < args.batch_size or args.repeats < 1:
@@ -364,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     png = plot(out / "placement.png", result)
     result["png"] = str(png) if png else None
-    path = write_json(out / "placement.json", result)
+    path = write_json(out / "placement.json", result, with_machine=True)
     print()
     print(format_result(result))
     for n in result["notes"]:

@@ -8,15 +8,15 @@ schedule (Fig. 5a) and under an overlapped one, side by side, and reports per it
 
     exposed = wall − rollout − update
 
-(DESIGN §2), plus the time to sample a batch of 512 at dimension 1000 from a 100 000-slot buffer
-next to a plain ``copy_`` of the same bytes.
+(docs/design.md §9), plus the time to sample a batch of 512 at dimension 1000 from a
+100 000-slot buffer next to a plain ``copy_`` of the same bytes.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -24,16 +24,16 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import median_time, progress, table, write_json
-from conduit.bench.synthetic import Workload as _Workload
-from conduit.bench.synthetic import register_ops as _register_ops
-from conduit.bench.synthetic import synthetic_spec as _spec
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.bench.common import progress
+from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.plane import ExperienceDataPlane
+from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
+from conduit.report import pyplot, save_figure, table, write_json
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import ExperienceBuffer, UniformSampler
 from conduit.storage.threads import data_path_threads
+from conduit.timing import repeat_times
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class PlaneBenchArgs:
 
 def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> dict[str, Any]:
     """Run the synthetic loop under ``schedule``; returns per-iteration breakdown medians."""
-    work = _Workload(args.dim, args.hidden)
-    spec = _spec(args.dim)
+    work = Workload(args.dim, args.hidden)
+    spec = synthetic_spec(args.dim)
     if on_policy:
         n = args.onpolicy_units * args.rollout_rows
         plane = ExperienceDataPlane(spec=spec, capacity=n, mode="on_policy",
@@ -67,47 +67,24 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
     else:
         plane = ExperienceDataPlane(spec=spec, capacity=args.capacity, batch_size=args.batch_size,
                                     schedule=schedule)
-    _register_ops(plane, on_policy=on_policy)
+    register_ops(plane, on_policy=on_policy)
+    step = make_step(work, rollout_rows=args.rollout_rows, on_policy=on_policy,
+                     onpolicy_units=args.onpolicy_units)
     rows: list[dict[str, float]] = []
     before = torch.get_num_threads()
     torch.set_num_threads(args.compute_threads)
     try:
         with plane:
             if not on_policy:  # fill to a realistic replay size before measuring
-                for _ in range(max(1, min(args.capacity, 20 * args.rollout_rows)
-                                   // args.rollout_rows)):
-                    plane.push(work.rollout(args.rollout_rows))
-                plane.flush()
+                fill(plane, work, rollout_rows=args.rollout_rows,
+                     units=min(args.capacity, 20 * args.rollout_rows) // args.rollout_rows)
             for it in range(args.warmup + args.iters):
                 t0 = time.perf_counter()
-                t_roll = t_upd = 0.0
-                if on_policy:
-                    for _ in range(args.onpolicy_units):
-                        a = time.perf_counter()
-                        with plane.timed("rollout"):
-                            r = work.rollout(args.rollout_rows)
-                        t_roll += time.perf_counter() - a
-                        plane.push(r, policy_version=it)
-                    for mb in plane.minibatches():
-                        a = time.perf_counter()
-                        with plane.timed("update"):
-                            work.update(mb)
-                        t_upd += time.perf_counter() - a
-                else:
-                    a = time.perf_counter()
-                    with plane.timed("rollout"):
-                        r = work.rollout(args.rollout_rows)
-                    t_roll += time.perf_counter() - a
-                    plane.push(r)
-                    b = plane.pull()
-                    a = time.perf_counter()
-                    with plane.timed("update"):
-                        work.update(b)
-                    t_upd += time.perf_counter() - a
+                compute = step(plane)
                 wall = time.perf_counter() - t0
                 if it >= args.warmup:
-                    rows.append({"wall": wall, "rollout": t_roll, "update": t_upd,
-                                 "exposed": max(0.0, wall - t_roll - t_upd)})
+                    rows.append({"wall": wall, **compute, "exposed": max(
+                        0.0, wall - compute["rollout"] - compute["update"])})
             timing = plane.timings.summary()
     finally:
         torch.set_num_threads(before)
@@ -130,21 +107,23 @@ def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict
     # Rotate over different rows every repetition for both, so neither reads from a warm cache.
     offsets = iter([(k * 7919 * batch) % (capacity - batch) for k in range(10 * repeats + 100)])
     draws = iter([buf.draw(batch) for _ in range(10 * repeats + 100)])
+    def median_s(fn: Callable[[], object]) -> float:
+        return statistics.median(repeat_times(fn, repeats=repeats, warmup=3))
+
     with data_path_threads(1):
-        t_copy = median_time(lambda: dst.copy_(src[(o := next(offsets)):o + batch]),
-                             repeats=repeats)
-        t_gather = median_time(lambda: buf.store.get(next(draws).indices), repeats=repeats)
-    t_sample = median_time(lambda: buf.sample(batch), repeats=repeats)
+        t_copy = median_s(lambda: dst.copy_(src[(o := next(offsets)):o + batch]))
+        t_gather = median_s(lambda: buf.store.get(next(draws).indices))
+    t_sample = median_s(lambda: buf.sample(batch))
     return {"copy_ms": t_copy * 1e3, "gather_ms": t_gather * 1e3, "sample_ms": t_sample * 1e3,
             "gather_over_copy": t_gather / t_copy, "sample_over_copy": t_sample / t_copy,
             "bytes": batch * dim * 4}
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict[str, Any], path: Path) -> Path | None:
+    """Stacked bars of the per-iteration breakdown; None when matplotlib is absent."""
+    plt = pyplot()
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, parts = [], {"rollout": [], "exposed": [], "update": []}
     for mode in ("off_policy", "on_policy"):
@@ -162,8 +141,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("Per-iteration breakdown: inline vs Conduit overlap")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 def run(args: PlaneBenchArgs) -> dict[str, Any]:
@@ -212,17 +190,15 @@ def run(args: PlaneBenchArgs) -> dict[str, Any]:
     out = Path(args.out)
     result = {"args": asdict(args), "loops": loops, "exposed_reduction": reductions,
               "gather_vs_copy": gc}
-    jp = write_json(out / "plane.json", result)
-    _plot(result, out / "plane.png")
-    print(f"\nwrote {jp} and {out / 'plane.png'}")
+    jp = write_json(out / "plane.json", result, with_machine=True)
+    png = plot(result, out / "plane.png")
+    print(f"\nwrote {jp}" + (f" and {png}" if png else ""))
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench plane``."""
-    p = argparse.ArgumentParser(prog="conduit bench plane", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, PlaneBenchArgs)
+    p = command_parser("conduit bench plane", __doc__, PlaneBenchArgs)
     run(parse_dataclass(PlaneBenchArgs, p.parse_args(argv)))
     return 0
 

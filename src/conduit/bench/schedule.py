@@ -7,48 +7,44 @@ at a fixed batch size. At every point, in one run and side by side:
 * every manual configuration available on this machine is measured: placement (pageable,
   pinned, sharded over CPU shards) × overlap (both operators inline, or both overlapped) ×
   granularity ``g = g_ing = g_del`` in a small set, like the paper's 32 manual points;
-* the auto pick is measured: placement from Alg. 1 over this machine's topology, then a short
-  warm-up profile (:func:`conduit.plane.autotune.profile_plane`), then the argmin of Eq. 2 over
-  the whole ``4·|G_ing|·|G_del|`` space (:class:`~conduit.plane.autotune.AutoScheduler`), then
-  the same measurement as the manual configurations;
+* the auto pick is the policy the trainers run: placement from Alg. 1 over this machine's
+  topology, then the schedule :class:`conduit.plane.tuner.WarmupScheduleTuner` keeps
+  (warm-up on the start schedule, the cost model's pick with the copy-time bound, and the
+  measured trial against the best threadless schedule), then the same measurement as the
+  manual configurations;
 * the model's predicted ``T_iter`` for each manual configuration on the auto placement is
-  compared with the measured one (Pearson r, MAPE, top-k ordering, as Tab. 4).
+  compared with the measured one (Pearson r, MAPE, top-k ordering, as Tab. 4). The model is
+  Eq. 2 with the copy-time bound, over a profile of every granularity measured after the auto
+  pick (:func:`conduit.plane.autotune.profile_plane`), inline runs apart from overlapped ones.
 
 ``T_iter`` is measured as the mean wall time per iteration over a whole number of ``g`` cycles,
-in a few rounds, reporting the median round.
-The auto pick's gap to the best manual configuration is reported per point (target: within
-5 %). Timings on a shared machine are noisy; the JSON keeps every measurement.
+in a few rounds, reporting the median round. One tuner iteration is such a measurement of
+``--iters`` iterations. The auto pick's gap to the best manual configuration is reported per
+point (target: within 5 %). Timings on a shared machine are noisy; the JSON keeps every
+measurement.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from conduit.bench.common import progress, table, write_json
-from conduit.bench.synthetic import (
-    Workload,
-    fill,
-    make_step,
-    measure,
-    register_ops,
-    synthetic_spec,
-)
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.bench.common import progress
+from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.errors import ConfigError
-from conduit.placement import Topology, plan_placement
-from conduit.plane import ExperienceDataPlane
-from conduit.plane.autotune import AutoScheduler
-from conduit.scheduling import Schedule, feasible_space, fidelity, predict
+from conduit.plane import ExperienceDataPlane, synthetic
+from conduit.plane.autotune import plane_copy_times, profile_plane
+from conduit.plane.tuner import WarmupScheduleTuner
+from conduit.report import pyplot, save_figure, table, write_json
+from conduit.scheduling import Schedule, copy_bound, fidelity, predict, start_schedule
 from conduit.storage import Placement
 
-#: Target of DESIGN §8: the auto pick within 5 % of the best manual configuration.
+#: The auto pick's target: within 5 % of the best manual configuration (docs/design.md §9).
 TARGET_GAP = 0.05
 #: Manual placements this benchmark knows how to build on any machine.
 PLACEMENTS = ("pageable", "pinned", "sharded-cpu")
@@ -71,7 +67,7 @@ class ScheduleBenchArgs:
     iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)")
     rounds: int = arg(3, "measurement rounds per configuration; the median round is reported")
     warmup: int = arg(2, "unmeasured iterations after each switch (at least g)")
-    profile_iters: int = arg(3, "measured operator invocations per g in the auto warm-up")
+    profile_iters: int = arg(3, "measured operator invocations per g in the fidelity profile")
     hidden: int = arg(32, "hidden width of the synthetic policy / learner MLPs")
     capacity: int = arg(20_000, "buffer capacity (rows), capped by --buffer-mb")
     buffer_mb: int = arg(512, "memory budget of one buffer (MB)")
@@ -123,19 +119,20 @@ class _Point:
         self.args = args
         self.batch = batch
         self.dim = dim
-        self.spec = synthetic_spec(dim)
+        self.spec = synthetic.synthetic_spec(dim)
         budget = max(batch, (args.buffer_mb << 20) // self.spec.bytes_per_sample)
         self.capacity = max(batch, min(args.capacity, budget))
-        self.work = Workload(dim, args.hidden)
-        self.step = make_step(self.work, rollout_rows=batch)
+        self.work = synthetic.Workload(dim, args.hidden)
+        self.step = synthetic.make_step(self.work, rollout_rows=batch)
 
-    def plane(self, placement: Placement) -> ExperienceDataPlane:
+    def plane(self, placement: Placement | Literal["auto"]) -> ExperienceDataPlane:
+        """A filled plane on ``placement`` (``"auto"``: Alg. 1 over this machine)."""
         plane = ExperienceDataPlane(spec=self.spec, capacity=self.capacity,
                                     batch_size=self.batch, placement=placement,
                                     g_max=self.args.g_max, timeout=120.0)
-        register_ops(plane, on_policy=False)
+        synthetic.register_ops(plane, on_policy=False)
         units = max(1, min(self.args.fill_units, self.capacity // self.batch))
-        fill(plane, self.work, rollout_rows=self.batch, units=units)
+        synthetic.fill(plane, self.work, rollout_rows=self.batch, units=units)
         return plane
 
     def run(self, plane: ExperienceDataPlane, schedule: Schedule) -> dict[str, float]:
@@ -146,8 +143,8 @@ class _Point:
         plane.set_schedule(schedule)
         g = max(int(schedule.g_ing), int(schedule.g_del))
         iters = _cycles(self.args.iters, g)
-        measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
-        rounds = [measure(plane, self.step, iters=iters, warmup=0)
+        synthetic.measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
+        rounds = [synthetic.measure(plane, self.step, iters=iters, warmup=0)
                   for _ in range(max(1, self.args.rounds))]
         m = sorted(rounds, key=lambda r: r["wall"])[len(rounds) // 2]
         return {"wall_ms": m["wall"] * 1e3, "exposed_ms": m["exposed"] * 1e3,
@@ -156,8 +153,30 @@ class _Point:
                 "round_wall_ms": [r["wall"] * 1e3 for r in rounds]}
 
 
-def run_point(args: ScheduleBenchArgs, batch: int, dim: int,
-              topology: Topology) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Timed:
+    """One tuner iteration of the synthetic loop (see ``IterationTiming``)."""
+
+    end_to_end: float
+    rollout: float
+    learning: bool = True
+
+
+def tune(pt: _Point, plane: ExperienceDataPlane) -> WarmupScheduleTuner:
+    """Choose ``plane``'s schedule as the trainers do: from the start schedule, one tuner
+    iteration per ``--iters`` steps (a whole number of ``g_max`` cycles), until the tuner is
+    done."""
+    plane.flush()
+    plane.set_schedule(start_schedule(plane.space))
+    tuner = WarmupScheduleTuner(plane)
+    steps = _cycles(pt.args.iters, pt.args.g_max)
+    while not tuner.done:
+        m = synthetic.measure(plane, pt.step, iters=steps, warmup=0)
+        tuner.step(_Timed(end_to_end=m["wall"], rollout=m["rollout"]))
+    return tuner
+
+
+def run_point(args: ScheduleBenchArgs, batch: int, dim: int) -> dict[str, Any]:
     """Measure every manual configuration and the auto pick at one point."""
     pt = _Point(args, batch, dim)
     manual: list[dict[str, Any]] = []
@@ -171,33 +190,35 @@ def run_point(args: ScheduleBenchArgs, batch: int, dim: int,
                     r = pt.run(plane, s)
                     manual.append({"placement": pname, "placement_label": placement.label(),
                                    "schedule": s.to_dict(), "label": s.label(), **r})
-    # Auto: Alg. 1 placement, warm-up profile, Eq. 2 argmin, then the same measurement.
-    decision = plan_placement(capacity=pt.capacity, actor_device="cpu", learner_device="cpu",
-                              topology=topology, spec_bytes=pt.spec.bytes_per_sample)
-    auto_place = decision.placement
-    progress(f"B={batch} d={dim}: auto (placement {auto_place.label()}, profile, choose, run)")
-    with pt.plane(auto_place) as plane:
-        space = feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
-        auto = AutoScheduler(plane=plane, step=pt.step, space=space,
-                             iterations_per_g=args.profile_iters,
-                             granularities=[g for g in args.granularities if g <= args.g_max],
-                             top_k=args.top_k)
+    # Auto: Alg. 1 placement, the trainers' tuner, then the same measurement; then a profile
+    # of every granularity for the model's predictions.
+    progress(f"B={batch} d={dim}: auto (placement, tuner, run, profile)")
+    with pt.plane("auto") as plane:
+        auto_place = plane.buffer.placement
         t0 = time.perf_counter()
-        plan = auto.plan()
+        tuner = tune(pt, plane)
+        tuning_s = time.perf_counter() - t0
+        chosen = plane.schedule
+        r = pt.run(plane, chosen)
+        t0 = time.perf_counter()
+        profile = copy_bound(profile_plane(plane, pt.step, iterations_per_g=args.profile_iters,
+                                           granularities=args.granularities),
+                             plane_copy_times(plane))
         profile_s = time.perf_counter() - t0
-        r = pt.run(plane, plan.schedule)
-    profile = auto.profile
-    assert profile is not None
-    auto_row = {"placement": auto_place.label(), "schedule": plan.schedule.to_dict(),
-                "label": plan.schedule.label(), "predicted_ms": plan.prediction.t_iter * 1e3,
-                "profile_s": profile_s, "profile": profile.to_dict(),
-                "top_candidates": [c.to_dict() for c in plan.ranked], **r}
-    # Predictions for the manual configs on the auto placement (the profiled one).
+    model = tuner.model_plan
+    auto_row = {"placement": auto_place.label(), "schedule": chosen.to_dict(),
+                "label": chosen.label(), "tuning_s": tuning_s,
+                "model_pick": None if model is None else model.schedule.to_dict(),
+                "top_candidates": [] if model is None else [c.to_dict() for c in model.ranked],
+                **{k: tuner.report.get(k) for k in ("schedule_trial_ms", "copy_ms_per_unit",
+                                                    "schedule_explain", "note")},
+                "predicted_ms": predict(profile, chosen, mode=plane.mode).t_iter * 1e3,
+                "profile_s": profile_s, "profile": profile.to_dict(), **r}
     same = [m for m in manual if m["placement_label"] == auto_place.label()]
     for m in same:
         s = Schedule(m["schedule"]["overlap_ing"], int(m["schedule"]["g_ing"]),
                      m["schedule"]["overlap_del"], int(m["schedule"]["g_del"]))
-        m["predicted_ms"] = predict(profile, s, mode=space.mode).t_iter * 1e3
+        m["predicted_ms"] = predict(profile, s, mode=plane.mode).t_iter * 1e3
     fid = None
     if len(same) >= 2:
         fid = fidelity([m["predicted_ms"] for m in same], [m["wall_ms"] for m in same],
@@ -228,11 +249,10 @@ def summarize(points: list[dict[str, Any]], k: int) -> dict[str, Any]:
             "best_matches": sum(f["best_match"] for f in fids), "fidelity_points": len(fids)}
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(result: dict[str, Any], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     args = result["args"]
     panels = [("batch size", "batch_size", [p for p in result["points"]
                                             if p["dim"] == args["base_dim"]],
@@ -260,8 +280,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("Auto vs manual over placement x overlap x granularity (cf. Fig. 15)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return save_figure(fig, path, dpi=110)
 
 
 def _fmt_fid(f: dict[str, Any] | None) -> list[Any]:
@@ -283,7 +302,6 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
         _placement(name)
     if any(g < 1 or g > args.g_max for g in args.granularities):
         raise ConfigError("granularities", f"must lie in [1, g_max={args.g_max}]")
-    topology = Topology.detect()
     before = torch.get_num_threads()
     torch.set_num_threads(args.compute_threads)
     points: list[dict[str, Any]] = []
@@ -293,14 +311,15 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
         pts = sweep_points(args)
         for i, (b, d) in enumerate(pts, 1):
             progress(f"point {i}/{len(pts)}: batch {b}, dim {d}")
-            points.append(run_point(args, b, d, topology))
+            points.append(run_point(args, b, d))
             p = points[-1]
             progress(f"  best manual {p['best_manual']['placement']} "
                      f"{p['best_manual']['label']} {p['best_manual']['wall_ms']:.2f} ms; auto "
                      f"{p['auto']['label']} {p['auto']['wall_ms']:.2f} ms "
                      f"(gap {100 * p['gap']:+.1f}%)")
             write_json(out / "schedule.json", {"args": asdict(args), "target_gap": TARGET_GAP,
-                                               "points": points, "partial": True})
+                                               "points": points, "partial": True},
+                       with_machine=True)
     finally:
         torch.set_num_threads(before)
     summary = summarize(points, args.top_k)
@@ -329,17 +348,15 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
               f"{100 * summary['max_gap']:+.1f}%)")
     result = {"args": asdict(args), "target_gap": TARGET_GAP, "points": points,
               "summary": summary}
-    jp = write_json(out / "schedule.json", result)
-    _plot(result, out / "schedule.png")
-    print(f"\nwrote {jp} and {out / 'schedule.png'} ({summary['elapsed_s']:.0f} s)")
+    jp = write_json(out / "schedule.json", result, with_machine=True)
+    png = _plot(result, out / "schedule.png")
+    print(f"\nwrote {jp}" + (f" and {png}" if png else "") + f" ({summary['elapsed_s']:.0f} s)")
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench schedule``."""
-    p = argparse.ArgumentParser(prog="conduit bench schedule", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, ScheduleBenchArgs)
+    p = command_parser("conduit bench schedule", __doc__, ScheduleBenchArgs)
     run(parse_dataclass(ScheduleBenchArgs, p.parse_args(argv)))
     return 0
 

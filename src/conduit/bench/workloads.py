@@ -17,16 +17,24 @@ moves it. The image workloads are payload-size stand-ins (128×128×3 ≈ 48 KB 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from conduit.bench.common import table, write_json
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
-from conduit.workloads import runner
+from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.report import table, write_json
+from conduit.workloads.actors import ray_running
+from conduit.workloads.breakdown import (
+    IterationRecord,
+    buffer_order,
+    reduction,
+    summarize_records,
+)
+from conduit.workloads.cli import TRAINERS
+from conduit.workloads.figures import plot_comparison
+from conduit.workloads.learner import resolve_device
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,8 @@ def _iters(algo: str, requested: int, gpu: bool) -> int:
     return {"dqn": 40, "sac": 40, "ppo": 20}[algo] * (3 if gpu else 1)
 
 
-def round_reductions(inline: Sequence[Sequence[Any]], conduit: Sequence[Sequence[Any]], *,
+def round_reductions(inline: Sequence[Sequence[IterationRecord]],
+                     conduit: Sequence[Sequence[IterationRecord]], *,
                      key: str = "end_to_end") -> list[float]:
     """Per round, Conduit's reduction of the median ``key`` against the inline run of the
     same round (``1 - conduit/inline``): the spread of these paired figures shows how much
@@ -118,15 +127,14 @@ def round_reductions(inline: Sequence[Sequence[Any]], conduit: Sequence[Sequence
     Args:
         inline: Each round's inline run, as its iteration records.
         conduit: Each round's Conduit run, in the same order.
-        key: A field of :func:`~conduit.workloads.runner.summarize_records`.
+        key: A field of :func:`~conduit.workloads.breakdown.summarize_records`.
 
     Raises:
         ValueError: The two sequences differ in length.
     """
     if len(inline) != len(conduit):
         raise ValueError(f"rounds: {len(inline)} inline runs but {len(conduit)} Conduit runs")
-    return [runner.reduction(runner.summarize_records([i])[key],
-                             runner.summarize_records([c])[key])
+    return [reduction(summarize_records([i])[key], summarize_records([c])[key])
             for i, c in zip(inline, conduit)]
 
 
@@ -139,28 +147,23 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
     """Run the sweep and write JSON + PNG; returns the JSON payload."""
     if a.rounds < 1:
         raise SystemExit(f"rounds: must be >= 1, got {a.rounds}")
-    from conduit.workloads import dqn, ppo, sac
-    from conduit.workloads.actors import init_ray
-
-    mods = {"dqn": dqn, "sac": sac, "ppo": ppo}
-    gpu = runner.resolve_device(a.device).type == "cuda"
+    gpu = resolve_device(a.device).type == "cuda"
     chosen = [w for w in workloads(gpu=gpu) if not a.only or w.name in a.only]
     unknown = set(a.only) - {w.name for w in workloads(gpu=gpu)}
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from "
                          f"{[w.name for w in workloads(gpu=gpu)]}")
-    started = init_ray() if a.use_ray else False
     rows: dict[str, dict[str, Any]] = {}
-    try:
+    with ray_running(enabled=a.use_ray):
         for w in chosen:
-            mod = mods[w.algo]
+            mod = TRAINERS[w.algo]
             base = mod.Args(**w.kwargs, actors=a.actors, seed=a.seed, device=a.device,
                             use_ray=a.use_ray, log_every=0,
                             iters=_iters(w.algo, a.iters, gpu))
             rows[w.name] = {"heavy": w.heavy, "algo": w.algo}
-            records: dict[str, list[Any]] = {"inline": [], "conduit": []}
+            records: dict[str, list[list[IterationRecord]]] = {"inline": [], "conduit": []}
             for r in range(a.rounds):
-                for buffer in runner.buffer_order(r):
+                for buffer in buffer_order(r):
                     t0 = time.perf_counter()
                     res = mod.train(replace(base, buffer=buffer))
                     records[buffer].append(res.records)
@@ -181,14 +184,9 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                           + (f"  {res.plan.get('schedule', '')}" if buffer == "conduit" else ""),
                           flush=True)
             for buffer, runs in records.items():
-                rows[w.name][buffer] = runner.summarize_records(runs)
+                rows[w.name][buffer] = summarize_records(runs)
             rows[w.name]["end_to_end_reduction_per_round"] = round_reductions(
                 records["inline"], records["conduit"])
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
     table_rows = []
     for name, r in rows.items():
         i, c = r["inline"], r["conduit"]
@@ -198,31 +196,29 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
             f"{1000 * i['delivery']:.2f}/{1000 * c['delivery']:.2f}",
             f"{1000 * i['update']:.1f}/{1000 * c['update']:.1f}",
             f"{1000 * i['end_to_end']:.1f}/{1000 * c['end_to_end']:.1f}",
-            f"{100 * runner.reduction(i['exposed'], c['exposed']):.0f}%",
-            f"{100 * runner.reduction(i['end_to_end'], c['end_to_end']):.0f}%",
+            f"{100 * reduction(i['exposed'], c['exposed']):.0f}%",
+            f"{100 * reduction(i['end_to_end'], c['end_to_end']):.0f}%",
             _spread(r["end_to_end_reduction_per_round"]),
             r["conduit_plan"].get("schedule", "")])
-        r["exposed_reduction"] = runner.reduction(i["exposed"], c["exposed"])
-        r["end_to_end_reduction"] = runner.reduction(i["end_to_end"], c["end_to_end"])
+        r["exposed_reduction"] = reduction(i["exposed"], c["exposed"])
+        r["end_to_end_reduction"] = reduction(i["end_to_end"], c["end_to_end"])
     print("\nper-iteration medians, inline/conduit (ms); reductions are Conduit vs inline "
           "(pooled over rounds; 'per round': lowest..highest of each round's paired runs)")
     print(table(["workload", "rollout", "exp. ingestion", "exp. delivery", "update",
                  "end to end", "exposed -", "e2e -", "e2e - per round", "conduit schedule"],
                 table_rows))
     out = Path(a.out)
-    payload = {"args": a.__dict__, "workloads": rows}
-    write_json(out / "workloads.json", payload)
-    png = runner.plot_comparison({n: {"inline": r["inline"], "conduit": r["conduit"]}
-                                  for n, r in rows.items()}, out / "workloads.png")
-    print(f"wrote {out / 'workloads.json'} and {png}")
+    payload = {"args": asdict(a), "workloads": rows}
+    write_json(out / "workloads.json", payload, with_machine=True)
+    png = plot_comparison({n: {"inline": r["inline"], "conduit": r["conduit"]}
+                           for n, r in rows.items()}, out / "workloads.png")
+    print(f"wrote {out / 'workloads.json'}" + (f" and {png}" if png else ""))
     return payload
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench workloads``."""
-    p = argparse.ArgumentParser(prog="conduit bench workloads", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, WorkloadBenchArgs)
+    p = command_parser("conduit bench workloads", __doc__, WorkloadBenchArgs)
     run(parse_dataclass(WorkloadBenchArgs, p.parse_args(argv)))
     return 0
 

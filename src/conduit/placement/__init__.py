@@ -1,7 +1,9 @@
-"""Placement: where experience lives (paper §5).
+"""Placement: where experience lives (docs/design.md §4).
 
 Decisions are pure functions over plain data; storage executes them.
 
+* :mod:`~conduit.placement.endpoints`: memory endpoint names (``"cpu"``, ``"cpu_pinned"``,
+  ``"cuda:0"``).
 * :mod:`~conduit.placement.topology`: devices, free memory and the bandwidth table
   (:class:`Topology`, detected, loaded from JSON, or a preset).
 * :mod:`~conduit.placement.presets`: the paper's 8x A100 node and the MI250X fabric of Fig. 4.
@@ -26,6 +28,7 @@ from conduit.placement.bandwidth import (
     profile_bandwidth,
     run_profile_cli,
 )
+from conduit.placement.endpoints import CPU, CPU_PINNED
 from conduit.placement.migration import (
     MigrationStep,
     PlacementMap,
@@ -48,7 +51,7 @@ from conduit.placement.planner import (
     scan,
 )
 from conduit.placement.presets import a100_8, mi250x_8, preset, preset_names
-from conduit.placement.topology import CPU, CPU_PINNED, DeviceInfo, Link, NodeTopology, Topology
+from conduit.placement.topology import DeviceInfo, Link, NodeTopology, Topology
 from conduit.placement.transfer import (
     Candidate,
     CapacityCheck,

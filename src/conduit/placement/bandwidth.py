@@ -15,9 +15,8 @@ path                 endpoints                    operation
 Without an accelerator torch has no pinned allocator; the ``pageable->pinned`` and pinned
 gather rows then measure pageable memory and say so in their ``note``.
 
-Intra-op threads are set to one during the measurement and restored afterwards: on small
-machines torch's default thread count makes gathers up to 100x slower, and the data path runs
-with one thread too.
+Intra-op threads are set to one during the measurement and restored afterwards, as on the
+data path (docs/design.md §7).
 
 Results are cached per machine as JSON under ``$CONDUIT_CACHE_DIR`` (default
 ``~/.cache/conduit``), keyed by host name, torch version and device names;
@@ -38,8 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from conduit.errors import ConfigError
-from conduit.placement.topology import CPU, CPU_PINNED
+from conduit.placement.endpoints import CPU, CPU_PINNED
+from conduit.timing import repeat_times
 
 DEFAULT_SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 """Payload sizes in bytes measured by default (64 KiB, 1 MiB, 16 MiB)."""
@@ -155,8 +157,6 @@ def cache_dir() -> Path:
 
 def machine_identity() -> tuple[str, str, tuple[str, ...]]:
     """``(hostname, torch version, device names)`` of this machine."""
-    import torch
-
     devs = [CPU]
     if torch.cuda.is_available():
         devs += [f"cuda:{i}={torch.cuda.get_device_name(i)}"
@@ -202,32 +202,20 @@ def save_profile(profile: BandwidthProfile) -> Path:
 # -- measurement ---------------------------------------------------------------------------------
 
 
-def _time(op: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
-    op()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        op()
-        sync()
-        times.append(time.perf_counter() - t0)
+def _time(op: Callable[[], object], sync: Callable[[], None] | None, repeats: int) -> float:
+    times = repeat_times(op, repeats=repeats, warmup=1, sync=sync)
     return max(statistics.median(times), 1e-9)
 
 
 def _measure(sizes: Sequence[int], repeats: int) -> list[BandwidthSample]:
-    import torch
-
     cuda = torch.cuda.is_available()
     gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else []
-
-    def nosync() -> None:
-        return None
 
     def sync_all() -> None:
         for g in gpus:
             torch.cuda.synchronize(g)
 
-    sync = sync_all if gpus else nosync
+    sync = sync_all if gpus else None
     out: list[BandwidthSample] = []
     pin_note = "" if cuda else "no pinned allocator without an accelerator; pageable measured"
 
@@ -241,7 +229,7 @@ def _measure(sizes: Sequence[int], repeats: int) -> list[BandwidthSample]:
         dst = host(size, True)
         out.append(BandwidthSample(path="pageable->pinned", src=CPU, dst=CPU_PINNED,
                                    size_bytes=size, seconds=_time(lambda s=src, d=dst: d.copy_(s),
-                                                                  nosync, repeats),
+                                                                  None, repeats),
                                    note=pin_note))
         for g in gpus:
             dev = torch.empty(size, dtype=torch.uint8, device=g)
@@ -277,7 +265,7 @@ def _measure(sizes: Sequence[int], repeats: int) -> list[BandwidthSample]:
             out.append(BandwidthSample(
                 path="gather", src=name, dst=name, size_bytes=rows * GATHER_ROW_BYTES,
                 seconds=_time(lambda b=buf, i=idx, r=res: torch.index_select(b, 0, i, out=r),
-                              sync if device != "cpu" else nosync, repeats),
+                              sync if device != "cpu" else None, repeats),
                 note=note))
             del buf, idx, res
     return out
@@ -299,8 +287,6 @@ def profile_bandwidth(*, sizes: Sequence[int] | None = None, repeats: int = DEFA
     Raises:
         ConfigError: ``sizes`` or ``repeats`` are not positive integers.
     """
-    import torch
-
     sizes = tuple(DEFAULT_SIZES if sizes is None else sizes)
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
         raise ConfigError("sizes", f"must be positive integers (bytes), got {sizes!r}")

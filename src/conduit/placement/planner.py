@@ -23,7 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from conduit.errors import CapacityError, ConfigError
-from conduit.placement.topology import CPU_PINNED, Topology
+from conduit.placement.endpoints import CPU_PINNED
+from conduit.placement.topology import Topology
 from conduit.placement.transfer import (
     Candidate,
     _check_capacity,

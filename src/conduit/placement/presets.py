@@ -20,14 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conduit.errors import ConfigError
-from conduit.placement.topology import (
-    CPU,
-    CPU_PINNED,
-    DeviceInfo,
-    Link,
-    NodeTopology,
-    Topology,
-)
+from conduit.placement.endpoints import CPU, CPU_PINNED
+from conduit.placement.topology import DeviceInfo, Link, NodeTopology, Topology
 
 GiB = 1024**3
 GB = 1e9
@@ -135,7 +129,7 @@ def mi250x_8(*, from_heatmap: bool = False) -> Topology:
     * GCD memory: 64 GB HBM2e per GCD (Fig. 4 caption / MI250X datasheet: 128 GB per package)
       -> 64 GiB minus :data:`DEVICE_RESERVE_BYTES` = 56 GiB free for the buffer.
     * GPU<->GPU (default): the three Infinity Fabric link classes of Fig. 4a, 400 / 200 /
-      100 GB/s. Following the design brief, ranks 0/2/4/6 (:data:`MI250X_FAST_RANKS`) are the
+      100 GB/s. As a modelling choice, ranks 0/2/4/6 (:data:`MI250X_FAST_RANKS`) are the
       fast ranks: any two of them are joined at 400 GB/s, a rank and its package partner
       (``2k``, ``2k+1``) at 200 GB/s, every other pair at 100 GB/s. This is a planning model of
       the link classes, not a measurement.

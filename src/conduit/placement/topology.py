@@ -28,39 +28,21 @@ import json
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conduit.errors import TopologyError
+import psutil
+import torch
 
-CPU = "cpu"
-"""Pageable host memory endpoint."""
-CPU_PINNED = "cpu_pinned"
-"""Page-locked host memory endpoint."""
+from conduit.errors import TopologyError
+from conduit.placement.bandwidth import load_cached_profile
+from conduit.placement.endpoints import CPU, CPU_PINNED, device_kind, is_accelerator
 
 _DEVICE_RE = re.compile(r"^(cpu|cpu_pinned|[a-z][a-z0-9_]*:\d+)$")
 _FORMAT_VERSION = 1
-
-
-def device_kind(name: str) -> str:
-    """The kind of an endpoint name: ``"cpu"``, ``"cpu_pinned"`` or the accelerator type.
-
-    Args:
-        name: An unqualified endpoint name such as ``"cuda:3"``.
-
-    Returns:
-        ``"cpu"``, ``"cpu_pinned"``, or the part before the colon (``"cuda"``).
-    """
-    if name in (CPU, CPU_PINNED):
-        return name
-    return name.split(":", 1)[0]
-
-
-def is_accelerator(name: str) -> bool:
-    """True for accelerator endpoints (``"cuda:0"``), False for host endpoints."""
-    return device_kind(name) not in (CPU, CPU_PINNED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,11 +326,6 @@ class Topology:
         Returns:
             A single-node topology named after the host.
         """
-        import socket
-
-        import psutil
-        import torch
-
         avail = int(psutil.virtual_memory().available)
         devices = [DeviceInfo(name=CPU, memory_bytes=avail, model="host")]
         if torch.cuda.is_available():
@@ -368,7 +345,6 @@ class Topology:
                 accs.append(f"cuda:{i}")
         table = default_links(accs)
         if use_profile_cache:
-            from conduit.placement.bandwidth import load_cached_profile
             prof = load_cached_profile()
             if prof is not None:
                 known = (CPU, CPU_PINNED, *accs)

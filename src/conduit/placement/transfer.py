@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 
 from conduit.errors import ConfigError, PlacementError
-from conduit.placement.topology import CPU_PINNED, Topology
+from conduit.placement.endpoints import CPU_PINNED
+from conduit.placement.topology import Topology
 from conduit.storage.layout import Placement
 
 

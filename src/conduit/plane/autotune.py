@@ -1,4 +1,4 @@
-"""The runtime side of the auto-optimizer (§6.3): profile the running plane, plan, re-plan.
+"""The runtime side of scheduling: profile the running plane, plan, re-plan.
 
 Decisions stay in :mod:`conduit.scheduling` (pure functions of a :class:`Profile`); this module
 only measures and applies:
@@ -8,10 +8,12 @@ only measures and applies:
   plane's built-in timings hold ``T_rollout``, ``T_update``, ``T_ing(g)``, ``T_del(g)`` and the
   synchronization costs; :func:`~conduit.scheduling.profile_from_timings` turns them into a
   :class:`Profile`.
-* :class:`AutoScheduler` applies :func:`~conduit.scheduling.choose`'s argmin with
-  :meth:`ExperienceDataPlane.set_schedule`, feeds the plane's recent timings to a
-  :class:`~conduit.scheduling.ReplanPolicy`, and re-plans on sustained drift or after a placement
-  migration.
+* :func:`plane_copy_times` reads each operator's data movement per unit from the plane's
+  placement decision, for the copy-time bound (:mod:`conduit.scheduling.copy_bound`).
+* :class:`AutoScheduler` applies :func:`~conduit.scheduling.choose`'s argmin over the
+  copy-bounded profile with :meth:`ExperienceDataPlane.set_schedule`, feeds the plane's recent
+  timings to a :class:`~conduit.scheduling.ReplanPolicy`, and re-plans on sustained drift or
+  after a placement migration.
 
 Example:
     >>> def step(plane):                       # one iteration of the training loop
@@ -40,6 +42,8 @@ from typing import TYPE_CHECKING
 
 from conduit.errors import ConfigError, ScheduleError
 from conduit.scheduling import (
+    MIN_COPY,
+    CopyTimes,
     Plan,
     Profile,
     ReplanDecision,
@@ -48,6 +52,8 @@ from conduit.scheduling import (
     ScheduleSpace,
     as_granularity,
     choose,
+    copy_bound,
+    copy_times,
     profile_from_timings,
 )
 from conduit.timing import TimingRecord, Timings
@@ -214,8 +220,29 @@ def _copy_since(src: Timings, dst: Timings, names: Sequence[str], since: float) 
     dst.add(r for name in names for r in src.records(name) if r.start >= since)
 
 
+def plane_copy_times(plane: ExperienceDataPlane) -> CopyTimes:
+    """Each operator's data movement per unit on ``plane``: a unit's rows times the per-sample
+    legs of its placement decision's transfer model (Eq. 1, measured bandwidths).
+
+    Off-policy, a rollout unit's rows are those pushed so far per unit. Empty when the
+    placement was set by hand (no transfer model).
+    """
+    decision = plane.placement_decision
+    if decision is None:
+        return CopyTimes()
+    legs = decision.chosen_evaluation
+    units = plane.counters["pushed_units"]
+    return copy_times(mode=plane.mode, ingest_s=legs.ingest_s, deliver_s=legs.deliver_s,
+                      capacity=plane.capacity, batch_size=plane.batch_size,
+                      rows_per_unit=plane.counters["pushed_rows"] / units if units else None)
+
+
 class AutoScheduler:
     """Chooses the plane's schedule from a profile and re-plans when the workload drifts.
+
+    Every plan is the argmin over the profile with the copy-time bound of the plane's
+    interpreter-bound operators (:func:`plane_copy_times`,
+    :func:`~conduit.scheduling.copy_bound`).
 
     Give ``step`` (the profile is then measured by :func:`profile_plane`, and measured again on
     every re-plan) or ``profile`` (a profile measured elsewhere; re-plans then update it with
@@ -233,6 +260,8 @@ class AutoScheduler:
         iterations_per_g: Passed to :func:`profile_plane`.
         granularities: Passed to :func:`profile_plane`.
         top_k: Candidates kept by the plan for :meth:`explain`.
+        min_copy: Per-unit data movement (seconds) under which an operator is
+            interpreter-bound, so that overlap hides only its copies.
 
     Raises:
         ConfigError: Neither ``step`` nor ``profile`` given, or an unknown ``watch`` name.
@@ -243,7 +272,7 @@ class AutoScheduler:
                  threshold: float = 0.25, patience: int = 3, abs_tol: float = 0.0,
                  watch: Sequence[str] = DEFAULT_WATCH, iterations_per_g: int = 3,
                  granularities: Iterable[float | Fraction] | None = None,
-                 top_k: int = 5) -> None:
+                 top_k: int = 5, min_copy: float = MIN_COPY) -> None:
         if step is None and profile is None:
             raise ConfigError("step", "give step= (to profile the plane) or profile=")
         if profile is not None and not isinstance(profile, Profile):
@@ -262,6 +291,7 @@ class AutoScheduler:
         self.iterations_per_g = iterations_per_g
         self.granularities = None if granularities is None else tuple(granularities)
         self.top_k = top_k
+        self.min_copy = min_copy
         self.profile: Profile | None = profile
         self.current: Plan | None = None
         self.policy: ReplanPolicy | None = None
@@ -291,6 +321,7 @@ class AutoScheduler:
                              granularities=self.granularities)
 
     def _apply(self, profile: Profile, *, reasons: tuple[str, ...]) -> Plan:
+        profile = copy_bound(profile, plane_copy_times(self.plane), min_copy=self.min_copy)
         plan = choose(profile, self.space, top_k=self.top_k)
         _switch(self.plane, plan.schedule)
         self.profile = profile

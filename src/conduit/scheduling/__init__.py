@@ -8,6 +8,9 @@ Pure functions and immutable values, no I/O:
   plane's :class:`~conduit.timing.Timings`;
 * :func:`predict` is the iteration-latency model (Eq. 2, App. E Eq. 4–6);
 * :func:`choose` enumerates the ``4·|G_ing|·|G_del|`` candidates and returns a :class:`Plan`;
+* :func:`copy_bound` caps what overlap hides for interpreter-bound operators (:class:`CopyTimes`);
+* :class:`TrialPolicy`, :class:`TrialPair` and :func:`judge_trial` decide threads or no threads
+  from the model's pick and a measured warm-up trial;
 * :class:`DriftDetector` / :class:`ReplanPolicy` decide when to re-plan;
 * :func:`fidelity` reports the model's accuracy like Tab. 4.
 
@@ -21,6 +24,7 @@ Example:
     'ing(ov=1,g=1) del(ov=1,g=1)'
 """
 
+from conduit.scheduling.copy_bound import MIN_COPY, CopyTimes, copy_bound, copy_times
 from conduit.scheduling.cost_model import Prediction, gamma, hide, per_unit, predict
 from conduit.scheduling.fidelity import fidelity, top_k_order
 from conduit.scheduling.optimizer import (
@@ -53,13 +57,25 @@ from conduit.scheduling.space import (
     ScheduleSpace,
     feasible_space,
 )
+from conduit.scheduling.trial import (
+    TrialOutcome,
+    TrialPair,
+    TrialPolicy,
+    Verdict,
+    judge_trial,
+    learner_delivery,
+    start_schedule,
+    warmup_schedule,
+)
 
 __all__ = [
     "MAX_GRANULARITY",
     "MAX_MINIBATCHES",
     "METRICS",
     "MIGRATION",
+    "MIN_COPY",
     "Candidate",
+    "CopyTimes",
     "CostFit",
     "DriftDetector",
     "Plan",
@@ -70,18 +86,28 @@ __all__ = [
     "ReplanPolicy",
     "Schedule",
     "ScheduleSpace",
+    "TrialOutcome",
+    "TrialPair",
+    "TrialPolicy",
+    "Verdict",
     "as_granularity",
     "baseline_schedule",
     "choose",
+    "copy_bound",
+    "copy_times",
     "feasible_space",
     "fidelity",
     "fit_cost",
     "gamma",
     "hide",
+    "judge_trial",
+    "learner_delivery",
     "per_unit",
     "predict",
     "profile_from_timings",
     "rank_candidates",
+    "start_schedule",
     "tie_key",
     "top_k_order",
+    "warmup_schedule",
 ]

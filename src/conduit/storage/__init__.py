@@ -1,8 +1,18 @@
-"""Storage layer: where rows live and which rows a batch reads. Knows nothing of scheduling."""
+"""Storage layer: where rows live and which rows a batch reads (``docs/design.md §7``).
+
+A store executes a :class:`Placement` it is given; storage knows nothing of scheduling.
+"""
 
 from conduit.storage.buffer import ExperienceBuffer
+from conduit.storage.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    read_checkpoint,
+    write_checkpoint,
+)
 from conduit.storage.column_store import ColumnStore, ShardedStore, Store, make_store
 from conduit.storage.layout import Placement
+from conduit.storage.memmap_store import MemmapColumnStore
 from conduit.storage.samplers import (
     FifoSampler,
     PrioritizedSampler,
@@ -10,15 +20,19 @@ from conduit.storage.samplers import (
     Sampler,
     SequenceSampler,
     UniformSampler,
+    sampler_from_config,
 )
 from conduit.storage.sum_tree import SumTree
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
     "ColumnStore",
     "ExperienceBuffer",
     "FifoSampler",
+    "MemmapColumnStore",
     "Placement",
     "PrioritizedSampler",
     "RingWriter",
@@ -31,4 +45,7 @@ __all__ = [
     "UniformSampler",
     "data_path_threads",
     "make_store",
+    "read_checkpoint",
+    "sampler_from_config",
+    "write_checkpoint",
 ]

@@ -1,9 +1,7 @@
 """Compiled row copies (Numba) for host tensors with large rows, such as image payloads.
 
 ``dst[dst_rows[k]] = src[src_rows[k]]`` row by row, as bytes, in one call that does not hold
-the GIL. A Python loop over rows costs about the same memory traffic, but it takes and
-releases the GIL once per row: with ingestion, delivery and the learner running as threads
-of one process, each of those hand-offs can wait for another thread's Python code.
+the GIL, where a Python loop would take it once per row (``docs/design.md §7``).
 
 Compiled on first use and cached next to this file (``cache=True``).
 """

@@ -1,11 +1,9 @@
 """Compiled sum-tree kernels (Numba), used by :class:`~conduit.storage.SumTree` when Numba is
 importable.
 
-A prioritized draw of 512 rows walks 17 levels of a 2^17-leaf tree per row. Vectorized numpy
-pays one array operation (~10 µs) per level and per step of the descent; these loops pay a
-memory access. Both kernels advance a whole batch one level at a time (the inner loop runs
-over the batch), so the independent cache misses of the lower levels overlap instead of
-serializing row by row.
+Where vectorized numpy pays one array operation per tree level, these loops pay a memory
+access. The descents advance a whole batch one level at a time (the inner loop runs over the
+batch), so the independent cache misses of the lower levels overlap (``docs/design.md §7``).
 
 The kernels are compiled on first use and cached next to this file (``cache=True``).
 """

@@ -6,10 +6,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from conduit.errors import ConfigError, PriorityError
 from conduit.spec import Batch, ExperienceSpec
-from conduit.storage.column_store import make_store
+from conduit.storage.column_store import Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.threads import data_path_threads
@@ -22,25 +24,39 @@ class ExperienceBuffer:
     All methods are thread-safe: one lock orders writes against reads, so a gather never sees
     a half-written row.
 
+    Every row has an id, its position in the write order (Reverb's key): a gather remembers
+    the ids it delivered, so a priority update applies only to the rows that were sampled and
+    not to rows written into their slots since.
+
     Args:
         spec: Fields of one sample.
         capacity: Rows.
         sampler: Which rows a batch reads (default: uniform with replacement).
         placement: Where the rows live (default: pageable CPU).
+        store: A store to use instead of allocating one for ``placement`` (for example a
+            :class:`~conduit.storage.MemmapColumnStore`); its spec and capacity must match.
         threads: Torch intra-op threads used by the data path (see
             :func:`~conduit.storage.threads.data_path_threads`).
     """
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, sampler: Sampler | None = None,
-                 placement: Placement | None = None, threads: int = 1) -> None:
+                 placement: Placement | None = None, threads: int = 1,
+                 store: Store | None = None) -> None:
         self.spec = spec
-        self.store = make_store(spec=spec, capacity=capacity, placement=placement)
+        if store is None:
+            store = make_store(spec=spec, capacity=capacity, placement=placement)
+        elif store.spec != spec or store.capacity != capacity:
+            raise ConfigError("store", f"holds {store.capacity} rows of {store.spec}, the "
+                                       f"buffer needs {capacity} rows of {spec}")
+        self.store = store
         self.capacity = self.store.capacity
         self.writer = RingWriter(capacity=self.capacity)
         self.sampler = sampler or UniformSampler()
         self.sampler.bind(self.capacity)
         self.threads = threads
         self._lock = threading.RLock()
+        self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
+        self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
 
     @property
     def placement(self) -> Placement:
@@ -75,10 +91,13 @@ class ExperienceBuffer:
             data = dict(batch)
             n = next(iter(data.values())).shape[0]
         with self._lock, data_path_threads(self.threads):
+            first_id = self.writer.total_written
             pieces = self.writer.reserve(n)
             for store_start, b0, length in pieces:
                 part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
                 self.store.set_range(store_start, part)
+                self._row_id[store_start:store_start + length] = np.arange(
+                    first_id + b0, first_id + b0 + length)
             idx = RingWriter.indices(pieces)
             self.sampler.on_write(idx, data, size=self.writer.size)
         return idx
@@ -95,6 +114,8 @@ class ExperienceBuffer:
             info = SampleInfo(info)
         with self._lock, data_path_threads(self.threads):
             out = self.store.get(info.indices, device=device)
+            slots = info.indices.numpy()
+            self._delivered_id[slots] = self._row_id[slots]
         out["_index"] = info.indices
         if info.weights is not None:
             out["_weight"] = info.weights
@@ -105,22 +126,67 @@ class ExperienceBuffer:
         with self._lock:
             return self.gather(self.draw(batch_size), device=device)
 
-    def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
-        """Forward to the sampler (prioritized samplers only)."""
+    def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> int:
+        """Set the priorities of delivered rows (prioritized samplers only).
+
+        An update for a slot whose delivered row has been overwritten since is skipped: it
+        belongs to a row that is gone, not to the row that took its slot.
+
+        Args:
+            indices: Slots, as delivered in a batch's ``_index`` (integers).
+            priorities: One per index.
+
+        Returns:
+            How many rows were updated.
+
+        Raises:
+            PriorityError: Indices that are not integers or not filled slots; priorities that
+                are not finite and non-negative; mismatched lengths.
+        """
+        idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise PriorityError(f"indices: must be integer slots (a batch's _index), got dtype "
+                                f"{idx.dtype}")
+        pr = torch.as_tensor(priorities).detach().cpu().reshape(-1)
+        if pr.numel() != idx.numel():
+            raise PriorityError(f"priorities: {pr.numel()} values for {idx.numel()} indices")
         with self._lock:
-            self.sampler.update_priorities(indices, priorities)
+            slots = idx.numpy().astype(np.int64, copy=False)
+            size = self.writer.size
+            if slots.size and (slots.min() < 0 or slots.max() >= size):
+                raise PriorityError(f"indices: must be filled slots in [0, {size}), got "
+                                    f"[{slots.min()}, {slots.max()}]")
+            delivered = self._delivered_id[slots]
+            current = (delivered == -1) | (delivered == self._row_id[slots])
+            if not current.all():
+                keep = torch.from_numpy(current)
+                idx, pr = idx[keep], pr[keep]
+            self.sampler.update_priorities(idx, pr)
+            return int(idx.numel())
 
     def clear(self) -> None:
         """Forget all rows (storage stays allocated)."""
         with self._lock:
             self.writer.reset()
             self.sampler.reset()
+            self._row_id.fill(-1)
+            self._delivered_id.fill(-1)
+
+    def adopt_cursor(self, other: ExperienceBuffer) -> None:
+        """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
+        slot (a migration)."""
+        with self._lock:
+            self.writer.load_state_dict(other.writer.state_dict())
+            self._row_id[:] = other._row_id
+            self._delivered_id[:] = other._delivered_id
 
     def state_dict(self) -> dict[str, Any]:
         """Store contents, writer cursor and sampler state."""
         with self._lock:
             return {"store": self.store.state_dict(), "writer": self.writer.state_dict(),
-                    "sampler": self.sampler.state_dict()}
+                    "sampler": self.sampler.state_dict(),
+                    "row_id": torch.from_numpy(self._row_id.copy()),
+                    "delivered_id": torch.from_numpy(self._delivered_id.copy())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (store placement may differ)."""
@@ -128,3 +194,12 @@ class ExperienceBuffer:
             self.store.load_state_dict(state["store"])
             self.writer.load_state_dict(state["writer"])
             self.sampler.load_state_dict(state["sampler"])
+            for key, ids in (("row_id", self._row_id), ("delivered_id", self._delivered_id)):
+                if key in state:
+                    ids[:] = np.asarray(state[key], dtype=np.int64)
+                else:  # rows keep their slots; the order is the writer's
+                    ids.fill(-1)
+            if "row_id" not in state:
+                order = self.writer.logical_order().numpy()
+                first = self.writer.total_written - order.size
+                self._row_id[order] = np.arange(first, first + order.size)

@@ -8,11 +8,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError
+from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
 from conduit.storage.hostmem import host_zeros
 from conduit.storage.layout import Placement
+from conduit.storage.state import entry, integer
 
 
 class Store(Protocol):
@@ -45,10 +46,10 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
               src_rows: torch.Tensor | None = None) -> None:
     """``dst[dst_rows] = src[src_rows]`` (all of ``src`` when ``src_rows`` is None).
 
-    Host tensors of a dtype numpy has go through numpy's fancy assignment, a row-wise memcpy,
-    or, for rows of 16 KB or more, a compiled row copy that does not hold the GIL;
-    ``Tensor.index_copy_`` walks such rows element by element on CPU and was measured ~25×
-    slower for 48 KB image rows. Anything else uses ``index_copy_``.
+    Host tensors of a dtype numpy has go through numpy's fancy assignment (a row-wise memcpy)
+    or, for rows of 16 KB or more, a compiled row copy that does not hold the GIL, since CPU
+    ``Tensor.index_copy_`` walks such rows element by element (``docs/design.md §7``).
+    Anything else uses ``index_copy_``.
 
     Raises:
         IndexError: A row index is out of range (nothing is copied on the compiled path).
@@ -62,8 +63,8 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
         else:
             di = dst_rows.numpy()
             if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _LARGE_ROW_BYTES:
-                # Large rows (images): row by row, no temporary gathered copy (~25 % faster
-                # for 16 rows of 48 KB than the fancy assignment below).
+                # Large rows (images): row by row, without the temporary gathered copy that
+                # the fancy assignment below makes.
                 _copy_large_rows(d, di, s, src_rows.numpy())
             else:
                 d[di] = s if src_rows is None else s[src_rows.numpy()]
@@ -127,7 +128,7 @@ class ColumnStore:
             raise CapacityError(f"cannot allocate {need} bytes for {self.capacity} rows on "
                                 f"{self.placement.label()}: {exc}", needed=need) from exc
         # numpy views of host columns whose dtype numpy has (not bfloat16 etc.), for writes.
-        self._host_views: dict[str, Any] = {}
+        self._host_views: dict[str, np.ndarray] = {}
         if self.device.type == "cpu":
             for name, col in self._cols.items():
                 with contextlib.suppress(TypeError):
@@ -159,7 +160,7 @@ class ColumnStore:
             src = batch[name]
             view = host.get(name)
             if view is not None and src.device.type == "cpu" and not src.requires_grad:
-                # Same memcpy through numpy: a quarter of torch's per-call dispatch cost, which
+                # The same memcpy through numpy, without torch's per-call dispatch, which
                 # dominates for the small fields (reward, done) of small chunks.
                 view[start:start + src.shape[0]] = src.numpy()
             else:
@@ -186,20 +187,32 @@ class ColumnStore:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore columns saved by :meth:`state_dict` (same spec and capacity)."""
         _check_state(self.spec, self.capacity, state)
+        _check_columns(self.spec, self.capacity, state)
         for n, c in self._cols.items():
             c.copy_(state["columns"][n])
 
 
 def _check_state(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> None:
-    if state.get("capacity") != capacity:
-        raise CapacityError(f"state has capacity {state.get('capacity')}, store has {capacity}",
-                            needed=state.get("capacity"), available=capacity)
-    saved = ExperienceSpec.from_dict(state["spec"])
+    saved_capacity = integer(state, "capacity", "store")
+    if saved_capacity != capacity:
+        raise CapacityError(f"state has capacity {saved_capacity}, store has {capacity}",
+                            needed=saved_capacity, available=capacity)
+    saved = ExperienceSpec.from_dict(entry(state, "spec", "store"))
     for name, fs in spec.fields.items():
         if name not in saved.fields:
             raise SpecError(name, "missing from the saved state")
         if saved.fields[name] != fs:
             raise SpecError(name, f"saved as {saved.fields[name]}, store expects {fs}")
+
+
+def _check_columns(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> None:
+    columns = entry(state, "columns", "store")
+    for name, fs in spec.fields.items():
+        col = entry(columns, name, "store.columns")
+        if (not isinstance(col, torch.Tensor) or col.dtype != fs.dtype
+                or tuple(col.shape) != (capacity, *fs.shape)):
+            raise StateError(f"store.columns.{name}", f"expected a {fs.dtype} tensor of shape "
+                                                      f"{(capacity, *fs.shape)}")
 
 
 class ShardedStore:
@@ -290,6 +303,7 @@ class ShardedStore:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from a state saved by any store of the same spec and capacity."""
         _check_state(self.spec, self.capacity, state)
+        _check_columns(self.spec, self.capacity, state)
         self.set_range(0, state["columns"])
 
 

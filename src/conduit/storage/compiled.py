@@ -1,8 +1,8 @@
 """Lazy access to the Numba-compiled kernel modules of the storage layer.
 
-Numba is a core dependency, but it is imported with the first structure that needs a kernel,
-not with ``conduit``: it adds about 0.3 s to an import. Where it cannot be imported, callers
-fall back to their numpy path.
+Numba is imported with the first structure that needs a kernel, not with ``conduit``, because
+its import is slow. Where it cannot be imported, callers fall back to their numpy path
+(``docs/design.md §7``).
 """
 
 from __future__ import annotations

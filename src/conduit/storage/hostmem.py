@@ -1,12 +1,9 @@
 """Host (CPU) column allocation, backed by transparent huge pages when the kernel offers them.
 
-A replay batch reads a few hundred rows at random from a buffer of hundreds of megabytes, so
-nearly every row lands on a page whose translation is not cached: with 4 KiB pages each
-gather pays TLB misses on top of the DRAM misses. Linux can back a mapping with 2 MiB pages
-when asked (``madvise(MADV_HUGEPAGE)``, honoured when
-``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``), which removes
-most of them; measured on the 2-core development VM, a 512-row gather from a 400 MB column
-took 0.22 ms instead of 0.28 ms. Small columns gain nothing and keep torch's allocator.
+Columns of at least :data:`HUGE_PAGE_MIN_BYTES` get an anonymous mapping advised
+``madvise(MADV_HUGEPAGE)`` (honoured when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+``always`` or ``madvise``), which takes most TLB misses out of random-row gathers
+(``docs/design.md §7``). Smaller columns keep torch's allocator.
 """
 
 from __future__ import annotations
@@ -53,6 +50,6 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype, *,
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(region, dtype=dtype, count=numel)
     # Fault every page in now, as torch.zeros would: huge-page faults can stall in kernel
-    # compaction, and that cost belongs to construction, not to the first writes of a run.
+    # compaction, which belongs to construction, not to the first writes.
     flat.zero_()
     return flat.view(tuple(shape))

@@ -12,17 +12,19 @@ Both give identical trees and identical search results; the tests check one agai
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from conduit.errors import ConfigError
+from conduit.errors import ConfigError, StateError
 from conduit.storage import compiled
+from conduit.storage.state import array, tensor
 
 BACKENDS = ("auto", "numba", "numpy")
 
 
-def _load_kernels() -> Any:
+def _load_kernels() -> ModuleType | None:
     """The compiled tree kernels, or None where Numba cannot be imported."""
     return compiled.load("_tree_kernels")
 
@@ -183,13 +185,25 @@ class SumTree:
         return None, float(priorities.max()) if priorities.size else 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        """Leaves only; inner nodes are rebuilt on load."""
-        return {"leaves": self._sum[self._p:self._p + self.capacity].copy(),
-                "set": np.isfinite(self._min[self._p:self._p + self.capacity])}
+        """Leaves only (as tensors); inner nodes are rebuilt on load."""
+        return {"leaves": tensor(self._sum[self._p:self._p + self.capacity].copy()),
+                "set": tensor(np.isfinite(self._min[self._p:self._p + self.capacity]))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`."""
+        """Restore from :meth:`state_dict`.
+
+        Raises:
+            StateError: A missing key, a wrong length, or a leaf that is not finite and
+                non-negative.
+        """
+        leaves = array(state, "leaves", "tree", length=self.capacity, dtype=np.float64)
+        used = array(state, "set", "tree", length=self.capacity, dtype=bool)
+        bad = used & ~(np.isfinite(leaves) & (leaves >= 0))
+        if bad.any():
+            k = int(np.nonzero(bad)[0][0])
+            raise StateError("tree.leaves", f"slot {k} has priority {leaves[k]}; priorities "
+                                            f"must be finite and >= 0")
         self.clear()
-        idx = np.nonzero(state["set"])[0]
+        idx = np.nonzero(used)[0]
         if idx.size:
-            self.set(idx, state["leaves"][idx])
+            self.set(idx, leaves[idx])

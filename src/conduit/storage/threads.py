@@ -1,10 +1,10 @@
 """Thread control for the data path.
 
-Measured on a 2-core machine: ``torch.index_select`` of 512 rows from a 400 MB tensor took 7 ms
-with torch's default intra-op threads under load and 0.06 ms with one. Gathers and copies of a
-few MB gain nothing from intra-op parallelism, so the data path pins its own thread count
-instead of leaving it to whatever the process was configured with. In this torch build the
-setting is per OS thread, so a worker thread can use one thread while the learner keeps its own.
+The data path sets its own torch intra-op thread count (one by default) instead of inheriting
+the process's: gathers and copies of a few MB gain nothing from intra-op parallelism, and a
+thread pool competing with the learner for cores slows them down (``docs/design.md §7``). The
+setting applies to the calling OS thread, so a worker can run with one thread while the learner
+keeps its own.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from conduit.errors import CapacityError
+from conduit.errors import CapacityError, StateError
+from conduit.storage.state import integer
 
 
 class RingWriter:
@@ -72,6 +73,18 @@ class RingWriter:
         return {"cursor": self.cursor, "size": self.size, "total_written": self.total_written}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`."""
-        self.cursor, self.size = int(state["cursor"]), int(state["size"])
-        self.total_written = int(state.get("total_written", self.size))
+        """Restore from :meth:`state_dict`.
+
+        Raises:
+            StateError: A missing key, or a cursor, size or count that no ring of this
+                capacity can have.
+        """
+        where = "writer"
+        size = integer(state, "size", where, high=self.capacity)
+        cursor = integer(state, "cursor", where, high=self.capacity - 1)
+        total = integer(state, "total_written", where, low=size) if "total_written" in state \
+            else size
+        if size < self.capacity and cursor != size:
+            raise StateError(f"{where}.cursor", f"{cursor}, but a ring that is not full writes "
+                                                f"next at its size {size}")
+        self.cursor, self.size, self.total_written = cursor, size, total

@@ -2,20 +2,25 @@
 and returns one rollout unit as numpy arrays, ready for ``plane.push``.
 
 :class:`RolloutWorker` is a plain class; :class:`ActorGroup` runs several of them as Ray actors
-(the default) or in the driver process (``use_ray=False``, for debugging). Ray is imported only
-here and in :func:`init_ray`.
+(the default) or in the driver process (``use_ray=False``, for debugging); :func:`ray_running`
+starts or attaches to Ray for them. Ray is imported only here, lazily, and its security
+settings are left as they are (token authentication by default).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
 from conduit.workloads import nets
+from conduit.workloads.args import TrainerArgs
 from conduit.workloads.envs import EnvInfo, EnvPool
 
 ALGOS = ("dqn", "sac", "ppo")
@@ -172,28 +177,39 @@ def _normal_sample(dist: torch.distributions.Normal, gen: torch.Generator) -> to
     return dist.mean + dist.stddev * torch.randn(dist.mean.shape, generator=gen)
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
-    """Start a local Ray (or attach to ``address``) unless one is running.
+@contextmanager
+def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
+    """Ray for the duration of the block: a local Ray is started (or ``address`` attached to)
+    unless one is running already, and shut down at the end only when started here.
 
-    Returns:
-        True when this call started Ray (so the caller should shut it down).
+    Args:
+        address: Ray cluster address to attach to (empty: start a local Ray).
+        enabled: False makes this a no-op (in-process actors).
     """
+    if not enabled:
+        yield
+        return
     import ray
 
     if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                          "configure_logging": False}
-    if address:
-        ray.init(address=address, **kw)
-    else:
-        ray.init(num_cpus=num_cpus, **kw)
-    return True
+        yield
+        return
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def cpu_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``module``'s ``state_dict``, for broadcasting to the actors."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
 class ActorGroup:
-    """Several :class:`RolloutWorker` s, as Ray actors or in-process.
+    """Several :class:`RolloutWorker` s, as Ray actors or in-process; a context manager that
+    closes them on exit.
 
     Args:
         num_actors: Workers.
@@ -218,6 +234,13 @@ class ActorGroup:
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def __enter__(self) -> ActorGroup:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     def submit(self, num_steps: int, weights: dict[str, torch.Tensor] | None,
                params: dict[str, Any] | None = None) -> list[Any]:
@@ -249,3 +272,22 @@ class ActorGroup:
             for w in self.workers:
                 w.close()
         self.workers = []
+
+
+@contextmanager
+def rollout_actors(args: TrainerArgs, *, algo: str, info: EnvInfo,
+                   **worker_kw: Any) -> Iterator[ActorGroup]:
+    """``args.actors`` rollout workers of ``algo`` for the duration of the block, each stepping
+    ``args.envs_per_actor`` copies of ``args.env``: Ray actors (Ray started or attached to as
+    :func:`ray_running` does) unless ``args.use_ray`` is off.
+
+    Args:
+        args: The run's arguments.
+        algo: ``"dqn"``, ``"sac"`` or ``"ppo"``.
+        info: The environment's :class:`EnvInfo`.
+        **worker_kw: More :class:`RolloutWorker` arguments (``num_agents``).
+    """
+    with (ray_running(args.address, enabled=args.use_ray),
+          ActorGroup(args.actors, use_ray=args.use_ray, algo=algo, env_id=args.env, info=info,
+                     num_envs=args.envs_per_actor, seed=args.seed, **worker_kw) as group):
+        yield group

@@ -10,22 +10,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
-from conduit.cli_args import add_dataclass_args, parse_dataclass
-from conduit.workloads import runner
+from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_dataclass
+from conduit.report import write_json
+from conduit.workloads import dqn, ppo, sac
+from conduit.workloads.actors import ray_running
+from conduit.workloads.args import TrainerArgs
+from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
+from conduit.workloads.figures import plot_breakdown
+from conduit.workloads.learner import resolve_device
 
-ALGOS = ("dqn", "sac", "ppo")
+TRAINERS: dict[str, ModuleType] = {"dqn": dqn, "sac": sac, "ppo": ppo}
+ALGOS = tuple(TRAINERS)
 
+_TRAIN_HELP = """\
+Train DQN, SAC or PPO with Ray rollout actors; the experience path runs inline (the
+sequential baseline) or through Conduit. Prints a per-iteration breakdown and writes a JSON
+log and a PNG. Flags depend on --algo (see 'conduit train --algo sac --help')."""
 
-def _module(algo: str) -> ModuleType:
-    from conduit.workloads import dqn, ppo, sac
-
-    return {"dqn": dqn, "sac": sac, "ppo": ppo}[algo]
+_DEMO_HELP = """\
+Run a heavy-payload workload (image observations, a payload-size stand-in) with the inline
+experience path and with Conduit (auto placement and schedule), in alternating rounds; print
+the reductions and the plan; write a plot."""
 
 
 def _safe(name: str) -> str:
@@ -34,18 +43,13 @@ def _safe(name: str) -> str:
 
 def train_parser(algo: str) -> argparse.ArgumentParser:
     """The ``conduit train`` parser for one algorithm (its ``Args`` become the flags)."""
-    p = argparse.ArgumentParser(
-        prog="conduit train",
-        description="Train DQN, SAC or PPO with Ray rollout actors; the experience path runs "
-                    "inline (the sequential baseline) or through Conduit. Prints a per-iteration "
-                    "breakdown and writes a JSON log and a PNG. Flags depend on --algo "
-                    "(see 'conduit train --algo sac --help').")
+    p = command_parser("conduit train", _TRAIN_HELP)
     p.add_argument("--algo", choices=ALGOS, default=algo, help="algorithm (default: %(default)s)")
-    add_dataclass_args(p, _module(algo).Args)
+    add_dataclass_args(p, TRAINERS[algo].Args)
     return p
 
 
-def _print_summary(result: runner.RunResult) -> None:
+def _print_summary(result: RunResult) -> None:
     s = result.summary
     ms = lambda k: f"{1000 * s[k]:8.2f}"  # noqa: E731
     print(f"\n{result.algo} on {result.env}, buffer={result.buffer}: per-iteration medians over "
@@ -65,18 +69,17 @@ def train_main(argv: list[str] | None = None) -> int:
     known, _ = pre.parse_known_args(argv)
     parser = train_parser(known.algo)
     ns = parser.parse_args(argv)
-    mod = _module(known.algo)
+    mod = TRAINERS[known.algo]
     args = parse_dataclass(mod.Args, ns)
     result = mod.train(args)
     _print_summary(result)
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
-    out = Path(args.out or f"{stem}.json")
-    runner.write_json(out, result.to_json())
-    png = runner.plot_breakdown(
+    out = write_json(args.out or f"{stem}.json", result.to_json())
+    png = plot_breakdown(
         {f"{known.algo} {args.buffer}": result.summary}, args.plot or f"{stem}.png",
         title=f"{known.algo.upper()} on {args.env}"
               + (f" + {args.image_size}px image payload" if args.image_size else ""))
-    print(f"wrote {out} and {png}")
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
     return 0 if result.losses_finite else 1
 
 
@@ -84,49 +87,36 @@ def train_main(argv: list[str] | None = None) -> int:
 class DemoArgs:
     """Arguments of ``conduit demo``."""
 
-    algo: str = dataclasses.field(default="dqn", metadata={
-        "help": "workload algorithm: dqn (CartPole-v1) or ppo (CartPole-v1) or sac "
-                "(Pendulum-v1), each with the image payload"})
-    image_size: int = dataclasses.field(default=128, metadata={
-        "help": "image payload side (128 ~ 48 KB, 256 ~ 192 KB per observation); a "
-                "payload-size stand-in"})
-    iters: int = dataclasses.field(default=0, metadata={
-        "help": "iterations per run (0: sized for about 3 minutes in total)"})
-    rounds: int = dataclasses.field(default=2, metadata={
-        "help": "runs per mode, alternating the order (inline, Conduit, Conduit, inline, "
-                "...); the medians pool every run's iterations, so the shared machine's drift "
-                "does not land on one mode"})
-    actors: int = dataclasses.field(default=2, metadata={"help": "Ray rollout actors"})
-    seed: int = dataclasses.field(default=1, metadata={"help": "random seed"})
-    device: str = dataclasses.field(default="auto", metadata={
-        "help": "learner device: auto (CUDA when present), cpu, cuda:0"})
-    use_ray: bool = dataclasses.field(default=True, metadata={
-        "help": "Ray actors (otherwise in-process workers)"})
-    out: str = dataclasses.field(default="runs/demo", metadata={
-        "help": "folder for demo.json and demo.png"})
+    algo: str = arg("dqn", "workload algorithm: dqn (CartPole-v1) or ppo (CartPole-v1) or sac "
+                    "(Pendulum-v1), each with the image payload")
+    image_size: int = arg(128, "image payload side (128 ~ 48 KB, 256 ~ 192 KB per "
+                          "observation); a payload-size stand-in")
+    iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total)")
+    rounds: int = arg(2, "runs per mode, alternating the order (inline, Conduit, Conduit, "
+                      "inline, ...); the medians pool every run's iterations, so the shared "
+                      "machine's drift does not land on one mode")
+    actors: int = arg(2, "Ray rollout actors")
+    seed: int = arg(1, "random seed")
+    device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
+    use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
+    out: str = arg("runs/demo", "folder for demo.json and demo.png")
 
 
-def _demo_args(d: DemoArgs, buffer: str) -> Any:
-    gpu = runner.resolve_device(d.device).type == "cuda"
+def _demo_args(d: DemoArgs, buffer: str) -> TrainerArgs:
+    gpu = resolve_device(d.device).type == "cuda"
     common = dict(image_size=d.image_size, actors=d.actors, buffer=buffer, seed=d.seed,
                   device=d.device, use_ray=d.use_ray, log_every=0)
     if d.algo == "dqn":
-        from conduit.workloads import dqn
-
         iters = d.iters or (150 if gpu else 45)
         return dqn.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         buffer_size=20_000 if gpu else 4_000, batch_size=128,
                         updates_per_iter=8, learning_starts=512, **common)
     if d.algo == "sac":
-        from conduit.workloads import sac
-
         iters = d.iters or (120 if gpu else 25)
         return sac.Args(env="Pendulum-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         buffer_size=20_000 if gpu else 4_000, batch_size=128,
                         updates_per_iter=8, learning_starts=512, **common)
     if d.algo == "ppo":
-        from conduit.workloads import ppo
-
         iters = d.iters or (60 if gpu else 12)
         return ppo.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         num_minibatches=4, update_epochs=2, **common)
@@ -139,49 +129,32 @@ def _change(red: float) -> str:
 
 def demo_main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit demo``: a heavy-payload workload, inline against Conduit."""
-    p = argparse.ArgumentParser(
-        prog="conduit demo",
-        description="Run a heavy-payload workload (image observations, a payload-size "
-                    "stand-in) with the inline experience path and with Conduit (auto "
-                    "placement and schedule), in alternating rounds; print the reductions and "
-                    "the plan; write a plot.")
-    add_dataclass_args(p, DemoArgs)
+    p = command_parser("conduit demo", _DEMO_HELP, DemoArgs)
     d = parse_dataclass(DemoArgs, p.parse_args(argv))
     if d.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {d.rounds}")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    device = runner.resolve_device(d.device)
+    device = resolve_device(d.device)
     print(f"conduit demo: {d.algo.upper()} with a {d.image_size}x{d.image_size}x3 uint8 image "
           f"per observation (payload-size stand-in), {d.actors} Ray actors, learner on {device}")
-    started = False
-    if d.use_ray:
-        from conduit.workloads.actors import init_ray
-
-        started = init_ray()
-    runs: dict[str, list[runner.RunResult]] = {"inline": [], "conduit": []}
+    runs: dict[str, list[RunResult]] = {"inline": [], "conduit": []}
     t_start = time.perf_counter()
-    try:
+    with ray_running(enabled=d.use_ray):
         for r in range(d.rounds):
-            for buffer in runner.buffer_order(r):
+            for buffer in buffer_order(r):
                 args = _demo_args(d, buffer)
                 tag = f"[{buffer}, round {r + 1}/{d.rounds}]"
                 t0 = time.perf_counter()
                 print(f"\n{tag} {args.iters} iterations ...", flush=True)
-                res = _module(d.algo).train(args)
+                res = TRAINERS[d.algo].train(args)
                 runs[buffer].append(res)
                 print(f"{tag} done in {time.perf_counter() - t0:.0f}s: exposed "
                       f"{1000 * res.summary['exposed']:.1f} ms, end to end "
                       f"{1000 * res.summary['end_to_end']:.1f} ms per iteration", flush=True)
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
     results = {b: rs[-1] for b, rs in runs.items()}
-    inline, conduit = (runner.summarize_records([res.records for res in runs[b]])
+    inline, conduit = (summarize_records([res.records for res in runs[b]])
                        for b in ("inline", "conduit"))
-    red_exp = runner.reduction(inline["exposed"], conduit["exposed"])
-    red_e2e = runner.reduction(inline["end_to_end"], conduit["end_to_end"])
+    red_exp = reduction(inline["exposed"], conduit["exposed"])
+    red_e2e = reduction(inline["end_to_end"], conduit["end_to_end"])
     print(f"\nper-iteration medians over {d.rounds} run(s) per mode (ms)    inline    conduit")
     for k in ("rollout", "ingestion", "delivery", "update", "other", "exposed", "end_to_end"):
         print(f"  {k:<26} {1000 * inline[k]:8.2f}   {1000 * conduit[k]:8.2f}")
@@ -195,13 +168,14 @@ def demo_main(argv: list[str] | None = None) -> int:
             print(plan[key])
     out = Path(d.out)
     label = f"{d.algo.upper()}-img{d.image_size}"
-    png = runner.plot_breakdown({f"{label} inline": inline, f"{label} Conduit": conduit},
-                                out / "demo.png",
-                                title=f"{label}: per-iteration breakdown, inline vs Conduit")
-    runner.write_json(out / "demo.json", {
+    png = plot_breakdown({f"{label} inline": inline, f"{label} Conduit": conduit},
+                         out / "demo.png",
+                         title=f"{label}: per-iteration breakdown, inline vs Conduit")
+    write_json(out / "demo.json", {
         "workload": label, "device": str(device), "exposed_reduction": red_exp,
         "end_to_end_reduction": red_e2e, "wall_s": time.perf_counter() - t_start,
         "rounds": d.rounds, "pooled": {"inline": inline, "conduit": conduit},
         "inline": results["inline"].to_json(), "conduit": results["conduit"].to_json()})
-    print(f"wrote {out / 'demo.json'} and {png}  ({time.perf_counter() - t_start:.0f}s)")
+    print(f"wrote {out / 'demo.json'}" + (f" and {png}" if png else "")
+          + f"  ({time.perf_counter() - t_start:.0f}s)")
     return 0

@@ -11,8 +11,7 @@ per epoch, and that the batches are the same whatever the schedule.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -21,14 +20,18 @@ from torch import nn
 
 from conduit import ExperienceSpec
 from conduit.cli_args import arg
-from conduit.workloads import runner
-from conduit.workloads.actors import ActorGroup, init_ray
+from conduit.workloads.actor_port import rollout_and_push
+from conduit.workloads.actors import cpu_weights, rollout_actors
+from conduit.workloads.args import TrainerArgs
+from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import EnvInfo, env_info
+from conduit.workloads.learner import setup_learner
 from conduit.workloads.nets import PPOAgent
+from conduit.workloads.planes import make_plane
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(TrainerArgs):
     """PPO arguments; each becomes a ``--flag`` of ``conduit train --algo ppo``.
 
     The defaults are tuned for CartPole-v1 (the RL Baselines3 Zoo values: gamma 0.98, lambda
@@ -36,29 +39,11 @@ class Args:
     """
 
     env: str = arg("CartPole-v1", "environment id (CartPole-v1; continuous ids also work)")
-    image_size: int = arg(0, "attach a size x size x 3 uint8 image to every observation "
-                          "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
-    actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)")
-    envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step")
     steps_per_rollout: int = arg(32, "lock-steps per rollout fragment (one rollout unit; GAE "
                                  "bootstraps at its end, as with RLlib's rollout fragments)")
+    iters: int = arg(150, "training iterations (one policy version each)")
     rollout_fragments: int = arg(4, "fragments each actor produces per iteration; the plane "
                                  "ingests one while the actors step the next")
-    iters: int = arg(150, "training iterations (one policy version each)")
-    buffer: Literal["inline", "conduit"] = arg("conduit", "experience path: 'inline' runs "
-                                               "every operator on the caller's thread; "
-                                               "'conduit' places and schedules it")
-    schedule: str = arg("auto", "conduit schedule: auto, inline, or 'ov_ing,g_ing,ov_del,g_del'")
-    placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0")
-    seed: int = arg(1, "random seed")
-    device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
-    learner_threads: int = arg(0, "torch threads of the learner (0: the cores the actors "
-                               "leave free, at least 1)")
-    use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
-    address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray)")
-    log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
-    out: str = arg("", "write the JSON log here (empty: do not write)")
-    plot: str = arg("", "write the PNG breakdown here (empty: do not write)")
     learning_rate: float = arg(1e-3, "Adam learning rate (annealed linearly to 0)")
     anneal_lr: bool = arg(True, "anneal the learning rate over the run")
     gamma: float = arg(0.98, "discount factor")
@@ -138,13 +123,9 @@ def compute_gae(unit: dict[str, torch.Tensor], *, num_envs: int, gamma: float,
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
-          ) -> runner.RunResult:
+          ) -> RunResult:
     """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch."""
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    runner.quiet_readonly_warning()
-    device = runner.resolve_device(args.device)
-    runner.set_learner_threads(args.learner_threads, actors=args.actors, use_ray=args.use_ray)
+    device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
     rows_per_iter = (args.actors * args.envs_per_actor * args.steps_per_rollout
                      * args.rollout_fragments)
@@ -152,13 +133,12 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
         raise ValueError(f"num_minibatches: {args.num_minibatches} does not divide the "
                          f"{rows_per_iter} samples of an iteration")
 
-    plane, plan, auto = runner.make_plane(
-        buffer=args.buffer, schedule=args.schedule, placement=args.placement,
-        mode="on_policy", num_minibatches=args.num_minibatches, spec=buffer_spec(info),
-        rollout_spec=rollout_spec(info), capacity=rows_per_iter,
+    # The plane: each iteration's samples, delivered as M mini-batches per epoch.
+    plane, plan, tuner = make_plane(
+        args, learner_device=device, mode="on_policy", num_minibatches=args.num_minibatches,
+        spec=buffer_spec(info), rollout_spec=rollout_spec(info), capacity=rows_per_iter,
         batch_size=rows_per_iter // args.num_minibatches, num_epochs=args.update_epochs,
-        rollout_rows=args.envs_per_actor * args.steps_per_rollout,
-        learner_device=str(device), seed=args.seed)
+        rollout_rows=args.envs_per_actor * args.steps_per_rollout, seed=args.seed)
 
     # Ingestion: GAE per actor rollout, as soon as it is pushed.
     @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
@@ -180,52 +160,38 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
     agent = PPOAgent(info).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
 
-    started_ray = init_ray(args.address or None) if args.use_ray else False
-    actors = ActorGroup(args.actors, use_ray=args.use_ray, algo="ppo", env_id=args.env,
-                        info=info, num_envs=args.envs_per_actor, seed=args.seed)
-    rec = runner.BreakdownRecorder(plane, total_iters=args.iters, log_every=args.log_every,
-                                   label=f"[ppo {args.buffer}] ")
     losses: list[float] = []
     env_steps = 0
-    try:
-        with plane:
-            for it in range(args.iters):
-                with rec.iteration(it) as log:
-                    if args.anneal_lr:
-                        optimizer.param_groups[0]["lr"] = args.learning_rate * (
-                            1.0 - it / args.iters)
-                    # Rollouts are pushed in actor order with the current policy version;
-                    # ingestion (GAE) runs per rollout, inline or overlapped with the others.
-                    got = runner.rollout_and_push(plane, actors, args.steps_per_rollout,
-                                                  runner.cpu_weights(agent), on_policy=True,
-                                                  fragments=args.rollout_fragments)
-                    returns = got["episode_returns"]
-                    env_steps += rows_per_iter
-                    log.update(env_steps=env_steps, returns=returns)
+    with rollout_actors(args, algo="ppo", info=info) as actors, plane:
+        rec = BreakdownRecorder.for_run(plane, args, algo="ppo")
+        for it in range(args.iters):
+            with rec.iteration(it) as log:
+                if args.anneal_lr:
+                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - it / args.iters)
+                # Rollouts are pushed in actor order with the current policy version;
+                # ingestion (GAE) runs per rollout, inline or overlapped with the others.
+                got = rollout_and_push(plane, actors, args.steps_per_rollout,
+                                       cpu_weights(agent), on_policy=True,
+                                       fragments=args.rollout_fragments)
+                env_steps += rows_per_iter
+                log.update(env_steps=env_steps, returns=got["episode_returns"])
 
-                    for _ in range(args.num_minibatches * args.update_epochs):
-                        mb = plane.pull()
-                        if on_batch is not None:
-                            on_batch(mb)
-                        with plane.timed("update"):
-                            loss, stats = _ppo_loss(agent, mb, args)
-                            optimizer.zero_grad(set_to_none=True)
-                            loss.backward()
-                            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                            optimizer.step()
-                            losses.append(loss.item())
-                    log.update(loss=losses[-1], **stats)
-                if auto is not None:  # auto-schedule: cost model, then a measured trial
-                    auto.step(rec.records[-1])
-            plane.flush()
-    finally:
-        actors.close()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-    return runner.RunResult("ppo", args.env, args.buffer, plan, rec.summary(), rec.records,
-                            rec.returns, asdict(args), runner.all_finite(losses))
+                for _ in range(args.num_minibatches * args.update_epochs):
+                    mb = plane.pull()
+                    if on_batch is not None:
+                        on_batch(mb)
+                    with plane.timed("update"):
+                        loss, stats = _ppo_loss(agent, mb, args)
+                        optimizer.zero_grad(set_to_none=True)
+                        loss.backward()
+                        nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        losses.append(loss.item())
+                log.update(loss=losses[-1], **stats)
+            if tuner is not None:  # auto schedule: the cost model's pick, then a trial
+                tuner.step(rec.records[-1])
+        plane.flush()
+    return RunResult.of("ppo", args, plan, rec, losses)
 
 
 def _ppo_loss(agent: PPOAgent, mb: dict[str, torch.Tensor], args: Args

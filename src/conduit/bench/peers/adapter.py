@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -122,8 +123,6 @@ class PeerAdapter(abc.ABC):
         """The installed version of :attr:`package`, if any."""
         if self.package is None:
             return None
-        from importlib import metadata
-
         try:
             return metadata.version(self.package)
         except metadata.PackageNotFoundError:

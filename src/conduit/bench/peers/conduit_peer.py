@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from conduit.bench.peers.adapter import Chunk, PeerAdapter, Workload
+from conduit.plane import ExperienceDataPlane
+from conduit.scheduling import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import (
     ExperienceBuffer,
@@ -140,9 +142,6 @@ class ConduitPrefetchPeer(PeerAdapter):
         return {k: torch.from_numpy(v) for k, v in chunk.items()}
 
     def setup(self, workload: Workload) -> None:
-        from conduit.plane import ExperienceDataPlane
-        from conduit.scheduling import Schedule
-
         self.close()
         self._plane = ExperienceDataPlane(
             spec=bench_spec(workload.dim), capacity=workload.capacity,

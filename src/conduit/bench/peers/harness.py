@@ -17,24 +17,26 @@ latency) and writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups
 the reason; the benchmark itself never fails because of a peer.
 
 Every in-process peer runs with the same torch intra-op thread count (``--torch-threads``,
-default 1): on a small shared machine the default thread pool slows small gathers ~100×.
+default 1), the thread count of Conduit's data path (docs/design.md §7).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from conduit.bench.common import machine as common_machine
+import psutil
+import torch
+
 from conduit.bench.peers.adapter import (
     OperationSkipped,
     PeerAdapter,
@@ -42,7 +44,16 @@ from conduit.bench.peers.adapter import (
     Workload,
     make_chunk,
 )
-from conduit.cli_args import add_dataclass_args, arg, parse_dataclass
+from conduit.bench.peers.conduit_peer import ConduitPeer, ConduitPrefetchPeer
+from conduit.bench.peers.cpprb_peer import CpprbPeer
+from conduit.bench.peers.floor_peer import GatherFloorPeer
+from conduit.bench.peers.gear_peer import GearPlacementPeer
+from conduit.bench.peers.reverb_peer import ReverbPeer
+from conduit.bench.peers.rllib_peer import RLlibPeer
+from conduit.bench.peers.torchrl_peer import TorchRLPeer
+from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.report import machine, pyplot, save_figure, write_json
+from conduit.timing import repeat_times
 
 # ---------------------------------------------------------------------------------------------
 # Metrics and results (plain data)
@@ -283,17 +294,6 @@ def fit_capacity(requested: int, bytes_per_row: int, available_bytes: int, *,
 # Measurement
 
 
-def _timed(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _status_of(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, OperationSkipped):
         return "skipped", str(exc)
@@ -360,7 +360,8 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
             out["insert_64"] = MetricResult.from_times("insert_64", t64, 64)
         progress(f"{label}: uniform sampling, batch {w.batch}")
         out["sample_uniform"] = MetricResult.from_times(
-            "sample_uniform", _timed(adapter.sample_uniform, cfg.warmup, cfg.repeats), w.batch)
+            "sample_uniform",
+            repeat_times(adapter.sample_uniform, repeats=cfg.repeats, warmup=cfg.warmup), w.batch)
         return out
 
     def prioritized() -> dict[str, MetricResult]:
@@ -370,7 +371,8 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
         progress(f"{label}: prioritized sample + update, batch {w.batch}")
         return {"sample_per_update": MetricResult.from_times(
             "sample_per_update",
-            _timed(adapter.sample_prioritized_and_update, cfg.warmup, cfg.repeats), w.batch)}
+            repeat_times(adapter.sample_prioritized_and_update, repeats=cfg.repeats,
+                         warmup=cfg.warmup), w.batch)}
 
     def on_policy() -> dict[str, MetricResult]:
         adapter.setup_on_policy(w)
@@ -425,7 +427,7 @@ def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> lis
 def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, str | None]]:
     """``(name, adapter or None, reason)`` for each in-process peer in ``names``.
 
-    A peer whose adapter module cannot be imported (its package is missing) comes back with
+    A peer that cannot be built or fails its check (its package is missing) comes back with
     ``None`` and the reason.
     """
     out: list[tuple[str, PeerAdapter | None, str | None]] = []
@@ -445,36 +447,23 @@ def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, 
     return out
 
 
+_ADAPTERS: dict[str, Callable[[], PeerAdapter]] = {
+    "conduit": ConduitPeer,
+    "conduit-prefetch": ConduitPrefetchPeer,
+    "gather-floor": GatherFloorPeer,
+    "gear-placement": GearPlacementPeer,
+    "torchrl": TorchRLPeer,
+    "torchrl-prefetch": partial(TorchRLPeer, prefetch=4),
+    "cpprb": CpprbPeer,
+    "rllib": RLlibPeer,
+}
+"""In-process peer name -> adapter factory (each adapter imports its package lazily)."""
+
+
 def _make(name: str) -> PeerAdapter:
-    if name == "conduit":
-        from conduit.bench.peers.conduit_peer import ConduitPeer
-
-        return ConduitPeer()
-    if name == "conduit-prefetch":
-        from conduit.bench.peers.conduit_peer import ConduitPrefetchPeer
-
-        return ConduitPrefetchPeer()
-    if name == "gather-floor":
-        from conduit.bench.peers.floor_peer import GatherFloorPeer
-
-        return GatherFloorPeer()
-    if name == "gear-placement":
-        from conduit.bench.peers.gear_peer import GearPlacementPeer
-
-        return GearPlacementPeer()
-    if name in ("torchrl", "torchrl-prefetch"):
-        from conduit.bench.peers.torchrl_peer import TorchRLPeer
-
-        return TorchRLPeer(prefetch=4 if name == "torchrl-prefetch" else None)
-    if name == "cpprb":
-        from conduit.bench.peers.cpprb_peer import CpprbPeer
-
-        return CpprbPeer()
-    if name == "rllib":
-        from conduit.bench.peers.rllib_peer import RLlibPeer
-
-        return RLlibPeer()
-    raise ValueError(f"unknown peer {name!r}")
+    if name not in _ADAPTERS:
+        raise ValueError(f"unknown peer {name!r}")
+    return _ADAPTERS[name]()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,13 +552,9 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
     rat = ratios(rows)
     if not rat:
         return "no ratio to plot (Conduit or every peer missing)"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:
-        return f"matplotlib unavailable: {exc}"
+    plt = pyplot()
+    if plt is None:
+        return "matplotlib is not installed"
     metrics = [m for m in METRICS if any(r["metric"] == m for r in rat)]
     dims = sorted({r["dim"] for r in rat})
     ncols = min(3, len(metrics))
@@ -596,9 +581,7 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
     flat[0].legend(fontsize=8)
     fig.suptitle("conduit bench peers: Conduit vs peer, same run, same machine", fontsize=11)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return None
 
 
@@ -617,14 +600,11 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
     Returns:
         The JSON-ready report and the rows it was built from.
     """
-    import psutil
-    import torch
-
     log = progress or (lambda s: print(f"[peers] {s}", file=sys.stderr, flush=True))
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.torch_threads)
     try:
-        machine = common_machine()
+        host = machine()
         started = time.time()
         workloads = []
         capacity_notes = {}
@@ -661,8 +641,6 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
 
         versions: dict[str, Any] = {}
         if "reverb" in cfg.peers:
-            from conduit.bench.peers.reverb_peer import ReverbPeer
-
             reverb = ReverbPeer(python=cfg.reverb_python or None, modes=cfg.reverb_modes,
                                 timeout_s=cfg.reverb_timeout_s)
             missing = reverb.availability()
@@ -679,13 +657,13 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                 versions["reverb"] = reverb.versions
                 rows += rows_from_worker(doc_rows, reverb.versions.get("dm-reverb"))
 
-        machine["load_average_end"] = (list(os.getloadavg()) if hasattr(os, "getloadavg")
-                                       else None)
+        host["load_average_end"] = (list(os.getloadavg()) if hasattr(os, "getloadavg")
+                                    else None)
         report = {
             "benchmark": "conduit bench peers",
             "config": {k: (list(v) if isinstance(v, tuple) else v)
                        for k, v in asdict(cfg).items()},
-            "machine": machine,
+            "machine": host,
             "elapsed_s": round(time.time() - started, 1),
             "capacity_notes": {str(k): v for k, v in capacity_notes.items()},
             "versions": versions,
@@ -703,11 +681,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``conduit bench peers`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="conduit bench peers", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p, PeersConfig)
-    return p
+    return command_parser("conduit bench peers", __doc__, PeersConfig)
 
 
 def _explicit_flags(argv: Sequence[str]) -> set[str]:
@@ -737,8 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     report, rows = run(cfg)
     report["command"] = " ".join(["conduit bench peers", *argv])
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.json").write_text(json.dumps(report, indent=2, default=str))
+    write_json(out / "peers.json", report)
     plot_error = write_plot(rows, out / "peers.png") if cfg.plot else "disabled (--no-plot)"
 
     m = report["machine"]

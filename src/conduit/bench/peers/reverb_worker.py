@@ -103,6 +103,8 @@ def client_sample(np: Any, client: Any, table: str, n: int) -> tuple[dict[str, A
     return stack(np, samples), [s.info.key for s in samples]
 
 
+# The same loop as conduit.timing.repeat_times: this worker runs in .venv-reverb, where
+# Conduit is not installed.
 def _timed(fn: Any, warmup: int, repeats: int) -> list[float]:
     for _ in range(warmup):
         fn()

@@ -1,5 +1,5 @@
-"""The synthetic workload shared by the benchmarks (``conduit bench plane``, ``schedule``, and
-``conduit plan --profile``).
+"""A synthetic training loop over the plane, to profile and benchmark it without a real job
+(``conduit plan --profile``, ``conduit bench plane`` and ``conduit bench schedule``).
 
 A policy MLP forward over freshly generated observations is the rollout; an MLP forward and
 backward on the delivered batch is the update. Ingestion (transition assembly and
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -152,7 +151,7 @@ def fill(plane: ExperienceDataPlane, work: Workload, *, rollout_rows: int, units
 
 
 def measure(plane: ExperienceDataPlane, step: Callable[[ExperienceDataPlane], dict[str, float]],
-            *, iters: int, warmup: int) -> dict[str, Any]:
+            *, iters: int, warmup: int) -> dict[str, float]:
     """Run ``warmup`` then ``iters`` steps; per-iteration means over the measured ones.
 
     Means (not medians) over a whole number of iterations, so a batched operator that runs once
@@ -160,7 +159,7 @@ def measure(plane: ExperienceDataPlane, step: Callable[[ExperienceDataPlane], di
 
     Returns:
         ``{"wall", "rollout", "update", "exposed"}`` in seconds per iteration, where
-        ``exposed = wall − rollout − update`` (DESIGN §2), plus ``"iters"``.
+        ``exposed = wall − rollout − update`` (docs/design.md §9), plus ``"iters"``.
     """
     for _ in range(warmup):
         step(plane)

@@ -1,0 +1,116 @@
+"""The plane's validated configuration: one frozen record, checked once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+from conduit.errors import ConfigError
+from conduit.scheduling.space import MAX_MINIBATCHES, Mode, Schedule, ScheduleSpace, feasible_space
+from conduit.spec import ExperienceSpec
+
+
+def _positive_int(name: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(name, f"must be a positive integer, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlaneConfig:
+    """What an :class:`~conduit.plane.ExperienceDataPlane` was asked to be (see its Args).
+
+    Every field is validated in ``__post_init__``; a bad value raises
+    :class:`~conduit.errors.ConfigError` naming the field.
+    """
+
+    spec: ExperienceSpec
+    capacity: int
+    mode: Mode = "off_policy"
+    batch_size: int = 256
+    num_minibatches: int = 1
+    num_epochs: int = 1
+    min_size: int | None = None
+    rollout_spec: ExperienceSpec | None = None
+    rollout_rows: int | None = None
+    g_max: int = 8
+    max_priority_lag: int = 0
+    timeout: float = 60.0
+    seed: int = 0
+    learner_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, ExperienceSpec):
+            raise ConfigError("spec", f"expected an ExperienceSpec, got "
+                                      f"{type(self.spec).__name__}")
+        if self.mode not in ("off_policy", "on_policy"):
+            raise ConfigError("mode", f"must be 'off_policy' or 'on_policy', got {self.mode!r}")
+        for name in ("capacity", "batch_size", "num_minibatches", "num_epochs", "g_max"):
+            _positive_int(name, getattr(self, name))
+        if self.mode == "off_policy" and self.batch_size > self.capacity:
+            raise ConfigError("batch_size", f"{self.batch_size} exceeds capacity {self.capacity}")
+        if self.mode == "on_policy" and self.num_minibatches > self.capacity:
+            raise ConfigError("num_minibatches", f"{self.num_minibatches} mini-batches cannot be "
+                                                 f"cut from {self.capacity} rows per iteration")
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout)
+                and self.timeout > 0):
+            raise ConfigError("timeout", f"must be a finite number of seconds > 0, got "
+                                         f"{self.timeout!r}")
+        if (not isinstance(self.max_priority_lag, int) or isinstance(self.max_priority_lag, bool)
+                or self.max_priority_lag < 0):
+            raise ConfigError("max_priority_lag", f"must be an integer >= 0, got "
+                                                  f"{self.max_priority_lag!r}")
+        if self.min_size is not None and (not isinstance(self.min_size, int)
+                                          or not 1 <= self.min_size <= self.capacity):
+            raise ConfigError("min_size", f"must be an integer in [1, capacity={self.capacity}], "
+                                          f"got {self.min_size!r}")
+        if self.rollout_rows is not None:
+            if (not isinstance(self.rollout_rows, int) or isinstance(self.rollout_rows, bool)
+                    or not 1 <= self.rollout_rows <= self.capacity):
+                raise ConfigError("rollout_rows", f"must be an integer in [1, capacity="
+                                                  f"{self.capacity}], got {self.rollout_rows!r}")
+            if self.mode != "on_policy":
+                raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
+                                                  "granularity already counts rollout units")
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether the plane delivers each iteration's rows exactly once per epoch."""
+        return self.mode == "on_policy"
+
+    @property
+    def train_batch_size(self) -> int:
+        """Rows per training batch: ``batch_size`` off-policy, ``capacity // M`` on-policy."""
+        return self.capacity // self.num_minibatches if self.on_policy else self.batch_size
+
+    @property
+    def first_batch_rows(self) -> int:
+        """Rows needed before the first batch: ``min_size``, by default one batch off-policy
+        and the whole iteration on-policy."""
+        if self.min_size is not None:
+            return self.min_size
+        return self.capacity if self.on_policy else self.batch_size
+
+    @property
+    def batches_per_iteration(self) -> int:
+        """On-policy: mini-batches delivered per iteration (M × epochs)."""
+        return self.num_minibatches * self.num_epochs
+
+    def schedule_space(self) -> ScheduleSpace:
+        """The feasible schedules (docs/design.md §6). A fixed on-policy rollout size adds
+        its share of the iteration to the ingestion granularities, when representable."""
+        unit = None
+        if self.rollout_rows is not None:
+            unit = Fraction(self.rollout_rows, self.capacity)
+            if unit.denominator > MAX_MINIBATCHES:
+                unit = None
+        return feasible_space(mode=self.mode, num_minibatches=self.num_minibatches,
+                              g_max_ing=self.g_max, g_max_del=self.g_max,
+                              unit_fraction_ing=unit)
+
+    def default_schedule(self) -> Schedule:
+        """Everything inline, one unit per invocation (on-policy delivery: one mini-batch)."""
+        return Schedule(0, 1, 0, Fraction(1, self.num_minibatches) if self.on_policy else 1)

@@ -1,0 +1,220 @@
+"""The plane's engine: the schedule's runners over a flow, and the waits of the two ports.
+
+It starts and stops the runners a schedule asks for, quiesces them (``paused``), admits pushes
+under the flow's backpressure, and hands out staged batches. The front
+(:class:`~conduit.plane.ExperienceDataPlane`) validates and times the calls; the engine waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from conduit.errors import (
+    BackpressureTimeout,
+    DataLossError,
+    EmptyBufferError,
+    OperatorError,
+    PlaneClosedError,
+)
+from conduit.plane.flows import Flow, Signals, Staged, Unit
+from conduit.plane.runners import delivery_runner, ingestion_runner
+from conduit.plane.runtime import OperatorRuntime
+from conduit.scheduling.space import Schedule
+from conduit.storage import data_path_threads
+from conduit.timing import Timings
+
+
+class PlaneEngine:
+    """Runs a flow's operators under a schedule.
+
+    Args:
+        flow: The off- or on-policy flow.
+        signals: The plane's lock and conditions (shared with the flow).
+        timings: Where operator invocations are recorded.
+        learner_device: Where delivered batches end up.
+        timeout: Seconds a worker may take to stop.
+    """
+
+    def __init__(self, *, flow: Flow, signals: Signals, timings: Timings,
+                 learner_device: torch.device, timeout: float) -> None:
+        self.flow = flow
+        self.signals = signals
+        self.timeout = timeout
+        self.runtime = OperatorRuntime(flow=flow, signals=signals, timings=timings,
+                                       learner_device=learner_device)
+        self.schedule = flow.schedule
+        self.closed = False
+        self.ingestion = ingestion_runner(self.runtime, overlap=0)
+        self.delivery = delivery_runner(self.runtime, overlap=0)
+
+    def start(self, schedule: Schedule) -> None:
+        """Start the runners ``schedule`` asks for (the previous ones must be stopped)."""
+        self.schedule = self.flow.schedule = schedule
+        self.runtime.stop = False
+        self.ingestion = ingestion_runner(self.runtime, overlap=schedule.overlap_ing)
+        self.delivery = delivery_runner(self.runtime, overlap=schedule.overlap_del)
+        self.ingestion.start()
+        self.delivery.start()
+
+    def stop(self) -> None:
+        """Stop the workers (in-flight invocations finish).
+
+        Raises:
+            OperatorError: A worker is stuck in an operator past the timeout.
+        """
+        with self.signals.lock:
+            self.runtime.stop = True
+            self.signals.wake(callers=True, ingestion=True, delivery=True)
+        self.ingestion.join(self.timeout)
+        self.delivery.join(self.timeout)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Quiesce both operators: workers stopped, no invocation in flight, early assembly
+        dropped. The schedule's workers restart on exit (unless the plane closed)."""
+        self.stop()
+        rt = self.runtime
+        with self.signals.lock:
+            rt.paused += 1
+            while rt.busy:
+                self.signals.callers.wait(0.05)
+            self.flow.pause_locked()
+        try:
+            yield
+        finally:
+            with self.signals.lock:
+                rt.paused -= 1
+                self.signals.wake(callers=True, ingestion=True, delivery=True)
+            if not self.closed and rt.stop:
+                self.start(self.schedule)
+
+    def check_open(self) -> None:
+        """Raise :class:`PlaneClosedError` once the plane is closed."""
+        if self.closed:
+            raise PlaneClosedError("the plane is closed; create a new ExperienceDataPlane")
+
+    def submit(self, unit: Unit, *, deadline: float, waited: float) -> None:
+        """Queue ``unit`` once the flow admits it, then run inline ingestion if due.
+
+        Raises:
+            BackpressureTimeout: No room by ``deadline`` (``waited`` is for the message).
+            OperatorError, StaleRolloutError, CapacityError, PlaneClosedError.
+        """
+        flow, rt, lock = self.flow, self.runtime, self.signals.lock
+        with lock:
+            while True:
+                self.check_open()  # under the lock: close() then drains whatever was queued
+                rt.raise_if_failed()
+                if flow.admit_locked(unit.rows, unit.version):
+                    break
+                if flow.room_by_ingesting and not rt.paused:
+                    lock.release()
+                    try:
+                        if self.ingestion.make_room():
+                            continue
+                    finally:
+                        lock.acquire()
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise BackpressureTimeout(
+                        f"push waited {waited:.1f}s for room: {len(flow.pending)} units "
+                        f"queued, {flow.inflight_units} being ingested, policy version "
+                        f"{flow.policy_version}")
+                self.signals.callers.wait(remaining)
+            flow.enqueue_locked(unit)
+            self.signals.wake(ingestion=True)
+            ingestion = self.ingestion
+        ingestion.after_push()
+
+    def next_batch(self, *, deadline: float, waited: float) -> Staged:
+        """The next staged batch; inline delivery runs here when nothing is staged.
+
+        Raises:
+            EmptyBufferError: No batch by ``deadline`` (``waited`` is for the message).
+            OperatorError, PlaneClosedError.
+        """
+        rt, flow = self.runtime, self.flow
+        while True:
+            job = None
+            with self.signals.lock:
+                self.check_open()
+                rt.raise_if_failed()
+                staged = flow.pop_staged_locked()
+                if staged is not None:
+                    return staged
+                job = self.delivery.take_locked()
+                # Data already pushed never waits for a granularity batch to fill.
+                hurry = (job is None and bool(flow.pending) and not rt.paused
+                         and flow.starved_locked())
+                if hurry and self.ingestion.overlapped:
+                    self.ingestion.hurry()
+                    hurry = False
+                if job is None and not hurry:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        raise EmptyBufferError(flow.empty_message(waited))
+                    self.signals.callers.wait(min(remaining, 0.5))
+                    continue
+            if job is None:
+                self.ingestion.hurry()
+                continue
+            with data_path_threads(1):
+                rt.raise_own(rt.run_delivery(job))
+
+    def recover(self) -> OperatorError | None:
+        """Unlatch the operator error and restart the schedule's workers; the buffer's rows
+        and the queued units are kept. Returns the error that was latched, if any."""
+        err = self.runtime.recover()
+        if err is not None and not self.closed:
+            with self.paused():
+                pass  # the workers exited on the error; paused() restarts them
+        return err
+
+    def close(self) -> None:
+        """Refuse new calls, stop the workers, and ingest every queued unit.
+
+        Raises:
+            DataLossError: Some acknowledged units could not be stored (an ingestion
+                failure that was never recovered, a failure while draining, or a worker
+                stuck in an operator); the first cause is attached.
+        """
+        rt, flow = self.runtime, self.flow
+        with self.signals.lock:
+            if self.closed:
+                return
+            self.closed = True  # pushes after this point raise PlaneClosedError
+            self.signals.wake(callers=True, ingestion=True, delivery=True)
+            cause: BaseException | None = None if rt.error_reported else rt.error
+            lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
+        try:
+            self.stop()
+        except OperatorError as stuck:
+            cause = cause or stuck
+            with self.signals.lock:
+                lost_units += flow.inflight_units + len(flow.pending)
+                lost_rows += sum(u.rows for u in flow.pending)
+                flow.pending.clear()
+        while True:
+            with self.signals.lock:
+                rt.error = None  # each failed invocation is counted below
+                units = rt.take_ingestion_locked(force=True)
+            if units is None:
+                break
+            err = rt.run_ingestion(units)
+            if err is not None:
+                cause = cause or err
+                lost_units += err.lost_units
+                lost_rows += err.lost_rows
+        with self.signals.lock:
+            rt.error = None
+        if lost_units:
+            raise DataLossError(
+                f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "
+                f"were not stored: {cause}", lost_units=lost_units,
+                lost_rows=lost_rows) from cause
+        if cause is not None and not isinstance(cause, OperatorError):  # pragma: no cover
+            raise cause

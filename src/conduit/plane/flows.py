@@ -1,0 +1,513 @@
+"""Flows: what off-policy and on-policy training allow through the plane.
+
+A flow owns the queue of pushed rollout units, the stage of delivered batches, and the rules
+between them: how many units may wait (backpressure), how many an ingestion invocation takes,
+when a batch may be drawn, which staged batches are still valid, and, on-policy, the
+iteration: exactly-once delivery of each iteration's rows per epoch, gated on the policy
+version (docs/design.md §2, §3). Flows decide; they never start threads or run operators.
+
+Methods whose name ends in ``_locked`` are called with the plane's lock
+(:attr:`Signals.lock`) held.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, ClassVar
+
+import torch
+
+from conduit.errors import CapacityError, EmptyBufferError, StaleRolloutError
+from conduit.plane.config import PlaneConfig
+from conduit.plane.early import EarlyBatch, plan_early
+from conduit.scheduling.space import Schedule
+from conduit.spec import Batch, ExperienceSpec
+from conduit.storage import ExperienceBuffer, SampleInfo
+
+
+class Signals:
+    """One lock, with a condition per kind of waiter, so that an event wakes only the threads
+    it concerns (every wake-up costs a thread hand-off on a small machine).
+
+    Attributes:
+        lock: The plane's lock (re-entrant).
+        callers: Waited on by ``push``, ``pull``, ``flush`` and ``paused()``.
+        ingestion: Waited on by the ingestion worker.
+        delivery: Waited on by the delivery worker.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.callers = threading.Condition(self.lock)
+        self.ingestion = threading.Condition(self.lock)
+        self.delivery = threading.Condition(self.lock)
+
+    def wake(self, *, callers: bool = False, ingestion: bool = False,
+             delivery: bool = False) -> None:
+        """Wake the waiters an event concerns (call with the lock held)."""
+        if callers:
+            self.callers.notify_all()
+        if ingestion:
+            self.ingestion.notify_all()
+        if delivery:
+            self.delivery.notify_all()
+
+
+@dataclass
+class Unit:
+    """One pushed rollout unit."""
+
+    data: Batch
+    rows: int
+    version: int | None
+
+
+@dataclass
+class DeliveryJob:
+    """One delivery invocation: the rows drawn and how to split them."""
+
+    info: SampleInfo
+    batches: int
+    batch_size: int
+    generation: int
+    early: EarlyBatch | None = None
+
+
+@dataclass
+class Staged:
+    """A training batch ready for the learner (``event``: its copy's CUDA event, if any)."""
+
+    batch: Batch
+    generation: int
+    event: Any = None
+
+
+def new_counters() -> dict[str, int]:
+    """The plane's counters, all zero."""
+    return dict.fromkeys(("pushed_units", "pushed_rows", "ingested_units", "ingested_rows",
+                          "lost_units", "lost_rows", "delivered_batches", "discarded_batches",
+                          "invocations_ing", "invocations_del", "early_batches"), 0)
+
+
+@dataclass
+class Flow(abc.ABC):
+    """Queue, stage and delivery rules shared by both flows.
+
+    Attributes:
+        config: The plane's configuration.
+        buffer: The buffer rows live in (replaced by a migration).
+        signals: The plane's lock and conditions.
+        schedule: The schedule in force (set by the plane).
+        deliver_ready: Called (without the lock) when a batch became deliverable on an
+            ingestion thread; the plane may deliver it right there.
+    """
+
+    config: PlaneConfig
+    buffer: ExperienceBuffer
+    signals: Signals
+    schedule: Schedule
+    deliver_ready: Callable[[], None] = lambda: None
+    counters: dict[str, int] = field(default_factory=new_counters)
+    pending: deque[Unit] = field(default_factory=deque)
+    pending_rows: int = 0
+    inflight_units: int = 0
+    staged: deque[Staged] = field(default_factory=deque)
+    priority_generation: int = 0
+    policy_version: int = 0
+    #: Whether ingesting queued units makes room for a waiting push (off-policy); on-policy
+    #: pushes wait on the learner instead.
+    room_by_ingesting: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        return None
+
+    @property
+    def spec(self) -> ExperienceSpec:
+        """Fields of one buffer row."""
+        return self.buffer.spec
+
+    # -- actor side ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def admit_locked(self, rows: int, version: int | None) -> bool:
+        """Whether a unit of ``rows`` may be queued now (False: wait for room).
+
+        Raises:
+            StaleRolloutError: On-policy rollout from an older policy.
+            CapacityError: On-policy rows beyond the iteration's capacity.
+        """
+
+    def enqueue_locked(self, unit: Unit) -> None:
+        """Queue an admitted unit."""
+        self.pending.append(unit)
+        self.pending_rows += unit.rows
+        self.counters["pushed_units"] += 1
+        self.counters["pushed_rows"] += unit.rows
+
+    @abc.abstractmethod
+    def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
+        """The units of the next ingestion invocation, or None if it should not run yet
+        (``force``: run with fewer than ``g_ing`` units)."""
+
+    def _taken_locked(self, take: list[Unit]) -> list[Unit]:
+        self.pending_rows -= sum(u.rows for u in take)
+        self.inflight_units += len(take)
+        return take
+
+    def ingested_locked(self, units: list[Unit], *, failed: bool) -> None:
+        """An ingestion invocation over ``units`` finished, or ``failed`` (its units are
+        lost and counted in ``lost_units`` / ``lost_rows``)."""
+        self.inflight_units -= len(units)
+        self.counters["invocations_ing"] += 1
+        key = "lost" if failed else "ingested"
+        self.counters[f"{key}_units"] += len(units)
+        if failed:
+            self.counters["lost_rows"] += sum(u.rows for u in units)
+
+    @abc.abstractmethod
+    def ingestion_units(self, units: list[Unit]) -> float:
+        """The granularity an invocation over ``units`` processed, for the timings."""
+
+    @abc.abstractmethod
+    def write(self, data: Batch, n: int) -> None:
+        """Append ``n`` validated rows (called by the ingestion operator, without the lock)."""
+
+    @property
+    @abc.abstractmethod
+    def max_pending_units(self) -> int:
+        """Units that may wait before ``push`` blocks."""
+
+    # -- learner side ----------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def prefetch_bound(self) -> int:
+        """Training batches that may be staged ahead of the learner."""
+
+    @property
+    @abc.abstractmethod
+    def stage_room(self) -> int:
+        """Staged batches below which a delivery invocation may run."""
+
+    @abc.abstractmethod
+    def take_delivery_locked(self) -> DeliveryJob | None:
+        """Draw the next delivery invocation's rows, or None if no batch can be formed yet."""
+
+    @abc.abstractmethod
+    def starved_locked(self) -> bool:
+        """Whether no batch can be formed until queued units are ingested."""
+
+    @abc.abstractmethod
+    def delivery_units(self, job: DeliveryJob) -> float:
+        """The granularity a delivery invocation processed, for the timings."""
+
+    def stage_locked(self, batches: list[Batch], generation: int, event: Any) -> None:
+        """Put a finished invocation's training batches on the stage."""
+        self.staged.extend(Staged(b, generation, event) for b in batches)
+
+    def pop_staged_locked(self) -> Staged | None:
+        """The next valid staged batch, or None. Batches that priority updates made stale
+        are discarded (beyond ``max_priority_lag``)."""
+        while self.staged:
+            s = self.staged.popleft()
+            if (self.buffer.sampler.invalidates_prefetch
+                    and s.generation < self.priority_generation - self.config.max_priority_lag):
+                self.counters["discarded_batches"] += 1
+                self.signals.wake(delivery=True)  # the worker may now refill the stage
+                continue
+            self.counters["delivered_batches"] += 1
+            self._delivered_locked()
+            self.signals.wake(delivery=True)  # room on the stage
+            return s
+        return None
+
+    def _delivered_locked(self) -> None:
+        return None
+
+    def priorities_updated_locked(self) -> None:
+        """A priority update happened: batches drawn before it are stale."""
+        self.priority_generation += 1
+
+    def pause_locked(self) -> None:
+        """Both operators are quiescent (a migration or restore may follow)."""
+        return None
+
+    @abc.abstractmethod
+    def empty_message(self, waited: float) -> str:
+        """Why no batch could be formed within ``waited`` seconds."""
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """Iteration state (empty off-policy)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`state_dict` (with the buffer already restored)."""
+        self.staged.clear()
+
+
+class OffPolicyFlow(Flow):
+    """Replay: rows stay until the ring overwrites them; batches are drawn with replacement
+    across iterations. A push waits when ``2·g_ing`` units are already queued."""
+
+    room_by_ingesting: ClassVar[bool] = True
+
+    @property
+    def max_pending_units(self) -> int:
+        return max(1, 2 * int(self.schedule.g_ing))
+
+    def admit_locked(self, rows: int, version: int | None) -> bool:
+        return len(self.pending) + self.inflight_units < self.max_pending_units
+
+    def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
+        want = int(self.schedule.g_ing)
+        if not self.pending or (len(self.pending) < want and not force):
+            return None
+        take: list[Unit] = []
+        while self.pending and len(take) < want:
+            take.append(self.pending.popleft())
+        return self._taken_locked(take)
+
+    def ingestion_units(self, units: list[Unit]) -> float:
+        return float(len(units))
+
+    def write(self, data: Batch, n: int) -> None:
+        self.buffer.extend(data, validate=False)
+        with self.signals.lock:
+            self.counters["ingested_rows"] += n
+            self.signals.wake(callers=True, delivery=True)
+
+    @property
+    def prefetch_bound(self) -> int:
+        """One invocation's ``g_del`` batches: the stage is refilled only when empty."""
+        return int(self.schedule.g_del)
+
+    @property
+    def stage_room(self) -> int:
+        return 1
+
+    def take_delivery_locked(self) -> DeliveryJob | None:
+        if len(self.staged) >= self.stage_room or len(self.buffer) < self.config.first_batch_rows:
+            return None
+        n = int(self.schedule.g_del)
+        info = self.buffer.draw(n * self.config.batch_size)
+        return DeliveryJob(info, n, self.config.batch_size, self.priority_generation)
+
+    def starved_locked(self) -> bool:
+        return len(self.buffer) < self.config.first_batch_rows
+
+    def delivery_units(self, job: DeliveryJob) -> float:
+        return float(job.batches)
+
+    def empty_message(self, waited: float) -> str:
+        return (f"no batch within {waited:.1f}s: the buffer holds {len(self.buffer)} rows, "
+                f"min_size is {self.config.first_batch_rows} ({len(self.pending)} rollout "
+                f"units pending)")
+
+
+class OnPolicyFlow(Flow):
+    """Consume-once iterations: ``capacity`` rows per policy version, each delivered exactly
+    once per epoch in the sampler's fixed layout; the last mini-batch of the last epoch clears
+    the buffer and moves to the next policy version. Pushes tagged with a newer version queue
+    up until then."""
+
+    def __post_init__(self) -> None:
+        self.iter_pushed_rows = 0
+        self.iter_written_rows = 0
+        self.iter_landed_rows = 0  # rows whose buffer write finished (<= written)
+        self.drawn_in_iter = 0
+        self.delivered_in_iter = 0
+        self.early: dict[int, EarlyBatch] = {}
+        self._write_lock = threading.Lock()  # slot order = write order within an iteration
+
+    @property
+    def max_pending_units(self) -> int:
+        return 1 << 30
+
+    def admit_locked(self, rows: int, version: int | None) -> bool:
+        """Admits the current version's rows up to the capacity; a newer version waits until
+        the current iteration has been consumed."""
+        if version is not None and version < self.policy_version:
+            raise StaleRolloutError(
+                f"rollout from policy version {version}, but the plane is at version "
+                f"{self.policy_version}; on-policy updates use fresh samples only")
+        if version is not None and version > self.policy_version:
+            return False
+        if self.iter_pushed_rows + rows > self.config.capacity:
+            raise CapacityError(
+                f"on-policy iteration {self.policy_version} holds {self.config.capacity} "
+                f"rows; {self.iter_pushed_rows} are pushed and this rollout adds {rows}. "
+                f"Pull the iteration's mini-batches first, or tag the rollout with "
+                f"policy_version={self.policy_version + 1}",
+                needed=self.iter_pushed_rows + rows, available=self.config.capacity)
+        return True
+
+    def enqueue_locked(self, unit: Unit) -> None:
+        super().enqueue_locked(unit)
+        self.iter_pushed_rows += unit.rows
+
+    def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
+        if not self.pending:
+            return None
+        want_rows = max(1, int(self.schedule.g_ing * self.config.capacity))
+        complete = self.iter_pushed_rows >= self.config.capacity
+        if self.pending_rows < want_rows and not (force or complete):
+            return None
+        take: list[Unit] = []
+        got = 0
+        while self.pending and (got < want_rows or force or complete):
+            u = self.pending.popleft()
+            take.append(u)
+            got += u.rows
+            if got >= want_rows and not (force or complete):
+                break
+        return self._taken_locked(take)
+
+    def ingested_locked(self, units: list[Unit], *, failed: bool) -> None:
+        """Failed units leave the iteration, so it can still fill up with new pushes."""
+        super().ingested_locked(units, failed=failed)
+        if failed:
+            self.iter_pushed_rows -= sum(u.rows for u in units)
+
+    def ingestion_units(self, units: list[Unit]) -> float:
+        return sum(u.rows for u in units) / self.config.capacity
+
+    def write(self, data: Batch, n: int) -> None:
+        cap = self.config.capacity
+        with self._write_lock:
+            with self.signals.lock:
+                if self.iter_written_rows + n > cap:
+                    raise CapacityError(
+                        f"ingestion wrote {self.iter_written_rows + n} rows into on-policy "
+                        f"iteration {self.policy_version}, which holds {cap}",
+                        needed=self.iter_written_rows + n, available=cap)
+                start = self.iter_written_rows
+                self.iter_written_rows += n
+                plan = start == 0 and self._wants_early()
+                version = self.policy_version
+            # Planned outside the lock (a permutation of the iteration's rows); the iteration
+            # cannot end meanwhile, since its last batch needs this write.
+            planned = (plan_early(self.buffer.sampler, capacity=cap, iteration=version,
+                                  count=self.prefetch_bound,
+                                  batches_per_iteration=self.config.batches_per_iteration)
+                       if plan else None)
+            with self.signals.lock:
+                if planned is not None:
+                    self.early = planned
+                early = list(self.early.values())
+            for e in early:  # in delivery order, each released as soon as it is filled
+                k = e.fill(self.spec, data, start, n)
+                if k:
+                    with self.signals.lock:
+                        e.filled += k
+                        self.signals.wake(delivery=True)
+                        ready = e.complete and bool(self.schedule.overlap_ing)
+                    if ready:
+                        self.deliver_ready()
+            # Slots [start, start + n): the buffer was cleared when the iteration began, and
+            # the write lock keeps concurrent ingestions in order.
+            self.buffer.extend(data, validate=False)
+            with self.signals.lock:
+                self.iter_landed_rows += n
+                self.counters["ingested_rows"] += n
+                self.signals.wake(callers=True, delivery=True)
+
+    def _wants_early(self) -> bool:
+        """Assemble the first mini-batches while rows arrive only when delivery is overlapped
+        (it stages them first) and the rows live in host memory."""
+        return bool(self.schedule.overlap_del) and all(
+            torch.device(d).type == "cpu" for d in self.buffer.placement.devices)
+
+    @property
+    def prefetch_bound(self) -> int:
+        """Two mini-batches with overlapped delivery (one slow gather does not stall the
+        learner; the order is fixed by the layout), else one."""
+        return 2 if self.schedule.overlap_del else 1
+
+    @property
+    def stage_room(self) -> int:
+        return self.prefetch_bound
+
+    def take_delivery_locked(self) -> DeliveryJob | None:
+        cap = self.config.capacity
+        if (len(self.staged) >= self.stage_room
+                or self.drawn_in_iter >= self.config.batches_per_iteration):
+            return None
+        landed = self.iter_landed_rows >= cap
+        early = self.early.get(self.drawn_in_iter)
+        if early is not None and landed and not early.complete:
+            early = None  # could not be assembled (rows were not in host memory): gather
+        if not (landed or (early is not None and early.complete)):
+            return None
+        sampler = self.buffer.sampler
+        m = self.config.num_minibatches
+        if self.drawn_in_iter % m == 0:
+            sampler.begin_epoch(cap, iteration=self.policy_version,
+                                epoch=self.drawn_in_iter // m)
+        info = sampler.sample(cap, 0)
+        if early is not None and not torch.equal(early.indices, info.indices):
+            early = None  # pragma: no cover - the layout is a pure function
+        if early is None and not landed:  # pragma: no cover - follows from the above
+            raise EmptyBufferError("on-policy delivery started before the iteration landed")
+        self.early.pop(self.drawn_in_iter, None)
+        if early is not None:
+            self.counters["early_batches"] += 1
+        self.drawn_in_iter += 1
+        return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early)
+
+    def starved_locked(self) -> bool:
+        return self.iter_written_rows < self.config.capacity
+
+    def delivery_units(self, job: DeliveryJob) -> float:
+        return float(Fraction(1, self.config.num_minibatches))
+
+    def _delivered_locked(self) -> None:
+        self.delivered_in_iter += 1
+        if self.delivered_in_iter == self.config.batches_per_iteration:
+            self._advance_locked()
+            self.signals.wake(callers=True, ingestion=True)  # pushes of the next version
+
+    def _advance_locked(self) -> None:
+        self.buffer.clear()
+        self.policy_version += 1
+        self.iter_pushed_rows = sum(u.rows for u in self.pending)
+        self.iter_written_rows = self.iter_landed_rows = 0
+        self.drawn_in_iter = self.delivered_in_iter = 0
+        self.early = {}
+
+    def pause_locked(self) -> None:
+        """Mini-batches being assembled early fall back to a gather (the buffer may move, the
+        spec may grow); dropping them is always safe."""
+        self.early = {}
+
+    def empty_message(self, waited: float) -> str:
+        return (f"no on-policy mini-batch within {waited:.1f}s: iteration "
+                f"{self.policy_version} has {self.iter_written_rows} of {self.config.capacity} "
+                f"rows ingested ({self.iter_pushed_rows} pushed); push the whole rollout "
+                f"before pulling")
+
+    def state_dict(self) -> dict[str, int]:
+        """Policy version, rows written and mini-batches delivered in the iteration."""
+        return {"policy_version": self.policy_version,
+                "iter_written_rows": self.iter_written_rows,
+                "delivered_in_iter": self.delivered_in_iter}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
+        super().load_state_dict(state)
+        self.policy_version = int(state["policy_version"])
+        self.iter_pushed_rows = self.iter_written_rows = int(state["iter_written_rows"])
+        self.iter_landed_rows = self.iter_written_rows
+        self.delivered_in_iter = self.drawn_in_iter = int(state["delivered_in_iter"])
+        self.early = {}
+        if self.drawn_in_iter:
+            m = self.config.num_minibatches
+            self.buffer.sampler.begin_epoch(self.config.capacity, iteration=self.policy_version,
+                                            epoch=(self.drawn_in_iter - 1) // m)
+            self.buffer.sampler.seek((self.drawn_in_iter - 1) % m + 1)

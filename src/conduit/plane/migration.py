@@ -1,0 +1,183 @@
+"""Executing a placement migration (Alg. 2): move a buffer's rows to a new placement, and
+optionally a wider spec, while the plane is paused.
+
+The decisions come from :mod:`conduit.placement.migration`: where to go (``M(x)`` of a
+:class:`~conduit.placement.PlacementMap`) and the Eq. 3 transfer plan between the endpoints.
+Rows keep their slots, so the ring cursor and every sampler's per-row state stay valid
+(docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from conduit.errors import ConfigError, SpecError
+from conduit.placement import (
+    PlacementDecision,
+    PlacementMap,
+    Topology,
+    plan_placement,
+    rows_per_endpoint,
+)
+from conduit.plane.config import PlaneConfig
+from conduit.spec import Batch, ExperienceSpec
+from conduit.storage import ExperienceBuffer, Placement, Store
+
+PlacementArg = Placement | PlacementMap | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class InitialPlacement:
+    """Where a new plane's buffer starts, and what decided it.
+
+    Attributes:
+        placement: The placement (None: pageable CPU memory).
+        decision: Alg. 1's decision, for ``placement="auto"``.
+        placement_map: The map the plane follows as its spec grows, when given one.
+    """
+
+    placement: Placement | None
+    decision: PlacementDecision | None = None
+    placement_map: PlacementMap | None = None
+
+
+def initial_placement(placement: PlacementArg, config: PlaneConfig) -> InitialPlacement:
+    """Resolve a plane's ``placement`` argument.
+
+    ``"auto"`` runs Alg. 1 over this machine's detected topology; a
+    :class:`~conduit.placement.PlacementMap` gives ``M(x)`` for the spec's per-sample size.
+
+    Raises:
+        ConfigError: ``placement`` is none of the accepted kinds.
+        CapacityError: The map holds no placement for the spec's size.
+    """
+    if placement is None or isinstance(placement, Placement):
+        return InitialPlacement(placement)
+    if isinstance(placement, PlacementMap):
+        return InitialPlacement(placement.lookup(config.spec.bytes_per_sample),
+                                placement_map=placement)
+    if placement != "auto":
+        raise ConfigError("placement", f"expected a Placement, a PlacementMap, 'auto' or None, "
+                                       f"got {placement!r}")
+    dev = config.learner_device
+    learner = "cuda:0" if dev.type == "cuda" and dev.index is None else str(dev)
+    decision = plan_placement(capacity=config.capacity, spec=config.spec, actor_device="cpu",
+                              learner_device=learner, topology=Topology.detect())
+    return InitialPlacement(decision.placement, decision=decision)
+
+
+def check_growth(old: ExperienceSpec, new: ExperienceSpec) -> None:
+    """Check that ``new`` only widens ``old``: same fields and dtypes, shapes that grow.
+
+    Raises:
+        SpecError: A field is dropped, changes dtype or rank, or narrows.
+    """
+    for name, fs in old.fields.items():
+        if name not in new.fields:
+            raise SpecError(name, "a migration may widen fields but not drop them")
+        nf = new.fields[name]
+        if nf.dtype != fs.dtype:
+            raise SpecError(name, f"dtype changes from {fs.dtype} to {nf.dtype}; a migration "
+                                  f"only widens shapes")
+        if len(nf.shape) != len(fs.shape) or any(a < b for a, b in zip(nf.shape, fs.shape)):
+            raise SpecError(name, f"shape {fs.shape} -> {nf.shape} is not a growth")
+
+
+def pad_to(data: Batch, spec: ExperienceSpec) -> Batch:
+    """``data`` laid out for ``spec``: narrower fields zero-padded, new fields zero."""
+    n = next(iter(data.values())).shape[0]
+    out: Batch = {}
+    for name, fs in spec.fields.items():
+        v = data.get(name)
+        if v is None:
+            out[name] = torch.zeros((n, *fs.shape), dtype=fs.dtype)
+        elif tuple(v.shape[1:]) != fs.shape:
+            pad = torch.zeros((n, *fs.shape), dtype=fs.dtype, device=v.device)
+            pad[(slice(None), *(slice(0, s) for s in v.shape[1:]))] = v
+            out[name] = pad
+        else:
+            out[name] = v
+    return out
+
+
+def _device_ranges(store: Store) -> list[tuple[str, int, int]]:
+    """``(device label, first slot, end slot)`` of each part of a store."""
+    bounds = getattr(store, "bounds", None)
+    if bounds is None:
+        return [(str(store.placement.devices[0]), 0, store.capacity)]
+    return [(f"{d}[{k}]", int(bounds[k]), int(bounds[k + 1]))
+            for k, d in enumerate(store.placement.devices)]
+
+
+def _range_flows(old: Store, new: Store, start: int, n: int) -> list[tuple[str, str, int]]:
+    out = []
+    for a, a0, a1 in _device_ranges(old):
+        for b, b0, b1 in _device_ranges(new):
+            lo, hi = max(a0, b0, start), min(a1, b1, start + n)
+            if lo < hi:
+                out.append((a, b, hi - lo))
+    return out
+
+
+def next_placement(pmap: PlacementMap, current: Placement, x: float) -> Placement:
+    """Alg. 2's decision: ``M(x)``, or ``current`` when it is already that placement.
+
+    Raises:
+        CapacityError: No placement of the map holds samples of ``x`` bytes.
+    """
+    target = pmap.lookup(x)
+    return current if target == current else target
+
+
+def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: ExperienceSpec,
+                chunk_rows: int, placement_map: PlacementMap | None = None
+                ) -> tuple[ExperienceBuffer, dict[str, Any]]:
+    """Copy every filled row of ``old`` into a new buffer on ``placement`` with ``spec``.
+
+    The new buffer shares ``old``'s sampler and writer state; rows keep their slots.
+
+    Args:
+        old: The buffer to move (its operators must be paused).
+        placement: Where the rows go.
+        spec: The new spec (a growth of ``old.spec``; see :func:`check_growth`).
+        chunk_rows: Rows copied per step (bounds the transient memory).
+        placement_map: When given and both placements are regions of it, the Eq. 3 plan
+            between them is part of the report.
+
+    Returns:
+        The new buffer and a report: ``rows``, ``bytes``, ``seconds``, ``from`` / ``to``
+        placements, ``migrated`` (the placement changed), ``flows_rows`` (rows per
+        ``"src->dst"`` device pair as moved) and, with a map, ``plan`` (Eq. 3: bytes per
+        endpoint pair and the predicted makespan).
+
+    Raises:
+        CapacityError: The new placement cannot hold the buffer.
+    """
+    t0 = time.perf_counter()
+    new = ExperienceBuffer(spec=spec, capacity=old.capacity, sampler=old.sampler,
+                           placement=placement)
+    rows = len(old)
+    to_host = torch.device("cpu") if placement.primary_device.type == "cpu" else None
+    flows: dict[str, int] = {}
+    for start in range(0, rows, chunk_rows):
+        idx = torch.arange(start, min(rows, start + chunk_rows), dtype=torch.int64)
+        new.store.set_range(start, pad_to(old.store.get(idx, device=to_host), spec))
+        for a, b, n in _range_flows(old.store, new.store, start, len(idx)):
+            flows[f"{a}->{b}"] = flows.get(f"{a}->{b}", 0) + n
+    new.adopt_cursor(old)
+    report: dict[str, Any] = {
+        "rows": rows, "bytes": rows * spec.bytes_per_sample,
+        "seconds": time.perf_counter() - t0, "from": old.placement.to_dict(),
+        "to": placement.to_dict(), "migrated": placement != old.placement,
+        "flows_rows": flows}
+    if placement_map is not None and report["migrated"] and rows:
+        volumes = {e: r * old.spec.bytes_per_sample for e, r in
+                   rows_per_endpoint(old.placement, rows, placement_map.topology).items()}
+        plan = placement_map.plan_between(old.placement, placement, volumes)
+        report["plan"] = {"flows_bytes": {f"{s}->{d}": f for s, d, f in plan.transfers()},
+                          "makespan_s": plan.makespan_s}
+    return new, report

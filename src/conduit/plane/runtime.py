@@ -1,0 +1,225 @@
+"""The operator runtime: runs the registered Fig. 8 operators on the units and draws a flow
+hands out, records their timings, and latches the first operator error.
+
+Which thread runs an invocation is the runners' business (:mod:`conduit.plane.runners`); what
+an invocation may take is the flow's (:mod:`conduit.plane.flows`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from conduit.errors import OperatorError
+from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
+from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
+from conduit.storage import data_path_threads
+from conduit.timing import Timings
+
+IngestionFn = Callable[[ActorIn, BufferOut], None]
+DeliveryFn = Callable[[BufferIn, LearnerOut], None]
+
+
+def identity_ingestion(actor_in: ActorIn, exp_out: BufferOut) -> None:
+    """The default ingestion operator: rollouts are buffer rows as they are."""
+    exp_out.write(actor_in.read())
+
+
+def identity_delivery(exp_in: BufferIn, learn_out: LearnerOut) -> None:
+    """The default delivery operator: sampled rows are training batches as they are."""
+    learn_out.write(exp_in.read())
+
+
+class OperatorRuntime:
+    """Runs ingestion and delivery invocations for a flow.
+
+    Args:
+        flow: What the operators may take and where their output goes.
+        signals: The plane's lock and conditions.
+        timings: Where invocations are recorded (``"ingestion"``, ``"delivery"``).
+        learner_device: Where delivered batches end up; a CUDA device gets its own copy
+            stream.
+    """
+
+    def __init__(self, *, flow: Flow, signals: Signals, timings: Timings,
+                 learner_device: torch.device) -> None:
+        self.flow = flow
+        self.signals = signals
+        self.timings = timings
+        self.learner_device = learner_device
+        self.stream = (torch.cuda.Stream(learner_device)
+                       if learner_device.type == "cuda" else None)
+        self.ingest_fn: IngestionFn = identity_ingestion
+        self.deliver_fn: DeliveryFn = identity_delivery
+        self.error: OperatorError | None = None
+        #: Whether the latched error has been raised to a caller (who then knows its loss).
+        self.error_reported = False
+        self.paused = 0
+        self.busy = 0
+        self.stop = False
+        flow.deliver_ready = self.deliver_ready
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = ()
+             ) -> OperatorError:
+        """Latch ``exc`` as the plane's operator error (the first one wins) and wake all.
+
+        Args:
+            operator: Which operator raised.
+            exc: What it raised.
+            units: The rollout units whose ingestion failed (their rows are lost).
+
+        Returns:
+            The error made for ``exc``.
+        """
+        err = OperatorError(operator, exc, lost_units=len(units),
+                            lost_rows=sum(u.rows for u in units))
+        err.__cause__ = exc
+        with self.signals.lock:
+            if self.error is None:
+                self.error, self.error_reported = err, False
+            self.signals.wake(callers=True, ingestion=True, delivery=True)
+        return err
+
+    def raise_if_failed(self) -> None:
+        """Raise the latched operator error, if any."""
+        if self.error is not None:
+            self.error_reported = True
+            raise self.error
+
+    def raise_own(self, err: OperatorError | None) -> None:
+        """Raise ``err``, an error of an invocation the calling thread ran, and unlatch it:
+        the caller that brought the input is told, and the plane stays usable."""
+        if err is None:
+            return
+        with self.signals.lock:
+            if self.error is err:
+                self.error = None
+        raise err
+
+    def recover(self) -> OperatorError | None:
+        """Unlatch the operator error (the caller handled it); returns it."""
+        with self.signals.lock:
+            err, self.error = self.error, None
+            self.signals.wake(callers=True, ingestion=True, delivery=True)
+        return err
+
+    # -- ingestion -----------------------------------------------------------------------------
+
+    def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
+        """The next ingestion invocation's units (None while paused or not ready)."""
+        if self.paused:
+            return None
+        units = self.flow.take_ingestion_locked(force=force)
+        if units is not None:
+            self.busy += 1
+        return units
+
+    def drain_inline(self, *, force: bool) -> None:
+        """Run every ready ingestion invocation on the calling thread.
+
+        Raises:
+            OperatorError: An invocation failed (its units are lost; the error is not kept),
+                or an operator failed earlier on a worker (the error stays latched).
+        """
+        while True:
+            with self.signals.lock:
+                self.raise_if_failed()
+                units = self.take_ingestion_locked(force=force)
+            if units is None:
+                return
+            with data_path_threads(1):
+                self.raise_own(self.run_ingestion(units))
+
+    def run_ingestion(self, units: list[Unit]) -> OperatorError | None:
+        """One ingestion invocation over ``units`` (taken with :meth:`take_ingestion_locked`).
+
+        Returns:
+            The (latched) error if the operator raised.
+        """
+        t0 = time.perf_counter()
+        out = BufferOut(self._write_rows)
+        err = None
+        try:
+            self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
+        except BaseException as exc:
+            err = self.fail("ingestion", exc, units=units)
+        finally:
+            self.timings.record("ingestion", time.perf_counter() - t0,
+                                units=self.flow.ingestion_units(units), start=t0)
+            with self.signals.lock:
+                self.flow.ingested_locked(units, failed=err is not None)
+                self.busy -= 1
+                self.signals.wake(callers=True)
+        return err
+
+    def _write_rows(self, batch: Mapping[str, Any]) -> int:
+        data, n = self.flow.spec.validate(batch, what="write")
+        self.flow.write(data, n)
+        return n
+
+    # -- delivery ------------------------------------------------------------------------------
+
+    def take_delivery_locked(self) -> DeliveryJob | None:
+        """The next delivery invocation (None while paused or when no batch can be formed)."""
+        if self.paused:
+            return None
+        job = self.flow.take_delivery_locked()
+        if job is not None:
+            self.busy += 1
+        return job
+
+    def deliver_ready(self) -> None:
+        """Deliver the next batch on the calling (worker) thread, if one can be formed: an
+        early-assembled mini-batch is staged by the ingestion worker that completed it, one
+        thread hand-off fewer on the way to the learner's first pull."""
+        with self.signals.lock:
+            job = self.take_delivery_locked()
+        if job is not None:
+            self.deliver_here(job)
+
+    def deliver_here(self, job: DeliveryJob) -> None:
+        """Run a delivery job on a worker thread (on the plane's copy stream, if any)."""
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.run_delivery(job)
+        else:
+            self.run_delivery(job)
+
+    def run_delivery(self, job: DeliveryJob) -> OperatorError | None:
+        """One delivery invocation: gather (or take the early-assembled rows), run the
+        operator, and stage its training batches.
+
+        Returns:
+            The (latched) error if the operator raised.
+        """
+        t0 = time.perf_counter()
+        out = LearnerOut(batches=job.batches, device=self.learner_device)
+        err = None
+        try:
+            early = job.early
+            rows = (dict(early.out) if early is not None and early.out is not None
+                    else self.flow.buffer.gather(job.info))
+            self.deliver_fn(BufferIn(rows, batches=job.batches, batch_size=job.batch_size), out)
+            if len(out.staged) != job.batches:
+                raise RuntimeError("the delivery operator did not call learn_out.write()")
+        except BaseException as exc:
+            err = self.fail("delivery", exc)
+        finally:
+            event = None
+            if self.stream is not None and out.staged:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.timings.record("delivery", time.perf_counter() - t0,
+                                units=self.flow.delivery_units(job), start=t0)
+            with self.signals.lock:
+                if self.error is None:
+                    self.flow.stage_locked(out.staged, job.generation, event)
+                self.busy -= 1
+                self.flow.counters["invocations_del"] += 1
+                self.signals.wake(callers=True)
+        return err

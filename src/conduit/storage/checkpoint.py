@@ -1,0 +1,434 @@
+"""Checkpoint files: named tensors and JSON metadata in one versioned, checksummed file.
+
+No pickle is involved in writing or reading, so loading a checkpoint never runs code from
+the file. Layout, version 1 (all integers little-endian)::
+
+    offset  size  content
+    0       8     magic b"\\x89CONDUIT"
+    8       4     uint32 format version (1)
+    12      4     uint32 header length H
+    16      4     uint32 CRC-32 of bytes [0, 16) followed by the header
+    20      H     header: UTF-8 strict JSON (see below)
+    ...           zero padding to the first part's offset
+    offset        part bytes: the tensor's elements, C order, little-endian, then zero
+                  padding to the next part's offset; the file ends where the last part
+                  ends (with no parts, at the first multiple of the alignment after the
+                  header)
+
+The header is ``{"alignment": 4096, "checksum": "crc32", "file_bytes": int, "meta": {...},
+"parts": [{"name", "dtype", "shape", "offset", "nbytes", "crc32"}, ...]}``: ``dtype`` is the
+torch name without ``torch.`` (``"bfloat16"``), ``offset`` a multiple of ``alignment`` (so a
+part can be memory-mapped), ``nbytes`` equals the shape's element count times the element
+size, and ``crc32`` is the part's CRC-32 as 8 lowercase hex digits. Every byte of a file is
+checked on read: the preamble and header by the header checksum, padding must be zero, and
+each part by its own checksum.
+
+Writes are atomic: the file is written under a temporary name (``.<name>.<random>.tmp``) in
+the target's folder, synced, renamed onto the target, and the folder is synced. The preamble
+is written last, so an interrupted temporary file never carries the magic bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap as _mmap
+import os
+import secrets
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from conduit.errors import ConduitError, ConfigError
+
+MAGIC = b"\x89CONDUIT"
+"""First 8 bytes of every checkpoint file."""
+
+FORMAT_VERSION = 1
+"""The layout version this module writes and reads."""
+
+ALIGNMENT = 4096
+"""Byte alignment of every part's offset (a page, so parts can be memory-mapped)."""
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
+    torch.float64, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)
+"""Element types a part may have (sub-byte, quantized and complex32 types are refused)."""
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES}
+_PREAMBLE = struct.Struct("<8sIII")
+_CHUNK = 8 << 20  # bytes hashed and written per step: bounds the extra memory of a save
+
+
+class CheckpointError(ConduitError):
+    """A persisted file (a checkpoint, or a memory-mapped store's manifest or column) is
+    truncated, corrupted, or of an unknown version.
+
+    A missing checkpoint raises :class:`FileNotFoundError` instead, as ``open`` does.
+
+    Attributes:
+        path: The file at fault.
+        part: The name of the corrupted part, or ``None`` when the file as a whole (its size,
+            preamble, header or padding) is at fault.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], message: str, *,
+                 part: str | None = None) -> None:
+        self.path = Path(path)
+        self.part = part
+        where = f" (part {part!r})" if part is not None else ""
+        super().__init__(f"{self.path}{where}: {message}")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`write_checkpoint` wrote.
+
+    Attributes:
+        path: The checkpoint file.
+        nbytes: Size of the file in bytes.
+        parts: Names of the tensors, in file order.
+        seconds: Wall time of the whole write, syncs included.
+    """
+
+    path: Path
+    nbytes: int
+    parts: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int
+
+    def entry(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch."),
+                "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes,
+                "crc32": f"{self.crc32:08x}"}
+
+
+def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torch.Tensor],
+                     meta: Mapping[str, Any]) -> CheckpointInfo:
+    """Write ``tensors`` and ``meta`` to ``path`` atomically.
+
+    Each tensor is streamed from its own memory in chunks of 8 MiB (CPU tensors are not
+    copied; other devices are copied to the host a chunk at a time), so a save needs at most
+    one chunk beyond the tensors themselves. Until the final rename, a file already at
+    ``path`` is left untouched; if the write fails, the temporary file is removed.
+
+    Args:
+        path: Target file; its folder must exist.
+        tensors: Part name -> dense tensor of a :data:`SUPPORTED_DTYPES` dtype, on any device
+            that holds data. They must not change until the call returns (hold the lock
+            that guards them, or pass a snapshot): a byte changed mid-write fails the part's
+            checksum when the file is read.
+        meta: Strict-JSON data (no NaN or infinity) stored in the header.
+
+    Returns:
+        What was written.
+
+    Raises:
+        ConfigError: ``meta`` is not strict JSON, or a tensor is not dense, holds no data
+            or has an unsupported dtype (nothing is written).
+        OSError: The file system refused the write (the temporary file is removed).
+    """
+    t0 = time.perf_counter()
+    path = Path(path)
+    _require_little_endian(path)
+    _check_tensors(tensors)
+    parts, file_bytes = _layout(meta, tensors)
+    header = _header(meta, parts, file_bytes)
+    with atomic_write(path) as f:
+        done = []
+        for p in parts:
+            f.seek(p.offset)
+            crc = 0
+            for chunk in _byte_chunks(tensors[p.name]):
+                crc = zlib.crc32(chunk, crc)
+                f.write(chunk)
+            done.append(_Part(p.name, p.dtype, p.shape, p.offset, p.nbytes, crc))
+        f.truncate(file_bytes)
+        final = _header(meta, done, file_bytes)
+        assert len(final) == len(header), "checksums are fixed-width, so the header size is"
+        f.seek(0)
+        f.write(_preamble(final) + final)
+    return CheckpointInfo(path=path, nbytes=file_bytes, parts=tuple(p.name for p in parts),
+                          seconds=time.perf_counter() - t0)
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False,
+                    verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a file written by :func:`write_checkpoint`.
+
+    Args:
+        path: The checkpoint file.
+        mmap: Map the parts copy-on-write instead of reading them: tensors are backed by
+            the file's pages, loaded on first touch, and writes to them stay private to this
+            process. The mapping keeps the file's data alive even if ``path`` is later
+            replaced by a new checkpoint.
+        verify: Check every part's checksum (with ``mmap=True`` this reads every page once).
+            The header and padding are always checked.
+
+    Returns:
+        ``(meta, tensors)``: the header's metadata and part name -> CPU tensor, in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: The file is truncated or extended, has a bad magic number, an
+            unknown version, a header that fails its checksum or does not describe a valid
+            layout, non-zero padding, or a part whose bytes fail their checksum.
+    """
+    path = Path(path)
+    _require_little_endian(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        meta, parts, header_end = _read_header(f, path, size)
+        if mmap:
+            tensors = _map_parts(f, path, parts, header_end, size, verify)
+        else:
+            tensors = _read_parts(f, path, parts, header_end, size, verify)
+    return meta, tensors
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+    """Open a temporary file that replaces ``path`` only once it is complete and synced.
+
+    On normal exit the file is flushed, ``fsync``-ed, renamed onto ``path`` and the folder is
+    synced; on an exception it is removed and ``path`` is left as it was.
+
+    Yields:
+        The temporary file, open for binary writing (seekable).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a folder (Windows) do not need this
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _require_little_endian(path: Path) -> None:
+    if sys.byteorder != "little":
+        raise CheckpointError(path, "checkpoints are little-endian; this host is big-endian")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise ConfigError("tensors", f"part names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise ConfigError(f"tensors[{name!r}]", f"expected a dense tensor, got "
+                                                    f"{type(t).__name__}")
+        if t.device.type == "meta":
+            raise ConfigError(f"tensors[{name!r}]", "is on the 'meta' device, which holds "
+                                                    "no data")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"tensors[{name!r}]", f"dtype {t.dtype} cannot be stored; "
+                                                    f"supported: {sorted(_DTYPES)}")
+
+
+def _layout(meta: Mapping[str, Any],
+            tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Part], int]:
+    """Parts at their offsets (checksums 0) and the file size.
+
+    The header holds the offsets and sits before them, so its length and the offsets
+    depend on each other: place the parts, measure the header, and move the parts past it
+    until it fits (the header only grows by a few digits, so this settles in two rounds).
+    """
+    start = 0
+    while True:
+        parts, pos = [], start
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            parts.append(_Part(name, t.dtype, tuple(t.shape), pos, nbytes, 0))
+            pos = _align(pos + nbytes)
+        file_bytes = parts[-1].offset + parts[-1].nbytes if parts else start
+        header_end = _PREAMBLE.size + len(_header(meta, parts, file_bytes))
+        if header_end <= start:
+            return parts, file_bytes
+        start = _align(header_end)
+
+
+def _header(meta: Mapping[str, Any], parts: list[_Part], file_bytes: int) -> bytes:
+    try:
+        return json.dumps({"alignment": ALIGNMENT, "checksum": "crc32",
+                           "file_bytes": file_bytes, "meta": dict(meta),
+                           "parts": [p.entry() for p in parts]},
+                          allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("meta", f"must be strict JSON (no NaN, infinity or objects): "
+                                  f"{exc}") from exc
+
+
+def _preamble(header: bytes) -> bytes:
+    head = struct.pack("<8sII", MAGIC, FORMAT_VERSION, len(header))
+    return head + struct.pack("<I", zlib.crc32(header, zlib.crc32(head)))
+
+
+def _byte_chunks(t: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of ``t`` in C order, a chunk of about :data:`_CHUNK` bytes at a time."""
+    t = t.detach()
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        step = max(1, _CHUNK // t.element_size())
+        for i in range(0, flat.numel(), step):
+            yield _bytes_of(flat[i:i + step].cpu())
+    else:
+        step = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
+        for i in range(0, t.shape[0], step):
+            yield _bytes_of(t[i:i + step].cpu().contiguous())
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    # Through a uint8 view, since numpy has no bfloat16 or float8.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_header(f: IO[bytes], path: Path,
+                 size: int) -> tuple[dict[str, Any], list[_Part], int]:
+    """Check the preamble and header; returns ``(meta, parts, end of the header)``."""
+    if size < _PREAMBLE.size:
+        raise CheckpointError(path, f"truncated: {size} bytes, shorter than the "
+                                    f"{_PREAMBLE.size}-byte preamble")
+    head = f.read(_PREAMBLE.size)
+    magic, version, length, crc = _PREAMBLE.unpack(head)
+    if magic != MAGIC:
+        raise CheckpointError(path, f"bad magic bytes {magic!r}: not a Conduit checkpoint "
+                                    f"(or an unfinished temporary file)")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(path, f"format version {version} is unknown; this reader "
+                                    f"reads version {FORMAT_VERSION}")
+    header_end = _PREAMBLE.size + length
+    if header_end > size:
+        raise CheckpointError(path, f"truncated: {size} bytes, but the header alone ends at "
+                                    f"byte {header_end}")
+    raw = f.read(length)
+    if zlib.crc32(raw, zlib.crc32(head[:16])) != crc:
+        raise CheckpointError(path, "header checksum mismatch: the header is corrupted")
+    try:
+        header = json.loads(raw)
+        if header["alignment"] != ALIGNMENT or header["checksum"] != "crc32":
+            raise ValueError(f"alignment {header['alignment']!r} and checksum "
+                             f"{header['checksum']!r}, expected {ALIGNMENT} and 'crc32'")
+        file_bytes, meta = int(header["file_bytes"]), dict(header["meta"])
+        entries = [(str(e["name"]), str(e["dtype"]), tuple(int(s) for s in e["shape"]),
+                    int(e["offset"]), int(e["nbytes"]), int(e["crc32"], 16))
+                   for e in header["parts"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"header does not describe a version "
+                                    f"{FORMAT_VERSION} layout: {exc!r}") from exc
+    if size != file_bytes:
+        what = "truncated" if size < file_bytes else "has trailing bytes"
+        raise CheckpointError(path, f"{what}: {size} bytes, the header says {file_bytes}")
+    parts, pos = [], header_end
+    for name, dtype_name, shape, offset, nbytes, part_crc in entries:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(path, f"unknown dtype {dtype_name!r}", part=name)
+        if any(s < 0 for s in shape) or nbytes != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(path, f"shape {shape} of {dtype_name} needs "
+                                        f"{math.prod(shape) * dtype.itemsize} bytes, the "
+                                        f"header says {nbytes}", part=name)
+        if offset % ALIGNMENT or offset < pos or offset + nbytes > file_bytes:
+            raise CheckpointError(path, f"bytes [{offset}, {offset + nbytes}) are unaligned, "
+                                        f"overlap the previous part or leave the file",
+                                  part=name)
+        if any(p.name == name for p in parts):
+            raise CheckpointError(path, "appears twice in the header", part=name)
+        parts.append(_Part(name, dtype, shape, offset, nbytes, part_crc))
+        pos = offset + nbytes
+    return meta, parts, header_end
+
+
+def _read_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int,
+                verify: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in parts:
+        _check_padding(path, f.read(p.offset - pos))
+        t = torch.empty(p.shape, dtype=p.dtype)
+        view, crc = _bytes_of(t), 0
+        for i in range(0, p.nbytes, _CHUNK):
+            chunk = view[i:i + _CHUNK]
+            if f.readinto(chunk) != len(chunk):
+                raise CheckpointError(path, "file shrank while it was read", part=p.name)
+            if verify:  # while the chunk is still in cache
+                crc = zlib.crc32(chunk, crc)
+        if verify:
+            _check_crc(path, p, crc)
+        out[p.name] = t
+        pos = p.offset + p.nbytes
+    _check_padding(path, f.read(size - pos))
+    return out
+
+
+def _map_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int,
+               verify: bool) -> dict[str, torch.Tensor]:
+    region = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+    out = {}
+    with memoryview(region) as view:
+        for p in parts:
+            _check_padding(path, view[pos:p.offset])
+            if verify:
+                _check_crc(path, p, zlib.crc32(view[p.offset:p.offset + p.nbytes]))
+            if p.nbytes:
+                t = torch.frombuffer(region, dtype=p.dtype, count=p.nbytes // p.dtype.itemsize,
+                                     offset=p.offset)
+                out[p.name] = t.view(p.shape)
+            else:  # frombuffer refuses zero elements
+                out[p.name] = torch.empty(p.shape, dtype=p.dtype)
+            pos = p.offset + p.nbytes
+        _check_padding(path, view[pos:size])
+    return out
+
+
+def _check_padding(path: Path, data: bytes | memoryview) -> None:
+    if bytes(data).count(0) != len(data):
+        raise CheckpointError(path, "padding between parts is not zero: the file is corrupted")
+
+
+def _check_crc(path: Path, part: _Part, crc: int) -> None:
+    if crc != part.crc32:
+        raise CheckpointError(path, f"checksum mismatch (crc32 {crc:08x}, the header says "
+                                    f"{part.crc32:08x}): its bytes are corrupted",
+                              part=part.name)

@@ -1,0 +1,44 @@
+"""Samplers: which rows a batch reads, one per module. Each works with any store.
+
+Samplers draw CPU ``int64`` indices from their own seeded numpy generator, independent of where
+the store lives, so the same seed gives the same batches on pageable, pinned, GPU and sharded
+stores.
+"""
+
+from typing import Any
+
+from conduit.errors import ConfigError
+from conduit.storage.samplers.base import SampleInfo, Sampler
+from conduit.storage.samplers.fifo import FifoSampler
+from conduit.storage.samplers.prioritized import PrioritizedSampler
+from conduit.storage.samplers.sequence import SequenceSampler
+from conduit.storage.samplers.uniform import UniformSampler
+
+BUILT_IN: dict[str, type[Sampler]] = {
+    cls.__name__: cls for cls in (UniformSampler, PrioritizedSampler, FifoSampler, SequenceSampler)
+}
+
+
+def sampler_from_config(kind: str, config: dict[str, Any]) -> Sampler:
+    """A built-in sampler from its class name and :meth:`Sampler.config`.
+
+    Raises:
+        ConfigError: ``kind`` is not a built-in sampler (pass the sampler itself instead).
+    """
+    cls = BUILT_IN.get(kind)
+    if cls is None:
+        raise ConfigError("sampler", f"{kind!r} is not a built-in sampler ({sorted(BUILT_IN)}); "
+                                     f"pass sampler= with an instance of it")
+    return cls(**config)
+
+
+__all__ = [
+    "BUILT_IN",
+    "FifoSampler",
+    "PrioritizedSampler",
+    "SampleInfo",
+    "Sampler",
+    "SequenceSampler",
+    "UniformSampler",
+    "sampler_from_config",
+]

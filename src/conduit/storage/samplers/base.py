@@ -1,0 +1,125 @@
+"""The sampler interface: :class:`Sampler` and the :class:`SampleInfo` a draw returns."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from conduit.errors import ConfigError, EmptyBufferError, PriorityError, StateError
+from conduit.spec import Batch
+from conduit.storage.state import entry
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """The result of a draw.
+
+    Attributes:
+        indices: Buffer slots, CPU int64; shape ``[B]`` or ``[B, L]`` for sequences.
+        weights: Importance weights ``[B]`` (prioritized only).
+    """
+
+    indices: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+class Sampler(abc.ABC):
+    """Base class: which rows a batch reads. Subclasses implement :meth:`sample` and may use
+    the write hooks.
+
+    The plane never asks which sampler it holds; it reads two class attributes and calls the
+    hooks below (docs/design.md §2):
+
+    * :attr:`consume_once`: every row is delivered exactly once per epoch (on-policy). Such a
+      sampler implements :meth:`begin_epoch`, :meth:`layout` and :meth:`seek`, and has
+      ``num_minibatches``.
+    * :attr:`invalidates_prefetch`: a batch drawn before :meth:`update_priorities` is stale, so
+      the plane discards prefetched batches older than the latest update (beyond the allowed
+      lag).
+
+    Args:
+        seed: Seed of the sampler's own generator.
+    """
+
+    #: Rows are delivered exactly once per epoch (on-policy samplers).
+    consume_once: ClassVar[bool] = False
+    #: Priority updates make batches drawn before them stale.
+    invalidates_prefetch: ClassVar[bool] = False
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self.capacity = 0
+
+    def bind(self, capacity: int) -> None:
+        """Called once by the buffer with its capacity, before any write."""
+        self.capacity = capacity
+
+    def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
+        """Called after rows were written at ``indices``; ``size`` is the new fill level."""
+        return None
+
+    @abc.abstractmethod
+    def sample(self, size: int, batch_size: int) -> SampleInfo:
+        """Draw ``batch_size`` rows out of the ``size`` filled slots."""
+
+    def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
+        """Consume-once samplers: lay out the mini-batches of one epoch over ``size`` rows.
+        Other samplers ignore it."""
+        return None
+
+    def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
+        """Consume-once samplers: the slots of each mini-batch of one epoch, as a pure function
+        of ``(seed, iteration, epoch, size)``.
+
+        Raises:
+            ConfigError: The sampler is not consume-once.
+        """
+        raise ConfigError("sampler", f"{type(self).__name__} has no epoch layout; on-policy "
+                                     f"planes need a consume-once sampler such as FifoSampler")
+
+    def seek(self, position: int) -> None:
+        """Consume-once samplers: skip to mini-batch ``position`` of the current epoch (after a
+        restore). Other samplers ignore it."""
+        return None
+
+    def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
+        """Only prioritized samplers accept priorities."""
+        raise PriorityError(f"{type(self).__name__} has no priorities; use "
+                            f"PrioritizedSampler to update priorities")
+
+    def reset(self) -> None:
+        """Forget per-row state (the buffer was cleared)."""
+        return None
+
+    def config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments (JSON), so a checkpoint can rebuild it."""
+        return {"seed": self.seed}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state and per-row state."""
+        return {"rng": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`.
+
+        Raises:
+            StateError: A key is missing or a value is out of range.
+        """
+        rng = entry(state, "rng", "sampler")
+        try:
+            self._rng.bit_generator.state = rng
+        except (TypeError, ValueError, KeyError) as exc:
+            raise StateError("sampler.rng", f"not a {type(self._rng.bit_generator).__name__} "
+                                            f"state: {exc}") from exc
+
+
+def need_rows(size: int, n: int, what: str) -> None:
+    if size < 1:
+        raise EmptyBufferError(f"cannot sample {what}: the buffer is empty")
+    if n < 1:
+        raise ConfigError("batch_size", f"must be >= 1, got {n}")

@@ -1,0 +1,119 @@
+"""Consume-once on-policy sampling: every row exactly once per epoch."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from conduit.errors import ConfigError, EmptyBufferError, StateError
+from conduit.storage.samplers.base import SampleInfo, Sampler
+from conduit.storage.state import entry, integer
+
+
+class FifoSampler(Sampler):
+    """Consume-once on-policy sampling: every row exactly once per epoch.
+
+    An epoch over ``n`` rows is a (shuffled) permutation split into ``num_minibatches`` parts
+    whose sizes differ by at most one (``n/M`` each when ``M`` divides ``n``). The permutation
+    depends only on ``(seed, iteration, epoch)``, never on timing, so any schedule sees the same
+    mini-batches.
+
+    Args:
+        num_minibatches: M, mini-batches per epoch.
+        shuffle: Shuffle within the epoch (otherwise insertion order).
+        seed: Seed.
+    """
+
+    consume_once: ClassVar[bool] = True
+
+    def __init__(self, *, num_minibatches: int = 1, shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        if not isinstance(num_minibatches, int) or num_minibatches < 1:
+            raise ConfigError("num_minibatches", f"must be a positive integer, got "
+                                                 f"{num_minibatches!r}")
+        self.num_minibatches = num_minibatches
+        self.shuffle = shuffle
+        self.iteration = 0
+        self.epoch = 0
+        self.cursor = 0
+        self._parts: list[torch.Tensor] = []
+
+    def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
+        """Lay out the mini-batches of one epoch over ``size`` rows."""
+        if size < self.num_minibatches:
+            raise EmptyBufferError(f"an epoch of {self.num_minibatches} mini-batches needs at "
+                                   f"least {self.num_minibatches} rows, got {size}")
+        self.iteration, self.epoch, self.cursor = iteration, epoch, 0
+        self._parts = self.layout(size, iteration=iteration, epoch=epoch)
+
+    def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
+        """The slots of each mini-batch of one epoch, without touching the sampler's state.
+
+        A pure function of ``(seed, iteration, epoch, size)``: the plane uses it to start
+        assembling an iteration's first mini-batches while its rows are still arriving.
+        """
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, iteration, epoch])
+            order = torch.from_numpy(rng.permutation(size).astype(np.int64))
+        else:
+            order = torch.arange(size, dtype=torch.int64)
+        return list(torch.tensor_split(order, self.num_minibatches))
+
+    def seek(self, position: int) -> None:
+        """Skip to mini-batch ``position`` of the current epoch (0 = its first).
+
+        Raises:
+            ConfigError: ``position`` is outside ``[0, num_minibatches]``.
+        """
+        if not 0 <= position <= len(self._parts):
+            raise ConfigError("position", f"must lie in [0, {len(self._parts)}], got "
+                                          f"{position!r}")
+        self.cursor = position
+
+    @property
+    def remaining(self) -> int:
+        """Mini-batches left in the current epoch."""
+        return len(self._parts) - self.cursor
+
+    def sample(self, size: int, batch_size: int = 0) -> SampleInfo:
+        """Next mini-batch of the epoch (``batch_size`` is implied by the epoch layout)."""
+        if self.cursor >= len(self._parts):
+            raise EmptyBufferError("the epoch's mini-batches are all consumed; begin a new "
+                                   "epoch (on-policy data is delivered exactly once per epoch)")
+        part = self._parts[self.cursor]
+        self.cursor += 1
+        return SampleInfo(part)
+
+    def reset(self) -> None:
+        """Drop the current epoch layout."""
+        self._parts, self.cursor = [], 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Iteration, epoch, cursor and the layout."""
+        return {**super().state_dict(), "iteration": self.iteration, "epoch": self.epoch,
+                "cursor": self.cursor, "parts": [p.clone() for p in self._parts]}
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments."""
+        return {**super().config(), "num_minibatches": self.num_minibatches,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`.
+
+        Raises:
+            StateError: A key is missing, or the layout or cursor does not fit the sampler.
+        """
+        parts = entry(state, "parts", "sampler")
+        if not isinstance(parts, (list, tuple)) or (parts and len(parts) != self.num_minibatches) \
+                or not all(isinstance(p, torch.Tensor) and p.dim() == 1 for p in parts):
+            raise StateError("sampler.parts", f"expected {self.num_minibatches} 1-D index "
+                                              f"tensors (or none)")
+        iteration = integer(state, "iteration", "sampler")
+        epoch = integer(state, "epoch", "sampler")
+        cursor = integer(state, "cursor", "sampler", high=len(parts))
+        super().load_state_dict(state)
+        self.iteration, self.epoch, self.cursor = iteration, epoch, cursor
+        self._parts = [p.clone() for p in parts]

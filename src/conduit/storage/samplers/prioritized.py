@@ -1,0 +1,146 @@
+"""Proportional prioritized replay over a compiled sum tree."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from conduit.errors import ConfigError, PriorityError
+from conduit.spec import Batch
+from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
+from conduit.storage.state import entry, number
+from conduit.storage.sum_tree import SumTree
+
+
+def _host(values: Any) -> np.ndarray:
+    """A flat numpy view of a CPU tensor (a copy for other devices or other array types)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach()
+        if values.device.type != "cpu":
+            values = values.cpu()
+        return values.reshape(-1).numpy()
+    return np.asarray(values).reshape(-1)
+
+
+class PrioritizedSampler(Sampler):
+    """Proportional prioritized replay (Schaul et al., 2016) over a vectorized sum tree.
+
+    New rows get the largest priority seen so far. A batch is drawn by stratified prefix-sum
+    search; importance weights ``(N·P(i))^-beta`` are normalized by their maximum over the
+    buffer.
+
+    Args:
+        alpha: Priority exponent (0 = uniform).
+        beta: Importance-weight exponent.
+        eps: Added to every priority so no row becomes unreachable.
+        seed: Generator seed.
+    """
+
+    invalidates_prefetch: ClassVar[bool] = True
+
+    def __init__(self, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
+                 seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        if not alpha >= 0:
+            raise ConfigError("alpha", f"must be >= 0, got {alpha}")
+        if not beta >= 0:
+            raise ConfigError("beta", f"must be >= 0, got {beta}")
+        if not eps > 0:
+            raise ConfigError("eps", f"must be > 0, got {eps}")
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.max_priority = 1.0
+        self._tree: SumTree | None = None
+
+    def bind(self, capacity: int) -> None:
+        """Allocate the tree (kept when already bound to this capacity, e.g. on migration)."""
+        if self._tree is not None and self.capacity == capacity:
+            return
+        super().bind(capacity)
+        self._tree = SumTree(capacity=capacity)
+
+    @property
+    def tree(self) -> SumTree:
+        """The sum tree (after :meth:`bind`)."""
+        if self._tree is None:
+            raise ConfigError("sampler", "PrioritizedSampler used before bind(capacity)")
+        return self._tree
+
+    def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
+        """New rows get the maximum priority seen so far."""
+        idx = indices.numpy()
+        self.tree.set(idx, np.full(idx.shape, (self.max_priority + self.eps) ** self.alpha))
+
+    def sample(self, size: int, batch_size: int) -> SampleInfo:
+        """Stratified proportional draw with importance weights."""
+        need_rows(size, batch_size, "a prioritized batch")
+        tree = self.tree
+        total = tree.total
+        if not total > 0:
+            raise PriorityError("all priorities are zero; nothing can be sampled")
+        idx, w = tree.stratified_draw(self._rng.random(batch_size), size=size, beta=self.beta)
+        return SampleInfo(torch.from_numpy(idx), torch.from_numpy(w))
+
+    def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
+        """Set new priorities for ``indices``.
+
+        Raises:
+            PriorityError: NaN, infinite or negative priorities, or mismatched lengths.
+        """
+        idx = np.ascontiguousarray(_host(indices), dtype=np.int64)
+        pr = np.ascontiguousarray(_host(priorities), dtype=np.float64)
+        if idx.shape != pr.shape:
+            raise PriorityError(f"priorities: {pr.size} values for {idx.size} indices")
+        problem, pmax = self.tree.check(idx, pr)
+        if problem == "not finite":
+            raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
+        if problem == "negative":
+            raise PriorityError("priorities: contain negative values; pass |TD error|")
+        if problem == "index":
+            raise PriorityError(f"indices: must lie in [0, {self.capacity}), got "
+                                f"[{idx.min()}, {idx.max()}]")
+        if not pr.size:
+            return
+        leaves = (pr + self.eps) ** self.alpha
+        if not np.all(leaves <= self._leaf_bound()):
+            raise PriorityError(f"priorities: up to {pr.max():.3g}, too large next to the "
+                                f"smallest possible priority (eps={self.eps:g}): the sum "
+                                f"over the buffer or the importance weights would leave float "
+                                f"range; rescale them (for example clip |TD errors|)")
+        self.max_priority = max(self.max_priority, pmax)
+        self.tree.set(idx, leaves)
+
+    def _leaf_bound(self) -> float:
+        """The largest leaf the tree accepts: its sum over the buffer stays finite, and the
+        smallest importance weight, ``(min_leaf / leaf) ** beta`` with ``min_leaf =
+        eps ** alpha``, stays above 1e-30."""
+        bound = float(np.finfo(np.float64).max) / (4 * max(self.capacity, 1))
+        if self.beta > 0:
+            bound = min(bound, self.eps ** self.alpha * 1e30 ** (1 / self.beta))
+        return bound
+
+    def priorities(self, indices: torch.Tensor) -> torch.Tensor:
+        """Current (exponentiated) priorities of ``indices``."""
+        return torch.from_numpy(self.tree.get(indices.numpy()))
+
+    def reset(self) -> None:
+        """Clear every priority."""
+        self.tree.clear()
+        self.max_priority = 1.0
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments."""
+        return {**super().config(), "alpha": self.alpha, "beta": self.beta, "eps": self.eps}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator, tree leaves and max priority."""
+        return {**super().state_dict(), "tree": self.tree.state_dict(),
+                "max_priority": self.max_priority}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        max_priority = number(state, "max_priority", "sampler")
+        super().load_state_dict(state)
+        self.tree.load_state_dict(entry(state, "tree", "sampler"))
+        self.max_priority = max_priority

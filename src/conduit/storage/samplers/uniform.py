@@ -1,0 +1,41 @@
+"""Uniform sampling over the filled slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.errors import EmptyBufferError
+from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
+
+
+class UniformSampler(Sampler):
+    """Uniform sampling over the filled slots.
+
+    Args:
+        replacement: With replacement (default) rows may repeat within a batch; without it a
+            batch never holds the same row twice (so ``batch_size`` must not exceed the fill).
+        seed: Generator seed.
+    """
+
+    def __init__(self, *, replacement: bool = True, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.replacement = replacement
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments."""
+        return {**super().config(), "replacement": self.replacement}
+
+    def sample(self, size: int, batch_size: int) -> SampleInfo:
+        """Draw ``batch_size`` slots uniformly."""
+        need_rows(size, batch_size, "a uniform batch")
+        if self.replacement:
+            idx = self._rng.integers(0, size, batch_size, dtype=np.int64)
+        else:
+            if batch_size > size:
+                raise EmptyBufferError(f"cannot draw {batch_size} distinct rows from {size}; "
+                                       f"wait for more data or sample with replacement")
+            idx = self._rng.choice(size, batch_size, replace=False).astype(np.int64)
+        return SampleInfo(torch.from_numpy(idx))

@@ -1,0 +1,71 @@
+"""Reading state dicts back: typed lookups that refuse values which would corrupt a buffer.
+
+Every ``load_state_dict`` of the storage layer reads through these, so a missing key, a
+negative cursor or a NaN priority raises :class:`~conduit.errors.StateError` naming the key
+instead of breaking a later push or pull.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.errors import StateError
+
+
+def entry(state: Mapping[str, Any], key: str, where: str) -> Any:
+    """``state[key]``, or StateError naming ``where.key`` when it is missing."""
+    if not isinstance(state, Mapping):
+        raise StateError(where, f"expected a mapping, got {type(state).__name__}")
+    if key not in state:
+        raise StateError(f"{where}.{key}", "missing")
+    return state[key]
+
+
+def integer(state: Mapping[str, Any], key: str, where: str, *, low: int = 0,
+            high: int | None = None) -> int:
+    """An integer entry in ``[low, high]``."""
+    v = entry(state, key, where)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise StateError(f"{where}.{key}", f"expected an integer, got {v!r}")
+    if v < low or (high is not None and v > high):
+        raise StateError(f"{where}.{key}", f"{int(v)} is outside [{low}, "
+                                           f"{'∞' if high is None else high}]")
+    return int(v)
+
+
+def number(state: Mapping[str, Any], key: str, where: str, *, low: float = 0.0) -> float:
+    """A finite number >= ``low``."""
+    v = entry(state, key, where)
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
+        raise StateError(f"{where}.{key}", f"expected a finite number, got {v!r}")
+    if v < low:
+        raise StateError(f"{where}.{key}", f"{v} is below {low}")
+    return float(v)
+
+
+def array(state: Mapping[str, Any], key: str, where: str, *, length: int,
+          dtype: type | np.dtype) -> np.ndarray:
+    """A 1-D array entry (a tensor or numpy array) of ``length`` elements, as numpy."""
+    v = entry(state, key, where)
+    if isinstance(v, torch.Tensor):
+        v = v.detach().cpu().numpy()
+    if not isinstance(v, np.ndarray) or v.ndim != 1 or v.size != length:
+        shape = getattr(v, "shape", type(v).__name__)
+        raise StateError(f"{where}.{key}", f"expected a 1-D array of {length} elements, got "
+                                           f"{shape}")
+    return v.astype(dtype, copy=True)
+
+
+def tensor(value: np.ndarray) -> torch.Tensor:
+    """A numpy array as a tensor for a state dict (so ``torch.load``'s default weights-only
+    mode can read the state back)."""
+    return torch.from_numpy(np.ascontiguousarray(value))

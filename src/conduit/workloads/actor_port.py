@@ -1,0 +1,101 @@
+"""The learner side of an actor-rollout phase: collect every actor's rollout units and push each
+through the plane's actor port, on the learner's thread or on a port thread of its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from conduit import ExperienceDataPlane
+from conduit.workloads.actors import ActorGroup
+
+
+def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: int,
+                     weights: dict[str, torch.Tensor] | None,
+                     params: dict[str, Any] | None = None, *, on_policy: bool = False,
+                     fragments: int = 1) -> dict[str, Any]:
+    """One actor-rollout phase.
+
+    Every actor produces ``fragments`` rollout units of ``num_steps`` steps each, back to
+    back; each unit is pushed through the plane's actor port as soon as it is collected, in
+    (fragment, actor) order, so batches never depend on which actor finished first. While
+    fragment k is pushed, the actors already step fragment k+1.
+
+    Who pushes depends on the schedule. With inline ingestion the learner's thread collects and
+    pushes every unit itself. With overlapped ingestion a port thread receives and pushes the
+    units, so the learner's thread only waits for the actors and then for the last push.
+
+    Timing records: the learner's wait for the actors is ``"rollout"``, one record per unit
+    (the per-unit ``T_rollout`` the cost model reads). Time inside ``push`` is the plane's own
+    ``"push"`` record; pushes made by the port thread are also recorded as
+    ``"push_offthread"``, and the learner's wait for them after the last unit arrived as
+    ``"push_wait"`` (see :class:`~conduit.workloads.breakdown.BreakdownRecorder`).
+
+    Args:
+        plane: The plane to push into.
+        actors: The rollout actors.
+        num_steps: Lock-steps per rollout unit.
+        weights: Policy weights for the actors (sent with the first fragment), or None.
+        params: Exploration parameters for the actors.
+        on_policy: Tag every push with the plane's policy version.
+        fragments: Rollout units per actor.
+
+    Returns:
+        ``rows`` pushed and the finished ``episode_returns``.
+
+    Raises:
+        Whatever a push raised, also when the port thread pushed.
+    """
+    t0 = time.perf_counter()
+    # Ray runs an actor's calls in order, so all fragments can be queued at once; the weights
+    # travel with the first.
+    handles = [h for k in range(fragments)
+               for h in actors.submit(num_steps, weights if k == 0 else None, params)]
+    got: dict[str, Any] = {"rows": 0, "episode_returns": [], "waited": time.perf_counter() - t0}
+
+    def receive(offthread: bool) -> None:
+        for h in handles:
+            t1 = time.perf_counter()
+            out = actors.result(h)
+            got["arrived"] = time.perf_counter()
+            got["waited"] += got["arrived"] - t1
+            version = {"policy_version": plane.policy_version} if on_policy else {}
+            t2 = time.perf_counter()
+            plane.push(out["rollout"], **version)
+            if offthread:
+                plane.timings.record("push_offthread", time.perf_counter() - t2, start=t2)
+            got["rows"] += out["stats"]["rows"]
+            got["episode_returns"] += out["stats"]["episode_returns"]
+
+    if plane.schedule.overlap_ing:
+        _run_port_thread(receive)
+        waited = got["arrived"] - t0  # the learner's thread waited for the actors until here
+        plane.timings.record("push_wait", time.perf_counter() - got["arrived"],
+                             start=got["arrived"])
+    else:
+        receive(offthread=False)
+        waited = got["waited"]
+    for _ in handles:
+        plane.timings.record("rollout", waited / len(handles), start=t0)
+    return {"rows": got["rows"], "episode_returns": got["episode_returns"]}
+
+
+def _run_port_thread(receive: Callable[[bool], None]) -> None:
+    """Run ``receive(True)`` on the actor port's thread; re-raise what it raised."""
+    failure: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            receive(True)
+        except BaseException as exc:  # handed to the learner's thread below
+            failure.append(exc)
+
+    port = threading.Thread(target=body, name="conduit-actor-port", daemon=True)
+    port.start()
+    port.join()
+    if failure:
+        raise failure[0]

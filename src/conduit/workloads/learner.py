@@ -1,0 +1,44 @@
+"""Where the learner runs: its seeds, its device and its torch threads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from conduit.workloads.args import TrainerArgs
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> the first CUDA device when present, else CPU; otherwise ``name``."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def set_learner_threads(n: int, *, actors: int, use_ray: bool) -> int:
+    """Set torch's intra-op threads for the learner and return the count.
+
+    ``0`` picks one thread per core left over by the Ray actors (at least one): an
+    oversubscribed learner slows down several-fold on a small machine.
+    """
+    if n <= 0:
+        spare = (os.cpu_count() or 1) - (actors if use_ray else 0)
+        n = max(1, min(torch.get_num_threads(), spare))
+    torch.set_num_threads(n)
+    return n
+
+
+def setup_learner(args: TrainerArgs) -> torch.device:
+    """Seed torch and numpy, set the learner's torch threads, and return its device.
+
+    Also silences torch's warning on wrapping the read-only numpy arrays that Ray hands
+    back: the plane copies every pushed rollout once.
+    """
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    set_learner_threads(args.learner_threads, actors=args.actors, use_ray=args.use_ray)
+    return resolve_device(args.device)

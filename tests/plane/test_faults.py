@@ -1,0 +1,268 @@
+"""Fault injection: every acknowledged push is stored or reported, no fault poisons the plane
+for good, and wrong input never becomes a wrong result. Each test names the defect it guards.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from conduit import (
+    CapacityError,
+    ConfigError,
+    DataLossError,
+    ExperienceDataPlane,
+    OperatorError,
+    PlaneClosedError,
+    PriorityError,
+    Schedule,
+    SpecError,
+)
+from conduit.storage import UniformSampler
+from tests.conftest import make_rows
+
+
+def stored_ids(plane: ExperienceDataPlane) -> list[int]:
+    idx = torch.arange(len(plane.buffer), dtype=torch.int64)
+    return sorted(plane.buffer.store.get(idx)["id"].tolist())
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 1), Schedule(1, 2, 0, 1)],
+                         ids=lambda s: s.label())
+def test_pushes_racing_close_are_stored_or_refused(small_spec, schedule):
+    for trial in range(8):
+        plane = ExperienceDataPlane(spec=small_spec, capacity=100_000, batch_size=2,
+                                    schedule=schedule, timeout=10)
+        acked: list[int] = []
+        lock = threading.Lock()
+
+        def actor(k: int, plane: ExperienceDataPlane = plane, acked: list[int] = acked,
+                  lock: threading.Lock = lock) -> None:
+            for i in range(10_000):
+                start = (k * 10_000 + i) * 2
+                try:
+                    plane.push(make_rows(small_spec, 2, start=start))
+                except PlaneClosedError:
+                    return
+                with lock:
+                    acked.extend([start, start + 1])
+
+        threads = [threading.Thread(target=actor, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.02 + 0.005 * trial)
+        plane.close()
+        for t in threads:
+            t.join()
+        assert stored_ids(plane) == sorted(acked), f"trial {trial}"
+
+
+def test_close_reports_rows_it_could_not_store(small_spec):
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(1, 2, 0, 1))
+
+    @plane.register_ingestion()
+    def failing(actor_in, exp_out):
+        raise ValueError("operator bug")
+
+    plane.push(make_rows(small_spec, 10))  # one unit, below g_ing=2: still queued
+    with pytest.raises(DataLossError) as ei:
+        plane.close()
+    assert (ei.value.lost_units, ei.value.lost_rows) == (1, 10)
+    assert isinstance(ei.value.__cause__, OperatorError)
+    assert plane.closed
+
+
+def test_a_hung_operator_still_leaves_the_plane_closed(small_spec):
+    entered, release = threading.Event(), threading.Event()
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(1, 1, 0, 1), timeout=0.5)
+
+    @plane.register_ingestion()
+    def hangs(actor_in, exp_out):
+        entered.set()
+        release.wait(30)
+        exp_out.write(actor_in.read())
+
+    try:
+        plane.push(make_rows(small_spec, 3))
+        assert entered.wait(10)
+        with pytest.raises(DataLossError) as ei:
+            plane.close()
+        assert ei.value.lost_units == 1
+        assert plane.closed
+        with pytest.raises(PlaneClosedError):
+            plane.push(make_rows(small_spec, 1))
+    finally:
+        release.set()
+
+
+def test_dropped_planes_stop_their_threads_and_store_queued_units(small_spec):
+    gc.collect()
+    before = threading.active_count()
+    buffers = []
+    for _ in range(20):
+        plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                    schedule=Schedule(1, 2, 1, 1))
+        plane.push(make_rows(small_spec, 3))  # below g_ing=2: still queued
+        buffers.append(plane.buffer)
+        del plane
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before
+    assert all(len(b) == 3 for b in buffers)
+
+
+# -- faults that used to poison the plane ---------------------------------------------------
+
+
+def test_tensor_without_data_is_refused_by_push(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2) as plane:
+        rows = make_rows(small_spec, 4)
+        rows["obs"] = torch.empty(4, 4, device="meta")
+        with pytest.raises(SpecError, match=r"'obs'.*meta"):
+            plane.push(rows)
+        plane.push(make_rows(small_spec, 4))
+        assert len(plane.buffer) == 4
+
+
+def _rejects_float64(actor_in, exp_out):
+    data = actor_in.read()
+    if data["obs"].dtype != torch.float32:
+        raise TypeError(f"obs must be float32, got {data['obs'].dtype}")
+    exp_out.write(data)
+
+
+def test_inline_operator_failure_is_raised_to_its_push_and_the_plane_stays_usable(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2) as plane:
+        plane.register_ingestion()(_rejects_float64)
+        bad = make_rows(small_spec, 4)
+        bad["obs"] = bad["obs"].double()
+        with pytest.raises(OperatorError, match="float32") as ei:
+            plane.push(bad)
+        assert ei.value.lost_units == 1
+        plane.push(make_rows(small_spec, 4, start=10))
+        assert stored_ids(plane) == [10, 11, 12, 13]
+        assert plane.pull()["obs"].shape == (2, 4)
+
+
+def test_worker_failure_fails_dependent_calls_until_recover(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                             schedule=Schedule(1, 1, 1, 1)) as plane:
+        plane.register_ingestion()(_rejects_float64)
+        plane.push(make_rows(small_spec, 4))
+        plane.flush()
+        bad = make_rows(small_spec, 4, start=100)
+        bad["obs"] = bad["obs"].double()
+        plane.push(bad)
+        with pytest.raises(OperatorError, match="float32"):
+            plane.flush()
+        with pytest.raises(OperatorError):
+            plane.pull(timeout=1)
+        state = plane.state_dict()  # the rows already stored can still be saved
+        assert state["buffer"]["writer"]["size"] == 4
+        err = plane.recover()
+        assert isinstance(err, OperatorError) and err.lost_units == 1
+        assert plane.counters["lost_units"] == 1
+        plane.push(make_rows(small_spec, 4, start=10))
+        plane.flush()
+        assert stored_ids(plane) == [0, 1, 2, 3, 10, 11, 12, 13]
+        assert plane.pull()["obs"].shape == (2, 4)
+
+
+class _RaisingSampler(UniformSampler):
+    def sample(self, size, batch_size):
+        raise RuntimeError("sampler bug")
+
+
+def test_sampler_raising_on_the_delivery_worker_reaches_pull(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                             sampler=_RaisingSampler(), schedule=Schedule(0, 1, 1, 1)) as plane:
+        plane.push(make_rows(small_spec, 8))
+        with pytest.raises(OperatorError, match="sampler bug") as ei:
+            plane.pull(timeout=5)
+        assert isinstance(ei.value.__cause__, RuntimeError)
+
+
+# -- wrong input never becomes a wrong result ----------------------------------------------------
+
+
+def test_priority_for_an_unfilled_slot_is_refused(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=100, batch_size=10,
+                             sampler="prioritized") as plane:
+        plane.push(make_rows(small_spec, 50))
+        with pytest.raises(PriorityError, match=r"filled slots in \[0, 50\)"):
+            plane.update_priorities(torch.tensor([99]), torch.tensor([1e6]))
+        with pytest.raises(PriorityError, match="integer"):
+            plane.update_priorities(torch.tensor([3.7]), torch.tensor([1.0]))
+
+
+def test_priority_for_an_overwritten_row_does_not_land_on_its_successor(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=8, batch_size=8,
+                             sampler="prioritized") as plane:
+        plane.buffer.sampler.eps = 1e-12
+        plane.push(make_rows(small_spec, 8))
+        batch = plane.pull()
+        plane.push(make_rows(small_spec, 8, start=100))  # overwrites every sampled row
+        plane.update_priorities(batch["_index"], torch.full((8,), 1e6))
+        ids = [plane.pull()["id"] for _ in range(20)]
+        assert len(set(torch.cat(ids).tolist())) > 4  # still spread, not one row
+
+
+def test_priorities_that_overflow_the_sum_are_refused(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8,
+                             sampler="prioritized") as plane:
+        plane.push(make_rows(small_spec, 64))
+        batch = plane.pull()
+        with pytest.raises(PriorityError, match="too large"):
+            plane.update_priorities(batch["_index"], torch.full((8,), 1.7e308,
+                                                                dtype=torch.float64))
+        assert math.isfinite(plane.buffer.sampler.tree.total)
+        assert plane.pull()["_weight"].gt(0).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_bad_timeouts_are_refused(small_spec, bad):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2) as plane:
+        with pytest.raises(ConfigError, match="timeout"):
+            plane.push(make_rows(small_spec, 2), timeout=bad)
+        with pytest.raises(ConfigError, match="timeout"):
+            plane.pull(timeout=bad)
+
+
+def test_rollout_larger_than_capacity_leaves_the_plane_usable(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=8, batch_size=2) as plane:
+        with pytest.raises(CapacityError):
+            plane.push(make_rows(small_spec, 9))
+        plane.push(make_rows(small_spec, 8))
+        assert plane.pull()["obs"].shape == (2, 4)
+
+
+# -- starvation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap_ing", [0, 1])
+@pytest.mark.parametrize("mode", ["off_policy", "on_policy"])
+def test_pushed_data_never_waits_for_a_granularity_batch(small_spec, overlap_ing, mode):
+    kw = ({"num_minibatches": 2, "schedule": Schedule(overlap_ing, 1, 1, 0.5)}
+          if mode == "on_policy" else
+          {"batch_size": 4, "sampler": "prioritized", "schedule": Schedule(overlap_ing, 2, 1, 1)})
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode=mode, timeout=5, **kw) as plane:
+        if mode == "on_policy":
+            plane.push(make_rows(small_spec, 4))
+            plane.push(make_rows(small_spec, 4, start=4))
+        else:
+            plane.push(make_rows(small_spec, 8))  # one unit, g_ing=2
+        t0 = time.monotonic()
+        assert plane.pull(timeout=5)["obs"].shape[0] == 4
+        assert time.monotonic() - t0 < 4  # not the whole timeout

@@ -1,0 +1,109 @@
+"""The warm-up trial's decisions: start and probe schedules, the candidate pair, the verdict
+without a trial, and the trial's statistic."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from conduit.errors import ConfigError
+from conduit.scheduling import (
+    Profile,
+    Schedule,
+    TrialPair,
+    TrialPolicy,
+    choose,
+    feasible_space,
+    judge_trial,
+    learner_delivery,
+    start_schedule,
+    warmup_schedule,
+)
+
+OFF = feasible_space(mode="off_policy", g_max_ing=4, g_max_del=4)
+ON = feasible_space(mode="on_policy", num_minibatches=4, unit_fraction_ing=Fraction(1, 8))
+
+
+def _profile(op_s: float, **kw: float) -> Profile:
+    g = {1: op_s, 2: 2 * op_s, 3: 3 * op_s, 4: 4 * op_s}
+    return Profile(t_rollout=0.010, t_update=0.010, t_ing=g, t_del=g, **kw)
+
+
+def test_policy_order_interleaves_and_validates():
+    assert TrialPolicy(trial=4).order() == (0, 1, 1, 0, 0, 1, 1, 0)
+    assert TrialPolicy(trial=0).order() == ()
+    for bad in ({"warmup": 0}, {"trial": -1}, {"margin": 1.0}, {"inversions": 1.5},
+                {"min_gain": -0.1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            TrialPolicy(**bad)
+
+
+def test_start_schedule():
+    assert start_schedule(OFF) == Schedule(1, 1, 1, 2)
+    assert start_schedule(OFF, prioritized=True) == Schedule(1, 1, 0, 1)
+    # On-policy: one rollout unit per ingestion, one mini-batch per delivery.
+    assert start_schedule(ON) == Schedule(1, Fraction(1, 8), 1, Fraction(1, 4))
+
+
+def test_warmup_probes_coarse_threadless_delivery_off_policy_only():
+    start = start_schedule(OFF)
+    probe = Schedule(0, 1, 0, 4)
+    assert [warmup_schedule(k, warmup=5, start=start, space=OFF) for k in (1, 2, 3, 4)] == [
+        probe, start, probe, start]
+    assert warmup_schedule(1, warmup=2, start=start, space=OFF) == start  # never the last
+    assert warmup_schedule(1, warmup=3, start=start_schedule(ON), space=ON) == start_schedule(ON)
+
+
+def test_learner_delivery_keeps_the_best_ranked_schedule_without_prefetch():
+    plan = choose(_profile(0.004, t_sync_ing=1e-4, t_sync_del=1e-4), OFF, top_k=len(OFF))
+    assert plan.schedule.overlap_del
+    kept = learner_delivery(plan)
+    assert not kept.schedule.overlap_del
+    assert kept.schedule == next(c.schedule for c in plan.ranked if not c.schedule.overlap_del)
+    assert learner_delivery(kept) is kept
+
+
+@pytest.mark.parametrize("op_s,verdict", [
+    (0.004, None),  # overlap saves a lot: run the trial
+    (0.0001, "less than 2%"),  # 1 % of the iteration: keep the threadless schedule
+])
+def test_a_trial_runs_only_when_the_predicted_saving_is_worth_it(op_s, verdict):
+    prof = _profile(op_s, t_sync_ing=1e-5, t_sync_del=1e-5)
+    pair = TrialPair.of(choose(prof, OFF), prof, OFF)
+    a, b = pair.schedules()
+    assert a.overlap_ing and not (b.overlap_ing or b.overlap_del)
+    assert pair.gain == pytest.approx(pair.threadless.prediction.t_iter
+                                      - pair.model.prediction.t_iter)
+    got = pair.verdict_without_trial(TrialPolicy())
+    if verdict is None:
+        assert got is None
+        untried = pair.verdict_without_trial(TrialPolicy(trial=0))
+        assert untried is not None and untried.schedule == a
+        return
+    assert got is not None and got.schedule == b and verdict in got.reason
+
+
+def test_a_threadless_model_pick_is_kept_without_a_trial():
+    prof = _profile(0.004, t_sync_ing=1.0, t_sync_del=1.0)  # overlap costs a second
+    pair = TrialPair.of(choose(prof, OFF), prof, OFF)
+    got = pair.verdict_without_trial(TrialPolicy())
+    assert got is not None and got.schedule == pair.threadless.schedule
+    assert "starts no thread" in got.reason
+
+
+@pytest.mark.parametrize("threadless,keep", [
+    ([0.070, 0.075, 0.080, 0.085], True),  # clearly faster
+    ([0.098, 0.097, 0.099, 0.096], False),  # within the 5 % margin
+    ([0.070, 0.080, 0.0905, 0.110], False),  # 11 % faster by median, 4 inversions
+])
+def test_judge_trial_needs_margin_and_few_inversions(threadless, keep):
+    model = [0.100, 0.100, 0.091, 0.090]
+    out = judge_trial(model, threadless, policy=TrialPolicy())
+    assert out.keep_threadless == keep
+    assert out.inverted == sum(b >= a for b in threadless for a in model)
+
+
+def test_judge_trial_needs_scores():
+    with pytest.raises(ValueError):
+        judge_trial([], [0.1], policy=TrialPolicy())
