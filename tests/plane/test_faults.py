@@ -21,6 +21,7 @@ from conduit import (
     PlaneClosedError,
     PriorityError,
     Schedule,
+    ScheduleError,
     SpecError,
 )
 from conduit.storage import UniformSampler
@@ -266,3 +267,9 @@ def test_pushed_data_never_waits_for_a_granularity_batch(small_spec, overlap_ing
         t0 = time.monotonic()
         assert plane.pull(timeout=5)["obs"].shape[0] == 4
         assert time.monotonic() - t0 < 4  # not the whole timeout
+
+
+@pytest.mark.parametrize("g", [float("inf"), float("nan")])
+def test_non_finite_granularity_is_a_schedule_error(g):
+    with pytest.raises(ScheduleError, match="finite"):
+        Schedule(0, g, 0, 1)

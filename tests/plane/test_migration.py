@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conduit import ExperienceDataPlane, Placement, Schedule
-from conduit.errors import SpecError
+from conduit.errors import ConfigError, SpecError
 from conduit.placement import (
     CPU,
     CPU_PINNED,
@@ -396,3 +396,46 @@ def test_growth_trace_migrates_exactly_at_the_map_boundaries():
             want = trace_rows(torch.tensor([i]), w)["obs"][0]
             assert torch.equal(row[:w], want)
             assert not row[w:final].any()
+
+
+def host_topology() -> Topology:
+    """This machine's two host tiers: pinned memory for up to 300 B/row of a 64-row buffer,
+    faster to the learner than pageable memory, which holds everything."""
+    devs = [DeviceInfo(name=CPU, memory_bytes=C_TRACE * 10_000),
+            DeviceInfo(name=CPU_PINNED, memory_bytes=C_TRACE * 300)]
+    links = [Link(src=CPU, dst=CPU, bandwidth=5e9), Link(src=CPU, dst=CPU_PINNED, bandwidth=8e9),
+             Link(src=CPU_PINNED, dst=CPU_PINNED, bandwidth=20e9),
+             Link(src=CPU_PINNED, dst=CPU, bandwidth=20e9)]
+    return Topology.single_node(devices=devs, links=links, name="host", source="test:host")
+
+
+def test_grow_follows_the_map_and_migrates_by_itself():
+    pmap = PlacementMap.build(capacity=C_TRACE, actor_device="cpu", learner_device="cpu",
+                              topology=host_topology(), x_min=16, x_max=2000, points=16)
+    assert pmap.boundaries == (301,)
+    with ExperienceDataPlane(spec=trace_spec(100), capacity=C_TRACE, batch_size=8,
+                             placement=pmap, schedule=Schedule(1, 1, 1, 1)) as plane:
+        assert plane.buffer.placement == Placement.pinned()
+        plane.push(trace_rows(torch.arange(40), 92))
+        plane.flush()
+        report = plane.grow(spec=trace_spec(200))  # same region: widened in place
+        assert not report["migrated"] and plane.buffer.placement == Placement.pinned()
+        report = plane.grow(spec=trace_spec(400))  # past the boundary: moves by itself
+        assert report["migrated"] and plane.buffer.placement == Placement.pageable()
+        assert report["rows"] == 40 and report["plan"]["makespan_s"] > 0
+        assert set(report["plan"]["flows_bytes"]) == {"cpu_pinned->cpu"}
+        assert report["plan"]["flows_bytes"]["cpu_pinned->cpu"] == 40 * 200
+        rows = contents(plane)
+        assert rows["id"].tolist() == list(range(40))
+        assert torch.equal(rows["obs"][:, :92], trace_rows(torch.arange(40), 92)["obs"])
+        assert not rows["obs"][:, 92:].any()
+        plane.push(trace_rows(torch.arange(40, 48), 392))
+        assert plane.pull()["obs"].shape == (8, 392)
+        with pytest.raises(SpecError):
+            plane.grow(spec=trace_spec(300))  # narrowing is not a growth
+
+
+def test_grow_needs_a_map(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=8, batch_size=2) as plane, \
+            pytest.raises(ConfigError, match="PlacementMap"):
+        plane.grow(spec=small_spec)

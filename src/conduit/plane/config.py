@@ -76,6 +76,20 @@ class PlaneConfig:
                 raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
                                                   "granularity already counts rollout units")
 
+    def wait_for(self, timeout: float | None) -> float:
+        """Seconds a call may wait: ``timeout``, or the plane's when None.
+
+        Raises:
+            ConfigError: ``timeout`` is not a finite number >= 0.
+        """
+        if timeout is None:
+            return self.timeout
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 <= timeout < math.inf):
+            raise ConfigError("timeout", f"must be a finite number of seconds >= 0, got "
+                                         f"{timeout!r}")
+        return float(timeout)
+
     @property
     def on_policy(self) -> bool:
         """Whether the plane delivers each iteration's rows exactly once per epoch."""

@@ -17,33 +17,29 @@ every schedule for a seed.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from conduit.errors import CapacityError, ConduitError, ConfigError, OperatorError
 from conduit.placement import PlacementDecision, PlacementMap
+from conduit.plane import checkpoint
 from conduit.plane.config import PlaneConfig
 from conduit.plane.engine import PlaneEngine
-from conduit.plane.flows import Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
-from conduit.plane.migration import (
-    PlacementArg,
-    check_growth,
-    initial_placement,
-    move_buffer,
-    next_placement,
-)
+from conduit.plane.flows import Unit
+from conduit.plane.migration import PlacementArg, grow_target, initial_placement, migrate
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.plane.runtime import DeliveryFn, IngestionFn
 from conduit.scheduling.space import Mode, Schedule, ScheduleSpace
 from conduit.spec import Batch, ExperienceSpec, as_tensor, batch_rows
 from conduit.storage import (
+    CheckpointInfo,
     ExperienceBuffer,
     FifoSampler,
     Placement,
@@ -110,6 +106,36 @@ def make_sampler(sampler: SamplerArg, config: PlaneConfig) -> Sampler:
     return sampler
 
 
+def admit_rollout(rollout: Mapping[str, Any], *, spec: ExperienceSpec,
+                  rollout_spec: ExperienceSpec | None, capacity: int, raw: bool
+                  ) -> tuple[Batch, int]:
+    """A pushed rollout as tensors, and its rows: checked against ``rollout_spec`` if any,
+    else against the buffer's ``spec`` unless ``raw`` (an ingestion operator reshapes it).
+
+    Raises:
+        SpecError: The rollout does not match.
+        CapacityError: Unreshaped, it has more rows than the buffer holds.
+    """
+    if rollout_spec is not None:
+        return rollout_spec.validate(rollout, what="rollout")
+    if raw:
+        rows = batch_rows(rollout, what="rollout")
+        return {k: as_tensor(v, field=k) for k, v in rollout.items()}, rows
+    data, rows = spec.validate(rollout, what="rollout")
+    if rows > capacity:
+        raise CapacityError(f"a rollout of {rows} rows is larger than the buffer capacity "
+                            f"{capacity}; split it or raise capacity", needed=rows,
+                            available=capacity)
+    return data, rows
+
+
+def _check_ports(kind: str, got: tuple[str, str], want: tuple[str, str]) -> None:
+    if got != want:
+        raise ConfigError(f"register_{kind}", f"{kind} connects input={want[0]!r} to "
+                                              f"output={want[1]!r}, got {got[0]!r} -> "
+                                              f"{got[1]!r}")
+
+
 def _close_dropped(engine: PlaneEngine) -> None:
     """Close a plane that was dropped without ``close()`` (its workers hold no reference to
     the front, so it can be collected); a loss becomes a warning, as nobody can catch it."""
@@ -140,22 +166,20 @@ class ExperienceDataPlane:
         sampler: ``"uniform"`` (default off-policy), ``"prioritized"``, or a
             :class:`~conduit.storage.Sampler`. On-policy always uses a consume-once sampler
             (default :class:`~conduit.storage.FifoSampler`).
-        placement: Where the buffer lives: a :class:`~conduit.storage.Placement`; ``"auto"``
-            (Alg. 1 over this machine's detected topology, the decision kept in
-            :attr:`placement_decision`); a :class:`~conduit.placement.PlacementMap`, which the
-            plane then follows as the spec grows (:meth:`grow`, Alg. 2); or None for pageable
-            CPU memory.
+        placement: A :class:`~conduit.storage.Placement`; ``"auto"`` (Alg. 1 over this
+            machine's topology, kept in :attr:`placement_decision`); a
+            :class:`~conduit.placement.PlacementMap` to follow as the spec grows
+            (:meth:`grow`, Alg. 2); or None for pageable CPU memory.
         schedule: Overlap and granularity of both operators (default: everything inline,
             g = 1; on-policy delivery g = 1/M).
         learner_device: Device the learner trains on; delivered batches end up there.
         min_size: Off-policy rows needed before the first batch is served (default
             ``batch_size``).
-        rollout_spec: Optional spec that pushed rollouts must match when a registered
-            ingestion operator reshapes them. Without it and without an ingestion operator,
-            pushes are checked against ``spec``.
-        rollout_rows: On-policy: rows in every pushed rollout unit, when that is fixed. Units
-            smaller than a mini-batch then add their share of the iteration to the feasible
-            ingestion granularities (see :func:`~conduit.scheduling.feasible_space`).
+        rollout_spec: Spec pushed rollouts must match when an ingestion operator reshapes
+            them (without both, pushes are checked against ``spec``).
+        rollout_rows: On-policy: rows of every pushed unit, when fixed; adds their share of
+            the iteration to the ingestion granularities (see
+            :func:`~conduit.scheduling.feasible_space`).
         g_max: Cap on off-policy granularity (bounds staleness and memory).
         max_priority_lag: Priority updates that a prefetched prioritized batch may miss.
             0 (default) discards prefetched batches drawn before the latest update.
@@ -180,14 +204,11 @@ class ExperienceDataPlane:
             max_priority_lag=max_priority_lag, timeout=timeout, seed=seed,
             learner_device=torch.device(learner_device))
         self.mode: Mode = cfg.mode
-        self.capacity = cfg.capacity
-        self.batch_size = cfg.train_batch_size
-        self.num_minibatches = cfg.num_minibatches
-        self.num_epochs = cfg.num_epochs
-        self.min_size = cfg.first_batch_rows
-        self.max_priority_lag = cfg.max_priority_lag
-        self.learner_device = cfg.learner_device
-        self.timeout = cfg.timeout
+        self.capacity, self.batch_size, self.min_size = (cfg.capacity, cfg.train_batch_size,
+                                                         cfg.first_batch_rows)
+        self.num_minibatches, self.num_epochs = cfg.num_minibatches, cfg.num_epochs
+        self.max_priority_lag, self.timeout = cfg.max_priority_lag, cfg.timeout
+        self.learner_device, self.rollout_spec = cfg.learner_device, rollout_spec
         self.space: ScheduleSpace = cfg.schedule_space()
         self.timings = Timings()
         where = initial_placement(placement, cfg)
@@ -197,22 +218,14 @@ class ExperienceDataPlane:
         self.placement_map: PlacementMap | None = where.placement_map
         buffer = ExperienceBuffer(spec=spec, capacity=capacity,
                                   sampler=make_sampler(sampler, cfg), placement=where.placement)
-        self.actor_port = ActorPort(self)
-        self.learner_port = LearnerPort(self)
-        self.rollout_spec = rollout_spec
-        self._signals = Signals()
-        flow_cls = OnPolicyFlow if cfg.on_policy else OffPolicyFlow
-        self._flow: Flow = flow_cls(config=cfg, buffer=buffer, signals=self._signals,
-                                    schedule=cfg.default_schedule())
-        self._engine = PlaneEngine(flow=self._flow, signals=self._signals, timings=self.timings,
-                                   learner_device=cfg.learner_device, timeout=cfg.timeout)
+        self.actor_port, self.learner_port = ActorPort(self), LearnerPort(self)
+        self._engine = PlaneEngine.build(cfg, buffer, self.timings)
+        self._flow, self._signals = self._engine.flow, self._engine.signals
         self._ingest_registered = False
         schedule = schedule or cfg.default_schedule()
         self.space.check(schedule)
         self._engine.start(schedule)
         self._finalizer = weakref.finalize(self, _close_dropped, self._engine)
-
-    # -- configuration -------------------------------------------------------------------------
 
     @property
     def spec(self) -> ExperienceSpec:
@@ -236,42 +249,32 @@ class ExperienceDataPlane:
 
     def register_ingestion(self, *, input: str = "Actor", output: str = "ExperienceBuffer"
                            ) -> Callable[[IngestionFn], IngestionFn]:
-        """Decorator registering the framework's ingestion logic (Fig. 8).
-
-        The function receives ``(actor_in, exp_out)``: it reads rollouts with
-        ``actor_in.read()`` (or ``read_units()``) and writes buffer rows with
-        ``exp_out.write(...)``.
+        """Decorator registering the framework's ingestion logic (Fig. 8): the function gets
+        ``(actor_in, exp_out)``, reads rollouts with ``actor_in.read()`` (or ``read_units()``)
+        and writes buffer rows with ``exp_out.write(...)``.
 
         Raises:
             ConfigError: The ports are not ``"Actor"`` -> ``"ExperienceBuffer"``.
         """
-        if input != "Actor" or output != "ExperienceBuffer":
-            raise ConfigError("register_ingestion", f"ingestion connects input='Actor' to "
-                                                    f"output='ExperienceBuffer', got "
-                                                    f"{input!r} -> {output!r}")
+        _check_ports("ingestion", (input, output), ("Actor", "ExperienceBuffer"))
 
         def deco(fn: IngestionFn) -> IngestionFn:
             with self._signals.lock:
-                self._engine.runtime.ingest_fn = fn
-                self._ingest_registered = True
+                self._engine.runtime.ingest_fn, self._ingest_registered = fn, True
             return fn
         return deco
 
     def register_delivery(self, *, input: str = "ExperienceBuffer", output: str = "Learner"
                           ) -> Callable[[DeliveryFn], DeliveryFn]:
-        """Decorator registering the framework's delivery logic (Fig. 8).
-
-        The function receives ``(exp_in, learn_out)``: it reads sampled rows with
-        ``exp_in.read()`` and writes training-ready data with ``learn_out.write(...)``, which
-        splits it into the invocation's training batches.
+        """Decorator registering the framework's delivery logic (Fig. 8): the function gets
+        ``(exp_in, learn_out)``, reads sampled rows with ``exp_in.read()`` and writes
+        training-ready data with ``learn_out.write(...)``, which splits it into the
+        invocation's training batches.
 
         Raises:
             ConfigError: The ports are not ``"ExperienceBuffer"`` -> ``"Learner"``.
         """
-        if input != "ExperienceBuffer" or output != "Learner":
-            raise ConfigError("register_delivery", f"delivery connects input="
-                                                   f"'ExperienceBuffer' to output='Learner', "
-                                                   f"got {input!r} -> {output!r}")
+        _check_ports("delivery", (input, output), ("ExperienceBuffer", "Learner"))
 
         def deco(fn: DeliveryFn) -> DeliveryFn:
             with self._signals.lock:
@@ -279,13 +282,10 @@ class ExperienceDataPlane:
             return fn
         return deco
 
-    # -- schedule ------------------------------------------------------------------------------
-
     @property
     def staleness_bound(self) -> int:
         """Rollout units that may be pushed but not yet sampleable when ``push`` returns."""
-        g = 0 if self.config.on_policy else int(self.schedule.g_ing)
-        return g - 1 if self.schedule.overlap_ing == 0 else 2 * g
+        return self._flow.staleness_bound
 
     @property
     def prefetch_bound(self) -> int:
@@ -302,9 +302,7 @@ class ExperienceDataPlane:
         """
         self._check_open()
         self.space.check(schedule)
-        # Units queued under the old granularity are ingested under it first, so a smaller
-        # g_ing never starts with more pending units than its backpressure bound allows.
-        self.flush()
+        self.flush()  # queued units are ingested under the granularity they were queued for
         with self.paused():
             self._engine.schedule = schedule
 
@@ -317,15 +315,11 @@ class ExperienceDataPlane:
         """Quiesce both operators (in-flight invocations finish), e.g. for migration."""
         return self._engine.paused()
 
-    # -- actor side ----------------------------------------------------------------------------
-
     def push(self, rollout: Mapping[str, Any], *, policy_version: int | None = None,
              timeout: float | None = None) -> None:
-        """Hand one rollout unit to the plane (the actor port).
-
-        With ``overlap_ing=1`` this returns as soon as the unit is queued; ingestion runs on a
-        background worker. With ``overlap_ing=0`` ingestion runs here, every ``g_ing`` units.
-        The queue is bounded: when it is full, ``push`` waits (backpressure).
+        """Hand one rollout unit to the plane (the actor port). With ``overlap_ing=1`` it
+        returns once the unit is queued; with ``overlap_ing=0`` ingestion runs here every
+        ``g_ing`` units. A full queue makes it wait (backpressure).
 
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows.
@@ -344,28 +338,14 @@ class ExperienceDataPlane:
         """
         t0 = time.perf_counter()
         self._check_open()
-        data, rows = self._validate_rollout(rollout)
-        self._check_rows(rows)
-        waited = self._wait_for(timeout)
+        data, rows = admit_rollout(rollout, spec=self.spec, rollout_spec=self.rollout_spec,
+                                   capacity=self.capacity, raw=self._ingest_registered)
+        waited = self.config.wait_for(timeout)
         self._engine.submit(Unit(data, rows, policy_version), deadline=t0 + waited,
                             waited=waited)
         if self._engine.ingestion.overlapped:
             self.timings.record("sync_ing", time.perf_counter() - t0, start=t0)
         self.timings.record("push", time.perf_counter() - t0, start=t0)
-
-    def _validate_rollout(self, rollout: Mapping[str, Any]) -> tuple[Batch, int]:
-        if self.rollout_spec is not None:
-            return self.rollout_spec.validate(rollout, what="rollout")
-        if not self._ingest_registered:
-            return self.spec.validate(rollout, what="rollout")
-        rows = batch_rows(rollout, what="rollout")
-        return {k: as_tensor(v, field=k) for k, v in rollout.items()}, rows
-
-    def _check_rows(self, rows: int) -> None:
-        if not self._ingest_registered and rows > self.capacity:
-            raise CapacityError(f"a rollout of {rows} rows is larger than the buffer capacity "
-                                f"{self.capacity}; split it or raise capacity",
-                                needed=rows, available=self.capacity)
 
     def flush(self, *, timeout: float | None = None) -> None:
         """Ingest every pending unit now (even if fewer than ``g_ing`` are queued).
@@ -376,9 +356,7 @@ class ExperienceDataPlane:
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
-        self._engine.ingestion.flush(time.perf_counter() + self._wait_for(timeout))
-
-    # -- learner side --------------------------------------------------------------------------
+        self._engine.ingestion.flush(time.perf_counter() + self.config.wait_for(timeout))
 
     def pull(self, *, timeout: float | None = None) -> Batch:
         """Take the next training-ready batch (the learner port).
@@ -396,7 +374,7 @@ class ExperienceDataPlane:
         """
         t0 = time.perf_counter()
         self._check_open()
-        waited = self._wait_for(timeout)
+        waited = self.config.wait_for(timeout)
         staged = self._engine.next_batch(deadline=t0 + waited, waited=waited)
         if staged.event is not None:
             torch.cuda.current_stream(self.learner_device).wait_event(staged.event)
@@ -431,68 +409,36 @@ class ExperienceDataPlane:
             self._flow.priorities_updated_locked()
             self._signals.wake(delivery=True)
 
-    # -- placement -----------------------------------------------------------------------------
-
     def migrate(self, placement: Placement, *, spec: ExperienceSpec | None = None,
                 chunk_rows: int = 65_536) -> dict[str, Any]:
-        """Move the buffer to ``placement`` (and optionally a wider ``spec``) online (Alg. 2).
-
-        Ingestion and delivery pause at a quiescent point (in-flight invocations finish;
-        pushes queue up and pulls wait), rows move in chunks, and both operators resume under
-        the new placement. No row is lost or duplicated; the ring cursor and the sampler state
-        (priorities, FIFO layout) are kept, since indices do not change. When ``spec`` widens a
-        field, rows written before the growth are zero-padded in the new part of that field.
-
-        Args:
-            placement: The new placement.
-            spec: The new spec; every field must keep its name and dtype, and its shape may
-                only grow.
-            chunk_rows: Rows copied per step (bounds the transient memory).
-
-        Returns:
-            What moved (see :func:`conduit.plane.move_buffer`).
+        """Move the buffer to ``placement``, and optionally a wider ``spec`` (same fields and
+        dtypes, shapes that grow; old rows are zero-padded), online (Alg. 2): the operators
+        pause, rows move ``chunk_rows`` at a time keeping their slots (so the ring cursor,
+        priorities and FIFO layout stay valid), and the operators resume. No row is lost or
+        duplicated. Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
 
         Raises:
             SpecError: ``spec`` drops or narrows a field or changes a dtype.
             CapacityError: The new placement cannot hold the buffer.
         """
         self._check_open()
-        new_spec = spec or self.spec
-        check_growth(self.spec, new_spec)
-        t0 = time.perf_counter()
-        with self.paused():
-            new, report = move_buffer(self.buffer, placement=placement,
-                                                spec=new_spec, chunk_rows=chunk_rows,
-                                                placement_map=self.placement_map)
-            with self._signals.lock:
-                self._flow.buffer = new
-        self.timings.record("migration", report["seconds"], start=t0)
+        report = migrate(self._engine, placement, spec=spec or self.spec,
+                         chunk_rows=chunk_rows, placement_map=self.placement_map)
+        self.timings.record("migration", report["seconds"])
         return report
 
     def grow(self, *, spec: ExperienceSpec, chunk_rows: int = 65_536) -> dict[str, Any]:
-        """Widen the spec online, following the plane's :class:`PlacementMap` (Alg. 2).
-
-        When the new per-sample size falls in another region of the map, the buffer migrates
-        to that region's placement along the Eq. 3 plan; otherwise it is widened where it is.
-
-        Returns:
-            The move's report; ``report["migrated"]`` says whether the placement changed.
+        """Widen the spec online, following the plane's :class:`PlacementMap` (Alg. 2): when
+        the new per-sample size falls in another region of the map the buffer migrates there
+        (the report then holds the Eq. 3 plan), otherwise it is widened where it is.
 
         Raises:
             ConfigError: The plane was not built with a ``PlacementMap``.
             SpecError: ``spec`` is not a growth of the current spec.
             CapacityError: No placement of the map holds the new size.
         """
-        if self.placement_map is None:
-            raise ConfigError("placement", "grow() follows a PlacementMap; build the plane "
-                                           "with placement=PlacementMap.build(...), or call "
-                                           "migrate() with an explicit placement")
-        check_growth(self.spec, spec)
-        target = next_placement(self.placement_map, self.buffer.placement,
-                                          spec.bytes_per_sample)
+        target = grow_target(self.placement_map, self.buffer.placement, self.spec, spec)
         return self.migrate(target, spec=spec, chunk_rows=chunk_rows)
-
-    # -- timing, state, lifecycle --------------------------------------------------------------
 
     def timed(self, name: Literal["rollout", "update"] | str) -> AbstractContextManager[None]:
         """Time a caller window, e.g. ``with plane.timed("rollout"): ...``."""
@@ -500,42 +446,63 @@ class ExperienceDataPlane:
 
     def stats(self) -> dict[str, Any]:
         """Counters, fill level, schedule and placement (JSON-friendly)."""
-        with self._signals.lock:
-            return {**self.counters, "size": len(self.buffer),
-                    "pending_units": len(self._flow.pending),
-                    "staged_batches": len(self._flow.staged),
-                    "policy_version": self.policy_version, "schedule": self.schedule.to_dict(),
-                    "placement": self.buffer.placement.to_dict(), "mode": self.mode}
+        return self._engine.stats()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: buffer contents, sampler state (priorities, FIFO cursor), counters.
+    @property
+    def failed(self) -> OperatorError | None:
+        """The operator error that calls now raise (until :meth:`recover`), if any."""
+        return self._engine.runtime.error
 
-        Pending rollouts are ingested first, so nothing pushed is lost. Batches staged for the
-        learner are not saved; on-policy, their rows are delivered again after a restore.
-        """
-        if self._engine.runtime.error is None:
+    def state_dict(self, *, rows: bool = True) -> dict[str, Any]:
+        """An in-memory checkpoint: rows (``rows``: a copy), sampler state, row ids, the
+        on-policy iteration and counters; tensors and plain values only, so ``torch.load``'s
+        default weights-only mode reads it back. Queued units are ingested first unless an
+        operator failed. Staged batches are not saved: on-policy, their rows are delivered
+        again after a restore."""
+        with self.frozen(rows=rows) as state:
+            return state
+
+    @contextmanager
+    def frozen(self, *, rows: bool = False) -> Iterator[dict[str, Any]]:
+        """Ingest queued units (unless an operator failed), pause both operators, and yield
+        :meth:`state_dict`; the buffer's rows do not change until the block exits."""
+        if self.failed is None:
             self.flush()
-        with self.paused(), self._signals.lock:
-            return {"buffer": self.buffer.state_dict(), "counters": dict(self.counters),
-                    "flow": self._flow.state_dict(), "schedule": self.schedule.to_dict(),
-                    "spec": self.spec.to_dict()}
+        with self.paused():
+            yield self._engine.capture(rows=rows)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint made by :meth:`state_dict` (placement and schedule may differ)."""
+    def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:
+        """Restore :meth:`state_dict` (placement and schedule may differ).
+
+        Raises:
+            StateError: A key is missing or a value would corrupt the buffer.
+        """
         self._check_open()
-        with self.paused(), self._signals.lock:
-            self.buffer.load_state_dict(state["buffer"])
-            self.counters.update(state["counters"])
-            self._flow.load_state_dict(state["flow"])
+        with self.paused():
+            self._engine.restore(state, rows=rows)
 
-    def _wait_for(self, timeout: float | None) -> float:
-        if timeout is None:
-            return self.config.timeout
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 <= timeout < math.inf):
-            raise ConfigError("timeout", f"must be a finite number of seconds >= 0, got "
-                                         f"{timeout!r}")
-        return float(timeout)
+    def save(self, path: str | Path) -> CheckpointInfo:
+        """Write the plane to one file, atomically: a crash mid-save leaves the previous file
+        intact. Rows stream from the buffer's memory while the operators pause; queued units
+        are ingested first (unless an operator failed). Format: :mod:`conduit.plane.checkpoint`.
+        """
+        return checkpoint.save(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> ExperienceDataPlane:
+        """A plane rebuilt from :meth:`save`'s file; ``overrides`` replace constructor
+        arguments (``placement``, ``schedule``, ``learner_device``, a custom ``sampler``).
+
+        Raises:
+            CheckpointError: The file is corrupt, of another version, or holds a value out of
+                range; the message names the part.
+        """
+        return checkpoint.load(cls, path, **overrides)
+
+    def snapshots(self, path: str | Path, *, every_s: float) -> checkpoint.Snapshotter:
+        """Start periodic background snapshots to ``path`` (see
+        :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop."""
+        return checkpoint.Snapshotter(self, path, every_s=every_s)
 
     def _check_open(self) -> None:
         self._engine.check_open()
@@ -546,26 +513,20 @@ class ExperienceDataPlane:
         return self._engine.closed
 
     def recover(self) -> OperatorError | None:
-        """Clear an operator failure once the caller has handled it.
+        """Clear an operator failure once the caller has handled it, and return it.
 
-        After an operator raises on a worker, the calls that depend on it raise its
-        :class:`~conduit.errors.OperatorError` until this is called. The rows in the buffer
-        stay intact (and can be saved meanwhile); the units of the failed invocation are lost
-        (counted in the error and in ``counters["lost_units"]``); queued units are kept and
-        ingested once the workers restart.
-
-        Returns:
-            The error that was cleared, or None.
+        After an operator raises on a worker, dependent calls raise its
+        :class:`~conduit.errors.OperatorError` until this is called. Rows in the buffer stay
+        intact (and can be saved meanwhile); the failed invocation's units are lost (counted
+        in the error and ``counters["lost_units"]``); queued units are ingested on restart.
         """
         self._check_open()
         return self._engine.recover()
 
     def close(self) -> None:
         """Refuse new calls, stop the workers, and store every queued unit. Idempotent;
-        bounded by the plane's ``timeout``.
-
-        A plane dropped without ``close()`` is closed when it is garbage-collected or at
-        interpreter exit, with a warning if units were lost.
+        bounded by the plane's ``timeout``. A plane dropped without ``close()`` is closed when
+        collected or at interpreter exit, with a warning if units were lost.
 
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -19,12 +20,15 @@ from conduit.errors import (
     EmptyBufferError,
     OperatorError,
     PlaneClosedError,
+    StateError,
 )
-from conduit.plane.flows import Flow, Signals, Staged, Unit
+from conduit.plane.config import PlaneConfig
+from conduit.plane.flows import Flow, OffPolicyFlow, OnPolicyFlow, Signals, Staged, Unit
 from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule
-from conduit.storage import data_path_threads
+from conduit.storage import ExperienceBuffer, data_path_threads
+from conduit.storage.state import entry
 from conduit.timing import Timings
 
 
@@ -50,6 +54,26 @@ class PlaneEngine:
         self.closed = False
         self.ingestion = ingestion_runner(self.runtime, overlap=0)
         self.delivery = delivery_runner(self.runtime, overlap=0)
+
+    @classmethod
+    def build(cls, config: PlaneConfig, buffer: ExperienceBuffer,
+              timings: Timings) -> PlaneEngine:
+        """An engine over the flow ``config.mode`` asks for, not started yet."""
+        signals = Signals()
+        flow_cls = OnPolicyFlow if config.on_policy else OffPolicyFlow
+        flow = flow_cls(config=config, buffer=buffer, signals=signals,
+                        schedule=config.default_schedule())
+        return cls(flow=flow, signals=signals, timings=timings,
+                   learner_device=config.learner_device, timeout=config.timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, fill level, schedule and placement (JSON-friendly)."""
+        flow = self.flow
+        with self.signals.lock:
+            return {**flow.counters, "size": len(flow.buffer), "pending_units": len(flow.pending),
+                    "staged_batches": len(flow.staged), "policy_version": flow.policy_version,
+                    "schedule": self.schedule.to_dict(),
+                    "placement": flow.buffer.placement.to_dict(), "mode": flow.config.mode}
 
     def start(self, schedule: Schedule) -> None:
         """Start the runners ``schedule`` asks for (the previous ones must be stopped)."""
@@ -89,8 +113,32 @@ class PlaneEngine:
             with self.signals.lock:
                 rt.paused -= 1
                 self.signals.wake(callers=True, ingestion=True, delivery=True)
-            if not self.closed and rt.stop:
+            if not self.closed and rt.stop and not rt.paused:
                 self.start(self.schedule)
+
+    def capture(self, *, rows: bool) -> dict[str, Any]:
+        """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused."""
+        with self.signals.lock:
+            return {"buffer": self.flow.buffer.state_dict(rows=rows),
+                    "counters": dict(self.flow.counters), "flow": self.flow.state_dict(),
+                    "schedule": self.schedule.to_dict(), "spec": self.flow.spec.to_dict()}
+
+    def restore(self, state: Mapping[str, Any], *, rows: bool) -> None:
+        """Load :meth:`capture`'s state; call while paused.
+
+        Raises:
+            StateError: A key is missing or a value would corrupt the buffer.
+        """
+        with self.signals.lock:
+            counters = entry(state, "counters", "plane")
+            if not isinstance(counters, dict) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 0
+                    for v in counters.values()):
+                raise StateError("counters", "expected non-negative integers")
+            flow = entry(state, "flow", "plane")
+            self.flow.buffer.load_state_dict(entry(state, "buffer", "plane"), rows=rows)
+            self.flow.load_state_dict(flow)
+            self.flow.counters.update(counters)
 
     def check_open(self) -> None:
         """Raise :class:`PlaneClosedError` once the plane is closed."""

@@ -22,12 +22,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from conduit.errors import CapacityError, EmptyBufferError, StaleRolloutError
+from conduit.errors import CapacityError, EmptyBufferError, StaleRolloutError, StateError
 from conduit.plane.config import PlaneConfig
 from conduit.plane.early import EarlyBatch, plan_early
 from conduit.scheduling.space import Schedule
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import ExperienceBuffer, SampleInfo
+from conduit.storage.state import integer
 
 
 class Signals:
@@ -183,6 +184,12 @@ class Flow(abc.ABC):
         """Units that may wait before ``push`` blocks."""
 
     # -- learner side ----------------------------------------------------------------------
+
+    @property
+    def staleness_bound(self) -> int:
+        """Rollout units that may be pushed but not yet sampleable when ``push`` returns."""
+        g = 0 if self.config.on_policy else int(self.schedule.g_ing)
+        return g - 1 if self.schedule.overlap_ing == 0 else 2 * g
 
     @property
     @abc.abstractmethod
@@ -500,11 +507,20 @@ class OnPolicyFlow(Flow):
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
+        version = integer(state, "policy_version", "flow")
+        written = integer(state, "iter_written_rows", "flow", high=self.config.capacity)
+        delivered = integer(state, "delivered_in_iter", "flow",
+                            high=self.config.batches_per_iteration - 1)
+        if written != len(self.buffer):
+            raise StateError("flow.iter_written_rows", f"{written}, but the buffer holds "
+                                                       f"{len(self.buffer)} rows")
+        if delivered and written < self.config.capacity:
+            raise StateError("flow.delivered_in_iter", f"{delivered} mini-batches delivered "
+                                                       f"from an iteration that is not full")
         super().load_state_dict(state)
-        self.policy_version = int(state["policy_version"])
-        self.iter_pushed_rows = self.iter_written_rows = int(state["iter_written_rows"])
-        self.iter_landed_rows = self.iter_written_rows
-        self.delivered_in_iter = self.drawn_in_iter = int(state["delivered_in_iter"])
+        self.policy_version = version
+        self.iter_pushed_rows = self.iter_written_rows = self.iter_landed_rows = written
+        self.delivered_in_iter = self.drawn_in_iter = delivered
         self.early = {}
         if self.drawn_in_iter:
             m = self.config.num_minibatches

@@ -24,6 +24,7 @@ from conduit.placement import (
     rows_per_endpoint,
 )
 from conduit.plane.config import PlaneConfig
+from conduit.plane.engine import PlaneEngine
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import ExperienceBuffer, Placement, Store
 
@@ -123,14 +124,54 @@ def _range_flows(old: Store, new: Store, start: int, n: int) -> list[tuple[str, 
     return out
 
 
-def next_placement(pmap: PlacementMap, current: Placement, x: float) -> Placement:
-    """Alg. 2's decision: ``M(x)``, or ``current`` when it is already that placement.
+def grow_target(pmap: PlacementMap | None, current: Placement, old: ExperienceSpec,
+                new: ExperienceSpec) -> Placement:
+    """Alg. 2's decision for a spec growth: ``M(x)`` of the new per-sample size.
 
     Raises:
-        CapacityError: No placement of the map holds samples of ``x`` bytes.
+        ConfigError: There is no map to follow.
+        SpecError: ``new`` is not a growth of ``old``.
+        CapacityError: No placement of the map holds the new size.
     """
-    target = pmap.lookup(x)
+    if pmap is None:
+        raise ConfigError("placement", "grow() follows a PlacementMap; build the plane with "
+                                       "placement=PlacementMap.build(...), or call migrate() "
+                                       "with an explicit placement")
+    check_growth(old, new)
+    target = pmap.lookup(new.bytes_per_sample)
     return current if target == current else target
+
+
+def migrate(engine: PlaneEngine, placement: Placement, *, spec: ExperienceSpec,
+            chunk_rows: int, placement_map: PlacementMap | None) -> dict[str, Any]:
+    """Pause ``engine``, move its flow's buffer (see :func:`move_buffer`), and resume.
+
+    Raises:
+        SpecError: ``spec`` is not a growth of the buffer's spec.
+        CapacityError: The new placement cannot hold the buffer.
+    """
+    check_growth(engine.flow.spec, spec)
+    with engine.paused():
+        new, report = move_buffer(engine.flow.buffer, placement=placement, spec=spec,
+                                  chunk_rows=chunk_rows, placement_map=placement_map)
+        with engine.signals.lock:
+            old_spec, engine.flow.buffer = engine.flow.spec, new
+            for staged in engine.flow.staged:  # prefetched before the growth: widen them too
+                staged.batch = widen_batch(staged.batch, old_spec, spec)
+    return report
+
+
+def widen_batch(batch: dict[str, torch.Tensor], old: ExperienceSpec,
+                new: ExperienceSpec) -> dict[str, torch.Tensor]:
+    """A delivered batch with every field that still has ``old``'s shape zero-padded to
+    ``new``'s; other keys (``_index``, fields a delivery operator made) are kept as they are."""
+    grown = {k: v for k, v in batch.items()
+             if k in old.fields and k in new.fields and old.fields[k] != new.fields[k]
+             and tuple(v.shape[1:]) == old.fields[k].shape}
+    if not grown:
+        return batch
+    sub = ExperienceSpec.of(**{k: (new.fields[k].shape, new.fields[k].dtype) for k in grown})
+    return {**batch, **pad_to(grown, sub)}
 
 
 def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: ExperienceSpec,

@@ -10,6 +10,7 @@ on-policy); an infeasible cap is rejected with :class:`~conduit.errors.ConfigErr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -47,8 +48,9 @@ class Schedule:
             object.__setattr__(self, name, int(v))
         for name in ("g_ing", "g_del"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float, Fraction)) or isinstance(v, bool) or not v > 0:
-                raise ScheduleError(f"{name}: must be a positive number, got {v!r}")
+            if (not isinstance(v, (int, float, Fraction)) or isinstance(v, bool) or not v > 0
+                    or not math.isfinite(v)):
+                raise ScheduleError(f"{name}: must be a finite positive number, got {v!r}")
             if v > 1 and float(v) != int(v):
                 raise ScheduleError(f"{name}: granularities above 1 must be whole numbers of "
                                     f"units, got {v!r}")

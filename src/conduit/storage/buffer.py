@@ -14,6 +14,7 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
+from conduit.storage.state import array, entry
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
 
@@ -180,26 +181,30 @@ class ExperienceBuffer:
             self._row_id[:] = other._row_id
             self._delivered_id[:] = other._delivered_id
 
-    def state_dict(self) -> dict[str, Any]:
-        """Store contents, writer cursor and sampler state."""
+    def state_dict(self, *, rows: bool = True) -> dict[str, Any]:
+        """Writer cursor, sampler state, row ids and (``rows``) a copy of the store."""
         with self._lock:
-            return {"store": self.store.state_dict(), "writer": self.writer.state_dict(),
+            store = {"store": self.store.state_dict()} if rows else {}
+            return {**store, "writer": self.writer.state_dict(),
                     "sampler": self.sampler.state_dict(),
                     "row_id": torch.from_numpy(self._row_id.copy()),
                     "delivered_id": torch.from_numpy(self._delivered_id.copy())}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (store placement may differ)."""
+    def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:
+        """Restore from :meth:`state_dict` (store placement may differ).
+
+        Args:
+            state: What :meth:`state_dict` returned.
+            rows: Restore the store too (False: its rows were restored separately).
+
+        Raises:
+            StateError: A key is missing or a value would corrupt the buffer.
+            SpecError, CapacityError: The saved store does not match this buffer.
+        """
         with self._lock:
-            self.store.load_state_dict(state["store"])
-            self.writer.load_state_dict(state["writer"])
-            self.sampler.load_state_dict(state["sampler"])
+            if rows:
+                self.store.load_state_dict(entry(state, "store", "buffer"))
+            self.writer.load_state_dict(entry(state, "writer", "buffer"))
+            self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
             for key, ids in (("row_id", self._row_id), ("delivered_id", self._delivered_id)):
-                if key in state:
-                    ids[:] = np.asarray(state[key], dtype=np.int64)
-                else:  # rows keep their slots; the order is the writer's
-                    ids.fill(-1)
-            if "row_id" not in state:
-                order = self.writer.logical_order().numpy()
-                first = self.writer.total_written - order.size
-                self._row_id[order] = np.arange(first, first + order.size)
+                ids[:] = array(state, key, "buffer", length=self.capacity, dtype=np.int64)

@@ -1,0 +1,302 @@
+"""Plane checkpoints on disk: ``plane.save(path)``, ``ExperienceDataPlane.load(path)`` and
+periodic snapshots.
+
+A checkpoint is one file of :mod:`conduit.storage.checkpoint`'s format (versioned, a checksum
+per part, written atomically, no pickle). Its metadata holds:
+
+* ``"format"`` (``"conduit-plane"``) and ``"version"`` (:data:`VERSION`);
+* ``"config"``: the plane's constructor arguments (spec, capacity, mode, batch sizes, ...);
+* ``"sampler"``: the sampler's class name and :meth:`~conduit.storage.Sampler.config`;
+* ``"schedule"`` and ``"placement"`` in force when saved;
+* ``"rows"``: the filled slots, as blocks ``{"start", "rows"}`` whose columns are the parts
+  ``rows/<block>/<field>``;
+* ``"state"``: writer, sampler, row ids, flow (iteration) state and counters, with tensors
+  replaced by ``{"$tensor": part}`` references.
+
+Rows are written straight from the buffer's memory (no copy) while the plane is paused; a
+snapshot copies them first and writes in the background (docs/design.md §8).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from conduit.errors import ConduitError, ConfigError, StateError
+from conduit.scheduling.space import Schedule
+from conduit.spec import ExperienceSpec
+from conduit.storage import (
+    CheckpointError,
+    CheckpointInfo,
+    ExperienceBuffer,
+    Placement,
+    read_checkpoint,
+    sampler_from_config,
+    write_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from conduit.plane.data_plane import ExperienceDataPlane
+
+FORMAT = "conduit-plane"
+#: The checkpoint layout version this module writes and reads.
+VERSION = 1
+
+_CONFIG_KEYS = ("capacity", "mode", "batch_size", "num_minibatches", "num_epochs", "min_size",
+                "rollout_rows", "g_max", "max_priority_lag", "timeout", "seed")
+
+
+def _to_parts(obj: Any, name: str, parts: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as strict JSON, every tensor (or numpy array) moved into ``parts``."""
+    if isinstance(obj, np.ndarray):
+        obj = torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, torch.Tensor):
+        parts[name] = obj
+        return {"$tensor": name}
+    if isinstance(obj, Mapping):
+        return {str(k): _to_parts(v, f"{name}/{k}", parts) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_parts(v, f"{name}/{i}", parts) for i, v in enumerate(obj)]
+    return obj
+
+
+def _from_parts(obj: Any, parts: Mapping[str, torch.Tensor], path: Path) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"$tensor"}:
+            if obj["$tensor"] not in parts:
+                raise CheckpointError(path, "a part named in the header is missing",
+                                      part=str(obj["$tensor"]))
+            return parts[obj["$tensor"]]
+        return {k: _from_parts(v, parts, path) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_parts(v, parts, path) for v in obj]
+    return obj
+
+
+def _row_blocks(buffer: ExperienceBuffer) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Views (no copies) of the filled slots ``[0, len(buffer))``, one block per shard."""
+    size, store = len(buffer), buffer.store
+    shards = getattr(store, "shards", None)
+    if shards is None:
+        return [(0, {n: store.column(n)[:size] for n in buffer.spec.fields})]
+    blocks = []
+    for k, shard in enumerate(shards):
+        start = int(store.bounds[k])
+        n = max(0, min(size, int(store.bounds[k + 1])) - start)
+        if n:
+            blocks.append((start, {f: shard.column(f)[:n] for f in buffer.spec.fields}))
+    return blocks
+
+
+def _layout(plane: ExperienceDataPlane, state: dict[str, Any],
+            blocks: list[tuple[int, dict[str, torch.Tensor]]]
+            ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint's metadata and parts for ``plane``'s ``state`` and row ``blocks``."""
+    parts: dict[str, torch.Tensor] = {}
+    rows = []
+    for b, (start, cols) in enumerate(blocks):
+        for f, col in cols.items():
+            parts[f"rows/{b}/{f}"] = col
+        rows.append({"start": start, "rows": int(next(iter(cols.values())).shape[0])})
+    cfg = plane.config
+    sampler = plane.buffer.sampler
+    meta = {"format": FORMAT, "version": VERSION,
+            "config": {k: getattr(cfg, k) for k in _CONFIG_KEYS},
+            "spec": plane.spec.to_dict(),
+            "rollout_spec": cfg.rollout_spec.to_dict() if cfg.rollout_spec else None,
+            "sampler": {"kind": type(sampler).__name__, "config": sampler.config()},
+            "schedule": plane.schedule.to_dict(), "placement": plane.buffer.placement.to_dict(),
+            "rows": rows, "state": _to_parts(state, "state", parts)}
+    return meta, parts
+
+
+def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
+    """Write ``plane`` to ``path`` (see :meth:`ExperienceDataPlane.save`)."""
+    with plane.frozen(rows=False) as state:
+        meta, parts = _layout(plane, state, _row_blocks(plane.buffer))
+        return write_checkpoint(path, tensors=parts, meta=meta)
+
+
+def _schedule(d: Mapping[str, Any]) -> Schedule:
+    return Schedule(int(d["overlap_ing"]), Fraction(d["g_ing"]), int(d["overlap_del"]),
+                    Fraction(d["g_del"]))
+
+
+def load(cls: type[ExperienceDataPlane], path: str | Path,
+         **overrides: Any) -> ExperienceDataPlane:
+    """Build a ``cls`` plane from a checkpoint (see :meth:`ExperienceDataPlane.load`)."""
+    path = Path(path)
+    meta, parts = read_checkpoint(path, mmap=True)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(path, f"not a {FORMAT} checkpoint of version {VERSION} "
+                                    f"(format {meta.get('format')!r}, version "
+                                    f"{meta.get('version')!r})")
+    try:
+        kwargs: dict[str, Any] = {
+            **meta["config"], "spec": ExperienceSpec.from_dict(meta["spec"]),
+            "rollout_spec": (ExperienceSpec.from_dict(meta["rollout_spec"])
+                             if meta["rollout_spec"] else None),
+            "schedule": _schedule(meta["schedule"]),
+            "placement": Placement.from_dict(meta["placement"])}
+        if "sampler" not in overrides:
+            kwargs["sampler"] = sampler_from_config(meta["sampler"]["kind"],
+                                                    meta["sampler"]["config"])
+        plane = cls(**{**kwargs, **overrides})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"the header does not describe a plane: {exc}") from exc
+    try:
+        _restore(plane, meta, parts, path)
+    except BaseException:
+        plane.close()
+        raise
+    return plane
+
+
+def _restore(plane: ExperienceDataPlane, meta: Mapping[str, Any],
+             parts: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Put a checkpoint's rows and state into a freshly built ``plane``.
+
+    Raises:
+        CheckpointError: A part or a state value is missing or out of range (the message
+            names it).
+    """
+    try:
+        state = _from_parts(meta["state"], parts, path)
+        with plane.paused():
+            for b, block in enumerate(meta["rows"]):
+                cols = {f: parts[f"rows/{b}/{f}"] for f in plane.spec.fields}
+                if any(c.shape[0] != block["rows"] for c in cols.values()):
+                    raise StateError(f"rows.{b}", "blocks disagree on their row count")
+                plane.buffer.store.set_range(int(block["start"]), cols)
+        filled = sum(int(b["rows"]) for b in meta["rows"])
+        writer = state["buffer"]["writer"]
+        if not isinstance(writer, dict) or writer.get("size") != filled:
+            raise StateError("buffer.writer.size", f"{writer.get('size')!r}, but {filled} "
+                                                   f"rows are saved")
+        plane.load_state_dict(state, rows=False)
+    except KeyError as exc:
+        raise CheckpointError(path, f"missing {exc}", part=str(exc.args[0])) from exc
+    except ConduitError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        part = getattr(exc, "key", None) or getattr(exc, "field", None)
+        raise CheckpointError(path, str(exc), part=part) from exc
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """What a :class:`Snapshotter` did.
+
+    Attributes:
+        snapshots: Snapshots written.
+        pause_s: Seconds the plane was paused to copy each one (the learner's stall).
+        write_s: Seconds each background write took.
+        failures: Snapshots that could not be written (the last error is kept).
+    """
+
+    snapshots: int
+    pause_s: tuple[float, ...]
+    write_s: tuple[float, ...]
+    failures: int
+
+
+class Snapshotter:
+    """Periodic snapshots of a plane that do not stall the learner for the write.
+
+    Every ``every_s`` seconds (and on :meth:`request`), the plane is paused just long enough
+    to copy its filled rows and state (a double buffer), and a background thread writes the
+    copy to ``path`` atomically: a crash at any point leaves the previous snapshot intact.
+
+    Args:
+        plane: The plane to snapshot.
+        path: The checkpoint file (replaced by each snapshot).
+        every_s: Seconds between snapshots (``math.inf``: only on :meth:`request`).
+
+    Example:
+        >>> with Snapshotter(plane, "buffer.ckpt", every_s=60):
+        ...     train(plane)
+    """
+
+    def __init__(self, plane: ExperienceDataPlane, path: str | Path, *, every_s: float) -> None:
+        if not every_s > 0:
+            raise ConfigError("every_s", f"must be > 0 seconds, got {every_s!r}")
+        self.plane, self.path, self.every_s = plane, Path(path), float(every_s)
+        self._wake = threading.Event()
+        self._stop = False
+        self._pause: list[float] = []
+        self._settle: list[float] = []
+        self._write: list[float] = []
+        self._failures = 0
+        self.last_error: BaseException | None = None
+        self._done = threading.Condition()
+        self._count = 0
+        self._thread = threading.Thread(target=self._run, name="conduit-snapshot", daemon=True)
+        self._thread.start()
+
+    def request(self, *, wait: bool = False, timeout: float = 60.0) -> None:
+        """Take a snapshot now (``wait``: until it is on disk)."""
+        with self._done:
+            target = self._count + 1
+        self._wake.set()
+        if wait:
+            with self._done:
+                self._done.wait_for(lambda: self._count >= target or self._stop, timeout)
+
+    @property
+    def stats(self) -> SnapshotStats:
+        """Counts and timings so far."""
+        return SnapshotStats(len(self._write), tuple(self._pause), tuple(self._write),
+                             self._failures)
+
+    def _copy(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        t0 = time.perf_counter()
+        with self.plane.frozen(rows=False) as state:
+            t1 = time.perf_counter()
+            blocks = [(s, {f: c.clone() for f, c in cols.items()})
+                      for s, cols in _row_blocks(self.plane.buffer)]
+            out = _layout(self.plane, state, blocks)
+        self._pause.append(time.perf_counter() - t1)
+        self._settle.append(t1 - t0)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(None if self.every_s == float("inf") else self.every_s)
+            self._wake.clear()
+            if self._stop or self.plane.closed:
+                break
+            try:
+                meta, parts = self._copy()
+                info = write_checkpoint(self.path, tensors=parts, meta=meta)
+                self._write.append(info.seconds)
+            except Exception as exc:
+                self._failures += 1
+                self.last_error = exc
+            with self._done:
+                self._count += 1
+                self._done.notify_all()
+
+    def close(self) -> None:
+        """Stop taking snapshots (a write in progress finishes first)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        with self._done:
+            self._done.notify_all()
+
+    def __enter__(self) -> Snapshotter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["FORMAT", "VERSION", "SnapshotStats", "Snapshotter", "load", "save"]

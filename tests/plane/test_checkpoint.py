@@ -1,0 +1,206 @@
+"""Plane checkpoints: files round-trip every part of the state, corruption and bad values are
+named, torch.load's safe default reads in-memory state, and snapshots survive SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conduit import ExperienceDataPlane, ExperienceSpec, Placement, Schedule
+from conduit.errors import StateError
+from conduit.storage import CheckpointError, read_checkpoint, write_checkpoint
+from tests.conftest import make_rows
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("placement", [Placement.pageable(), Placement.sharded(["cpu", "cpu"])],
+                         ids=lambda p: p.label())
+def test_off_policy_round_trip_continues_the_same_batches(small_spec, tmp_path, placement):
+    kw = {"spec": small_spec, "capacity": 48, "batch_size": 8, "sampler": "prioritized",
+          "placement": placement, "seed": 3}
+    with ExperienceDataPlane(**kw) as plane:
+        plane.push(make_rows(small_spec, 40))
+        plane.push(make_rows(small_spec, 20, start=40))  # wraps the ring
+        for _ in range(3):
+            b = plane.pull()
+            plane.update_priorities(b["_index"], b["id"].float() % 5)
+        plane.save(tmp_path / "p.ckpt")
+        with ExperienceDataPlane.load(tmp_path / "p.ckpt") as back:
+            assert back.buffer.placement == placement and len(back.buffer) == 48
+            assert back.counters == plane.counters
+            for _ in range(5):
+                assert same(plane.pull(), back.pull())
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 0.25), Schedule(1, 0.25, 1, 0.25)],
+                         ids=lambda s: s.label())
+def test_on_policy_mid_iteration_round_trip_delivers_the_rest_once(small_spec, tmp_path,
+                                                                    schedule):
+    kw = {"spec": small_spec, "capacity": 32, "mode": "on_policy", "num_minibatches": 4,
+          "num_epochs": 2, "schedule": schedule, "seed": 9}
+    with ExperienceDataPlane(**kw) as plane:
+        plane.push(make_rows(small_spec, 32))
+        for _ in range(3):
+            plane.pull()
+        plane.save(tmp_path / "p.ckpt")
+        rest = [plane.pull() for _ in range(5)]
+        with ExperienceDataPlane.load(tmp_path / "p.ckpt") as back:
+            assert back.policy_version == 0
+            got = [back.pull() for _ in range(5)]
+            assert all(same(a, b) for a, b in zip(rest, got))
+            assert back.policy_version == 1
+
+
+def test_state_dict_reads_back_with_torch_load_defaults(small_spec, tmp_path):
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4,
+                             sampler="prioritized") as plane:
+        plane.push(make_rows(small_spec, 16))
+        torch.save(plane.state_dict(), tmp_path / "s.pt")
+        state = torch.load(tmp_path / "s.pt")  # weights_only=True by default
+        with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4,
+                                 sampler="prioritized") as other:
+            other.load_state_dict(state)
+            assert same(plane.pull(), other.pull())
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corruption_is_detected_and_named(small_spec, tmp_path):
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 16))
+        info = plane.save(tmp_path / "p.ckpt")
+    meta, _ = read_checkpoint(info.path)
+    good = info.path.read_bytes()
+    # a byte inside the obs rows
+    from conduit.storage.checkpoint import _read_header  # the part offsets, for the test
+    with open(info.path, "rb") as f:
+        _, parts, _ = _read_header(f, info.path, len(good))
+    obs = next(p for p in parts if p.name == "rows/0/obs")
+    _flip(info.path, obs.offset + 5)
+    with pytest.raises(CheckpointError) as ei:
+        ExperienceDataPlane.load(info.path)
+    assert ei.value.part == "rows/0/obs"
+    info.path.write_bytes(good)
+    _flip(info.path, 40)  # the header
+    with pytest.raises(CheckpointError):
+        ExperienceDataPlane.load(info.path)
+    assert meta["format"] == "conduit-plane"
+
+
+@pytest.mark.parametrize(("where", "value", "part"), [
+    (("buffer", "writer", "cursor"), -1, "writer.cursor"),
+    (("buffer", "writer", "size"), 999, "writer.size"),
+    (("counters", "pushed_rows"), -5, "counters"),
+    (("buffer", "sampler", "max_priority"), float("nan"), "sampler.max_priority"),
+])
+def test_every_loaded_value_is_validated(small_spec, tmp_path, where, value, part):
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4,
+                             sampler="prioritized") as plane:
+        plane.push(make_rows(small_spec, 10))
+        info = plane.save(tmp_path / "p.ckpt")
+    meta, parts = read_checkpoint(info.path)
+    node = meta["state"]
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value if value == value else None  # strict JSON has no NaN
+    write_checkpoint(info.path, tensors=parts, meta=meta)
+    with pytest.raises(CheckpointError) as ei:
+        ExperienceDataPlane.load(info.path)
+    if part is not None:
+        assert part in str(ei.value)
+
+
+def test_bad_in_memory_state_raises_a_typed_error(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4,
+                             sampler="prioritized") as plane:
+        plane.push(make_rows(small_spec, 16))
+        state = plane.state_dict()
+        broken = {**state, "buffer": {k: v for k, v in state["buffer"].items()
+                                      if k != "writer"}}
+        with pytest.raises(StateError, match=r"buffer\.writer"):
+            plane.load_state_dict(broken)
+        state["buffer"]["sampler"]["tree"]["leaves"][3] = float("nan")
+        with pytest.raises(StateError, match=r"tree\.leaves"):
+            plane.load_state_dict(state)
+
+
+def test_snapshots_run_in_the_background_and_load(small_spec, tmp_path):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                             schedule=Schedule(1, 1, 1, 1)) as plane:
+        with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
+            plane.push(make_rows(small_spec, 20))
+            snap.request(wait=True)
+            plane.push(make_rows(small_spec, 20, start=20))
+            plane.pull()
+        assert snap.stats.snapshots == 1 and snap.stats.failures == 0
+        with ExperienceDataPlane.load(tmp_path / "s.ckpt") as back:
+            assert len(back.buffer) == 20
+
+
+# -- a snapshotting process killed at random points ----------------------------------------------
+
+
+def _snapshotting_child(folder: str, seed: int) -> None:
+    """Push rows whose content is a function of their id, save after every push, and log
+    each save's row count before and after it."""
+    torch.set_num_threads(1)
+    path = Path(folder, "buffer.ckpt")
+    spec = ExperienceSpec.from_dict(json.loads(Path(folder, "spec.json").read_text()))
+    plane = (ExperienceDataPlane.load(path) if path.exists() else
+             ExperienceDataPlane(spec=spec, capacity=256, batch_size=8,
+                                 schedule=Schedule(1, 1, 0, 1)))
+    rng = random.Random(seed)
+    start = plane.buffer.total_written
+    with open(Path(folder, "log.txt"), "a") as log:
+        while True:
+            n = rng.randint(1, 40)
+            plane.push(make_rows(spec, n, start=start))
+            start += n
+            log.write(f"begin {start}\n")
+            log.flush()
+            plane.save(path)
+            log.write(f"done {start}\n")
+            log.flush()
+
+
+def test_sigkill_during_snapshots_always_leaves_a_completed_snapshot(small_spec, tmp_path):
+    Path(tmp_path, "spec.json").write_text(json.dumps(small_spec.to_dict()))
+    ctx = multiprocessing.get_context("fork")
+    rng = random.Random(0)
+    kills = 0
+    deadline = time.monotonic() + 90
+    while kills < 20 and time.monotonic() < deadline:
+        child = ctx.Process(target=_snapshotting_child, args=(str(tmp_path), kills))
+        child.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        kills += 1
+        path = tmp_path / "buffer.ckpt"
+        if not path.exists():
+            continue
+        lines = (tmp_path / "log.txt").read_text().split()
+        begun = {int(v) for k, v in zip(lines[::2], lines[1::2]) if k == "begin"}
+        with ExperienceDataPlane.load(path) as back:
+            total = back.buffer.total_written
+            assert total in begun  # a snapshot that was being written or completed
+            ids = back.buffer.store.get(torch.arange(len(back.buffer)))["id"]
+            assert sorted(ids.tolist()) == list(range(total - len(back.buffer), total))
+            want = make_rows(small_spec, 1, start=int(ids[0]))["obs"][0]
+            assert torch.equal(back.buffer.store.get(torch.tensor([0]))["obs"][0], want)
+    assert kills >= 20
