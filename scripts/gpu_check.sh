@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (placement) and issue 6 (the reference workloads and the demo),
+# GPU check: the GPU tests, the placement benchmark, the reference workloads and the demo,
 # prepared for a lent device machine. One call of the device tool, run from the repository
 # root:
 #     bash scripts/gpu_check.sh
@@ -18,11 +18,11 @@
 #     $OUT/env.txt                     GPU, driver, torch
 #     $OUT/tests.log                   pytest -m gpu, then tests/plane tests/storage with CUDA
 #     $OUT/bench.log                   the three benchmarks' tables and progress
-#     $OUT/bench/placement.json|png    conduit bench placement (issue 3)
-#     $OUT/workloads/workloads.json|png  conduit bench workloads, heavy rows (issue 6)
+#     $OUT/bench/placement.json|png    conduit bench placement
+#     $OUT/workloads/workloads.json|png  conduit bench workloads, heavy rows
 #     $OUT/demo/demo.json              conduit demo (its PNG is dropped: the 8-file limit)
 # A second call, PARTS=convergence (over 10 minutes would not fit the first), adds
-#     $OUT/convergence/convergence.json|png  conduit bench convergence (issue 6)
+#     $OUT/convergence/convergence.json|png  conduit bench convergence
 # Knobs (environment): PARTS (default "tests placement workloads demo"), BENCH_ARGS (extra
 # flags for the placement bench, default "--max-buffer-gb 4 --shards 2"), WORKLOAD_ARGS
 # (default "--rounds 2 --iters 24"), DEMO_ARGS (default "--rounds 2 --iters 30"), QUICK=1

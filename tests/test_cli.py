@@ -9,7 +9,7 @@ import pytest
 from conduit.cli import main
 from conduit.cli_args import plain_text
 
-BENCHES = ("plane", "placement", "schedule", "peers", "convergence", "workloads")
+BENCHES = ("plane", "placement", "schedule", "peers", "convergence", "workloads", "persist")
 
 
 def test_plain_text_removes_rst_inline_markup() -> None:

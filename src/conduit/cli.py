@@ -5,8 +5,8 @@ Subcommands:
 * ``conduit demo``: the main job, a short distributed training run, inline then through
   Conduit, with its per-iteration latency breakdown;
 * ``conduit train``: one training run (DQN, SAC or PPO on Ray actors);
-* ``conduit bench {plane,placement,schedule,peers,convergence,workloads}``: benchmarks that
-  print tables and write JSON and PNG files;
+* ``conduit bench {plane,placement,schedule,peers,convergence,workloads,persist}``:
+  benchmarks that print tables and write JSON and PNG files;
 * ``conduit profile``: measure this machine's copy bandwidths (cached);
 * ``conduit plan``: print the placement and schedule Conduit would choose, without training.
 """
@@ -26,6 +26,8 @@ _BENCHES = {
     "peers": ("conduit.bench.peers.harness", "Conduit next to TorchRL, cpprb, RLlib, Reverb"),
     "convergence": ("conduit.bench.convergence", "learning curves, inline vs Conduit"),
     "workloads": ("conduit.bench.workloads", "per-iteration breakdown for every workload"),
+    "persist": ("conduit.bench.persist", "checkpoint save/load GB/s vs dd and TorchRL; "
+                                         "the learner's stall during snapshots"),
 }
 
 _COMMANDS = {

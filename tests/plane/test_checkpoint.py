@@ -147,9 +147,19 @@ def test_snapshots_run_in_the_background_and_load(small_spec, tmp_path):
             snap.request(wait=True)
             plane.push(make_rows(small_spec, 20, start=20))
             plane.pull()
-        assert snap.stats.snapshots == 1 and snap.stats.failures == 0
+            snap.request(wait=True)  # reuses the first copy's memory
+            plane.push(make_rows(small_spec, 30, start=40))  # wraps the ring
+            plane.flush()
+            expected = plane.state_dict()["buffer"]["store"]["columns"]
+        assert snap.stats.snapshots == 2 and snap.stats.failures == 0
         with ExperienceDataPlane.load(tmp_path / "s.ckpt") as back:
-            assert len(back.buffer) == 20
+            assert len(back.buffer) == 40
+        snap = plane.snapshots(tmp_path / "s.ckpt", every_s=3600)
+        snap.request(wait=True)
+        snap.close()
+        with ExperienceDataPlane.load(tmp_path / "s.ckpt") as back:
+            got = back.state_dict()["buffer"]["store"]["columns"]
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 # -- a snapshotting process killed at random points ----------------------------------------------

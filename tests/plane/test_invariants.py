@@ -1,4 +1,4 @@
-"""DESIGN §4 / App. C invariants of the plane."""
+"""Invariants of the plane (docs/design.md §3; the paper's App. C)."""
 
 import threading
 

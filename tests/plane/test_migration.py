@@ -1,7 +1,7 @@
 """Online migration of the plane (paper §5.3, Alg. 2): data, concurrency, sampler state, specs.
 
 Every test checks behaviour (contents, order, counts), never timings. Sizes are tiny so the
-file runs in a few seconds on a loaded 2-core machine.
+file runs in a few seconds.
 """
 
 from __future__ import annotations

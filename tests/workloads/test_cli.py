@@ -103,25 +103,46 @@ def test_bench_convergence_curve_helpers() -> None:
     assert first_reach(pts, 500) is None
 
 
+def _conduit_as_a_user(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``conduit ARGV`` in a subprocess started the way a user starts it (no RAY_AUTH_MODE,
+    ``home`` as HOME); it prints the authentication mode Ray chose for the session."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
+    env["HOME"] = str(home)  # Ray writes its token to ~/.ray/auth_token
+    run = ("import os, sys; from conduit.cli import main; rc = main(sys.argv[1:]); "
+           "print('RAY_AUTH_MODE=' + os.environ.get('RAY_AUTH_MODE', '')); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", run, *argv], env=env, cwd=home,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "RAY_AUTH_MODE=token" in proc.stdout  # the mode Ray chose for the session
+    assert (home / ".ray" / "auth_token").read_text().strip()
+    return proc
+
+
 @pytest.mark.ray
 def test_conduit_train_keeps_ray_token_authentication_on(tmp_path: Path) -> None:
     """``conduit train`` on Ray actors, started the way a user starts it (no RAY_AUTH_MODE):
     Ray enables its default token authentication, writes its token, and the run attaches its
     actors with it. The library never sets RAY_AUTH_MODE itself."""
     pytest.importorskip("ray")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")}
-    env["HOME"] = str(tmp_path)  # Ray writes its token to ~/.ray/auth_token
-    run_train = ("import os, sys; from conduit.cli import main; rc = main(sys.argv[1:]); "
-                 "print('RAY_AUTH_MODE=' + os.environ.get('RAY_AUTH_MODE', '')); sys.exit(rc)")
-    proc = subprocess.run(
-        [sys.executable, "-c", run_train, "train", "--algo", "dqn", "--iters", "2",
-         "--actors", "1", "--envs-per-actor", "2", "--steps-per-rollout", "8",
-         "--batch-size", "16", "--learning-starts", "16", "--updates-per-iter", "1",
-         "--buffer-size", "500", "--device", "cpu", "--log-every", "0", "--buffer", "inline",
-         "--out", str(tmp_path / "run.json"), "--plot", str(tmp_path / "run.png")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "RAY_AUTH_MODE=token" in proc.stdout  # the mode Ray chose for the session
-    assert (tmp_path / ".ray" / "auth_token").read_text().strip()
+    _conduit_as_a_user(
+        tmp_path, "train", "--algo", "dqn", "--iters", "2", "--actors", "1",
+        "--envs-per-actor", "2", "--steps-per-rollout", "8", "--batch-size", "16",
+        "--learning-starts", "16", "--updates-per-iter", "1", "--buffer-size", "500",
+        "--device", "cpu", "--log-every", "0", "--buffer", "inline",
+        "--out", str(tmp_path / "run.json"), "--plot", str(tmp_path / "run.png"))
     assert json.loads((tmp_path / "run.json").read_text())["config"]["use_ray"] is True
+
+
+@pytest.mark.ray
+def test_conduit_demo_keeps_ray_token_authentication_on(tmp_path: Path) -> None:
+    """``conduit demo`` on a small budget, started the way a user starts it: both of its runs
+    attach their Ray actors to a Ray with token authentication on."""
+    pytest.importorskip("ray")
+    proc = _conduit_as_a_user(
+        tmp_path, "demo", "--algo", "dqn", "--image-size", "32", "--iters", "2", "--rounds",
+        "1", "--actors", "1", "--device", "cpu", "--out", str(tmp_path / "demo"))
+    assert "plan Conduit chose" in proc.stdout
+    res = json.loads((tmp_path / "demo" / "demo.json").read_text())
+    assert res["inline"]["config"]["use_ray"] is True
+    assert res["conduit"]["config"]["use_ray"] is True

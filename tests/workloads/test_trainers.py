@@ -7,8 +7,6 @@ through Conduit), never timings.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,18 +16,6 @@ ray = pytest.importorskip("ray")
 from conduit.workloads import dqn, ppo, sac  # noqa: E402
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A local Ray with its default token authentication (its token under a scratch HOME)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RAY_AUTH_MODE", raising=False)
-        mp.setenv("HOME", str(tmp_path_factory.mktemp("home")))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's own default, left on
-        yield
-        ray.shutdown()
 
 
 def _tiny(mod, **kw):

@@ -36,12 +36,13 @@ from conduit.spec import ExperienceSpec
 from conduit.storage import (
     CheckpointError,
     CheckpointInfo,
-    ExperienceBuffer,
     Placement,
+    RowCopy,
     read_checkpoint,
     sampler_from_config,
     write_checkpoint,
 )
+from conduit.storage.state import JSON, StateDict, StateValue
 
 if TYPE_CHECKING:
     from conduit.plane.data_plane import ExperienceDataPlane
@@ -54,7 +55,7 @@ _CONFIG_KEYS = ("capacity", "mode", "batch_size", "num_minibatches", "num_epochs
                 "rollout_rows", "g_max", "max_priority_lag", "timeout", "seed")
 
 
-def _to_parts(obj: Any, name: str, parts: dict[str, torch.Tensor]) -> Any:
+def _to_parts(obj: object, name: str, parts: dict[str, torch.Tensor]) -> JSON:
     """``obj`` as strict JSON, every tensor (or numpy array) moved into ``parts``."""
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
@@ -68,7 +69,7 @@ def _to_parts(obj: Any, name: str, parts: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _from_parts(obj: Any, parts: Mapping[str, torch.Tensor], path: Path) -> Any:
+def _from_parts(obj: JSON, parts: Mapping[str, torch.Tensor], path: Path) -> StateValue:
     if isinstance(obj, dict):
         if set(obj) == {"$tensor"}:
             if obj["$tensor"] not in parts:
@@ -81,24 +82,9 @@ def _from_parts(obj: Any, parts: Mapping[str, torch.Tensor], path: Path) -> Any:
     return obj
 
 
-def _row_blocks(buffer: ExperienceBuffer) -> list[tuple[int, dict[str, torch.Tensor]]]:
-    """Views (no copies) of the filled slots ``[0, len(buffer))``, one block per shard."""
-    size, store = len(buffer), buffer.store
-    shards = getattr(store, "shards", None)
-    if shards is None:
-        return [(0, {n: store.column(n)[:size] for n in buffer.spec.fields})]
-    blocks = []
-    for k, shard in enumerate(shards):
-        start = int(store.bounds[k])
-        n = max(0, min(size, int(store.bounds[k + 1])) - start)
-        if n:
-            blocks.append((start, {f: shard.column(f)[:n] for f in buffer.spec.fields}))
-    return blocks
-
-
-def _layout(plane: ExperienceDataPlane, state: dict[str, Any],
+def _layout(plane: ExperienceDataPlane, state: StateDict,
             blocks: list[tuple[int, dict[str, torch.Tensor]]]
-            ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            ) -> tuple[dict[str, JSON], dict[str, torch.Tensor]]:
     """The checkpoint's metadata and parts for ``plane``'s ``state`` and row ``blocks``."""
     parts: dict[str, torch.Tensor] = {}
     rows = []
@@ -121,11 +107,11 @@ def _layout(plane: ExperienceDataPlane, state: dict[str, Any],
 def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
     """Write ``plane`` to ``path`` (see :meth:`ExperienceDataPlane.save`)."""
     with plane.frozen(rows=False) as state:
-        meta, parts = _layout(plane, state, _row_blocks(plane.buffer))
+        meta, parts = _layout(plane, state, plane.buffer.filled_blocks())
         return write_checkpoint(path, tensors=parts, meta=meta)
 
 
-def _schedule(d: Mapping[str, Any]) -> Schedule:
+def _schedule(d: Mapping[str, JSON]) -> Schedule:
     return Schedule(int(d["overlap_ing"]), Fraction(d["g_ing"]), int(d["overlap_del"]),
                     Fraction(d["g_del"]))
 
@@ -160,7 +146,7 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
     return plane
 
 
-def _restore(plane: ExperienceDataPlane, meta: Mapping[str, Any],
+def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
              parts: Mapping[str, torch.Tensor], path: Path) -> None:
     """Put a checkpoint's rows and state into a freshly built ``plane``.
 
@@ -209,11 +195,12 @@ class SnapshotStats:
 
 
 class Snapshotter:
-    """Periodic snapshots of a plane that do not stall the learner for the write.
+    """Periodic snapshots of a plane that hardly stall the learner.
 
-    Every ``every_s`` seconds (and on :meth:`request`), the plane is paused just long enough
-    to copy its filled rows and state (a double buffer), and a background thread writes the
-    copy to ``path`` atomically: a crash at any point leaves the previous snapshot intact.
+    Every ``every_s`` seconds (and on :meth:`request`) a background thread copies the filled
+    rows while training goes on, holds the operators only to re-copy the rows written
+    meanwhile and read the sampler and iteration state, and writes the copy to ``path``
+    atomically: a crash at any point leaves the previous snapshot intact.
 
     Args:
         plane: The plane to snapshot.
@@ -232,7 +219,7 @@ class Snapshotter:
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []
-        self._settle: list[float] = []
+        self._rows: RowCopy | None = None  # the last copy, reused by the next one
         self._write: list[float] = []
         self._failures = 0
         self.last_error: BaseException | None = None
@@ -256,15 +243,25 @@ class Snapshotter:
         return SnapshotStats(len(self._write), tuple(self._pause), tuple(self._write),
                              self._failures)
 
-    def _copy(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def _copy(self) -> tuple[dict[str, JSON], dict[str, torch.Tensor]]:
+        """Copy the rows while training goes on, then hold the operators only to re-copy the
+        rows written meanwhile and read the small state (the learner's stall)."""
+        plane = self.plane
+        if plane.failed is None:
+            plane.flush()
+        buffer = plane.buffer
+        rows = buffer.copy_filled(reuse=self._rows)
+        for _ in range(3):  # catch up while training goes on, so the pause re-copies little
+            before = rows.mark[0]
+            rows = buffer.refresh_copy(rows)
+            if buffer.total_written - before <= buffer.capacity // 100:
+                break
         t0 = time.perf_counter()
-        with self.plane.frozen(rows=False) as state:
-            t1 = time.perf_counter()
-            blocks = [(s, {f: c.clone() for f, c in cols.items()})
-                      for s, cols in _row_blocks(self.plane.buffer)]
-            out = _layout(self.plane, state, blocks)
-        self._pause.append(time.perf_counter() - t1)
-        self._settle.append(t1 - t0)
+        with plane.frozen(rows=False, flush=False) as state:
+            blocks = plane.buffer.finish_copy(rows)
+            out = _layout(plane, state, blocks)
+        self._rows = RowCopy(blocks, rows.mark)
+        self._pause.append(time.perf_counter() - t0)
         return out
 
     def _run(self) -> None:

@@ -463,12 +463,12 @@ class ExperienceDataPlane:
             return state
 
     @contextmanager
-    def frozen(self, *, rows: bool = False) -> Iterator[dict[str, Any]]:
-        """Ingest queued units (unless an operator failed), pause both operators, and yield
-        :meth:`state_dict`; the buffer's rows do not change until the block exits."""
-        if self.failed is None:
+    def frozen(self, *, rows: bool = False, flush: bool = True) -> Iterator[dict[str, Any]]:
+        """Ingest queued units (``flush``, unless an operator failed), hold both operators,
+        and yield :meth:`state_dict`; the buffer's rows do not change until the block exits."""
+        if flush and self.failed is None:
             self.flush()
-        with self.paused():
+        with self._engine.quiesced():
             yield self._engine.capture(rows=rows)
 
     def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:

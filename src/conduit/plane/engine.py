@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule
 from conduit.storage import ExperienceBuffer, data_path_threads
-from conduit.storage.state import entry
+from conduit.storage.state import StateDict, entry
 from conduit.timing import Timings
 
 
@@ -116,14 +116,30 @@ class PlaneEngine:
             if not self.closed and rt.stop and not rt.paused:
                 self.start(self.schedule)
 
-    def capture(self, *, rows: bool) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """No operator invocation runs inside the block (in-flight ones finish first); the
+        workers stay alive and idle, so entering and leaving costs no thread start."""
+        rt = self.runtime
+        with self.signals.lock:
+            rt.paused += 1
+            while rt.busy:
+                self.signals.callers.wait(0.05)
+        try:
+            yield
+        finally:
+            with self.signals.lock:
+                rt.paused -= 1
+                self.signals.wake(callers=True, ingestion=True, delivery=True)
+
+    def capture(self, *, rows: bool) -> StateDict:
         """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused."""
         with self.signals.lock:
             return {"buffer": self.flow.buffer.state_dict(rows=rows),
                     "counters": dict(self.flow.counters), "flow": self.flow.state_dict(),
                     "schedule": self.schedule.to_dict(), "spec": self.flow.spec.to_dict()}
 
-    def restore(self, state: Mapping[str, Any], *, rows: bool) -> None:
+    def restore(self, state: StateDict, *, rows: bool) -> None:
         """Load :meth:`capture`'s state; call while paused.
 
         Raises:

@@ -3,7 +3,7 @@
 A store executes a :class:`Placement` it is given; storage knows nothing of scheduling.
 """
 
-from conduit.storage.buffer import ExperienceBuffer
+from conduit.storage.buffer import ExperienceBuffer, RowCopy
 from conduit.storage.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -36,6 +36,7 @@ __all__ = [
     "Placement",
     "PrioritizedSampler",
     "RingWriter",
+    "RowCopy",
     "SampleInfo",
     "Sampler",
     "SequenceSampler",

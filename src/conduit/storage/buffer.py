@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,9 +16,22 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
-from conduit.storage.state import array, entry
+from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """A copy of a buffer's filled rows in progress (see :meth:`ExperienceBuffer.copy_filled`).
+
+    Attributes:
+        blocks: ``(first slot, columns)`` per part of the store, on the CPU.
+        mark: The writer's position when the copy began.
+    """
+
+    blocks: list[tuple[int, dict[str, torch.Tensor]]]
+    mark: tuple[int, int, int]
 
 
 class ExperienceBuffer:
@@ -58,6 +73,7 @@ class ExperienceBuffer:
         self._lock = threading.RLock()
         self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
         self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
+        self._clears = 0
 
     @property
     def placement(self) -> Placement:
@@ -172,6 +188,106 @@ class ExperienceBuffer:
             self.sampler.reset()
             self._row_id.fill(-1)
             self._delivered_id.fill(-1)
+            self._clears += 1
+
+    def filled_blocks(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
+        per part of the store (one per shard)."""
+        with self._lock:
+            size, store = self.writer.size, self.store
+            shards = getattr(store, "shards", None)
+            if shards is None:
+                return [(0, {n: store.column(n)[:size] for n in self.spec.fields})]
+            blocks = []
+            for k, shard in enumerate(shards):
+                start = int(store.bounds[k])
+                n = min(size, int(store.bounds[k + 1])) - start
+                if n > 0:
+                    blocks.append((start, {f: shard.column(f)[:n] for f in self.spec.fields}))
+            return blocks
+
+    def copy_filled(self, *, chunk_bytes: int = 2 << 20,
+                    reuse: RowCopy | None = None) -> RowCopy:
+        """Copy the filled rows while writes go on, about ``chunk_bytes`` at a time under the
+        lock, on one thread, yielding between chunks, so concurrent samples and writes wait
+        at most one chunk.
+
+        The copy may mix rows from before and after concurrent writes; :meth:`finish_copy`,
+        called once writes have stopped, makes it exact.
+
+        Args:
+            chunk_bytes: Bytes copied per lock hold.
+            reuse: An earlier copy whose memory is reused where the shapes still match (no
+                new pages to fault in).
+        """
+        with self._lock:
+            mark = (self.writer.total_written, self.writer.cursor, self._clears)
+            views = self.filled_blocks()
+        old = dict(reuse.blocks) if reuse is not None else {}
+        chunk_rows = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
+        blocks = []
+        for start, cols in views:
+            prev = old.get(start, {})
+            out = {f: prev[f] if f in prev and prev[f].shape == c.shape and
+                   prev[f].dtype == c.dtype else torch.empty_like(c, device="cpu")
+                   for f, c in cols.items()}
+            n = next(iter(cols.values())).shape[0]
+            for a in range(0, n, chunk_rows):
+                with self._lock, data_path_threads(1):
+                    for f, c in cols.items():
+                        out[f][a:a + chunk_rows].copy_(c[a:a + chunk_rows])
+                time.sleep(0)  # let a waiting sampler or writer take the lock
+            blocks.append((start, out))
+        return RowCopy(blocks, mark)
+
+    def refresh_copy(self, copy: RowCopy, *, chunk_bytes: int = 2 << 20) -> RowCopy:
+        """Re-copy the slots written since ``copy`` began and append the rows the buffer
+        gained, ``chunk_bytes`` at a time under the lock. Writes may go on: call it a few times
+        so that little is left, then once more while writes are stopped for an exact copy.
+
+        Returns:
+            The refreshed copy, marked at the writer's position when this call began.
+        """
+        with self._lock:
+            total, cursor, clears = copy.mark
+            mark = (self.writer.total_written, self.writer.cursor, self._clears)
+            written = mark[0] - total
+            if clears != self._clears or written >= self.capacity:
+                full = True
+            else:
+                full = False
+                slots = (cursor + torch.arange(written, dtype=torch.int64)) % self.capacity
+                views = self.filled_blocks()
+        if full:
+            return self.copy_filled(chunk_bytes=chunk_bytes, reuse=copy)
+        old = dict(copy.blocks)
+        step = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
+        out = []
+        for start, cols in views:
+            n = next(iter(cols.values())).shape[0]
+            prev = old.get(start)
+            have = 0 if prev is None else min(n, next(iter(prev.values())).shape[0])
+            with self._lock, data_path_threads(1):
+                block = {f: c[:n].to("cpu", copy=True) if prev is None else
+                         torch.cat([prev[f][:have], c[have:n].cpu()]) if n > have else prev[f]
+                         for f, c in cols.items()}
+            local = slots[(slots >= start) & (slots < start + have)] - start
+            for a in range(0, local.numel(), step):
+                rows = local[a:a + step]
+                with self._lock, data_path_threads(1):
+                    for f, c in cols.items():
+                        block[f][rows] = c[rows.to(c.device)].cpu()
+                time.sleep(0)
+            out.append((start, block))
+        return RowCopy(out, mark)
+
+    def finish_copy(self, copy: RowCopy) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Make a copy exact (see :meth:`refresh_copy`). Call while no write can happen.
+
+        Returns:
+            The copied blocks, equal to :meth:`filled_blocks` now.
+        """
+        return self.refresh_copy(copy).blocks
 
     def adopt_cursor(self, other: ExperienceBuffer) -> None:
         """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
@@ -181,7 +297,7 @@ class ExperienceBuffer:
             self._row_id[:] = other._row_id
             self._delivered_id[:] = other._delivered_id
 
-    def state_dict(self, *, rows: bool = True) -> dict[str, Any]:
+    def state_dict(self, *, rows: bool = True) -> StateDict:
         """Writer cursor, sampler state, row ids and (``rows``) a copy of the store."""
         with self._lock:
             store = {"store": self.store.state_dict()} if rows else {}
@@ -190,7 +306,7 @@ class ExperienceBuffer:
                     "row_id": torch.from_numpy(self._row_id.copy()),
                     "delivered_id": torch.from_numpy(self._delivered_id.copy())}
 
-    def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:
+    def load_state_dict(self, state: StateDict, *, rows: bool = True) -> None:
         """Restore from :meth:`state_dict` (store placement may differ).
 
         Args:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
 from conduit.storage.hostmem import host_zeros
 from conduit.storage.layout import Placement
-from conduit.storage.state import entry, integer
+from conduit.storage.state import StateDict, entry, integer
 
 
 class Store(Protocol):
@@ -32,10 +32,10 @@ class Store(Protocol):
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
         """Gather rows at ``indices`` (CPU int64, any shape); result has that leading shape."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Exact copy of the contents."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`."""
 
 
@@ -179,12 +179,12 @@ class ColumnStore:
             out[name] = rows.reshape(*lead, *col.shape[1:])
         return out
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Exact copy of every column, on CPU."""
         return {"spec": self.spec.to_dict(), "capacity": self.capacity,
                 "columns": {n: c.detach().to("cpu", copy=True) for n, c in self._cols.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore columns saved by :meth:`state_dict` (same spec and capacity)."""
         _check_state(self.spec, self.capacity, state)
         _check_columns(self.spec, self.capacity, state)
@@ -192,7 +192,7 @@ class ColumnStore:
             c.copy_(state["columns"][n])
 
 
-def _check_state(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> None:
+def _check_state(spec: ExperienceSpec, capacity: int, state: StateDict) -> None:
     saved_capacity = integer(state, "capacity", "store")
     if saved_capacity != capacity:
         raise CapacityError(f"state has capacity {saved_capacity}, store has {capacity}",
@@ -205,7 +205,7 @@ def _check_state(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> 
             raise SpecError(name, f"saved as {saved.fields[name]}, store expects {fs}")
 
 
-def _check_columns(spec: ExperienceSpec, capacity: int, state: dict[str, Any]) -> None:
+def _check_columns(spec: ExperienceSpec, capacity: int, state: StateDict) -> None:
     columns = entry(state, "columns", "store")
     for name, fs in spec.fields.items():
         col = entry(columns, name, "store.columns")
@@ -294,13 +294,13 @@ class ShardedStore:
         lead = tuple(indices.shape)
         return {n: v.reshape(*lead, *v.shape[1:]) for n, v in out.items()}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Exact copy of every column, concatenated in global order, on CPU."""
         parts = [s.state_dict()["columns"] for s in self.shards]
         return {"spec": self.spec.to_dict(), "capacity": self.capacity,
                 "columns": {n: torch.cat([p[n] for p in parts]) for n in self.spec.fields}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from a state saved by any store of the same spec and capacity."""
         _check_state(self.spec, self.capacity, state)
         _check_columns(self.spec, self.capacity, state)

@@ -16,8 +16,17 @@ import torch
 
 from conduit.errors import StateError
 
+#: A value in a state dict: tensors, plain values, and lists and dicts of them (what
+#: ``torch.load``'s weights-only mode reads back).
+StateValue = torch.Tensor | int | float | str | bool | None | list["StateValue"] \
+    | dict[str, "StateValue"]
+#: A component's state, as its ``state_dict()`` returns it.
+StateDict = dict[str, StateValue]
+#: Strict JSON: what a checkpoint header or a sampler's ``config()`` holds.
+JSON = int | float | str | bool | None | list["JSON"] | dict[str, "JSON"]
 
-def entry(state: Mapping[str, Any], key: str, where: str) -> Any:
+
+def entry(state: Mapping[str, StateValue], key: str, where: str) -> Any:
     """``state[key]``, or StateError naming ``where.key`` when it is missing."""
     if not isinstance(state, Mapping):
         raise StateError(where, f"expected a mapping, got {type(state).__name__}")
@@ -26,7 +35,7 @@ def entry(state: Mapping[str, Any], key: str, where: str) -> Any:
     return state[key]
 
 
-def integer(state: Mapping[str, Any], key: str, where: str, *, low: int = 0,
+def integer(state: Mapping[str, StateValue], key: str, where: str, *, low: int = 0,
             high: int | None = None) -> int:
     """An integer entry in ``[low, high]``."""
     v = entry(state, key, where)
@@ -40,7 +49,7 @@ def integer(state: Mapping[str, Any], key: str, where: str, *, low: int = 0,
     return int(v)
 
 
-def number(state: Mapping[str, Any], key: str, where: str, *, low: float = 0.0) -> float:
+def number(state: Mapping[str, StateValue], key: str, where: str, *, low: float = 0.0) -> float:
     """A finite number >= ``low``."""
     v = entry(state, key, where)
     if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -52,7 +61,7 @@ def number(state: Mapping[str, Any], key: str, where: str, *, low: float = 0.0) 
     return float(v)
 
 
-def array(state: Mapping[str, Any], key: str, where: str, *, length: int,
+def array(state: Mapping[str, StateValue], key: str, where: str, *, length: int,
           dtype: type | np.dtype) -> np.ndarray:
     """A 1-D array entry (a tensor or numpy array) of ``length`` elements, as numpy."""
     v = entry(state, key, where)

@@ -13,13 +13,12 @@ Both give identical trees and identical search results; the tests check one agai
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
 from conduit.errors import ConfigError, StateError
 from conduit.storage import compiled
-from conduit.storage.state import array, tensor
+from conduit.storage.state import StateDict, array, tensor
 
 BACKENDS = ("auto", "numba", "numpy")
 
@@ -184,12 +183,12 @@ class SumTree:
             return "index", 0.0
         return None, float(priorities.max()) if priorities.size else 0.0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Leaves only (as tensors); inner nodes are rebuilt on load."""
         return {"leaves": tensor(self._sum[self._p:self._p + self.capacity].copy()),
                 "set": tensor(np.isfinite(self._min[self._p:self._p + self.capacity]))}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`.
 
         Raises:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from conduit.errors import CapacityError, StateError
-from conduit.storage.state import integer
+from conduit.storage.state import StateDict, integer
 
 
 class RingWriter:
@@ -68,11 +66,11 @@ class RingWriter:
         self.cursor = 0
         self.size = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Cursor and fill level."""
         return {"cursor": self.cursor, "size": self.size, "total_written": self.total_written}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`.
 
         Raises:

@@ -11,19 +11,22 @@ from typing import Any
 import torch
 
 from conduit import ExperienceDataPlane
-from conduit.workloads.actors import ActorGroup
+from conduit.workloads.actors import ActorGroup, Params
 
 
 def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: int,
                      weights: dict[str, torch.Tensor] | None,
-                     params: dict[str, Any] | None = None, *, on_policy: bool = False,
+                     params: Params | None = None, *, on_policy: bool = False,
                      fragments: int = 1) -> dict[str, Any]:
     """One actor-rollout phase.
 
     Every actor produces ``fragments`` rollout units of ``num_steps`` steps each, back to
     back; each unit is pushed through the plane's actor port as soon as it is collected, in
     (fragment, actor) order, so batches never depend on which actor finished first. While
-    fragment k is pushed, the actors already step fragment k+1.
+    fragment k is pushed, the actors already step fragment k+1. A unit that a dead Ray actor did
+    not deliver is collected again from the actor re-created in its place (see
+    :class:`~conduit.workloads.actors.ActorGroup`) with the same weights, and pushed in its own
+    slot of that order, so the phase pushes every unit under the same policy version.
 
     Who pushes depends on the schedule. With inline ingestion the learner's thread collects and
     pushes every unit itself. With overlapped ingestion a port thread receives and pushes the

@@ -2,9 +2,9 @@
 and returns one rollout unit as numpy arrays, ready for ``plane.push``.
 
 :class:`RolloutWorker` is a plain class; :class:`ActorGroup` runs several of them as Ray actors
-(the default) or in the driver process (``use_ray=False``, for debugging); :func:`ray_running`
-starts or attaches to Ray for them. Ray is imported only here, lazily, and its security
-settings are left as they are (token authentication by default).
+(the default) or in the driver process (``use_ray=False``, for debugging), and re-creates a Ray
+actor that dies; :func:`ray_running` starts or attaches to Ray for them. Ray is imported only
+here, lazily, and its security settings are left as they are (token authentication by default).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -23,7 +24,31 @@ from conduit.workloads import nets
 from conduit.workloads.args import TrainerArgs
 from conduit.workloads.envs import EnvInfo, EnvPool
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
 ALGOS = ("dqn", "sac", "ppo")
+
+Params = dict[str, float | bool]
+"""Exploration parameters of a rollout: ``epsilon`` (DQN), ``random`` (SAC warm-up)."""
+
+
+class RolloutStats(TypedDict):
+    """What a worker reports with a rollout unit."""
+
+    episode_returns: list[float]
+    episode_lengths: list[int]
+    rows: int
+    actor_s: NotRequired[float]
+    pid: NotRequired[int]
+
+
+class Rollout(TypedDict):
+    """One rollout unit as numpy arrays (ready for ``plane.push``) and its statistics."""
+
+    rollout: dict[str, np.ndarray]
+    stats: RolloutStats
 
 
 class RolloutWorker:
@@ -34,18 +59,20 @@ class RolloutWorker:
         env_id: Environment id (see :func:`conduit.workloads.envs.make_env`).
         info: The environment's :class:`EnvInfo`.
         num_envs: Environment copies.
-        seed: Base seed; this worker uses ``seed + 7919 * rank``.
+        seed: Base seed; this worker uses ``seed + 7919 * rank + 104729 * restart``.
         rank: Index of this worker.
+        restart: How many times the worker of this rank was re-created before this one, so
+            that a replacement does not replay the episodes of the worker it replaces.
         num_agents: Agents of ``MultiAgentCartPole``.
     """
 
     def __init__(self, *, algo: str, env_id: str, info: EnvInfo, num_envs: int, seed: int,
-                 rank: int = 0, num_agents: int = 4) -> None:
+                 rank: int = 0, restart: int = 0, num_agents: int = 4) -> None:
         torch.set_num_threads(1)
         if algo not in ALGOS:
             raise ValueError(f"algo: must be one of {ALGOS}, got {algo!r}")
         self.algo, self.info, self.num_envs = algo, info, num_envs
-        s = seed + 7919 * rank
+        s = seed + 7919 * rank + 104_729 * restart
         self.pool = EnvPool(env_id, num_envs=num_envs, seed=s, image_size=info.image_size,
                             num_agents=num_agents)
         self.rng = np.random.default_rng(s)
@@ -59,7 +86,7 @@ class RolloutWorker:
         self.policy.eval()
 
     def rollout(self, num_steps: int, weights: dict[str, torch.Tensor] | None = None,
-                params: dict[str, Any] | None = None) -> dict[str, Any]:
+                params: Params | None = None) -> Rollout:
         """Load ``weights`` (if given), step ``num_steps`` times, return the rollout unit.
 
         Args:
@@ -68,7 +95,7 @@ class RolloutWorker:
             params: Exploration parameters: ``epsilon`` (DQN), ``random`` (SAC warm-up).
 
         Returns:
-            ``{"rollout": dict of numpy arrays, "stats": dict}``.
+            The rollout unit and its statistics.
         """
         t0 = time.perf_counter()
         if weights is not None:
@@ -86,7 +113,7 @@ class RolloutWorker:
     def _obs_tensors(self, obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(v) for k, v in obs.items()}
 
-    def _act(self, obs: dict[str, np.ndarray], params: dict[str, Any]) -> np.ndarray:
+    def _act(self, obs: dict[str, np.ndarray], params: Params) -> np.ndarray:
         n = self.pool.num_rows
         if self.algo == "dqn":
             greedy = self.policy(**self._obs_tensors(obs)).argmax(-1).numpy()
@@ -99,7 +126,7 @@ class RolloutWorker:
         action, _ = self.policy(**self._obs_tensors(obs), generator=self.gen)
         return action.numpy().astype(np.float32)
 
-    def _rollout_transitions(self, num_steps: int, params: dict[str, Any]) -> dict[str, Any]:
+    def _rollout_transitions(self, num_steps: int, params: Params) -> Rollout:
         cols: dict[str, list[np.ndarray]] = {}
         rets: list[float] = []
         lens: list[int] = []
@@ -120,7 +147,7 @@ class RolloutWorker:
         return {"rollout": rollout, "stats": {"episode_returns": rets, "episode_lengths": lens,
                                               "rows": len(rollout["reward"])}}
 
-    def _rollout_ppo(self, num_steps: int) -> dict[str, Any]:
+    def _rollout_ppo(self, num_steps: int) -> Rollout:
         agent: nets.PPOAgent = self.policy  # type: ignore[assignment]
         cols: dict[str, list[np.ndarray]] = {}
         rets: list[float] = []
@@ -207,30 +234,73 @@ def cpu_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
+@dataclass(eq=False)
+class RolloutCall:
+    """One rollout asked of one worker of an :class:`ActorGroup`: the handle that
+    :meth:`ActorGroup.result` takes.
+
+    Attributes:
+        rank: The worker asked.
+        num_steps: Lock-steps of the rollout.
+        params: Exploration parameters.
+        weights: In-process workers: the weights the worker loads first, or None.
+        ref: Ray actors: the rollout's result to come.
+        out: The rollout, once collected.
+    """
+
+    rank: int
+    num_steps: int
+    params: Params | None
+    weights: dict[str, torch.Tensor] | None = None
+    ref: ObjectRef | None = None
+    out: Rollout | None = None
+
+
 class ActorGroup:
     """Several :class:`RolloutWorker` s, as Ray actors or in-process; a context manager that
     closes them on exit.
+
+    A Ray actor that dies (its process crashed or was killed) is re-created by :meth:`result`:
+    the replacement has the same rank and environments, a seed of its own (see
+    :class:`RolloutWorker`) and the latest weights sent. It collects again every rollout the
+    dead actor did not deliver, in the order they were asked for, so every call still returns
+    one rollout of the policy it was asked with. Each re-creation prints one progress line.
 
     Args:
         num_actors: Workers.
         use_ray: Ray actors (True) or in-process workers (False).
         actor_cpus: Ray CPU resource each actor asks for (fractions let many actors share
             a small machine).
+        max_restarts: Re-creations of one worker in a row, with no rollout delivered in
+            between, before :meth:`result` gives up and raises.
+        label: Prefix of the progress line.
         **worker_kw: Passed to :class:`RolloutWorker`.
+
+    Attributes:
+        rollouts_lost: Rollouts that dead actors did not deliver (each collected again).
+        actors_restarted: Ray actors re-created after they died.
     """
 
     def __init__(self, num_actors: int, *, use_ray: bool = True, actor_cpus: float = 0.25,
-                 **worker_kw: Any) -> None:
+                 max_restarts: int = 3, label: str = "", **worker_kw: Any) -> None:
         if num_actors < 1:
             raise ValueError(f"num_actors: must be >= 1, got {num_actors}")
-        self.use_ray = use_ray
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts: must be >= 0, got {max_restarts}")
+        self.use_ray, self.max_restarts, self.label = use_ray, max_restarts, label
+        self.rollouts_lost = 0
+        self.actors_restarted = 0
+        self._worker_kw = worker_kw
+        self._restarts = [0] * num_actors  # re-creations of each rank
+        self._failed = [0] * num_actors  # deaths of each rank since its last delivered rollout
+        self._pending: list[RolloutCall] = []  # Ray calls not collected yet
+        self._weights: ObjectRef | None = None  # the latest weights sent to the Ray actors
         if use_ray:
             import ray
 
-            remote = ray.remote(num_cpus=actor_cpus)(RolloutWorker)
-            self.workers = [remote.remote(rank=i, **worker_kw) for i in range(num_actors)]
-        else:
-            self.workers = [RolloutWorker(rank=i, **worker_kw) for i in range(num_actors)]
+            self._remote = ray.remote(num_cpus=actor_cpus)(RolloutWorker)
+        self.workers: list[RolloutWorker | ActorHandle] = [
+            self._start(rank) for rank in range(num_actors)]
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -242,36 +312,101 @@ class ActorGroup:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    def _start(self, rank: int) -> RolloutWorker | ActorHandle:
+        kw = {**self._worker_kw, "rank": rank, "restart": self._restarts[rank]}
+        return self._remote.remote(**kw) if self.use_ray else RolloutWorker(**kw)
+
     def submit(self, num_steps: int, weights: dict[str, torch.Tensor] | None,
-               params: dict[str, Any] | None = None) -> list[Any]:
-        """Start one rollout on every worker; returns handles for :meth:`result`."""
-        if self.use_ray:
-            import ray
+               params: Params | None = None) -> list[RolloutCall]:
+        """Start one rollout on every worker, loading ``weights`` first when given; returns
+        the calls for :meth:`result`."""
+        calls = [RolloutCall(rank, num_steps, params) for rank in range(len(self.workers))]
+        if not self.use_ray:
+            for call in calls:
+                call.weights = weights
+            return calls
+        import ray
 
-            ref = ray.put(weights) if weights is not None else None
-            return [w.rollout.remote(num_steps, ref, params) for w in self.workers]
-        return [(w, num_steps, weights, params) for w in self.workers]
+        if weights is not None:
+            self._weights = ray.put(weights)
+        for call in calls:
+            self._send(call, self._weights if weights is not None else None)
+        self._pending += calls
+        return calls
 
-    def result(self, handle: Any) -> dict[str, Any]:
-        """Wait for one rollout (in-process workers run it now)."""
-        if self.use_ray:
-            import ray
+    def _send(self, call: RolloutCall, weights: ObjectRef | None) -> None:
+        actor: ActorHandle = self.workers[call.rank]
+        call.ref = actor.rollout.remote(call.num_steps, weights, call.params)
 
-            return ray.get(handle)
-        w, n, weights, params = handle
-        return w.rollout(n, weights, params)
+    def result(self, call: RolloutCall) -> Rollout:
+        """Wait for one rollout (in-process workers run it now), re-creating its Ray actor
+        as often as it dies.
+
+        Raises:
+            RuntimeError: The worker died more than ``max_restarts`` times in a row.
+            ray.exceptions.RayActorError: The worker's constructor failed.
+            Whatever the rollout raised.
+        """
+        if not self.use_ray:
+            worker: RolloutWorker = self.workers[call.rank]
+            return worker.rollout(call.num_steps, call.weights, call.params)
+        import ray
+
+        while call.out is None:
+            try:
+                call.out = ray.get(call.ref)
+            except ray.exceptions.RayActorError as exc:
+                if exc.actor_init_failed:
+                    raise  # the worker cannot be built: a replacement would fail alike
+                self._replace(call.rank, exc)
+        self._pending.remove(call)
+        self._failed[call.rank] = 0
+        return call.out
+
+    def _replace(self, rank: int, exc: Exception) -> None:
+        """Re-create the worker of ``rank``, which died (``exc``), and send it again every
+        call the dead one did not deliver, the latest weights with the first."""
+        import ray
+
+        ray.kill(self.workers[rank])  # also stops an actor that is unreachable, not dead
+        lost: list[RolloutCall] = []
+        for call in self._pending:
+            if call.rank != rank or call.out is not None:
+                continue
+            try:
+                call.out = ray.get(call.ref)  # delivered before the actor died
+            except ray.exceptions.RayActorError:
+                lost.append(call)
+            except ray.exceptions.RayTaskError:
+                pass  # the rollout itself failed: result() raises it for that call
+        self._failed[rank] += 1
+        if self._failed[rank] > self.max_restarts:
+            raise RuntimeError(f"rollout actor {rank}: died {self._failed[rank]} times in a "
+                               f"row without delivering a rollout (max_restarts="
+                               f"{self.max_restarts})") from exc
+        self._restarts[rank] += 1
+        self.workers[rank] = self._start(rank)
+        self.actors_restarted += 1
+        self.rollouts_lost += len(lost)
+        for i, call in enumerate(lost):
+            self._send(call, self._weights if i == 0 else None)
+        print(f"{self.label}rollout actor {rank} died ({type(exc).__name__}); re-created it, "
+              f"collecting its {len(lost)} lost rollout(s) again "
+              f"({self.actors_restarted} restarted, {self.rollouts_lost} lost in this run)",
+              flush=True)
 
     def close(self) -> None:
         """Stop the workers."""
         if self.use_ray:
             import ray
 
-            for w in self.workers:
-                ray.kill(w)
+            for actor in self.workers:
+                ray.kill(actor)
         else:
-            for w in self.workers:
-                w.close()
+            for worker in self.workers:
+                worker.close()
         self.workers = []
+        self._pending = []
 
 
 @contextmanager
@@ -288,6 +423,7 @@ def rollout_actors(args: TrainerArgs, *, algo: str, info: EnvInfo,
         **worker_kw: More :class:`RolloutWorker` arguments (``num_agents``).
     """
     with (ray_running(args.address, enabled=args.use_ray),
-          ActorGroup(args.actors, use_ray=args.use_ray, algo=algo, env_id=args.env, info=info,
-                     num_envs=args.envs_per_actor, seed=args.seed, **worker_kw) as group):
+          ActorGroup(args.actors, use_ray=args.use_ray, label=f"[{algo} {args.buffer}] ",
+                     algo=algo, env_id=args.env, info=info, num_envs=args.envs_per_actor,
+                     seed=args.seed, **worker_kw) as group):
         yield group

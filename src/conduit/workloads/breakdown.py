@@ -22,11 +22,14 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conduit import ExperienceDataPlane
 from conduit.report import finite
 from conduit.workloads.args import TrainerArgs
+
+if TYPE_CHECKING:
+    from conduit.workloads.actors import ActorGroup
 
 PHASES = ("rollout", "ingestion", "delivery", "update", "other")
 
@@ -157,7 +160,11 @@ def summarize_records(runs: Sequence[Sequence[IterationRecord]], *, skip: int = 
 
 @dataclass
 class RunResult:
-    """What a training run returns and writes to JSON."""
+    """What a training run returns and writes to JSON.
+
+    ``rollouts_lost`` counts the rollouts that dead Ray actors did not deliver (each collected
+    again from the actor re-created in its place), ``actors_restarted`` the re-created actors.
+    """
 
     algo: str
     env: str
@@ -168,21 +175,26 @@ class RunResult:
     returns: list[tuple[int, float, float]]
     config: dict[str, object]
     losses_finite: bool = True
+    rollouts_lost: int = 0
+    actors_restarted: int = 0
 
     @classmethod
     def of(cls, algo: str, args: TrainerArgs, plan: dict[str, object],
-           recorder: BreakdownRecorder, losses: Sequence[float]) -> RunResult:
-        """The result of a finished run: the recorder's breakdown and whether every loss was
-        finite."""
+           recorder: BreakdownRecorder, losses: Sequence[float], actors: ActorGroup
+           ) -> RunResult:
+        """The result of a finished run: the recorder's breakdown, whether every loss was
+        finite, and the rollouts the actors lost."""
         return cls(algo, args.env, args.buffer, plan, recorder.summary(), recorder.records,
                    recorder.returns, dataclasses.asdict(args),
-                   all(math.isfinite(v) for v in losses))
+                   all(math.isfinite(v) for v in losses), actors.rollouts_lost,
+                   actors.actors_restarted)
 
     def to_json(self) -> dict[str, object]:
         """JSON-friendly form (non-finite floats become None)."""
         return {"algo": self.algo, "env": self.env, "buffer": self.buffer, "plan": self.plan,
                 "summary": finite(self.summary), "config": finite(self.config),
-                "losses_finite": self.losses_finite,
+                "losses_finite": self.losses_finite, "rollouts_lost": self.rollouts_lost,
+                "actors_restarted": self.actors_restarted,
                 "iterations": [finite({**dataclasses.asdict(r), "exposed": r.exposed})
                                for r in self.records],
                 "returns": [{"iteration": i, "wall_s": w, "return": r}

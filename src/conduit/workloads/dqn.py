@@ -113,7 +113,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
         plane.flush()
-    return RunResult.of("dqn", args, plan, rec, losses)
+    return RunResult.of("dqn", args, plan, rec, losses, actors)
 
 
 def _dqn_loss(q_network: QNetwork, target_network: QNetwork, b: dict[str, torch.Tensor],

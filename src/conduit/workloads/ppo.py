@@ -191,7 +191,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
         plane.flush()
-    return RunResult.of("ppo", args, plan, rec, losses)
+    return RunResult.of("ppo", args, plan, rec, losses, actors)
 
 
 def _ppo_loss(agent: PPOAgent, mb: dict[str, torch.Tensor], args: Args

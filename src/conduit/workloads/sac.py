@@ -137,4 +137,4 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
         plane.flush()
-    return RunResult.of("sac", args, plan, rec, losses)
+    return RunResult.of("sac", args, plan, rec, losses, actors)

@@ -5,7 +5,6 @@ the store lives, so the same seed gives the same batches on pageable, pinned, GP
 stores.
 """
 
-from typing import Any
 
 from conduit.errors import ConfigError
 from conduit.storage.samplers.base import SampleInfo, Sampler
@@ -13,13 +12,14 @@ from conduit.storage.samplers.fifo import FifoSampler
 from conduit.storage.samplers.prioritized import PrioritizedSampler
 from conduit.storage.samplers.sequence import SequenceSampler
 from conduit.storage.samplers.uniform import UniformSampler
+from conduit.storage.state import JSON
 
 BUILT_IN: dict[str, type[Sampler]] = {
     cls.__name__: cls for cls in (UniformSampler, PrioritizedSampler, FifoSampler, SequenceSampler)
 }
 
 
-def sampler_from_config(kind: str, config: dict[str, Any]) -> Sampler:
+def sampler_from_config(kind: str, config: dict[str, JSON]) -> Sampler:
     """A built-in sampler from its class name and :meth:`Sampler.config`.
 
     Raises:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, PriorityError, StateError
 from conduit.spec import Batch
-from conduit.storage.state import entry
+from conduit.storage.state import JSON, StateDict, entry
 
 
 @dataclass(frozen=True)
@@ -96,15 +96,15 @@ class Sampler(abc.ABC):
         """Forget per-row state (the buffer was cleared)."""
         return None
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """The constructor's keyword arguments (JSON), so a checkpoint can rebuild it."""
         return {"seed": self.seed}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Generator state and per-row state."""
         return {"rng": self._rng.bit_generator.state}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`.
 
         Raises:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, StateError
 from conduit.storage.samplers.base import SampleInfo, Sampler
-from conduit.storage.state import entry, integer
+from conduit.storage.state import JSON, StateDict, entry, integer
 
 
 class FifoSampler(Sampler):
@@ -90,17 +90,17 @@ class FifoSampler(Sampler):
         """Drop the current epoch layout."""
         self._parts, self.cursor = [], 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Iteration, epoch, cursor and the layout."""
         return {**super().state_dict(), "iteration": self.iteration, "epoch": self.epoch,
                 "cursor": self.cursor, "parts": [p.clone() for p in self._parts]}
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """Constructor arguments."""
         return {**super().config(), "num_minibatches": self.num_minibatches,
                 "shuffle": self.shuffle}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`.
 
         Raises:

@@ -10,7 +10,7 @@ import torch
 from conduit.errors import ConfigError, PriorityError
 from conduit.spec import Batch
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
-from conduit.storage.state import entry, number
+from conduit.storage.state import JSON, StateDict, entry, number
 from conduit.storage.sum_tree import SumTree
 
 
@@ -129,16 +129,16 @@ class PrioritizedSampler(Sampler):
         self.tree.clear()
         self.max_priority = 1.0
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """Constructor arguments."""
         return {**super().config(), "alpha": self.alpha, "beta": self.beta, "eps": self.eps}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Generator, tree leaves and max priority."""
         return {**super().state_dict(), "tree": self.tree.state_dict(),
                 "max_priority": self.max_priority}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`."""
         max_priority = number(state, "max_priority", "sampler")
         super().load_state_dict(state)

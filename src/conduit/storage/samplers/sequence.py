@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, SpecError
 from conduit.spec import Batch
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
-from conduit.storage.state import array, integer, tensor
+from conduit.storage.state import JSON, StateDict, array, integer, tensor
 
 
 class SequenceSampler(Sampler):
@@ -87,16 +85,16 @@ class SequenceSampler(Sampler):
         self._cursor = self._size = 0
         self._valid = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Generator, boundary flags and cursor."""
         return {**super().state_dict(), "ends": tensor(self._ends.copy()),
                 "cursor": self._cursor, "size": self._size}
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """Constructor arguments."""
         return {**super().config(), "length": self.length, "boundary_key": self.boundary_key}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`."""
         ends = array(state, "ends", "sampler", length=self.capacity, dtype=bool)
         cursor = integer(state, "cursor", "sampler", high=max(self.capacity - 1, 0))

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from conduit.errors import EmptyBufferError
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
+from conduit.storage.state import JSON
 
 
 class UniformSampler(Sampler):
@@ -24,7 +23,7 @@ class UniformSampler(Sampler):
         super().__init__(seed=seed)
         self.replacement = replacement
 
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, JSON]:
         """Constructor arguments."""
         return {**super().config(), "replacement": self.replacement}
 
