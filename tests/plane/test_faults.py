@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conduit import (
+    BackpressureTimeout,
     CapacityError,
     ConfigError,
     DataLossError,
@@ -273,3 +274,21 @@ def test_pushed_data_never_waits_for_a_granularity_batch(small_spec, overlap_ing
 def test_non_finite_granularity_is_a_schedule_error(g):
     with pytest.raises(ScheduleError, match="finite"):
         Schedule(0, g, 0, 1)
+
+
+def test_flush_timeout_is_a_backpressure_timeout(small_spec):
+    release = threading.Event()
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                             schedule=Schedule(1, 1, 0, 1), timeout=10) as plane:
+
+        @plane.register_ingestion()
+        def slow(actor_in, exp_out):
+            release.wait(10)
+            exp_out.write(actor_in.read())
+
+        plane.push(make_rows(small_spec, 2))
+        with pytest.raises(BackpressureTimeout, match="flush"):
+            plane.flush(timeout=0.2)
+        release.set()
+        plane.flush()
+        assert len(plane.buffer) == 2

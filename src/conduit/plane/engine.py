@@ -101,19 +101,13 @@ class PlaneEngine:
         """Quiesce both operators: workers stopped, no invocation in flight, early assembly
         dropped. The schedule's workers restart on exit (unless the plane closed)."""
         self.stop()
-        rt = self.runtime
-        with self.signals.lock:
-            rt.paused += 1
-            while rt.busy:
-                self.signals.callers.wait(0.05)
-            self.flow.pause_locked()
         try:
-            yield
+            with self.quiesced():
+                with self.signals.lock:
+                    self.flow.pause_locked()
+                yield
         finally:
-            with self.signals.lock:
-                rt.paused -= 1
-                self.signals.wake(callers=True, ingestion=True, delivery=True)
-            if not self.closed and rt.stop and not rt.paused:
+            if not self.closed and self.runtime.stop and not self.runtime.paused:
                 self.start(self.schedule)
 
     @contextlib.contextmanager

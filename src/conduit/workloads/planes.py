@@ -9,7 +9,6 @@ import torch
 from conduit import ExperienceDataPlane, ExperienceSpec, Schedule
 from conduit.plane.tuner import WarmupScheduleTuner
 from conduit.scheduling import start_schedule
-from conduit.storage import PrioritizedSampler
 from conduit.workloads.args import TrainerArgs, parse_placement, parse_schedule
 from conduit.workloads.envs import EnvInfo
 
@@ -61,13 +60,12 @@ def make_plane(args: TrainerArgs, *, learner_device: torch.device, mode: str,
                                      else 1), **plane_kw)
         return plane, describe_plan(plane, buffer=args.buffer), None
     schedule = parse_schedule(args.schedule)
-    sampler = plane_kw.get("sampler")
-    prioritized = sampler == "prioritized" or isinstance(sampler, PrioritizedSampler)
     plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
                                 learner_device=learner_device,
                                 schedule=None if schedule == "auto" else schedule,
                                 placement=parse_placement(args.placement, learner_device),
                                 **plane_kw)
+    prioritized = plane.buffer.sampler.invalidates_prefetch
     if schedule == "auto":
         plane.set_schedule(start_schedule(plane.space, prioritized=prioritized))
     plan = describe_plan(plane, buffer=args.buffer)

@@ -102,7 +102,7 @@ class ConduitPeer(PeerAdapter):
         buf = self._buf
         assert buf is not None and self._w is not None
         sampler = buf.sampler
-        assert isinstance(sampler, FifoSampler)
+        assert sampler.consume_once
         sampler.begin_epoch(len(buf), iteration=self._iteration, epoch=0)
         rows = 0
         for _ in range(self._w.minibatches):
