@@ -7,6 +7,7 @@ The public surface is small:
   ``register_ingestion`` / ``register_delivery`` for framework logic;
 * :class:`Schedule`: overlap and granularity of ingestion and delivery;
 * :class:`Placement`: where the buffer lives;
+* ``plane.save(path)`` / :meth:`ExperienceDataPlane.load`: checkpoints on disk;
 * the :class:`ConduitError` family of typed errors.
 """
 
@@ -24,18 +25,20 @@ from conduit.errors import (
     ScheduleError,
     SpecError,
     StaleRolloutError,
+    StateError,
     TopologyError,
 )
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import ExperienceSpec, FieldSpec
-from conduit.storage import Placement
+from conduit.storage import CheckpointError, Placement
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackpressureTimeout",
     "CapacityError",
+    "CheckpointError",
     "ConduitError",
     "ConfigError",
     "DataLossError",
@@ -52,6 +55,7 @@ __all__ = [
     "ScheduleError",
     "SpecError",
     "StaleRolloutError",
+    "StateError",
     "TopologyError",
     "__version__",
     "feasible_space",

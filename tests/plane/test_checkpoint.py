@@ -214,3 +214,21 @@ def test_sigkill_during_snapshots_always_leaves_a_completed_snapshot(small_spec,
             want = make_rows(small_spec, 1, start=int(ids[0]))["obs"][0]
             assert torch.equal(back.buffer.store.get(torch.tensor([0]))["obs"][0], want)
     assert kills >= 20
+
+
+def test_a_plane_on_a_memory_mapped_store_keeps_its_rows_in_files(small_spec, tmp_path):
+    from conduit.storage import MemmapColumnStore
+
+    store = MemmapColumnStore(directory=tmp_path / "cols", spec=small_spec, capacity=64)
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, store=store,
+                             schedule=Schedule(1, 1, 1, 1)) as plane:
+        plane.push(make_rows(small_spec, 40))
+        assert plane.pull()["obs"].shape == (8, 4)
+        plane.save(tmp_path / "p.ckpt")
+    store.flush()
+    reopened = MemmapColumnStore(directory=tmp_path / "cols", spec=small_spec, capacity=64)
+    assert reopened.get(torch.arange(40))["id"].tolist() == list(range(40))
+    again = MemmapColumnStore(directory=tmp_path / "cols2", spec=small_spec, capacity=64)
+    with ExperienceDataPlane.load(tmp_path / "p.ckpt", store=again) as back:
+        assert len(back.buffer) == 40 and back.buffer.store is again
+        assert again.get(torch.arange(40))["id"].tolist() == list(range(40))

@@ -45,6 +45,7 @@ from conduit.storage import (
     Placement,
     PrioritizedSampler,
     Sampler,
+    Store,
     UniformSampler,
 )
 from conduit.timing import Timings
@@ -185,6 +186,8 @@ class ExperienceDataPlane:
             0 (default) discards prefetched batches drawn before the latest update.
         timeout: Seconds a push or pull may wait before raising (never hangs).
         seed: Seed of the sampler.
+        store: Rows in this store instead of one made for ``placement``, e.g. a
+            :class:`~conduit.storage.MemmapColumnStore` for a buffer larger than RAM.
 
     Raises:
         ConfigError: An argument is invalid; the message names it.
@@ -196,7 +199,7 @@ class ExperienceDataPlane:
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
                  rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0,
-                 timeout: float = 60.0, seed: int = 0) -> None:
+                 timeout: float = 60.0, seed: int = 0, store: Store | None = None) -> None:
         self.config = cfg = PlaneConfig(
             spec=spec, capacity=capacity, mode=mode, batch_size=batch_size,
             num_minibatches=num_minibatches, num_epochs=num_epochs, min_size=min_size,
@@ -212,11 +215,9 @@ class ExperienceDataPlane:
         self.space: ScheduleSpace = cfg.schedule_space()
         self.timings = Timings()
         where = initial_placement(placement, cfg)
-        #: Alg. 1's decision when ``placement="auto"``.
-        self.placement_decision: PlacementDecision | None = where.decision
-        #: The map :meth:`grow` follows, when the plane was given one.
-        self.placement_map: PlacementMap | None = where.placement_map
-        buffer = ExperienceBuffer(spec=spec, capacity=capacity,
+        self.placement_decision: PlacementDecision | None = where.decision  # "auto": Alg. 1's
+        self.placement_map: PlacementMap | None = where.placement_map  # what grow() follows
+        buffer = ExperienceBuffer(spec=spec, capacity=capacity, store=store,
                                   sampler=make_sampler(sampler, cfg), placement=where.placement)
         self.actor_port, self.learner_port = ActorPort(self), LearnerPort(self)
         self._engine = PlaneEngine.build(cfg, buffer, self.timings)
