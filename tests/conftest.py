@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,3 +32,32 @@ def make_rows(spec: ExperienceSpec, n: int, start: int = 0) -> dict[str, torch.T
             base = ids.to(torch.float64).reshape(n, *([1] * len(fs.shape)))
             out[name] = (base + torch.zeros(n, *fs.shape, dtype=torch.float64)).to(fs.dtype)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_determinism():
+    """RLlib's seeding turns on torch's deterministic algorithms for the whole process; each
+    test gets the setting it started with back."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.fixture(scope="session")
+def ray_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scratch HOME for every local Ray of the session: Ray keeps the token it read first
+    for the rest of the process, so a later Ray under another HOME could not start."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def ray_session(ray_home: Path) -> Iterator[None]:
+    """A local Ray with its default token authentication (its token under ``ray_home``)."""
+    ray = pytest.importorskip("ray")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_AUTH_MODE", raising=False)
+        mp.setenv("HOME", str(ray_home))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's own default, left on
+        yield
+        ray.shutdown()

@@ -1,0 +1,258 @@
+"""RLlib episodes as buffer rows, and the n-step windows sampled over them.
+
+Every timestep of an added episode chunk becomes one buffer row ``(obs, action, next_obs)``.
+What links rows into episodes lives beside the plane, one entry per slot: the slot of the
+episode's next timestep (chunks of an ongoing episode arrive in later ``add`` calls, so a link
+is set after its row was written), the reward, and whether the episode terminated or was
+truncated at that step. A window of ``n`` steps from a sampled row follows these links; it is
+cut short where the stored episode ends, as in RLlib's ``EpisodeReplayBuffer``.
+
+Rows are written in ring order, so slot ``r % capacity`` holds row ``r``. A row's successors
+are newer than it: while a row is in the buffer, so is its whole window.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import gymnasium as gym
+import numpy as np
+import torch
+from numpy.typing import ArrayLike
+
+from conduit.errors import ConfigError, StateError
+from conduit.spec import ExperienceSpec
+from conduit.storage.state import entry
+
+NStep = int | tuple[int, int]
+"""RLlib's ``n_step``: fixed, or a range ``[low, high)`` drawn per sampled row."""
+
+
+class Episode(Protocol):
+    """What is read from an RLlib ``SingleAgentEpisode`` chunk."""
+
+    id_: str
+    agent_id: Hashable | None
+    module_id: str | None
+    observation_space: gym.Space | None
+    action_space: gym.Space | None
+    t_started: int
+    is_terminated: bool
+    is_truncated: bool
+
+    def __len__(self) -> int: ...
+    def get_observations(self, indices: slice) -> ArrayLike: ...
+    def get_actions(self, indices: slice) -> ArrayLike: ...
+    def get_rewards(self, indices: slice) -> ArrayLike: ...
+
+
+@dataclass
+class EpisodeMeta:
+    """What a sampled transition reports of its episode."""
+
+    id_: str
+    agent_id: Hashable | None
+    module_id: str | None
+    observation_space: gym.Space | None
+    action_space: gym.Space | None
+    last_row: int
+
+
+@dataclass(frozen=True)
+class Appended:
+    """Rows made from one ``add`` call, and what it changed."""
+
+    rows: dict[str, np.ndarray]
+    steps: int
+    new_episodes: int
+    evicted_episodes: int
+    evicted_steps: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """Sampled n-step windows.
+
+    Attributes:
+        starts: Slot of each window's first step ``[B]``.
+        n: The n-step drawn for each row ``[B]``.
+        slots: Slots of the window's steps ``[B, max n]`` (repeating the last one past its end).
+        valid: Which of ``slots`` belong to the window ``[B, max n]``.
+        length: Steps in each window (``n``, or fewer where the stored episode ends).
+        end: Slot of each window's last step ``[B]``.
+    """
+
+    starts: np.ndarray
+    n: np.ndarray
+    slots: np.ndarray
+    valid: np.ndarray
+    length: np.ndarray
+    end: np.ndarray
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _steps(eps: Episode) -> dict[str, np.ndarray]:
+    n = len(eps)
+    obs = np.asarray(eps.get_observations(slice(0, n + 1)))
+    return {"obs": obs[:-1], "next_obs": obs[1:],
+            "action": np.asarray(eps.get_actions(slice(0, n))),
+            "reward": np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float64)}
+
+
+def spec_of(rows: dict[str, np.ndarray]) -> ExperienceSpec:
+    """The spec of rows made by :meth:`EpisodeRows.append`: one timestep's observation, action
+    and next observation.
+
+    Raises:
+        ConfigError: The observations or actions are not numeric arrays (for example dict
+            spaces).
+    """
+    try:
+        return ExperienceSpec.of(**{k: (v.shape[1:], _torch_dtype(v.dtype))
+                                    for k, v in rows.items()})
+    except TypeError as exc:
+        raise ConfigError("observation_space", f"Conduit's RLlib buffers store observations "
+                                               f"and actions that are numeric arrays: "
+                                               f"{exc}") from exc
+
+
+class EpisodeRows:
+    """Links between rows, rewards and episode ends, by slot, beside a ring of ``capacity``.
+
+    Args:
+        capacity: Slots of the ring the rows are written to.
+    """
+
+    _ARRAYS: ClassVar[tuple[str, ...]] = ("succ", "reward", "terminated", "truncated",
+                                          "episode", "t")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.succ = np.full(capacity, -1, dtype=np.int64)
+        self.reward = np.zeros(capacity, dtype=np.float64)
+        self.terminated = np.zeros(capacity, dtype=bool)
+        self.truncated = np.zeros(capacity, dtype=bool)
+        self.episode = np.full(capacity, -1, dtype=np.int64)
+        self.t = np.zeros(capacity, dtype=np.int64)
+        #: Rows written so far; the next row goes to slot ``written % capacity``.
+        self.written = 0
+        #: Episodes with a row in the ring, oldest last write first.
+        self.table: OrderedDict[int, EpisodeMeta] = OrderedDict()
+        self._ongoing: dict[str, int] = {}  # episode id -> key, until the episode is done
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return min(self.written, self.capacity)
+
+    @property
+    def num_episodes(self) -> int:
+        """Episodes with at least one row in the ring."""
+        return len(self.table)
+
+    def append(self, episodes: Iterable[Episode]) -> Appended:
+        """Make rows of ``episodes`` (in order) and link them to earlier chunks of the same
+        episodes. The caller writes ``rows`` to the ring next, in order."""
+        parts: list[dict[str, np.ndarray]] = []
+        links: list[tuple[int, int]] = []
+        new = 0
+        row = self.written
+        for eps in episodes:
+            n = len(eps)
+            if n == 0:
+                continue
+            steps = _steps(eps)
+            key = self._ongoing.get(eps.id_)
+            if key is None or key not in self.table:
+                key, new = self._next_key, new + 1
+                self._next_key += 1
+                self.table[key] = EpisodeMeta(eps.id_, eps.agent_id, eps.module_id,
+                                              eps.observation_space, eps.action_space, -1)
+            else:
+                links.append((self.table[key].last_row, row))
+            slots = (row + np.arange(n)) % self.capacity
+            self.succ[slots] = np.append(slots[1:], -1)
+            self.reward[slots] = steps.pop("reward")
+            self.terminated[slots] = False
+            self.truncated[slots] = False
+            self.terminated[slots[-1]] = eps.is_terminated
+            self.truncated[slots[-1]] = eps.is_truncated
+            self.episode[slots] = key
+            self.t[slots] = eps.t_started + np.arange(n)
+            self.table[key].last_row = row + n - 1
+            self.table.move_to_end(key)
+            if eps.is_terminated or eps.is_truncated:
+                self._ongoing.pop(eps.id_, None)
+            else:
+                self._ongoing[eps.id_] = key
+            parts.append(steps)
+            row += n
+        before, self.written = self.written, row
+        oldest = row - self.capacity  # rows below it were overwritten
+        for prev, first in links:
+            if prev >= oldest:
+                self.succ[prev % self.capacity] = first % self.capacity
+        evicted = 0
+        while self.table and next(iter(self.table.values())).last_row < oldest:
+            key, meta = self.table.popitem(last=False)
+            self._ongoing.pop(meta.id_, None)
+            evicted += 1
+        rows = ({k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
+        return Appended(rows, row - before, new, evicted,
+                        max(0, oldest) - max(0, before - self.capacity))
+
+    def windows(self, starts: np.ndarray, n: np.ndarray) -> Window:
+        """The windows of ``n[i]`` steps from slots ``starts[i]``, cut where episodes end."""
+        size = len(starts)
+        width = int(n.max()) if size else 1
+        slots = np.empty((size, width), dtype=np.int64)
+        valid = np.zeros((size, width), dtype=bool)
+        cur, alive, last = starts.astype(np.int64), np.ones(size, dtype=bool), starts
+        for k in range(width):
+            alive &= (k < n) & (cur >= 0)
+            last = np.where(alive, cur, last)
+            slots[:, k], valid[:, k] = last, alive
+            cur = np.where(alive, self.succ[np.maximum(cur, 0)], -1)
+        length = valid.sum(axis=1)
+        return Window(starts, n, slots, valid, length, slots[:, -1])
+
+    def returns(self, window: Window, gamma: float
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Discounted reward sums over each window (summed last step first, as RLlib's
+        ``lfilter`` does) and its end flags: set where the window's ``n`` steps end exactly at
+        the episode's last step (a window cut short reports neither, as in RLlib)."""
+        acc = np.zeros(len(window.starts), dtype=np.float64)
+        for k in reversed(range(window.slots.shape[1])):
+            acc = np.where(window.valid[:, k], self.reward[window.slots[:, k]] + gamma * acc,
+                           acc)
+        full = window.length == window.n
+        return (acc, self.terminated[window.end] & full, self.truncated[window.end] & full)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Arrays, write count and episode table (picklable; spaces are kept as objects)."""
+        return {**{k: getattr(self, k).copy() for k in self._ARRAYS}, "written": self.written,
+                "table": [(k, vars(m).copy()) for k, m in self.table.items()],
+                "ongoing": dict(self._ongoing), "next_key": self._next_key}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            StateError: A key is missing or an array has the wrong length.
+        """
+        for k in self._ARRAYS:
+            arr = np.asarray(entry(state, k, "episode_rows"))
+            if arr.shape != (self.capacity,):
+                raise StateError(f"episode_rows.{k}", f"has shape {arr.shape}, expected "
+                                                      f"({self.capacity},)")
+            getattr(self, k)[:] = arr
+        self.written = int(entry(state, "written", "episode_rows"))
+        self.table = OrderedDict((k, EpisodeMeta(**m))
+                                 for k, m in entry(state, "table", "episode_rows"))
+        self._ongoing = dict(entry(state, "ongoing", "episode_rows"))
+        self._next_key = int(entry(state, "next_key", "episode_rows"))

@@ -1,0 +1,199 @@
+"""PPO's mini-batch path through a Conduit on-policy plane.
+
+After the learner connector (GAE), RLlib's ``Learner.update`` cuts the train batch into
+mini-batches with ``MiniBatchCyclicIterator`` and runs one update per mini-batch.
+:class:`ConduitPPOTorchLearner` hands the post-GAE batch to an on-policy plane instead; the
+plane delivers the mini-batches one delivery invocation each (``g_del = 1/M``), on a
+background worker while the learner updates on the previous one.
+
+Which rows form each mini-batch is RLlib's: :func:`cyclic_minibatches` replays the cyclic
+iterator's slicing and its per-epoch shuffles (drawn from NumPy's global generator, as
+``SampleBatch.shuffle`` draws them), so for a seed the learner sees the same mini-batches,
+element for element.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Iterable, Iterator
+from fractions import Fraction
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.learner.training_data import TrainingData
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
+from conduit.errors import ConfigError, EmptyBufferError
+from conduit.storage import Placement, SampleInfo, Sampler
+
+
+def cyclic_minibatches(size: int, *, num_epochs: int, minibatch_size: int,
+                       shuffle: bool) -> list[np.ndarray]:
+    """The row indices of each mini-batch RLlib's ``MiniBatchCyclicIterator`` yields over a
+    batch of ``size`` rows: consecutive slices of ``minibatch_size`` rows that wrap around the
+    batch, ``num_epochs`` wraps in all, the batch shuffled at every wrap (including the last)
+    with ``np.random.permutation``."""
+    order = np.arange(size)
+    start, covered, out = 0, 0, []
+    while covered < num_epochs:
+        need, parts = minibatch_size, []
+        while start + need >= size:
+            parts.append(order[start:])
+            need -= size - start
+            start, covered = 0, covered + 1
+            if shuffle:
+                order = order[np.random.permutation(size)]
+        if need > 0:
+            parts.append(order[start:start + need])
+            start += need
+        out.append(np.concatenate(parts))
+    return out
+
+
+class PlannedSampler(Sampler):
+    """A consume-once sampler that delivers mini-batches fixed in advance.
+
+    Args:
+        parts: Row indices of every mini-batch, in delivery order.
+        num_minibatches: Mini-batches per epoch (``len(parts)`` must be a multiple of it).
+    """
+
+    consume_once: ClassVar[bool] = True
+
+    def __init__(self, parts: list[np.ndarray], *, num_minibatches: int) -> None:
+        super().__init__()
+        if not parts or len(parts) % num_minibatches:
+            raise ConfigError("num_minibatches", f"{len(parts)} mini-batches do not form "
+                                                 f"epochs of {num_minibatches}")
+        self.parts = [torch.from_numpy(np.ascontiguousarray(p, dtype=np.int64)) for p in parts]
+        self.num_minibatches = num_minibatches
+        self.epoch, self.cursor = 0, 0
+
+    def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
+        """The mini-batches of ``epoch``."""
+        m = self.num_minibatches
+        return self.parts[epoch * m:(epoch + 1) * m]
+
+    def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
+        self.epoch, self.cursor = epoch, 0
+
+    def seek(self, position: int) -> None:
+        self.cursor = position
+
+    def sample(self, size: int, batch_size: int = 0) -> SampleInfo:
+        part = self.layout(size, iteration=0, epoch=self.epoch)
+        if self.cursor >= len(part):
+            raise EmptyBufferError("the epoch's mini-batches are all delivered")
+        self.cursor += 1
+        return SampleInfo(part[self.cursor - 1])
+
+
+def _spec(columns: dict[str, torch.Tensor]) -> ExperienceSpec:
+    return ExperienceSpec(fields={k: FieldSpec(tuple(v.shape[1:]), v.dtype)
+                                  for k, v in columns.items()})
+
+
+class ConduitMiniBatchIterator:
+    """Mini-batches of one module's train batch, delivered by a Conduit on-policy plane in
+    the order :func:`cyclic_minibatches` gives.
+
+    Tensor columns with one row per timestep live in the plane; other columns (if any) are
+    indexed with each mini-batch's rows. The mini-batches form epochs in the plane when
+    ``minibatch_size`` divides the batch, else one pass of all of them.
+
+    Args:
+        batch: The post-connector train batch (one module).
+        num_epochs: RLlib's ``num_epochs``.
+        minibatch_size: RLlib's ``minibatch_size``.
+        shuffle: RLlib's ``shuffle_batch_per_epoch`` (with ``num_epochs > 1``).
+        device: Where the learner trains (the plane's rows and batches live there).
+        overlap: Deliver on a background worker, ahead of the learner.
+    """
+
+    def __init__(self, batch: MultiAgentBatch, *, num_epochs: int, minibatch_size: int,
+                 shuffle: bool, device: torch.device, overlap: bool = True) -> None:
+        ((self.module_id, self.rows),) = batch.policy_batches.items()
+        self.env_steps = len(batch)
+        size = len(self.rows)
+        self.parts = cyclic_minibatches(size, num_epochs=num_epochs,
+                                        minibatch_size=minibatch_size, shuffle=shuffle)
+        per_epoch = size // minibatch_size if size % minibatch_size == 0 else len(self.parts)
+        self.num_minibatches = per_epoch
+        self.device, self.overlap = torch.device(device), overlap
+
+    def __iter__(self) -> Iterator[MultiAgentBatch]:
+        size = len(self.rows)
+        cols = {k: v for k, v in self.rows.items() if _plane_column(k, v, size)}
+        rest = {k: v for k, v in self.rows.items() if k not in cols}
+        m = self.num_minibatches
+        plane = ExperienceDataPlane(
+            spec=_spec(cols), capacity=len(self.rows), mode="on_policy", num_minibatches=m,
+            num_epochs=len(self.parts) // m, learner_device=self.device,
+            sampler=PlannedSampler(self.parts, num_minibatches=m),
+            placement=Placement.device(self.device) if self.device.type == "cuda" else None,
+            schedule=Schedule(0, 1, int(self.overlap), Fraction(1, m)))
+        with plane:
+            plane.push(cols)
+            for minibatch in plane.minibatches():
+                index = minibatch.pop("_index")
+                out = {**minibatch, **{k: _take(v, index, size) for k, v in rest.items()}}
+                yield MultiAgentBatch({self.module_id: SampleBatch(out)}, self.env_steps)
+
+
+def _plane_column(name: str, column: object, size: int) -> bool:
+    """Whether a column can be a plane field: a tensor with one row per timestep, under a
+    name a spec accepts."""
+    return (isinstance(column, torch.Tensor) and column.dim() > 0 and len(column) == size
+            and name.isidentifier() and not name.startswith("_") and not keyword.iskeyword(name))
+
+
+def _take(column: object, index: torch.Tensor, size: int) -> object:
+    """A mini-batch's rows of a column kept outside the plane (others pass as they are)."""
+    if isinstance(column, torch.Tensor):
+        return column[index.to(column.device)] if column.dim() and len(column) == size \
+            else column
+    array = np.asarray(column)
+    return array[index.numpy()] if array.ndim and len(array) == size else column
+
+
+class ConduitPPOTorchLearner(PPOTorchLearner):
+    """RLlib's ``PPOTorchLearner`` with Conduit delivering its mini-batches.
+
+    Usage: ``config.learners(learner_class=ConduitPPOTorchLearner)``. Epochs, shuffling and
+    mini-batch sizes are RLlib's. Batches RLlib itself would not cut into mini-batches (one
+    epoch without ``minibatch_size``), multi-module batches, recurrent modules and data
+    iterators take RLlib's own path.
+    """
+
+    #: Deliver mini-batches on a background worker, ahead of the update.
+    overlap: ClassVar[bool] = True
+
+    def _create_iterator_if_necessary(self, *, training_data: TrainingData,
+                                      num_total_minibatches: int = 0, num_epochs: int = 1,
+                                      minibatch_size: int | None = None,
+                                      shuffle_batch_per_epoch: bool = False, **kwargs: Any
+                                      ) -> Iterable[MultiAgentBatch]:
+        plain = (not training_data.data_iterators and not num_total_minibatches
+                 and (minibatch_size or num_epochs > 1))
+        if plain:
+            batch = self._make_batch_if_necessary(training_data=training_data)
+            for module_id in list(batch.policy_batches):
+                if not self.should_module_be_updated(module_id, batch):
+                    del batch.policy_batches[module_id]
+            if not batch.policy_batches:
+                return {}
+            ((module_id, rows),) = list(batch.policy_batches.items())[:1]
+            if (len(batch.policy_batches) == 1 and not self.module[module_id].is_stateful()
+                    and rows.get("seq_lens") is None):
+                return ConduitMiniBatchIterator(
+                    batch, num_epochs=num_epochs, minibatch_size=minibatch_size or len(rows),
+                    shuffle=shuffle_batch_per_epoch and num_epochs > 1, device=self.device,
+                    overlap=self.overlap)
+            training_data = TrainingData(batch=batch)
+        return super()._create_iterator_if_necessary(
+            training_data=training_data, num_total_minibatches=num_total_minibatches,
+            num_epochs=num_epochs, minibatch_size=minibatch_size,
+            shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)

@@ -1,0 +1,333 @@
+"""RLlib's episode replay buffers, with Conduit's plane as their storage and sampler.
+
+Added episodes become plane rows (:mod:`~conduit.integrations.rllib.episode_rows`); a sample is
+one pull from the plane, whose sampler draws the rows and whose delivery operator lays the
+n-step windows over them. What a sample returns is what RLlib's buffer of the same name
+returns for the same arguments: a list of one-step ``SingleAgentEpisode`` objects holding the
+n-step transition, with ``n_step`` and ``weights`` in their ``extra_model_outputs``.
+"""
+
+# ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+from ray.rllib.utils import force_list
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
+    PrioritizedEpisodeReplayBuffer,
+)
+from ray.rllib.utils.typing import AgentID, ModuleID
+
+from conduit import ExperienceDataPlane, ExperienceSpec
+from conduit.errors import ConfigError, EmptyBufferError, PriorityError
+from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, spec_of
+from conduit.integrations.rllib.windows import (
+    Transitions,
+    WindowRequest,
+    WindowSampler,
+    deliver_windows,
+)
+from conduit.plane import BufferIn, LearnerOut
+from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
+
+
+def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
+    return {DEFAULT_AGENT_ID: value}, {DEFAULT_MODULE_ID: value}
+
+
+class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
+    """RLlib's ``EpisodeReplayBuffer`` (uniform sampling) over a Conduit plane.
+
+    Usage: ``config.training(replay_buffer_config={"type":
+    "conduit.integrations.rllib.ConduitEpisodeReplayBuffer", "capacity": 50_000})``.
+
+    Capacity counts timesteps; once full, the oldest timestep is overwritten (RLlib evicts
+    whole episodes instead). Sampling draws ``(o_t, a_t, Σ γ^k r_{t+k}, o_{t+n},
+    terminated, truncated)`` transitions: for ``sample_episodes=True`` with
+    ``batch_length_T=0``, the path DQN and SAC take. Infos are not stored (sampled episodes hold
+    empty infos), nor are ``extra_model_outputs``. The plane runs its operators inline: an
+    ``add`` links rows to earlier chunks of their episodes, which a draw running ahead on a
+    worker could miss.
+
+    Args:
+        capacity: Timesteps held.
+        batch_size_B: Transitions per sample when ``sample`` is not told.
+        batch_length_T: Kept for RLlib; sequence sampling is not supported.
+        alpha: Priority exponent (prioritized buffer).
+        beta: Importance-weight exponent when ``sample`` gets ``beta=None``.
+        eps: Added to every priority (prioritized buffer).
+        seed: Seed of the sampler (None: a fresh one).
+        placement: Where the rows live: ``"auto"`` (Alg. 1 over this machine's topology,
+            docs/design.md §4), a :class:`~conduit.storage.Placement`, or None (pageable CPU
+            memory).
+        metrics_num_episodes_for_smoothing: RLlib's metrics window.
+        **kwargs: Further keys of ``replay_buffer_config``, ignored as RLlib does.
+
+    Raises:
+        ConfigError: ``alpha``, ``beta`` or ``eps`` is out of range.
+    """
+
+    #: Whether rows are drawn by priority.
+    prioritized: ClassVar[bool] = False
+
+    def __init__(self, capacity: int = 10_000, *, batch_size_B: int = 16,
+                 batch_length_T: int = 1, alpha: float = 1.0, beta: float = 0.0,
+                 eps: float = 1e-6, seed: int | None = None,
+                 placement: Placement | Literal["auto"] | None = None,
+                 metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
+        EpisodeReplayBuffer.__init__(
+            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
+            metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
+        self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0]) >> 1
+        self.beta, self.placement = beta, placement
+        inner: Sampler = (PrioritizedSampler(alpha=alpha, beta=beta, eps=eps, seed=self.seed)
+                          if self.prioritized else UniformSampler(seed=self.seed))
+        self._rows = EpisodeRows(capacity)
+        self._sampler = WindowSampler(inner, self._rows)
+        self._plane: ExperienceDataPlane | None = None
+        self._last_index: np.ndarray | None = None
+
+    @property
+    def plane(self) -> ExperienceDataPlane | None:
+        """The plane the rows live in (None until the first ``add``)."""
+        return self._plane
+
+    def _build_plane(self, spec: ExperienceSpec, batch_size: int) -> ExperienceDataPlane:
+        plane = ExperienceDataPlane(spec=spec, capacity=self.capacity,
+                                    batch_size=min(batch_size, self.capacity), min_size=1,
+                                    sampler=self._sampler, placement=self.placement,
+                                    seed=self.seed)
+
+        @plane.register_delivery()
+        def n_step_windows(exp_in: BufferIn, learn_out: LearnerOut) -> None:
+            learn_out.write(deliver_windows(self._sampler, exp_in.read()))
+
+        return plane
+
+    def _plane_for(self, batch_size: int) -> ExperienceDataPlane:
+        """The plane, rebuilt with its rows when a sample asks for another batch size."""
+        plane = self._plane
+        if plane is None:
+            raise EmptyBufferError("cannot sample: nothing was added to the buffer")
+        if plane.batch_size != batch_size:
+            if batch_size > self.capacity:
+                raise ConfigError("num_items", f"{batch_size} transitions per sample exceed "
+                                               f"the capacity {self.capacity}")
+            state = plane.state_dict()
+            plane.close()
+            self._plane = plane = self._build_plane(plane.spec, batch_size)
+            plane.load_state_dict(state)
+        return plane
+
+    def add(self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode) -> None:
+        """Write every timestep of ``episodes`` to the plane; chunks of an episode already in
+        the buffer continue it.
+
+        Raises:
+            SpecError: An observation or action differs in shape or dtype from earlier ones.
+        """
+        added = self._rows.append(force_list(episodes))
+        if added.steps:
+            if self._plane is None:
+                self._plane = self._build_plane(spec_of(added.rows), self.batch_size_B)
+            for a in range(0, added.steps, self.capacity):
+                self._plane.push({k: v[a:a + self.capacity] for k, v in added.rows.items()})
+            self._plane.flush()
+        self._num_timesteps = len(self._rows)
+        self._num_timesteps_added += added.steps
+        self._num_episodes_evicted += added.evicted_episodes
+        self._log_add(added)
+
+    def _log_add(self, added: Appended) -> None:
+        a_added, m_added = _per_id(added.new_episodes)
+        a_steps, m_steps = _per_id(added.steps)
+        a_evicted, m_evicted = _per_id(added.evicted_episodes)
+        a_esteps, m_esteps = _per_id(added.evicted_steps)
+        self._update_add_metrics(
+            num_episodes_added=added.new_episodes, num_env_steps_added=added.steps,
+            num_episodes_evicted=added.evicted_episodes,
+            num_env_steps_evicted=added.evicted_steps,
+            agent_to_num_episodes_added=a_added, agent_to_num_steps_added=a_steps,
+            agent_to_num_episodes_evicted=a_evicted, agent_to_num_steps_evicted=a_esteps,
+            module_to_num_episodes_added=m_added, module_to_num_steps_added=m_steps,
+            module_to_num_episodes_evicted=m_evicted, module_to_num_steps_evicted=m_esteps)
+
+    def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
+               batch_length_T: int | None = None, n_step: NStep | None = None,
+               beta: float | None = None, gamma: float = 0.99, include_infos: bool = False,
+               include_extra_model_outputs: bool = False, sample_episodes: bool = True,
+               to_numpy: bool = False, lookback: int = 0, min_batch_length_T: int = 0,
+               **kwargs: Any) -> list[SingleAgentEpisode]:
+        """Sample ``num_items`` n-step transitions, each as a one-step episode.
+
+        Args:
+            num_items: Transitions (default ``batch_size_B``).
+            batch_size_B: Same as ``num_items``.
+            batch_length_T: Must be 0 or None (no sequence sampling).
+            n_step: Steps per transition, or a range ``(low, high)`` drawn per transition
+                (default 1).
+            beta: Importance-weight exponent (prioritized; default: the constructor's).
+            gamma: Discount of the n-step reward sums.
+            include_infos: Ignored: infos are not stored.
+            include_extra_model_outputs: Must be False.
+            sample_episodes: Must be True.
+            to_numpy: Numpy-ize the returned episodes (prioritized, as RLlib).
+            lookback: Must be 0.
+            min_batch_length_T: Must be 0.
+            **kwargs: Ignored.
+
+        Raises:
+            ConfigError: An argument asks for what the buffer does not support.
+            EmptyBufferError: Nothing was added yet, or (prioritized) too few rows start a
+                complete n-step window.
+        """
+        if num_items is not None and batch_size_B is not None:
+            raise ConfigError("num_items", "give num_items or batch_size_B, not both")
+        unsupported = {"batch_length_T": batch_length_T and not self.prioritized,
+                       "include_extra_model_outputs": include_extra_model_outputs,
+                       "sample_episodes": not sample_episodes, "lookback": lookback,
+                       "min_batch_length_T": min_batch_length_T}
+        for name, bad in unsupported.items():
+            if bad:
+                raise ConfigError(name, "Conduit's RLlib buffers sample n-step transitions of "
+                                        "stateless modules only (as DQN and SAC do); use "
+                                        "RLlib's own buffer for sequences")
+        size = num_items or batch_size_B or self.batch_size_B
+        beta = self.beta if beta is None else beta
+        if self.prioritized:
+            if not beta >= 0:
+                raise ConfigError("beta", f"must be >= 0, got {beta}")
+            self._sampler.inner.beta = float(beta)
+        self._sampler.request = WindowRequest(n_step=n_step or 1, gamma=gamma,
+                                              complete=self.prioritized)
+        resamples = self._sampler.resamples
+        batch = Transitions.of(self._plane_for(size).pull())
+        self._last_index = batch.index
+        self.sampled_timesteps += size
+        episodes = [self._episode(batch, i, to_numpy) for i in range(size)]
+        self._log_sample(batch, self._sampler.resamples - resamples)
+        return episodes
+
+    def _episode(self, batch: Transitions, i: int, to_numpy: bool) -> SingleAgentEpisode:
+        """Row ``i`` as RLlib's buffer of this kind builds it."""
+        meta = self._rows.table[int(batch.episode[i])]
+        n, t = int(batch.n_step[i]), int(batch.t[i])
+        common = {"observations": [batch.obs[i], batch.next_obs[i]],
+                  "actions": [batch.action[i]], "rewards": [batch.reward[i]],
+                  "terminated": bool(batch.terminated[i]),
+                  "truncated": bool(batch.truncated[i]),
+                  "observation_space": meta.observation_space,
+                  "action_space": meta.action_space, "t_started": t, "len_lookback_buffer": 0}
+        if self.prioritized:
+            weight = float(batch.weight[i]) if batch.weight is not None else 1.0
+            eps = SingleAgentEpisode(**common, extra_model_outputs={"weights": [weight],
+                                                                    "n_step": [n]})
+            if to_numpy:
+                eps.to_numpy()
+            return eps
+        eps = SingleAgentEpisode(id_=meta.id_, agent_id=meta.agent_id,
+                                 module_id=meta.module_id, infos=[{}, {}],
+                                 extra_model_outputs={}, **common)
+        eps.extra_model_outputs["n_step"] = InfiniteLookbackBuffer(np.full((1,), n),
+                                                                   lookback=0)
+        eps.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones((1,)), lookback=0)
+        return eps
+
+    def _log_sample(self, batch: Transitions, resamples: int) -> None:
+        size = len(batch.index)
+        a_sampled, m_sampled = _per_id(size)
+        a_eps, m_eps = _per_id(len(set(batch.episode.tolist())))
+        a_steps, m_steps = _per_id(len(set(batch.index.tolist())))
+        a_n, m_n = _per_id(float(batch.n_step.mean()))
+        a_re, m_re = _per_id(resamples)
+        self._update_sample_metrics(
+            num_env_steps_sampled=size, num_episodes_per_sample=a_eps[DEFAULT_AGENT_ID],
+            num_env_steps_per_sample=a_steps[DEFAULT_AGENT_ID],
+            sampled_n_step=a_n[DEFAULT_AGENT_ID], num_resamples=resamples,
+            agent_to_num_steps_sampled=a_sampled, agent_to_num_episodes_per_sample=a_eps,
+            agent_to_num_steps_per_sample=a_steps, agent_to_sampled_n_step=a_n,
+            agent_to_num_resamples=a_re, module_to_num_steps_sampled=m_sampled,
+            module_to_num_episodes_per_sample=m_eps, module_to_num_steps_per_sample=m_steps,
+            module_to_sampled_n_step=m_n, module_to_num_resamples=m_re)
+
+    def get_num_timesteps(self, module_id: ModuleID | None = None) -> int:
+        """Timesteps stored."""
+        return len(self._rows)
+
+    def get_num_episodes(self, module_id: ModuleID | None = None) -> int:
+        """Episodes with at least one timestep stored."""
+        return self._rows.num_episodes
+
+    def get_state(self) -> dict[str, Any]:
+        """The buffer's state, for RLlib checkpoints: the plane's ``state_dict`` (rows,
+        sampler, ring), the episode links and the counters."""
+        plane = self._plane
+        return {"spec": plane.spec.to_dict() if plane else None,
+                "batch_size": plane.batch_size if plane else self.batch_size_B,
+                "plane": plane.state_dict() if plane else None,
+                "rows": self._rows.state_dict(),
+                "last_index": self._last_index,
+                "_num_timesteps_added": self._num_timesteps_added,
+                "_num_episodes_evicted": self._num_episodes_evicted,
+                "sampled_timesteps": self.sampled_timesteps}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`get_state`.
+
+        Raises:
+            StateError: The state is missing a key or does not fit the buffer's capacity.
+        """
+        self._rows.load_state_dict(state["rows"])
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+        if state["spec"] is not None:
+            self._plane = self._build_plane(ExperienceSpec.from_dict(state["spec"]),
+                                            state["batch_size"])
+            self._plane.load_state_dict(state["plane"])
+        self._last_index = state["last_index"]
+        self._num_timesteps = len(self._rows)
+        self._num_timesteps_added = state["_num_timesteps_added"]
+        self._num_episodes_evicted = state["_num_episodes_evicted"]
+        self.sampled_timesteps = state["sampled_timesteps"]
+
+
+class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
+                                            PrioritizedEpisodeReplayBuffer):
+    """RLlib's ``PrioritizedEpisodeReplayBuffer`` over a Conduit plane: proportional
+    prioritized replay on Conduit's sum tree.
+
+    Usage: ``config.training(replay_buffer_config={"type":
+    "conduit.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer", "capacity": 50_000,
+    "alpha": 0.6, "beta": 0.4})``.
+
+    As in RLlib, a sampled row whose n-step window would be cut short by the end of its
+    stored episode is redrawn, new rows get the largest priority seen so far, and importance
+    weights are ``(N·P(i))^-β`` divided by their largest possible value. Priorities are
+    ``(p + eps)^α`` (RLlib: ``max(p, 1e-12)^α``). See :class:`ConduitEpisodeReplayBuffer`
+    for the arguments.
+    """
+
+    prioritized: ClassVar[bool] = True
+
+    def update_priorities(self, priorities: np.ndarray, module_id: ModuleID | None = None) -> None:
+        """Give the transitions of the most recent sample new priorities (|TD errors|).
+
+        Raises:
+            PriorityError: No sample to update, a length that differs from it, or
+                priorities that are not finite and non-negative.
+        """
+        if self._last_index is None or self._plane is None:
+            raise PriorityError("update_priorities: no sample since the last update")
+        pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        if pr.numel() != len(self._last_index):
+            raise PriorityError(f"priorities: {pr.numel()} values for the "
+                                f"{len(self._last_index)} transitions of the last sample")
+        self._plane.update_priorities(torch.from_numpy(self._last_index), pr)
+        self._last_index = None

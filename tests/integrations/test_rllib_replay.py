@@ -1,0 +1,255 @@
+"""Conduit's RLlib episode replay buffers against RLlib's own, fed the same episodes."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray.rllib")
+gym = pytest.importorskip("gymnasium")
+
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
+from ray.rllib.utils.replay_buffers import (  # noqa: E402
+    EpisodeReplayBuffer,
+    PrioritizedEpisodeReplayBuffer,
+)
+
+from conduit.errors import ConfigError, PriorityError  # noqa: E402
+from conduit.integrations.rllib import (  # noqa: E402
+    ConduitEpisodeReplayBuffer,
+    ConduitPrioritizedEpisodeReplayBuffer,
+)
+from conduit.storage import SampleInfo  # noqa: E402
+
+N_STEP, GAMMA = 3, 0.9
+
+
+def _run(env: gym.Env, eps: SingleAgentEpisode, rng: np.random.Generator, steps: int, *,
+         truncate: bool = False) -> bool:
+    """Step ``eps`` up to ``steps`` times; True when the episode ended."""
+    for k in range(steps):
+        action = int(rng.integers(2))
+        obs, reward, terminated, truncated, _ = env.step(action)
+        truncated = truncated or (truncate and k == steps - 1)
+        eps.add_env_step(obs, action, float(reward) + k, {}, terminated=terminated,
+                         truncated=truncated)
+        if terminated or truncated:
+            return True
+    return False
+
+
+def _episode(env: gym.Env, rng: np.random.Generator) -> SingleAgentEpisode:
+    eps = SingleAgentEpisode(observation_space=env.observation_space,
+                             action_space=env.action_space)
+    obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
+    eps.add_env_reset(obs, {})
+    return eps
+
+
+@pytest.fixture(scope="module")
+def adds() -> list[list[SingleAgentEpisode]]:
+    """Two ``add`` calls: finished episodes (terminated and truncated), and an episode whose
+    first chunk comes in the first call and its ongoing continuation in the second."""
+    env, rng = gym.make("CartPole-v1"), np.random.default_rng(0)
+    done = []
+    while len(done) < 3:
+        eps = _episode(env, rng)
+        if _run(env, eps, rng, 200):
+            done.append(eps)
+    short = _episode(env, rng)
+    while not _run(env, short, rng, 5, truncate=True):
+        short = _episode(env, rng)
+    ongoing = _episode(env, rng)
+    while _run(env, ongoing, rng, 7):
+        ongoing = _episode(env, rng)
+    rest = ongoing.cut()
+    _run(env, rest, rng, 4)
+    first = [done[0], ongoing, short, done[1]]
+    second = [done[2], rest]
+    return [[e.to_numpy() for e in first], [e.to_numpy() for e in second]]
+
+
+class _Draws:
+    """A stand-in generator that returns scripted row positions (and, to RLlib's buffers, the
+    scripted n-steps of a random n-step range)."""
+
+    def __init__(self, positions: list[int], total: int = 0, n_steps: list[int] | None = None
+                 ) -> None:
+        self.positions, self.total, self.n_steps = list(positions), total, list(n_steps or ())
+
+    def integers(self, low: int, high: int | None = None, size: int | None = None,
+                 dtype: type = np.int64) -> object:
+        if size is None:  # RLlib: a position, or with a range an n-step
+            return self.positions.pop(0) if high is None else self.n_steps.pop(0)
+        out = np.asarray(self.positions[:size], dtype=dtype)
+        del self.positions[:size]
+        return out
+
+    def random(self) -> float:  # RLlib's prioritized buffer, all priorities equal
+        return (self.positions.pop(0) + 0.5) / self.total
+
+
+def _filled(buffer: EpisodeReplayBuffer, adds: list[list[SingleAgentEpisode]]
+            ) -> EpisodeReplayBuffer:
+    for episodes in adds:
+        buffer.add(episodes)
+    return buffer
+
+
+def _positions(adds: list[list[SingleAgentEpisode]]) -> list[int]:
+    """Row positions that cover window ends: episode starts, the last three steps of every
+    chunk, and the chunk boundary of the continued episode."""
+    out, row = [], 0
+    for episodes in adds:
+        for eps in episodes:
+            n = len(eps)
+            out += [row] + [row + k for k in range(max(0, n - 3), n)]
+            row += n
+    return sorted(set(out))
+
+
+def _assert_same(ours: SingleAgentEpisode, theirs: SingleAgentEpisode, *, ids: bool) -> None:
+    for k in (0, -1):
+        a, b = ours.get_observations(k), theirs.get_observations(k)
+        np.testing.assert_array_equal(a, b)
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+    for get in ("get_actions", "get_rewards"):
+        a, b = getattr(ours, get)(0), getattr(theirs, get)(0)
+        assert a == b and type(a) is type(b), (get, a, b)
+    assert (ours.is_terminated, ours.is_truncated, ours.t_started, len(ours)) == \
+        (theirs.is_terminated, theirs.is_truncated, theirs.t_started, len(theirs))
+    for key in ("n_step", "weights"):
+        a, b = ours.get_extra_model_outputs(key, 0), theirs.get_extra_model_outputs(key, 0)
+        assert a == pytest.approx(b) and type(a) is type(b), (key, a, b)
+    if ids:
+        assert ours.id_ == theirs.id_
+
+
+@pytest.mark.parametrize("n_step", [N_STEP, (1, 4)])
+def test_uniform_buffer_returns_what_rllib_returns(adds: list[list[SingleAgentEpisode]],
+                                                   n_step: int | tuple[int, int]) -> None:
+    positions = _positions(adds)
+    n_steps = [1 + k % 3 for k in range(len(positions))]
+    ours = _filled(ConduitEpisodeReplayBuffer(capacity=1000, batch_size_B=len(positions),
+                                              seed=1), adds)
+    theirs = _filled(EpisodeReplayBuffer(capacity=1000), adds)
+    assert len(ours) == len(theirs) and ours.get_num_episodes() == theirs.get_num_episodes()
+    theirs.rng = _Draws(positions, n_steps=n_steps)
+    ours._sampler.inner._rng = _Draws(positions)
+    ours._sampler._rng = _Draws(n_steps)
+    kwargs = {"num_items": len(positions), "n_step": n_step, "gamma": GAMMA,
+              "batch_length_T": 0, "sample_episodes": True}
+    a, b = ours.sample(**kwargs), theirs.sample(**kwargs)
+    assert len(a) == len(b) == len(positions)
+    for x, y in zip(a, b):
+        _assert_same(x, y, ids=True)
+    metrics = ours.get_metrics()
+    assert metrics["num_env_steps_sampled"] == len(positions)
+
+
+@pytest.mark.parametrize("n_step", [N_STEP, (1, 4)])
+def test_prioritized_buffer_returns_what_rllib_returns(adds: list[list[SingleAgentEpisode]],
+                                                       n_step: int | tuple[int, int]) -> None:
+    """Equal priorities; rows whose window the end of the stored episode cuts short are
+    redrawn by both buffers, from the same scripted positions."""
+    complete = 8
+    ours = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, batch_size_B=complete,
+                                                         alpha=0.6, seed=1), adds)
+    theirs = _filled(PrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6), adds)
+    positions = _positions(adds)
+    n_steps = [3 - k % 3 for k in range(len(positions))]
+    theirs.rng = _Draws(positions, len(theirs), n_steps)
+    ours._sampler._rng = _Draws(n_steps)
+    queue = list(positions)
+
+    def scripted(size: int, batch_size: int) -> SampleInfo:
+        take = torch.tensor(queue[:batch_size], dtype=torch.int64)
+        del queue[:batch_size]
+        return SampleInfo(take, torch.ones(len(take)))
+
+    ours._sampler.inner.sample = scripted
+    a = ours.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
+    b = theirs.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
+    for x, y in zip(a, b):
+        _assert_same(x, y, ids=False)
+    assert ours.get_metrics()["num_resamples"] == theirs.get_metrics()["num_resamples"] > 0
+
+
+def test_priorities_reach_the_sum_tree_and_shape_weights(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    buffer = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.5,
+                                                           eps=1e-6, seed=3), adds)
+    first = buffer.sample(num_items=32, n_step=1, beta=1.0)
+    assert all(e.get_extra_model_outputs("weights", 0) == 1.0 for e in first)
+    slots = torch.from_numpy(buffer._last_index.copy())
+    td = np.linspace(0.1, 3.2, 32)
+    buffer.update_priorities(td, "default_policy")
+    tree = buffer._sampler.inner
+    expected = {int(s): (p + 1e-6) ** 0.5 for s, p in zip(slots, td)}  # last update wins
+    assert tree.priorities(torch.tensor(list(expected))).numpy() == pytest.approx(
+        list(expected.values()))
+    with pytest.raises(PriorityError, match="no sample"):
+        buffer.update_priorities(td)
+    # Weights: (N·P(i))^-β over the largest possible, so the smallest priority has weight 1.
+    leaves = tree.priorities(torch.arange(len(buffer))).numpy()
+    sampled = buffer.sample(num_items=64, n_step=1, beta=1.0)
+    index = buffer._last_index
+    want = (leaves.min() / leaves[index])
+    got = np.array([e.get_extra_model_outputs("weights", 0) for e in sampled])
+    assert got == pytest.approx(want, rel=1e-5)
+    with pytest.raises(PriorityError, match="2 values"):
+        buffer.update_priorities(np.ones(2))
+
+
+def test_state_round_trips_through_pickle(adds: list[list[SingleAgentEpisode]]) -> None:
+    """An RLlib checkpoint pickles ``get_state``; a restored buffer holds the same rows,
+    priorities and sampler, and continues ongoing episodes."""
+    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=5)
+    buffer.add(adds[0])
+    buffer.sample(num_items=8, n_step=N_STEP)
+    buffer.update_priorities(np.arange(1, 9, dtype=np.float64))
+    state = pickle.loads(pickle.dumps(buffer.get_state()))
+    restored = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=99)
+    restored.set_state(state)
+    assert len(restored) == len(buffer) and restored.get_num_episodes() == \
+        buffer.get_num_episodes()
+    for b in (buffer, restored):
+        b.add(adds[1])
+    kwargs = {"num_items": 16, "n_step": N_STEP, "gamma": GAMMA, "beta": 0.4}
+    for x, y in zip(buffer.sample(**kwargs), restored.sample(**kwargs)):
+        _assert_same(x, y, ids=False)
+        assert x.get_extra_model_outputs("weights", 0) == y.get_extra_model_outputs(
+            "weights", 0)
+
+
+def test_ring_counts_timesteps_and_windows_stay_in_their_episode(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    """Past capacity the oldest timesteps are overwritten; every sampled transition still
+    matches its source episode."""
+    capacity = 40
+    buffer = ConduitEpisodeReplayBuffer(capacity=capacity, seed=7)
+    source: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+    for episodes in adds:
+        buffer.add(episodes)
+        for eps in episodes:
+            obs = eps.get_observations(slice(0, len(eps) + 1))
+            for i in range(len(eps)):
+                source[eps.id_, eps.t_started + i] = obs[i], obs[i + 1]
+    total = sum(len(e) for episodes in adds for e in episodes)
+    assert total > capacity and len(buffer) == capacity
+    for eps in buffer.sample(num_items=capacity, n_step=1, gamma=GAMMA):
+        obs, next_obs = source[eps.id_, eps.t_started]
+        np.testing.assert_array_equal(eps.get_observations(0), obs)
+        np.testing.assert_array_equal(eps.get_observations(-1), next_obs)
+    assert buffer.get_metrics()["num_env_steps_evicted"] == total - capacity
+
+
+def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -> None:
+    buffer = _filled(ConduitEpisodeReplayBuffer(capacity=1000), adds[:1])
+    with pytest.raises(ConfigError, match="batch_length_T"):
+        buffer.sample(num_items=4, n_step=1, batch_length_T=8)
+    with pytest.raises(ConfigError, match="capacity"):
+        buffer.sample(num_items=5000, n_step=1)
