@@ -41,7 +41,7 @@ from conduit.bench.peers.harness import (
 )
 
 TINY = Workload(dim=8, capacity=2048, batch=32, epoch_rows=256, minibatches=8, seed=0)
-TINY_CFG = PeersConfig(dims=(8,), capacity=2048, batch=32, epoch_rows=256, warmup=1,
+TINY_CFG = PeersConfig(dims=(8,), capacity=2048, batches=(32,), epoch_rows=256, warmup=1,
                        repeats=2, insert_64_repeats=2, epoch_repeats=1, plot=False)
 
 
@@ -87,8 +87,8 @@ class NumpyPeer(PeerAdapter):
         return n - 1 if self.short_epoch else n
 
 
-def row(peer: str, dim: int = 8, **values: float) -> RowResult:
-    r = RowResult(peer=peer, dim=dim, capacity=2048)
+def row(peer: str, dim: int = 8, batch: int = 32, **values: float) -> RowResult:
+    r = RowResult(peer=peer, dim=dim, capacity=2048, batch=batch)
     for m, v in values.items():
         r.metrics[m] = MetricResult(status="ok", unit=METRICS[m][1], value=v, samples=3)
     return r
@@ -113,6 +113,28 @@ def test_ratios_pair_each_peer_with_conduit_on_the_same_dim_and_metric() -> None
     got = {(r["peer"], r["dim"], r["metric"]): r["speedup"] for r in ratios(rows)}
     assert got == {("cpprb", 8, "sample_uniform"): pytest.approx(3.0),
                    ("cpprb", 8, "insert_64"): pytest.approx(2.0)}
+
+
+def test_ratios_and_the_floor_pair_rows_of_the_same_batch_size() -> None:
+    rows = [row("conduit", batch=32, sample_uniform=0.2),
+            row("conduit", batch=64, sample_uniform=0.4),
+            row("cpprb", batch=32, sample_uniform=0.4), row("cpprb", batch=64, sample_uniform=0.4),
+            row("gather-floor", batch=32, sample_uniform=0.1),
+            row("gather-floor", batch=64, sample_uniform=0.4)]
+    got = {(r["batch"], r["peer"]): r["speedup"] for r in ratios(rows)}
+    assert got[32, "cpprb"] == pytest.approx(2.0) and got[64, "cpprb"] == pytest.approx(1.0)
+    floor = {(r["batch"], r["peer"]): r["over_floor"] for r in harness.over_floor(rows)}
+    assert floor == {(32, "conduit"): pytest.approx(2.0), (64, "conduit"): pytest.approx(1.0),
+                     (32, "cpprb"): pytest.approx(4.0), (64, "cpprb"): pytest.approx(1.0)}
+    text = harness.format_over_floor(rows)
+    assert "conduit" in text.splitlines()[0] and "4.00" in text
+    targets = harness.check_targets(rows, dim=8)
+    assert {t["batch"] for t in targets} == {32, 64}
+
+
+def test_busy_threads_counts_threads_whose_cpu_time_grew() -> None:
+    assert harness.busy_threads({1: 0.5, 2: 1.0}, {1: 0.5, 2: 1.25, 3: 0.01}) == 2
+    assert harness.busy_threads({}, harness.thread_times()) >= 1
 
 
 def test_metric_from_times_takes_the_median_in_the_metric_unit() -> None:
@@ -258,7 +280,7 @@ def test_main_writes_json_and_never_fails_because_of_a_peer(tmp_path: Path,
                                                             ) -> None:
     out = tmp_path / "out"
     argv = ["--peers", "conduit", "reverb", "--reverb-python", str(tmp_path / "nope"),
-            "--dims", "8", "--capacity", "2048", "--batch", "32", "--epoch-rows", "256",
+            "--dims", "8", "--capacity", "2048", "--batches", "32", "--epoch-rows", "256",
             "--warmup", "1", "--repeats", "2", "--insert-64-repeats", "2",
             "--epoch-repeats", "1", "--rounds", "2", "--out", str(out)]
     assert harness.main(argv) == 0
@@ -275,6 +297,29 @@ def test_main_writes_json_and_never_fails_because_of_a_peer(tmp_path: Path,
     assert doc["command"].startswith("conduit bench peers")
     printed = capsys.readouterr().out
     assert "conduit" in printed and "make peers" in printed
+
+
+def test_every_batch_size_is_a_workload_and_inserts_run_once_per_dim(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture
+                                                                    ) -> None:
+    out = tmp_path / "out"
+    argv = ["--peers", "conduit", "conduit-pull", "gather-floor", "--dims", "8",
+            "--capacity", "2048", "--batches", "16", "32", "--epoch-rows", "256",
+            "--warmup", "1", "--repeats", "2", "--insert-64-repeats", "2",
+            "--epoch-repeats", "1", "--no-plot", "--out", str(out)]
+    assert harness.main(argv) == 0
+    doc = json.loads((out / "peers.json").read_text())
+    rows = {(r["peer"], r["batch"]): r for r in doc["rows"]}
+    assert set(rows) == {(p, b) for p in ("conduit", "conduit-pull", "gather-floor")
+                         for b in (16, 32)}
+    assert set(rows["conduit", 16]["metrics"]) == set(METRICS)
+    assert set(rows["conduit", 32]["metrics"]) == {"sample_uniform", "sample_per_update"}
+    assert rows["conduit", 32]["metrics"]["sample_uniform"]["rows_per_op"] == 32
+    assert all(r["threads"] >= 1 for r in doc["rows"])
+    assert {(f["peer"], f["batch"]) for f in doc["over_floor"]} == {
+        (p, b) for p in ("conduit", "conduit-pull") for b in (16, 32)}
+    printed = capsys.readouterr().out
+    assert "threads" in printed and "over the gather floor" in printed
 
 
 def test_plot_is_written_when_there_are_ratios(tmp_path: Path) -> None:
@@ -305,6 +350,7 @@ def _importable(*mods: str) -> bool:
 
 ADAPTERS = [
     ("conduit", ()),
+    ("conduit-pull", ()),
     ("conduit-prefetch", ()),
     ("gather-floor", ()),
     ("gear-placement", ()),

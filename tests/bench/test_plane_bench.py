@@ -18,6 +18,7 @@ def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
     data = json.loads((out / "plane.json").read_text())
     assert {"machine", "args", "loops", "exposed_reduction", "gather_vs_copy"} <= data.keys()
     assert [c["name"] for c in data["loops"]["off_policy"]] == ["inline", "overlap"]
+    assert data["gather_vs_copy"]["sample_over_floor"] > 0
     assert (out / "plane.png").stat().st_size > 0
     assert f"and {out / 'plane.png'}" in capsys.readouterr().out
 

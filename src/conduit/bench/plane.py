@@ -9,7 +9,7 @@ schedule (Fig. 5a) and under an overlapped one, side by side, and reports per it
     exposed = wall − rollout − update
 
 (docs/design.md §9), plus the time to sample a batch of 512 at dimension 1000 from a
-100 000-slot buffer next to a plain ``copy_`` of the same bytes.
+100 000-slot buffer next to a plain ``copy_`` of the same bytes and to the gather floor.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
 
 
 def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict[str, float]:
-    """Median time to sample ``batch`` rows vs a plain ``copy_`` of the same bytes."""
+    """Median time to gather and to sample ``batch`` rows through the buffer, next to a plain
+    ``copy_`` of the same bytes and to the gather floor (one ``index_select`` of random rows
+    into a new tensor)."""
     spec = ExperienceSpec.of(obs=((dim,), torch.float32))
     buf = ExperienceBuffer(spec=spec, capacity=capacity, sampler=UniformSampler(seed=0))
     chunk = 10_000
@@ -112,10 +114,12 @@ def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict
 
     with data_path_threads(1):
         t_copy = median_s(lambda: dst.copy_(src[(o := next(offsets)):o + batch]))
+        t_floor = median_s(lambda: torch.index_select(src, 0, next(draws).indices))
         t_gather = median_s(lambda: buf.store.get(next(draws).indices))
     t_sample = median_s(lambda: buf.sample(batch))
-    return {"copy_ms": t_copy * 1e3, "gather_ms": t_gather * 1e3, "sample_ms": t_sample * 1e3,
-            "gather_over_copy": t_gather / t_copy, "sample_over_copy": t_sample / t_copy,
+    return {"copy_ms": t_copy * 1e3, "floor_ms": t_floor * 1e3, "gather_ms": t_gather * 1e3,
+            "sample_ms": t_sample * 1e3, "gather_over_copy": t_gather / t_copy,
+            "sample_over_copy": t_sample / t_copy, "sample_over_floor": t_sample / t_floor,
             "bytes": batch * dim * 4}
 
 
@@ -184,9 +188,10 @@ def run(args: PlaneBenchArgs) -> dict[str, Any]:
                         repeats=args.repeats)
     print(f"\nSample batch {args.batch_size} × dim {args.dim} from {args.capacity} slots "
           f"({gc['bytes'] / 1e6:.1f} MB)")
-    print(table(["plain copy_ (ms)", "gather (ms)", "draw+gather (ms)", "gather/copy",
-                 "sample/copy"], [[gc["copy_ms"], gc["gather_ms"], gc["sample_ms"],
-                                   gc["gather_over_copy"], gc["sample_over_copy"]]]))
+    print(table(["plain copy_ (ms)", "floor (ms)", "gather (ms)", "draw+gather (ms)",
+                 "gather/copy", "sample/copy", "sample/floor"],
+                [[gc["copy_ms"], gc["floor_ms"], gc["gather_ms"], gc["sample_ms"],
+                  gc["gather_over_copy"], gc["sample_over_copy"], gc["sample_over_floor"]]]))
     out = Path(args.out)
     result = {"args": asdict(args), "loops": loops, "exposed_reduction": reductions,
               "gather_vs_copy": gc}

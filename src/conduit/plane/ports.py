@@ -93,7 +93,8 @@ class LearnerOut:
 
     def write(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Split ``batch`` into this invocation's training batches and move them to the
-        learner's device.
+        learner's device. The tensors are staged as they are (no copy) when they already
+        live there and form a single batch.
 
         Raises:
             SpecError: The rows cannot be split evenly into the invocation's batches.
@@ -102,12 +103,15 @@ class LearnerOut:
         if rows % self._batches:
             raise SpecError(None, f"delivery wrote {rows} rows, which do not split into "
                                   f"{self._batches} equal training batches")
-        size = rows // self._batches
         for k, v in batch.items():
             if v.shape[0] != rows:
                 raise SpecError(k, f"has {v.shape[0]} rows in the delivered batch, "
                                    f"expected {rows}")
         moved = {k: _to(v, self._device) for k, v in batch.items()}
+        if self._batches == 1:
+            self.staged.append(moved)
+            return
+        size = rows // self._batches
         for i in range(self._batches):
             self.staged.append({k: v[i * size:(i + 1) * size] for k, v in moved.items()})
 

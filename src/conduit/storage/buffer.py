@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping
@@ -126,22 +127,34 @@ class ExperienceBuffer:
 
     def gather(self, info: SampleInfo | torch.Tensor, *,
                device: torch.device | None = None) -> Batch:
-        """Read rows for a draw; adds ``_index`` and, when weighted, ``_weight``."""
+        """Read rows for a draw; adds ``_index`` and, when weighted, ``_weight``.
+
+        The returned tensors are the caller's: later gathers never write into them while
+        anything refers to them (see :class:`~conduit.storage.column_store.GatherOutputs`).
+        """
         if isinstance(info, torch.Tensor):
             info = SampleInfo(info)
-        with self._lock, data_path_threads(self.threads):
-            out = self.store.get(info.indices, device=device)
-            slots = info.indices.numpy()
-            self._delivered_id[slots] = self._row_id[slots]
-        out["_index"] = info.indices
-        if info.weights is not None:
-            out["_weight"] = info.weights
-        return out
+        with self._lock:
+            return self._gather_locked(info, device)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
         """Draw and gather one batch."""
         with self._lock:
-            return self.gather(self.draw(batch_size), device=device)
+            return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
+                                       device)
+
+    def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
+        # The thread count is usually right already; skip the context manager's cost then.
+        threads = (contextlib.nullcontext() if torch.get_num_threads() == self.threads
+                   else data_path_threads(self.threads))
+        with threads:
+            out = self.store.get(info.indices, device=device)
+        slots = info.indices.numpy()
+        self._delivered_id[slots] = self._row_id[slots]
+        out["_index"] = info.indices
+        if info.weights is not None:
+            out["_weight"] = info.weights
+        return out
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> int:
         """Set the priorities of delivered rows (prioritized samplers only).

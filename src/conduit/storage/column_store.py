@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError, StateError
-from conduit.spec import Batch, ExperienceSpec
+from conduit.spec import Batch, ExperienceSpec, FieldSpec
 from conduit.storage import compiled
 from conduit.storage.hostmem import host_zeros
 from conduit.storage.layout import Placement
@@ -89,6 +91,61 @@ def _copy_large_rows(d: np.ndarray, di: np.ndarray, s: np.ndarray, si: np.ndarra
         d[a] = s[b]
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _memory_key(t: torch.Tensor) -> int:
+    """The handle of ``t``'s memory that torch's use count reads (valid while ``t`` lives)."""
+    return int(t.untyped_storage()._cdata)
+
+
+class GatherOutputs:
+    """Host tensors that gathers write into, reused once nothing refers to them.
+
+    A set holds one ``[rows, *shape]`` tensor per field. It is handed out again only when no
+    tensor, view or numpy array made from it is alive (torch's use count of its memory is back
+    to the pool's own), so a batch a caller still holds is never overwritten: a learner that
+    holds one batch while it pulls the next gets double buffering, one that holds more gets
+    more sets. With ``keep`` sets in use, a gather gets new memory, as without the pool; where
+    torch exposes no use count, nothing is kept (``docs/design.md §7``).
+
+    Args:
+        fields: Field specs of a set.
+        keep: Sets kept for reuse.
+    """
+
+    def __init__(self, fields: Mapping[str, FieldSpec], *, keep: int = 4) -> None:
+        self._fields = dict(fields)
+        self._keep = keep if _storage_use_count is not None else 0
+        # (rows, tensors, (memory handle, use count while only the pool holds it) per tensor)
+        self._sets: list[tuple[int, dict[str, torch.Tensor], list[tuple[int, int]]]] = []
+        self._lock = threading.Lock()
+
+    def take(self, rows: int) -> dict[str, torch.Tensor]:
+        """New ``[rows, *shape]`` tensors per field, over memory that nothing else refers to
+        (the pool's again once these, and everything made from them, are gone)."""
+        with self._lock:
+            sets, free = self._sets, None
+            # Most recently handed out first (``sets`` is in hand-out order): a free set that
+            # was written last is the one most likely still in the cache.
+            count = _storage_use_count
+            for k in range(len(sets) - 1, -1, -1):
+                n, out, idle = sets[k]
+                if all(count(key) == c for key, c in idle):
+                    if n == rows:
+                        sets.append(sets.pop(k))
+                        return {name: t.detach() for name, t in out.items()}
+                    free = k
+            out = {name: torch.empty((rows, *fs.shape), dtype=fs.dtype)
+                   for name, fs in self._fields.items()}
+            if len(sets) >= self._keep and free is not None:
+                del sets[free]  # a free set of another size makes room
+            if len(sets) < self._keep:
+                keys = [_memory_key(t) for t in out.values()]
+                sets.append((rows, out, [(key, count(key)) for key in keys]))
+            return {name: t.detach() for name, t in out.items()}
+
+
 def _check_capacity(capacity: int) -> int:
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ConfigError("capacity", f"must be a positive integer, got {capacity!r}")
@@ -104,6 +161,8 @@ class ColumnStore:
         placement: A non-sharded :class:`Placement`. Pinned placements pin host memory when
             CUDA is available and fall back to pageable memory otherwise.
     """
+
+    _outputs: GatherOutputs | None = None
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int,
                  placement: Placement | None = None) -> None:
@@ -167,10 +226,29 @@ class ColumnStore:
                 col[start:start + src.shape[0]].copy_(src, non_blocking=True)
 
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
-        """Gather rows at ``indices`` with one ``index_select`` per field."""
-        flat = indices.reshape(-1)
-        idx = flat.to(self.device) if self.device.type != "cpu" else flat
+        """Gather rows at ``indices`` with one ``index_select`` per field.
+
+        Host rows gathered for the host land in :class:`GatherOutputs` tensors that nothing
+        else refers to: every call returns new tensors, whose memory may be a batch dropped
+        earlier.
+        """
+        flat = indices if indices.dim() == 1 else indices.reshape(-1)
         lead = tuple(indices.shape)
+        if self.device.type != "cpu" or (device is not None and device != self.device):
+            return self._get_new(flat, lead, device)
+        if self._outputs is None:  # made here, so subclasses with their own columns get one
+            self._outputs = GatherOutputs(self.spec.fields)
+        outs = self._outputs.take(flat.numel())
+        got: Batch = {}
+        for name, col in self._cols.items():
+            rows = torch.index_select(col, 0, flat, out=outs[name])
+            got[name] = rows if len(lead) == 1 else rows.view(*lead, *col.shape[1:])
+        return got
+
+    def _get_new(self, flat: torch.Tensor, lead: tuple[int, ...],
+                 device: torch.device | None) -> Batch:
+        """Gather ``flat`` into newly allocated tensors of leading shape ``lead``."""
+        idx = flat.to(self.device) if self.device.type != "cpu" else flat
         out: Batch = {}
         for name, col in self._cols.items():
             rows = torch.index_select(col, 0, idx)
@@ -247,6 +325,7 @@ class ShardedStore:
         self.shards = [ColumnStore(spec=spec, capacity=c, placement=Placement.device(d))
                        for c, d in zip(counts, placement.devices)]
         self.device = torch.device(placement.devices[0])
+        self._outputs = GatherOutputs(spec.fields)
 
     @property
     def nbytes(self) -> int:
@@ -277,22 +356,25 @@ class ShardedStore:
                              {name: v[lo - start:hi - start] for name, v in batch.items()})
 
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
-        """Gather rows at global ``indices``, in that order, onto ``device``."""
-        out_dev = device or self.device
+        """Gather rows at global ``indices``, in that order, onto ``device`` (host results
+        in :class:`GatherOutputs` tensors, as :meth:`ColumnStore.get`)."""
+        out_dev = torch.device(device or self.device)
         flat = indices.reshape(-1)
         shard, local = self.locate(flat)
-        out = {name: torch.empty((flat.numel(), *fs.shape), dtype=fs.dtype, device=out_dev)
-               for name, fs in self.spec.fields.items()}
+        out = (self._outputs.take(flat.numel()) if out_dev.type == "cpu" else
+               {name: torch.empty((flat.numel(), *fs.shape), dtype=fs.dtype, device=out_dev)
+                for name, fs in self.spec.fields.items()})
         for k, st in enumerate(self.shards):
             sel = (shard == k).nonzero().squeeze(1)
             if not sel.numel():
                 continue
-            part = st.get(local[sel], device=out_dev)
+            # A shard's share of a batch varies per call: new tensors, not the shard's outputs.
+            part = st._get_new(local[sel], (sel.numel(),), out_dev)
             dsel = sel.to(out_dev)
             for name, v in part.items():
                 out[name].index_copy_(0, dsel, v)
         lead = tuple(indices.shape)
-        return {n: v.reshape(*lead, *v.shape[1:]) for n, v in out.items()}
+        return {n: v.view(*lead, *v.shape[1:]) for n, v in out.items()}
 
     def state_dict(self) -> StateDict:
         """Exact copy of every column, concatenated in global order, on CPU."""

@@ -115,28 +115,21 @@ class ConduitPeer(PeerAdapter):
         self._buf = None
 
 
-class ConduitPrefetchPeer(PeerAdapter):
-    """Uniform sampling through the plane with delivery overlapped: the counterpart of
-    TorchRL's ``prefetch``.
+class ConduitPlanePeer(PeerAdapter):
+    """Uniform sampling through the learner port: ``ExperienceDataPlane.pull()``.
 
-    An :class:`~conduit.plane.ExperienceDataPlane` with ``Schedule(0, 1, 1, 4)``: a delivery
-    worker draws and gathers four batches per invocation while the caller consumes the staged
-    ones, so ``pull()`` measures the latency the learner sees, as TorchRL's prefetch row does.
-    Like that row, it measures uniform sampling only.
+    Args:
+        schedule: The plane's schedule; with overlapped delivery a worker draws and gathers
+            ahead while the caller consumes staged batches, so ``pull()`` measures the latency
+            the learner sees, as TorchRL's prefetch row does.
     """
 
-    name = "conduit-prefetch"
-    description = ("conduit.ExperienceDataPlane(schedule=Schedule(0, 1, 1, 4)).pull(): "
-                   "delivery prefetches 4 batches per invocation on a background worker")
     package = "conduit-rl"
     metrics = ("sample_uniform",)
 
-    def __init__(self) -> None:
-        self._plane: Any = None
-
-    def notes(self) -> list[str]:
-        return ["pull() latency with delivery running ahead on one worker thread (like "
-                "torchrl-prefetch); in a tight loop its median reflects staged batches"]
+    def __init__(self, schedule: Schedule) -> None:
+        self._schedule = schedule
+        self._plane: ExperienceDataPlane | None = None
 
     def prepare(self, chunk: Chunk) -> Any:
         return {k: torch.from_numpy(v) for k, v in chunk.items()}
@@ -145,15 +138,45 @@ class ConduitPrefetchPeer(PeerAdapter):
         self.close()
         self._plane = ExperienceDataPlane(
             spec=bench_spec(workload.dim), capacity=workload.capacity,
-            batch_size=workload.batch, schedule=Schedule(0, 1, 1, 4), seed=workload.seed)
+            batch_size=workload.batch, schedule=self._schedule, seed=workload.seed)
 
     def insert(self, chunk: Any) -> None:
+        assert self._plane is not None
         self._plane.push(chunk)
 
     def sample_uniform(self) -> Any:
+        assert self._plane is not None
         return self._plane.pull()
 
     def close(self) -> None:
         if self._plane is not None:
             self._plane.close()
             self._plane = None
+
+
+class ConduitPullPeer(ConduitPlanePeer):
+    """``pull()`` with inline delivery: draw, gather, delivery operator and port on the
+    caller's thread, the synchronous path a learner meets first."""
+
+    name = "conduit-pull"
+    description = ("conduit.ExperienceDataPlane(schedule=Schedule(0, 1, 0, 1)).pull(): "
+                   "inline delivery through the identity operator and the learner port")
+
+    def __init__(self) -> None:
+        super().__init__(Schedule(0, 1, 0, 1))
+
+
+class ConduitPrefetchPeer(ConduitPlanePeer):
+    """``pull()`` with delivery overlapped, ``Schedule(0, 1, 1, 4)``: the counterpart of
+    TorchRL's ``prefetch``."""
+
+    name = "conduit-prefetch"
+    description = ("conduit.ExperienceDataPlane(schedule=Schedule(0, 1, 1, 4)).pull(): "
+                   "delivery prefetches 4 batches per invocation on a background worker")
+
+    def __init__(self) -> None:
+        super().__init__(Schedule(0, 1, 1, 4))
+
+    def notes(self) -> list[str]:
+        return ["pull() latency with delivery running ahead on one worker thread (like "
+                "torchrl-prefetch); in a tight loop its median reflects staged batches"]

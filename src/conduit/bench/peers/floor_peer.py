@@ -1,7 +1,7 @@
 """The memory floor of a uniform sample: the gather alone, with nothing around it.
 
-Not a buffer. It draws 512 random row indices and runs one ``torch.index_select`` per field
-from columns preallocated exactly like Conduit's (huge-page-backed where the kernel allows),
+Not a buffer. It draws a batch of random row indices and runs one ``torch.index_select`` per
+field from columns preallocated exactly like Conduit's (huge-page-backed where the kernel allows),
 with no sampler object, lock, validation or dict of results. Every buffer's uniform sample
 does at least this work, so this row bounds how much faster any of them can be on the
 machine: a peer within ×1.2 of the floor cannot be beaten by ×2 by a synchronous gather.

@@ -6,13 +6,15 @@ machine. For every workload (an observation of dimension ``d`` plus action, rewa
 the harness measures, as medians over repeated runs after a warm-up:
 
 * ``insert_64`` / ``insert_1024``: insert throughput in rows/s for chunks of 64 and 1024 rows;
-* ``sample_uniform``: latency of one uniform batch (512 rows);
-* ``sample_per_update``: latency of one prioritized batch plus its priority update;
+* ``sample_uniform``: latency of one uniform batch, for each batch size (256 and 1024 rows);
+* ``sample_per_update``: latency of one prioritized batch plus its priority update, likewise;
 * ``onpolicy_epoch``: time of one on-policy epoch of M=8 shuffled mini-batches over 8192 rows.
 
-It prints one table whose cells carry the ratio Conduit/peer expressed as a speed-up (``×3.0``
-means Conduit is three times faster at that operation, whether the metric is a throughput or a
-latency) and writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups) under
+Inserts and epochs do not depend on the batch size, so they are measured with the first one.
+It prints one table, a line per (d, batch, peer), whose cells carry the ratio Conduit/peer
+expressed as a speed-up (``×3.0`` means Conduit is three times faster at that operation,
+whether the metric is a throughput or a latency), and the threads each peer ran on while it
+sampled; it writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups) under
 ``--out``. A peer that is not installed, or breaks, is reported as skipped or unavailable with
 the reason; the benchmark itself never fails because of a peer.
 
@@ -23,6 +25,7 @@ default 1), the thread count of Conduit's data path (docs/design.md §7).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -44,7 +47,7 @@ from conduit.bench.peers.adapter import (
     Workload,
     make_chunk,
 )
-from conduit.bench.peers.conduit_peer import ConduitPeer, ConduitPrefetchPeer
+from conduit.bench.peers.conduit_peer import ConduitPeer, ConduitPrefetchPeer, ConduitPullPeer
 from conduit.bench.peers.cpprb_peer import CpprbPeer
 from conduit.bench.peers.floor_peer import GatherFloorPeer
 from conduit.bench.peers.gear_peer import GearPlacementPeer
@@ -52,7 +55,7 @@ from conduit.bench.peers.reverb_peer import ReverbPeer
 from conduit.bench.peers.rllib_peer import RLlibPeer
 from conduit.bench.peers.torchrl_peer import TorchRLPeer
 from conduit.cli_args import arg, command_parser, parse_dataclass
-from conduit.report import machine, pyplot, save_figure, write_json
+from conduit.report import machine, pyplot, save_figure, table, write_json
 from conduit.timing import repeat_times
 
 # ---------------------------------------------------------------------------------------------
@@ -67,8 +70,8 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 """Metric key -> (column title, unit). ``rows/s`` is higher-better, ``ms`` lower-better."""
 
-ALL_PEERS = ("conduit", "conduit-prefetch", "gather-floor", "gear-placement", "torchrl",
-             "torchrl-prefetch", "cpprb", "rllib", "reverb")
+ALL_PEERS = ("conduit", "conduit-pull", "conduit-prefetch", "gather-floor", "gear-placement",
+             "torchrl", "torchrl-prefetch", "cpprb", "rllib", "reverb")
 REFERENCE = "conduit"
 
 
@@ -121,23 +124,28 @@ class RowResult:
         peer: Row label (``"cpprb"``, ``"reverb-grpc-dataset"``...).
         dim: Observation dimension.
         capacity: Rows the replay buffers held.
+        batch: Rows per sample.
         status: ``"ok"`` (some metrics measured), ``"skipped"`` or ``"unavailable"``.
         reason: Why a whole row is missing.
         description: What exactly was measured.
         version: Version of the peer's package.
         metrics: Metric key -> result.
         notes: Caveats shown next to the numbers.
+        threads: Threads of this process that used CPU time while the peer sampled
+            uniformly (``None``: not measured, e.g. out of process).
     """
 
     peer: str
     dim: int
     capacity: int
+    batch: int = 0
     status: str = "ok"
     reason: str | None = None
     description: str = ""
     version: str | None = None
     metrics: dict[str, MetricResult] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    threads: int | None = None
 
 
 def speedup(metric: str, conduit: float, peer: float) -> float:
@@ -172,15 +180,16 @@ def merge_rounds(rounds: Sequence[RowResult]) -> RowResult:
             min_s=min(x.min_s for x in ok if x.min_s is not None),
             samples=sum(x.samples for x in ok), rows_per_op=ok[0].rows_per_op)
     notes = list(dict.fromkeys(n for r in rounds for n in r.notes))
-    return replace(first, metrics=metrics, notes=notes)
+    threads = max((r.threads for r in rounds if r.threads is not None), default=None)
+    return replace(first, metrics=metrics, notes=notes, threads=threads)
 
 
 def ratios(rows: Sequence[RowResult], reference: str = REFERENCE) -> list[dict[str, Any]]:
-    """Conduit/peer speed-ups for every (dim, peer, metric) measured on both sides."""
-    ref = {r.dim: r for r in rows if r.peer == reference and r.status == "ok"}
+    """Conduit/peer speed-ups for every (dim, batch, peer, metric) measured on both sides."""
+    ref = {(r.dim, r.batch): r for r in rows if r.peer == reference and r.status == "ok"}
     out = []
     for r in rows:
-        base = ref.get(r.dim)
+        base = ref.get((r.dim, r.batch))
         if r.peer == reference or base is None or r.status != "ok":
             continue
         for m, res in r.metrics.items():
@@ -188,7 +197,8 @@ def ratios(rows: Sequence[RowResult], reference: str = REFERENCE) -> list[dict[s
             if res.status != "ok" or b is None or b.status != "ok":
                 continue
             assert res.value is not None and b.value is not None
-            out.append({"dim": r.dim, "peer": r.peer, "metric": m, "unit": res.unit,
+            out.append({"dim": r.dim, "batch": r.batch, "peer": r.peer, "metric": m,
+                        "unit": res.unit,
                         "conduit": b.value, "peer_value": res.value,
                         "speedup": speedup(m, b.value, res.value)})
     return out
@@ -202,10 +212,12 @@ def ratios(rows: Sequence[RowResult], reference: str = REFERENCE) -> list[dict[s
 class PeersConfig:
     """Options of ``conduit bench peers`` (each field is a ``--flag``)."""
 
-    dims: tuple[int, ...] = arg((128, 1000, 5000), "observation dimensions d to run")
+    dims: tuple[int, ...] = arg((128, 1000, 3000, 5000, 10_000),
+                                "observation dimensions d to run")
     capacity: int = arg(100_000, "replay capacity in rows; lowered automatically (and "
                                  "reported) when the machine's free memory cannot hold it")
-    batch: int = arg(512, "rows per uniform / prioritized sample")
+    batches: tuple[int, ...] = arg((256, 1024), "rows per uniform / prioritized sample; "
+                                                "every size is a workload of its own")
     epoch_rows: int = arg(8192, "rows of one on-policy rollout")
     minibatches: int = arg(8, "shuffled mini-batches per on-policy epoch (M)")
     warmup: int = arg(5, "untimed repetitions before each metric")
@@ -216,8 +228,9 @@ class PeersConfig:
                          "order each round, and report the median of the round medians (a "
                          "shared machine drifts; rounds spread the drift over all peers)")
     peers: tuple[str, ...] = arg(ALL_PEERS, f"peers to run, from {', '.join(ALL_PEERS)}")
-    quick: bool = arg(False, "short development run: d in (128, 1000), capacity 16384, few "
-                             "repetitions, Reverb in-process only (flags given explicitly win)")
+    quick: bool = arg(False, "short development run: d in (128, 1000), batch 256, capacity "
+                             "16384, few repetitions, Reverb in-process only (flags given "
+                             "explicitly win)")
     out: str = arg("runs/bench/peers", "output directory for peers.json and peers.png")
     torch_threads: int = arg(1, "torch intra-op threads for every in-process peer")
     memory_fraction: float = arg(0.5, "share of available memory one buffer (with the peers' "
@@ -236,7 +249,9 @@ class PeersConfig:
             raise ValueError(f"peers: unknown {unknown}; choose from {list(ALL_PEERS)}")
         if not self.dims or any(d < 1 for d in self.dims):
             raise ValueError(f"dims: need positive dimensions, got {self.dims}")
-        for name in ("capacity", "batch", "epoch_rows", "minibatches", "repeats",
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise ValueError(f"batches: need positive batch sizes, got {self.batches}")
+        for name in ("capacity", "epoch_rows", "minibatches", "repeats",
                      "insert_64_repeats", "epoch_repeats", "torch_threads", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -249,7 +264,7 @@ class PeersConfig:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
 
 
-QUICK = {"dims": (128, 1000), "capacity": 16384, "warmup": 2, "repeats": 15,
+QUICK = {"dims": (128, 1000), "batches": (256,), "capacity": 16384, "warmup": 2, "repeats": 15,
          "insert_64_repeats": 40, "epoch_repeats": 3, "reverb_modes": ("inproc",)}
 """What ``--quick`` changes (only for flags left at their defaults)."""
 
@@ -302,16 +317,44 @@ def _status_of(exc: BaseException) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {exc}"
 
 
+def busy_threads(before: dict[int, float], after: dict[int, float]) -> int:
+    """Threads whose CPU time grew between two :func:`thread_times` snapshots."""
+    return sum(1 for tid, t in after.items() if t > before.get(tid, 0.0))
+
+
+def thread_times() -> dict[int, float]:
+    """CPU seconds per thread of this process: exact per-thread CPU clocks on Linux, else
+    psutil's clock-tick times (too coarse for phases of a few milliseconds)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            # The kernel's CPU-clock id of thread ``tid`` (CPUCLOCK_SCHED | CPUCLOCK_PERTHREAD).
+            with contextlib.suppress(OSError, ValueError):
+                out[int(tid)] = time.clock_gettime((~int(tid) << 3) | 6)
+    return out or {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
 def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
-                    progress: Callable[[str], None]) -> RowResult:
-    """Run every metric of one in-process adapter on one workload (never raises)."""
-    row = RowResult(peer=adapter.name, dim=w.dim, capacity=w.capacity,
+                    progress: Callable[[str], None],
+                    only: Sequence[str] | None = None) -> RowResult:
+    """Run the metrics of one in-process adapter on one workload (never raises).
+
+    Args:
+        adapter: The peer.
+        w: The workload.
+        cfg: Repetitions and warm-up.
+        progress: Receives one line per step.
+        only: Measure only these metrics (default: all the adapter offers).
+    """
+    row = RowResult(peer=adapter.name, dim=w.dim, capacity=w.capacity, batch=w.batch,
                     description=adapter.description, version=adapter.version())
     try:
         row.notes = adapter.notes()
     except Exception as exc:
         row.notes = [f"notes() failed: {exc!r}"]
     wanted = getattr(adapter, "metrics", None) or tuple(METRICS)
+    if only is not None:
+        wanted = tuple(m for m in wanted if m in only)
     big = make_chunk(1024, w.dim, seed=w.seed)
     small = {k: v[:64].copy() for k, v in big.items()}
     label = f"d={w.dim} {adapter.name}"
@@ -359,9 +402,10 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
                     t64.append(time.perf_counter() - t0)
             out["insert_64"] = MetricResult.from_times("insert_64", t64, 64)
         progress(f"{label}: uniform sampling, batch {w.batch}")
-        out["sample_uniform"] = MetricResult.from_times(
-            "sample_uniform",
-            repeat_times(adapter.sample_uniform, repeats=cfg.repeats, warmup=cfg.warmup), w.batch)
+        before = thread_times()
+        times = repeat_times(adapter.sample_uniform, repeats=cfg.repeats, warmup=cfg.warmup)
+        row.threads = busy_threads(before, thread_times())
+        out["sample_uniform"] = MetricResult.from_times("sample_uniform", times, w.batch)
         return out
 
     def prioritized() -> dict[str, MetricResult]:
@@ -409,7 +453,8 @@ def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> lis
     out = []
     for d in doc_rows:
         row = RowResult(peer=str(d.get("peer", "reverb")), dim=int(d.get("dim", 0)),
-                        capacity=int(d.get("capacity", 0)), status=d.get("status", "ok"),
+                        capacity=int(d.get("capacity", 0)), batch=int(d.get("batch", 0)),
+                        status=d.get("status", "ok"),
                         reason=d.get("reason"), description=d.get("description", ""),
                         version=version, notes=list(d.get("notes", [])))
         for m, v in (d.get("metrics") or {}).items():
@@ -449,6 +494,7 @@ def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, 
 
 _ADAPTERS: dict[str, Callable[[], PeerAdapter]] = {
     "conduit": ConduitPeer,
+    "conduit-pull": ConduitPullPeer,
     "conduit-prefetch": ConduitPrefetchPeer,
     "gather-floor": GatherFloorPeer,
     "gear-placement": GearPlacementPeer,
@@ -481,17 +527,19 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def format_table(rows: Sequence[RowResult]) -> str:
-    """The results table: per dimension, one line per peer, one column per metric.
+    """The results table: per dimension and batch size, one line per peer, one column per
+    metric, and the threads the peer sampled on.
 
     Conduit's cells hold its values; a peer's cells hold the peer's value and the Conduit
     speed-up ``×N`` (N > 1: Conduit faster).
     """
-    rat = {(r["dim"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)}
+    rat = {(r["dim"], r["batch"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)}
     cols = list(METRICS)
-    head = ["d", "peer"] + [f"{METRICS[m][0]} ({METRICS[m][1]})" for m in cols]
+    head = (["d", "batch", "peer"] + [f"{METRICS[m][0]} ({METRICS[m][1]})" for m in cols]
+            + ["threads"])
     body: list[list[str]] = []
-    for r in sorted(rows, key=lambda r: (r.dim, r.peer != REFERENCE, r.peer)):
-        line = [str(r.dim), r.peer]
+    for r in sorted(rows, key=lambda r: (r.dim, r.batch, r.peer != REFERENCE, r.peer)):
+        line = [str(r.dim), str(r.batch or "-"), r.peer]
         if r.status != "ok":
             line += [r.status] + [""] * (len(cols) - 1)
         else:
@@ -503,9 +551,10 @@ def format_table(rows: Sequence[RowResult]) -> str:
                     line.append(res.status)
                 else:
                     cell = _fmt(res.value, res.unit)
-                    s = rat.get((r.dim, r.peer, m))
+                    s = rat.get((r.dim, r.batch, r.peer, m))
                     line.append(cell if s is None else f"{cell} ×{s:.2g}" if s < 10
                                 else f"{cell} ×{s:.0f}")
+        line.append("-" if r.threads is None else str(r.threads))
         body.append(line)
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -537,14 +586,49 @@ TARGETS = (  # (peer, metric, minimum speed-up) at d = 1000, from the issue
 
 
 def check_targets(rows: Sequence[RowResult], dim: int = 1000) -> list[dict[str, Any]]:
-    """The issue's targets at ``dim``: measured speed-up and whether it is met (or unmeasured)."""
-    rat = {(r["peer"], r["metric"]): r["speedup"] for r in ratios(rows) if r["dim"] == dim}
+    """The targets at ``dim``, per batch size: measured speed-up and whether it is met (or
+    unmeasured)."""
+    rat = {(r["batch"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)
+           if r["dim"] == dim}
     out = []
-    for peer, metric, need in TARGETS:
-        got = rat.get((peer, metric))
-        out.append({"dim": dim, "peer": peer, "metric": metric, "target": need,
-                    "speedup": got, "met": None if got is None else got >= need})
+    for batch in sorted({r.batch for r in rows if r.dim == dim}):
+        for peer, metric, need in TARGETS:
+            got = rat.get((batch, peer, metric))
+            out.append({"dim": dim, "batch": batch, "peer": peer, "metric": metric,
+                        "target": need, "speedup": got,
+                        "met": None if got is None else got >= need})
     return out
+
+
+FLOOR = "gather-floor"
+
+
+def over_floor(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
+    """Every peer's uniform sample latency over the gather floor's, per (d, batch): 1.0 is
+    the least work a uniform sample can do on the machine."""
+    def uniform(r: RowResult) -> float | None:
+        res = r.metrics.get("sample_uniform")
+        return res.value if r.status == "ok" and res is not None and res.status == "ok" else None
+
+    floor = {(r.dim, r.batch): uniform(r) for r in rows if r.peer == FLOOR}
+    out = []
+    for r in rows:
+        base, value = floor.get((r.dim, r.batch)), uniform(r)
+        if r.peer != FLOOR and base and value is not None:
+            out.append({"dim": r.dim, "batch": r.batch, "peer": r.peer,
+                        "over_floor": value / base})
+    return out
+
+
+def format_over_floor(rows: Sequence[RowResult]) -> str:
+    """:func:`over_floor` as a table: a line per (d, batch), a column per peer."""
+    got = over_floor(rows)
+    peers = sorted({g["peer"] for g in got}, key=lambda p: (p != REFERENCE, p))
+    cells = {(g["dim"], g["batch"], g["peer"]): g["over_floor"] for g in got}
+    keys = sorted({(g["dim"], g["batch"]) for g in got})
+    return table(["d", "batch", *peers],
+                 [[d, b, *(f"{cells[d, b, p]:.2f}" if (d, b, p) in cells else "-"
+                           for p in peers)] for d, b in keys])
 
 
 def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
@@ -556,7 +640,7 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
     if plt is None:
         return "matplotlib is not installed"
     metrics = [m for m in METRICS if any(r["metric"] == m for r in rat)]
-    dims = sorted({r["dim"] for r in rat})
+    groups = sorted({(r["dim"], r["batch"]) for r in rat})
     ncols = min(3, len(metrics))
     nrows = -(-len(metrics) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 4.2 * nrows), squeeze=False)
@@ -566,15 +650,15 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
     for ax, m in zip(flat, metrics):
         sel = [r for r in rat if r["metric"] == m]
         peers = sorted({r["peer"] for r in sel})
-        width = 0.8 / max(1, len(dims))
-        for j, d in enumerate(dims):
-            vals = {r["peer"]: r["speedup"] for r in sel if r["dim"] == d}
+        width = 0.8 / max(1, len(groups))
+        for j, (d, b) in enumerate(groups):
+            vals = {r["peer"]: r["speedup"] for r in sel if (r["dim"], r["batch"]) == (d, b)}
             xs = [i + j * width for i, p in enumerate(peers) if p in vals]
             ys = [vals[p] for p in peers if p in vals]
-            ax.bar(xs, ys, width=width, label=f"d={d}")
+            ax.bar(xs, ys, width=width, label=f"d={d} b={b}")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
-        ax.set_xticks([i + width * (len(dims) - 1) / 2 for i in range(len(peers))])
+        ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(peers))])
         ax.set_xticklabels(peers, rotation=35, ha="right", fontsize=8)
         ax.set_title(f"{METRICS[m][0]}", fontsize=10)
         ax.set_ylabel("Conduit speed-up (×, >1 = Conduit faster)", fontsize=8)
@@ -609,33 +693,36 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
         workloads = []
         capacity_notes = {}
         for d in cfg.dims:
-            w0 = Workload(dim=d, capacity=cfg.capacity, batch=cfg.batch,
+            w0 = Workload(dim=d, capacity=cfg.capacity, batch=cfg.batches[0],
                           epoch_rows=cfg.epoch_rows, minibatches=cfg.minibatches, seed=cfg.seed)
             cap, note = fit_capacity(cfg.capacity, w0.bytes_per_row,
                                      psutil.virtual_memory().available,
                                      fraction=cfg.memory_fraction,
-                                     minimum=max(cfg.batch, 1024))
+                                     minimum=max(*cfg.batches, 1024))
             if note:
                 log(f"d={d}: {note}")
                 capacity_notes[d] = note
-            workloads.append(replace(w0, capacity=cap))
+            workloads += [replace(w0, capacity=cap, batch=b) for b in cfg.batches]
 
         rows: list[RowResult] = []
         adapters = build_adapters(cfg.peers)
         for w in workloads:
+            # Inserts and epochs do not depend on the batch size: measured with the first.
+            only = None if w.batch == cfg.batches[0] else ("sample_uniform", "sample_per_update")
             measured: dict[str, list[RowResult]] = {}
             for r in range(cfg.rounds):
                 order = adapters if r % 2 == 0 else adapters[::-1]
                 for name, adapter, _ in order:
                     if adapter is None:
                         continue
-                    log(f"d={w.dim} {name}: start" + (f" (round {r + 1}/{cfg.rounds})"
-                                                      if cfg.rounds > 1 else ""))
-                    measured.setdefault(name, []).append(measure_adapter(adapter, w, cfg, log))
+                    log(f"d={w.dim} batch={w.batch} {name}: start"
+                        + (f" (round {r + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
+                    measured.setdefault(name, []).append(
+                        measure_adapter(adapter, w, cfg, log, only=only))
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
-                                          status="skipped", reason=reason))
+                                          batch=w.batch, status="skipped", reason=reason))
                 else:
                     rows.append(merge_rounds(measured[name]))
 
@@ -648,7 +735,8 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                 status, reason = missing
                 log(f"reverb: {status}: {reason}")
                 rows += [RowResult(peer="reverb", dim=w.dim, capacity=w.capacity,
-                                   status=status, reason=reason) for w in workloads]
+                                   batch=w.batch, status=status, reason=reason)
+                         for w in workloads]
             else:
                 log(f"reverb: running in {reverb.python} ({reverb.versions})")
                 doc_rows = reverb.run(workloads, warmup=cfg.warmup, repeats=cfg.repeats,
@@ -672,6 +760,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                             ">1 means Conduit is faster",
             "rows": [asdict(r) for r in rows],
             "ratios": ratios(rows),
+            "over_floor": over_floor(rows),
             "targets_d1000": check_targets(rows),
         }
         return report, rows
@@ -722,6 +811,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"d={d}: {note}")
     print("cells: peer value ×(Conduit speed-up; >1 = Conduit faster)\n")
     print(format_table(rows))
+    if report["over_floor"]:
+        print("\nuniform sample over the gather floor (1.00 = the floor)\n"
+              + format_over_floor(rows))
     reasons = format_reasons(rows)
     if reasons:
         print("\nnot measured, and caveats:\n" + reasons)
@@ -730,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntargets at d=1000:")
         for t in targets:
             verdict = "met" if t["met"] else "NOT met"
-            print(f"- {t['metric']} vs {t['peer']}: ×{t['speedup']:.2f} "
+            print(f"- {t['metric']} vs {t['peer']}, batch {t['batch']}: ×{t['speedup']:.2f} "
                   f"(target ×{t['target']:g}): {verdict}")
     print(f"\nwrote {out / 'peers.json'}"
           + (f" and {out / 'peers.png'}" if plot_error is None else f" (no plot: {plot_error})"))

@@ -100,7 +100,8 @@ class ReverbPeer:
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
         def failed(reason: str) -> list[dict[str, Any]]:
             return [{"peer": f"reverb-{mode}", "dim": w.dim, "capacity": w.capacity,
-                     "status": "unavailable", "reason": reason} for w in workloads]
+                     "batch": w.batch, "status": "unavailable", "reason": reason}
+                    for w in workloads]
 
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPATH", None)  # the Reverb venv must not see Conduit's site-packages

@@ -212,7 +212,7 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     md["onpolicy_epoch"] = _skip("a consume-once epoch must stop exactly at the rollout's end; "
                                  "measured with client.sample on the reverb-" + mode + " row")
     where = "in the same process" if mode == "inproc" else "in another process"
-    base = {"dim": dim, "capacity": cap}
+    base = {"dim": dim, "capacity": cap, "batch": batch}
     return [
         {**base, "peer": f"reverb-{mode}", "metrics": m,
          "description": f"reverb.Server {where}, Client('127.0.0.1:port'); TrajectoryWriter "
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(run_workload(cfg, w, address, args.mode))
         except Exception as exc:  # report, never crash the harness
             rows.append({"peer": f"reverb-{args.mode}", "dim": w["dim"],
-                         "capacity": w["capacity"], "status": "unavailable",
+                         "capacity": w["capacity"], "batch": w["batch"], "status": "unavailable",
                          "reason": f"{type(exc).__name__}: {exc}"})
     print(json.dumps({"versions": versions, "rows": rows}))
     return 0

@@ -6,8 +6,8 @@
   them (``observations`` one longer than ``actions``, converted with ``to_numpy()``), one
   episode per inserted chunk. Building the episode is the actor's work and is not timed; the
   buffer's ``add`` (which deep-copies the episode, as RLlib's does) is.
-* Sampling follows DQN's call: ``sample(num_items=512, n_step=1, gamma=0.99,
-  sample_episodes=True)``, which returns 512 one-step episodes. Turning those into a tensor
+* Sampling follows DQN's call: ``sample(num_items=batch, n_step=1, gamma=0.99,
+  sample_episodes=True)``, which returns one-step episodes. Turning those into a tensor
   batch is RLlib's learner-connector work, not timed here, so the comparison favours RLlib.
 * On-policy: RLlib's PPO keeps no buffer. Its learner splits the train batch with
   ``MiniBatchCyclicIterator`` (a ``DeveloperAPI`` class, the one ``Learner.update`` uses), which

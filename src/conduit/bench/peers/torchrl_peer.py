@@ -2,7 +2,7 @@
 
 Measured variants:
 
-* ``torchrl``: ``ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=512)``, and
+* ``torchrl``: ``ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=batch)``, and
   ``PrioritizedReplayBuffer`` over the same storage for the prioritized metric. Its on-policy
   epoch is the idiom of TorchRL's PPO tutorial: a ``LazyTensorStorage`` of one rollout with
   ``SamplerWithoutReplacement``, sampled ``M`` times.
