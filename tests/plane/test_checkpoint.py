@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conduit import ExperienceDataPlane, ExperienceSpec, Placement, Schedule
+from conduit import BackpressureTimeout, ExperienceDataPlane, ExperienceSpec, Placement, Schedule
 from conduit.errors import StateError
 from conduit.storage import CheckpointError, read_checkpoint, write_checkpoint
 from tests.conftest import make_rows
@@ -232,3 +232,31 @@ def test_a_plane_on_a_memory_mapped_store_keeps_its_rows_in_files(small_spec, tm
     with ExperienceDataPlane.load(tmp_path / "p.ckpt", store=again) as back:
         assert len(back.buffer) == 40 and back.buffer.store is again
         assert again.get(torch.arange(40))["id"].tolist() == list(range(40))
+
+
+def test_a_snapshot_holds_writes_but_not_off_policy_reads(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                             schedule=Schedule(1, 1, 1, 1)) as plane:
+        plane.push(make_rows(small_spec, 32))
+        plane.flush()
+        with plane.frozen(flush=False, reads=True) as state:
+            plane.push(make_rows(small_spec, 8, start=100))  # queued, not ingested
+            for _ in range(3):
+                assert plane.pull(timeout=5)["obs"].shape == (4, 4)  # delivery goes on
+            assert len(plane.buffer) == 32 and state["buffer"]["writer"]["size"] == 32
+        plane.flush()
+        assert len(plane.buffer) == 40
+
+
+def test_a_push_waiting_while_writes_are_held_waits_instead_of_spinning(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                             schedule=Schedule(0, 1, 0, 1)) as plane:
+        plane.push(make_rows(small_spec, 8))
+        with plane.frozen(flush=False, reads=True):
+            plane.push(make_rows(small_spec, 2, start=10))
+            plane.push(make_rows(small_spec, 2, start=12))  # the queue (2 units) is full
+            with pytest.raises(BackpressureTimeout):
+                plane.push(make_rows(small_spec, 2, start=14), timeout=0.3)
+            assert plane.pull(timeout=5)["obs"].shape == (4, 4)
+        plane.flush()
+        assert len(plane.buffer) == 12

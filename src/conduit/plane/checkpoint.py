@@ -257,7 +257,7 @@ class Snapshotter:
             if buffer.total_written - before <= buffer.capacity // 100:
                 break
         t0 = time.perf_counter()
-        with plane.frozen(rows=False, flush=False) as state:
+        with plane.frozen(rows=False, flush=False, reads=True) as state:
             blocks = plane.buffer.finish_copy(rows)
             out = _layout(plane, state, blocks)
         self._rows = RowCopy(blocks, rows.mark)

@@ -464,12 +464,13 @@ class ExperienceDataPlane:
             return state
 
     @contextmanager
-    def frozen(self, *, rows: bool = False, flush: bool = True) -> Iterator[dict[str, Any]]:
-        """Ingest queued units (``flush``, unless an operator failed), hold both operators,
-        and yield :meth:`state_dict`; the buffer's rows do not change until the block exits."""
+    def frozen(self, *, rows: bool = False, flush: bool = True, reads: bool = False
+               ) -> Iterator[dict[str, Any]]:
+        """Ingest queued units (``flush``; not after a failure), hold the operators (``reads``:
+        only those that change rows) and yield :meth:`state_dict`; rows stay as they are."""
         if flush and self.failed is None:
             self.flush()
-        with self._engine.quiesced():
+        with self._engine.writes_held() if reads else self._engine.quiesced():
             yield self._engine.capture(rows=rows)
 
     def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:
@@ -516,10 +517,9 @@ class ExperienceDataPlane:
     def recover(self) -> OperatorError | None:
         """Clear an operator failure once the caller has handled it, and return it.
 
-        After an operator raises on a worker, dependent calls raise its
-        :class:`~conduit.errors.OperatorError` until this is called. Rows in the buffer stay
-        intact (and can be saved meanwhile); the failed invocation's units are lost (counted
-        in the error and ``counters["lost_units"]``); queued units are ingested on restart.
+        After an operator raises on a worker, dependent calls raise its ``OperatorError``
+        until this is called. Rows in the buffer stay intact (and can be saved meanwhile); the
+        failed invocation's units are lost (counted in the error and ``counters``).
         """
         self._check_open()
         return self._engine.recover()

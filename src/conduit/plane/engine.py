@@ -126,6 +126,26 @@ class PlaneEngine:
                 rt.paused -= 1
                 self.signals.wake(callers=True, ingestion=True, delivery=True)
 
+    @contextlib.contextmanager
+    def writes_held(self) -> Iterator[None]:
+        """No ingestion invocation runs inside the block, so the buffer's rows do not change;
+        delivery goes on where it never changes rows (off-policy), else it is held too."""
+        if self.flow.delivery_changes_rows:
+            with self.quiesced():
+                yield
+            return
+        rt = self.runtime
+        with self.signals.lock:
+            rt.writes_held += 1
+            while rt.ingesting:
+                self.signals.callers.wait(0.05)
+        try:
+            yield
+        finally:
+            with self.signals.lock:
+                rt.writes_held -= 1
+                self.signals.wake(callers=True, ingestion=True)
+
     def capture(self, *, rows: bool) -> StateDict:
         """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused."""
         with self.signals.lock:
@@ -169,7 +189,7 @@ class PlaneEngine:
                 rt.raise_if_failed()
                 if flow.admit_locked(unit.rows, unit.version):
                     break
-                if flow.room_by_ingesting and not rt.paused:
+                if flow.room_by_ingesting and not (rt.paused or rt.writes_held):
                     lock.release()
                     try:
                         if self.ingestion.make_room():
@@ -206,7 +226,7 @@ class PlaneEngine:
                     return staged
                 job = self.delivery.take_locked()
                 # Data already pushed never waits for a granularity batch to fill.
-                hurry = (job is None and bool(flow.pending) and not rt.paused
+                hurry = (job is None and bool(flow.pending) and not (rt.paused or rt.writes_held)
                          and flow.starved_locked())
                 if hurry and self.ingestion.overlapped:
                     self.ingestion.hurry()

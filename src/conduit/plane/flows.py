@@ -123,6 +123,9 @@ class Flow(abc.ABC):
     #: Whether ingesting queued units makes room for a waiting push (off-policy); on-policy
     #: pushes wait on the learner instead.
     room_by_ingesting: ClassVar[bool] = False
+    #: Whether a delivery can change the buffer's rows (on-policy: the last mini-batch of an
+    #: iteration clears it).
+    delivery_changes_rows: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         return None
@@ -264,6 +267,7 @@ class OffPolicyFlow(Flow):
     across iterations. A push waits when ``2·g_ing`` units are already queued."""
 
     room_by_ingesting: ClassVar[bool] = True
+    delivery_changes_rows: ClassVar[bool] = False
 
     @property
     def max_pending_units(self) -> int:

@@ -59,6 +59,8 @@ class OperatorRuntime:
         self.error_reported = False
         self.paused = 0
         self.busy = 0
+        self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
+        self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
         flow.deliver_ready = self.deliver_ready
 
@@ -112,11 +114,12 @@ class OperatorRuntime:
 
     def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
         """The next ingestion invocation's units (None while paused or not ready)."""
-        if self.paused:
+        if self.paused or self.writes_held:
             return None
         units = self.flow.take_ingestion_locked(force=force)
         if units is not None:
             self.busy += 1
+            self.ingesting += 1
         return units
 
     def drain_inline(self, *, force: bool) -> None:
@@ -154,6 +157,7 @@ class OperatorRuntime:
             with self.signals.lock:
                 self.flow.ingested_locked(units, failed=err is not None)
                 self.busy -= 1
+                self.ingesting -= 1
                 self.signals.wake(callers=True)
         return err
 
