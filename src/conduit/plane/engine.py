@@ -110,41 +110,33 @@ class PlaneEngine:
             if not self.closed and self.runtime.stop and not self.runtime.paused:
                 self.start(self.schedule)
 
-    @contextlib.contextmanager
-    def quiesced(self) -> Iterator[None]:
+    def quiesced(self) -> contextlib.AbstractContextManager[None]:
         """No operator invocation runs inside the block (in-flight ones finish first); the
         workers stay alive and idle, so entering and leaving costs no thread start."""
-        rt = self.runtime
-        with self.signals.lock:
-            rt.paused += 1
-            while rt.busy:
-                self.signals.callers.wait(0.05)
-        try:
-            yield
-        finally:
-            with self.signals.lock:
-                rt.paused -= 1
-                self.signals.wake(callers=True, ingestion=True, delivery=True)
+        return self._hold("paused", until_idle="busy")
 
-    @contextlib.contextmanager
-    def writes_held(self) -> Iterator[None]:
+    def writes_held(self) -> contextlib.AbstractContextManager[None]:
         """No ingestion invocation runs inside the block, so the buffer's rows do not change;
         delivery goes on where it never changes rows (off-policy), else it is held too."""
         if self.flow.delivery_changes_rows:
-            with self.quiesced():
-                yield
-            return
+            return self.quiesced()
+        return self._hold("writes_held", until_idle="ingesting")
+
+    @contextlib.contextmanager
+    def _hold(self, counter: str, *, until_idle: str) -> Iterator[None]:
+        """Raise the runtime's ``counter`` (which stops invocations from starting) for the
+        block, once its ``until_idle`` count of running invocations is zero."""
         rt = self.runtime
         with self.signals.lock:
-            rt.writes_held += 1
-            while rt.ingesting:
+            setattr(rt, counter, getattr(rt, counter) + 1)
+            while getattr(rt, until_idle):
                 self.signals.callers.wait(0.05)
         try:
             yield
         finally:
             with self.signals.lock:
-                rt.writes_held -= 1
-                self.signals.wake(callers=True, ingestion=True)
+                setattr(rt, counter, getattr(rt, counter) - 1)
+                self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def capture(self, *, rows: bool) -> StateDict:
         """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused."""
