@@ -37,11 +37,11 @@ from conduit.storage import (
     CheckpointError,
     CheckpointInfo,
     Placement,
-    RowCopy,
     read_checkpoint,
     sampler_from_config,
     write_checkpoint,
 )
+from conduit.storage.snapshot import Blocks
 from conduit.storage.state import JSON, StateDict, StateValue
 
 if TYPE_CHECKING:
@@ -197,10 +197,12 @@ class SnapshotStats:
 class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
-    Every ``every_s`` seconds (and on :meth:`request`) a background thread copies the filled
-    rows while training goes on, holds the operators only to re-copy the rows written
-    meanwhile and read the sampler and iteration state, and writes the copy to ``path``
-    atomically: a crash at any point leaves the previous snapshot intact.
+    Every ``every_s`` seconds (and on :meth:`request`) a background thread holds the operators
+    that change rows only to read the sampler and iteration state and start a copy-on-write
+    snapshot of the rows (delivery goes on off-policy), copies the rows while training goes on
+    (a write copies the old rows it overwrites first), and writes the copy to ``path``
+    atomically: a crash at any point leaves the previous snapshot intact. The file holds the
+    plane exactly as it was at the hold.
 
     Args:
         plane: The plane to snapshot.
@@ -219,7 +221,7 @@ class Snapshotter:
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []
-        self._rows: RowCopy | None = None  # the last copy, reused by the next one
+        self._rows: Blocks | None = None  # the last copy, reused by the next one
         self._write: list[float] = []
         self._failures = 0
         self.last_error: BaseException | None = None
@@ -244,24 +246,19 @@ class Snapshotter:
                              self._failures)
 
     def _copy(self) -> tuple[dict[str, JSON], dict[str, torch.Tensor]]:
-        """Copy the rows while training goes on, then hold the operators only to re-copy the
-        rows written meanwhile and read the small state (the learner's stall)."""
+        """Hold the operators that change rows only to read the small state and start a
+        copy-on-write snapshot of the rows (the pause), then copy the rows while training
+        goes on."""
         plane = self.plane
         if plane.failed is None:
             plane.flush()
-        buffer = plane.buffer
-        rows = buffer.copy_filled(reuse=self._rows)
-        for _ in range(3):  # catch up while training goes on, so the pause re-copies little
-            before = rows.mark[0]
-            rows = buffer.refresh_copy(rows)
-            if buffer.total_written - before <= buffer.capacity // 100:
-                break
         t0 = time.perf_counter()
         with plane.frozen(rows=False, flush=False, reads=True) as state:
-            blocks = plane.buffer.finish_copy(rows)
-            out = _layout(plane, state, blocks)
-        self._rows = RowCopy(blocks, rows.mark)
+            buffer = plane.buffer
+            rows = buffer.begin_snapshot(reuse=self._rows)
+            out = _layout(plane, state, rows.blocks)
         self._pause.append(time.perf_counter() - t0)
+        self._rows = buffer.complete_snapshot(rows)
         return out
 
     def _run(self) -> None:

@@ -3,7 +3,7 @@
 A store executes a :class:`Placement` it is given; storage knows nothing of scheduling.
 """
 
-from conduit.storage.buffer import ExperienceBuffer, RowCopy
+from conduit.storage.buffer import ExperienceBuffer
 from conduit.storage.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -22,6 +22,7 @@ from conduit.storage.samplers import (
     UniformSampler,
     sampler_from_config,
 )
+from conduit.storage.snapshot import RowSnapshot
 from conduit.storage.sum_tree import SumTree
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
@@ -36,7 +37,7 @@ __all__ = [
     "Placement",
     "PrioritizedSampler",
     "RingWriter",
-    "RowCopy",
+    "RowSnapshot",
     "SampleInfo",
     "Sampler",
     "SequenceSampler",

@@ -6,7 +6,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,22 +16,10 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
+from conduit.storage.snapshot import Blocks, RowSnapshot
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
-
-
-@dataclass(frozen=True)
-class RowCopy:
-    """A copy of a buffer's filled rows in progress (see :meth:`ExperienceBuffer.copy_filled`).
-
-    Attributes:
-        blocks: ``(first slot, columns)`` per part of the store, on the CPU.
-        mark: The writer's position when the copy began.
-    """
-
-    blocks: list[tuple[int, dict[str, torch.Tensor]]]
-    mark: tuple[int, int, int]
 
 
 class ExperienceBuffer:
@@ -74,7 +61,7 @@ class ExperienceBuffer:
         self._lock = threading.RLock()
         self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
         self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
-        self._clears = 0
+        self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
 
     @property
     def placement(self) -> Placement:
@@ -113,6 +100,8 @@ class ExperienceBuffer:
             pieces = self.writer.reserve(n)
             for store_start, b0, length in pieces:
                 part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
+                for snap in self._snapshots:
+                    snap.preserve(store_start, store_start + length)
                 self.store.set_range(store_start, part)
                 self._row_id[store_start:store_start + length] = np.arange(
                     first_id + b0, first_id + b0 + length)
@@ -201,9 +190,8 @@ class ExperienceBuffer:
             self.sampler.reset()
             self._row_id.fill(-1)
             self._delivered_id.fill(-1)
-            self._clears += 1
 
-    def filled_blocks(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def filled_blocks(self) -> Blocks:
         """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
         per part of the store (one per shard)."""
         with self._lock:
@@ -219,88 +207,39 @@ class ExperienceBuffer:
                     blocks.append((start, {f: shard.column(f)[:n] for f in self.spec.fields}))
             return blocks
 
-    def copy_filled(self, *, chunk_bytes: int = 2 << 20,
-                    reuse: RowCopy | None = None) -> RowCopy:
-        """Copy the filled rows while writes go on, about ``chunk_bytes`` at a time under the
-        lock, on one thread, yielding between chunks, so concurrent samples and writes wait
-        at most one chunk.
-
-        The copy may mix rows from before and after concurrent writes; :meth:`finish_copy`,
-        called once writes have stopped, makes it exact.
+    def begin_snapshot(self, *, reuse: Blocks | None = None) -> RowSnapshot:
+        """Start a copy of the filled rows as they are now, completed by
+        :meth:`complete_snapshot` while writes and samples go on (copy-on-write: a write copies
+        the old rows of the slots it overwrites first if they are not copied yet).
 
         Args:
-            chunk_bytes: Bytes copied per lock hold.
-            reuse: An earlier copy whose memory is reused where the shapes still match (no
-                new pages to fault in).
+            reuse: Blocks of an earlier snapshot whose memory is reused where shapes match.
         """
         with self._lock:
-            mark = (self.writer.total_written, self.writer.cursor, self._clears)
-            views = self.filled_blocks()
-        old = dict(reuse.blocks) if reuse is not None else {}
-        chunk_rows = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
-        blocks = []
-        for start, cols in views:
-            prev = old.get(start, {})
-            out = {f: prev[f] if f in prev and prev[f].shape == c.shape and
-                   prev[f].dtype == c.dtype else torch.empty_like(c, device="cpu")
-                   for f, c in cols.items()}
-            n = next(iter(cols.values())).shape[0]
-            for a in range(0, n, chunk_rows):
+            snap = RowSnapshot(views=self.filled_blocks(), reuse=reuse)
+            self._snapshots.append(snap)
+            return snap
+
+    def complete_snapshot(self, snap: RowSnapshot, *, chunk_bytes: int = 2 << 20) -> Blocks:
+        """Copy the rest of ``snap`` about ``chunk_bytes`` per lock hold, on one thread,
+        yielding between chunks, so a concurrent sample or write waits at most one chunk; then
+        stop tracking it (also on error).
+
+        Returns:
+            The copied blocks: the filled rows at :meth:`begin_snapshot`.
+        """
+        rows = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
+        try:
+            done = False
+            while not done:
                 with self._lock, data_path_threads(1):
-                    for f, c in cols.items():
-                        out[f][a:a + chunk_rows].copy_(c[a:a + chunk_rows])
+                    done = snap.step(rows)
                 time.sleep(0)  # let a waiting sampler or writer take the lock
-            blocks.append((start, out))
-        return RowCopy(blocks, mark)
-
-    def refresh_copy(self, copy: RowCopy, *, chunk_bytes: int = 2 << 20) -> RowCopy:
-        """Re-copy the slots written since ``copy`` began and append the rows the buffer
-        gained, ``chunk_bytes`` at a time under the lock. Writes may go on: call it a few times
-        so that little is left, then once more while writes are stopped for an exact copy.
-
-        Returns:
-            The refreshed copy, marked at the writer's position when this call began.
-        """
-        with self._lock:
-            total, cursor, clears = copy.mark
-            mark = (self.writer.total_written, self.writer.cursor, self._clears)
-            written = mark[0] - total
-            if clears != self._clears or written >= self.capacity:
-                full = True
-            else:
-                full = False
-                slots = (cursor + torch.arange(written, dtype=torch.int64)) % self.capacity
-                views = self.filled_blocks()
-        if full:
-            return self.copy_filled(chunk_bytes=chunk_bytes, reuse=copy)
-        old = dict(copy.blocks)
-        step = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
-        out = []
-        for start, cols in views:
-            n = next(iter(cols.values())).shape[0]
-            prev = old.get(start)
-            have = 0 if prev is None else min(n, next(iter(prev.values())).shape[0])
-            with self._lock, data_path_threads(1):
-                block = {f: c[:n].to("cpu", copy=True) if prev is None else
-                         torch.cat([prev[f][:have], c[have:n].cpu()]) if n > have else prev[f]
-                         for f, c in cols.items()}
-            local = slots[(slots >= start) & (slots < start + have)] - start
-            for a in range(0, local.numel(), step):
-                rows = local[a:a + step]
-                with self._lock, data_path_threads(1):
-                    for f, c in cols.items():
-                        block[f][rows] = c[rows.to(c.device)].cpu()
-                time.sleep(0)
-            out.append((start, block))
-        return RowCopy(out, mark)
-
-    def finish_copy(self, copy: RowCopy) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """Make a copy exact (see :meth:`refresh_copy`). Call while no write can happen.
-
-        Returns:
-            The copied blocks, equal to :meth:`filled_blocks` now.
-        """
-        return self.refresh_copy(copy).blocks
+        finally:
+            with self._lock:
+                if snap in self._snapshots:
+                    self._snapshots.remove(snap)
+        return snap.blocks
 
     def adopt_cursor(self, other: ExperienceBuffer) -> None:
         """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
@@ -332,6 +271,8 @@ class ExperienceBuffer:
         """
         with self._lock:
             if rows:
+                for snap in self._snapshots:
+                    snap.preserve(0, snap.size)
                 self.store.load_state_dict(entry(state, "store", "buffer"))
             self.writer.load_state_dict(entry(state, "writer", "buffer"))
             self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
