@@ -76,3 +76,26 @@ def test_plan_with_a_short_profile_on_this_machine(capsys):
 def test_unknown_topology_is_a_clear_error(capsys):
     assert main(["--topology", "no-such-preset"]) == 2
     assert "neither a preset" in capsys.readouterr().out
+
+
+def test_plan_explains_cross_node_decisions(capsys):
+    argv = ["--topology", "a100-8x2", "--dim", "5000", "--capacity", "1000000"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "== across nodes" in out and "ingestion stays node-local" in out
+    result = plan(PlanArgs(topology="a100-8x2", dim=5000, capacity=1_000_000))
+    terms = result.cross_node
+    assert {t.endpoint for t in terms} == {"node0/cuda:0", "node1/cuda:0"}
+    assert [t.local for t in terms] == [True, False] and sum(t.share for t in terms) == 1.0
+    remote = next(t for t in terms if not t.local)
+    assert remote.bandwidth == preset("a100-8x2").inter_node_bandwidth  # the network bounds it
+    # the terms are the delivery leg the planner scored
+    assert abs(sum(t.seconds for t in terms) - result.placement.chosen_evaluation.deliver_s) \
+        < 1e-15
+    assert "local with probability 0.500" in out
+    assert json.loads(json.dumps(result.to_dict()))["cross_node"][1]["local"] is False
+
+
+def test_single_node_plans_have_no_cross_node_section(capsys):
+    assert main(["--topology", "a100-8", "--dim", "1000", "--capacity", "1000"]) == 0
+    assert "== across nodes" not in capsys.readouterr().out

@@ -38,6 +38,7 @@ import psutil
 import torch
 
 from conduit.errors import TopologyError
+from conduit.placement import cluster as ray_cluster
 from conduit.placement.bandwidth import load_cached_profile
 from conduit.placement.endpoints import CPU, CPU_PINNED, device_kind, is_accelerator
 
@@ -311,8 +312,9 @@ class Topology:
                    source=source)
 
     @classmethod
-    def detect(cls, *, use_profile_cache: bool = True) -> Topology:
-        """Describe the current machine.
+    def detect(cls, *, use_profile_cache: bool = True, cluster: bool | None = None) -> Topology:
+        """Describe the current machine, or every node of the Ray cluster this process is
+        attached to.
 
         Devices come from psutil (host memory; pinned memory is budgeted as half of the
         available host memory) and torch (each visible CUDA device's free memory). Bandwidths
@@ -322,10 +324,21 @@ class Topology:
 
         Args:
             use_profile_cache: Read measured bandwidths from the cache when present.
+            cluster: ``None``: every node of the attached Ray cluster when it has more than
+                one, else this machine; ``True``: the attached Ray cluster, however many
+                nodes; ``False``: this machine only. On a cluster each node describes itself
+                (named :func:`~conduit.placement.cluster.node_name` of its Ray id) and the
+                inter-node bandwidth is measured
+                (:func:`~conduit.placement.cluster.inter_node_bandwidth`).
 
         Returns:
-            A single-node topology named after the host.
+            A single-node topology named after the host, or the cluster's.
+
+        Raises:
+            ConduitError: ``cluster=True`` without Ray or without an attached cluster.
         """
+        if cluster or (cluster is None and ray_cluster.attached_nodes() > 1):
+            return cls._detect_cluster(use_profile_cache=use_profile_cache)
         avail = int(psutil.virtual_memory().available)
         devices = [DeviceInfo(name=CPU, memory_bytes=avail, model="host")]
         if torch.cuda.is_available():
@@ -363,6 +376,15 @@ class Topology:
         name = socket.gethostname().split(".")[0] or "node0"
         name = name.replace("/", "_")
         return cls.single_node(devices=devices, links=links, name=name, source="detected")
+
+    @classmethod
+    def _detect_cluster(cls, *, use_profile_cache: bool) -> Topology:
+        ids = ray_cluster.alive_node_ids()
+        nodes = tuple(ray_cluster.on_each_node(ids, _describe_node, use_profile_cache))
+        if len(ids) < 2:
+            return cls(nodes=nodes, source="detected:ray")
+        return cls(nodes=nodes, inter_node_bandwidth=ray_cluster.inter_node_bandwidth(ids),
+                   source="detected:ray")
 
     # -- JSON -----------------------------------------------------------------------------------
 
@@ -537,6 +559,12 @@ def default_links(accelerators: Sequence[str]) -> dict[tuple[str, str], tuple[fl
             if c != a:
                 t[(a, c)] = (b["device_peer"], True)
     return t
+
+
+def _describe_node(name: str, use_profile_cache: bool) -> NodeTopology:
+    """This machine as the node ``name`` (run on each node of a cluster)."""
+    node = Topology.detect(use_profile_cache=use_profile_cache, cluster=False).nodes[0]
+    return NodeTopology(name=name, devices=node.devices, links=node.links)
 
 
 def _rank_key(name: str) -> tuple[str, int]:

@@ -168,6 +168,47 @@ class TransferEstimate:
         return self.ingest_s + self.deliver_s
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeliveryTerm:
+    """One endpoint's term of the delivery mixture: a learner reads a row from ``endpoint``
+    with probability ``share``, at ``bandwidth``.
+
+    Attributes:
+        endpoint: Global endpoint name (``"node1/cuda:0"``; unqualified on a single node).
+        share: Fraction of the rows held there (the probability a sampled row is there).
+        local: Whether the endpoint is on the learner's node.
+        bandwidth: Bytes/s of ``endpoint -> learner`` (the slowest segment across nodes).
+        seconds: ``share * x / bandwidth``: this term's part of the per-sample delivery leg.
+    """
+
+    endpoint: str
+    share: float
+    local: bool
+    bandwidth: float
+    seconds: float
+
+
+def delivery_terms(p: Placement | Candidate, *, x: float, learner_device: str,
+                   topology: Topology) -> tuple[DeliveryTerm, ...]:
+    """The local/remote mixture behind the delivery leg of Eq. 1, term by term.
+
+    Raises:
+        ConfigError: ``x`` is not positive, or the learner device is unknown.
+        PlacementError: ``p`` names a device the topology lacks.
+        TopologyError: The bandwidth table lacks a needed entry.
+    """
+    _check_x(x)
+    check_endpoint(topology, learner_device, "learner_device")
+    home = topology.resolve(learner_device)[0]
+    out = []
+    for e, s in endpoint_shares(p, topology):
+        if s > 0:
+            bw = topology.bandwidth(e, learner_device)
+            out.append(DeliveryTerm(endpoint=e, share=s, local=topology.resolve(e)[0] == home,
+                                    bandwidth=bw, seconds=s * x / bw))
+    return tuple(out)
+
+
 def transfer_estimate(p: Placement | Candidate, *, x: float, actor_device: str,
                       learner_device: str, topology: Topology) -> TransferEstimate:
     """Both legs of Eq. 1 for placement ``p`` (see the module docstring for the mixture).
@@ -189,8 +230,8 @@ def transfer_estimate(p: Placement | Candidate, *, x: float, actor_device: str,
     check_endpoint(topology, actor_device, "actor_device")
     check_endpoint(topology, learner_device, "learner_device")
     shares = [(e, s) for e, s in endpoint_shares(p, topology) if s > 0]
-    learner = learner_device
-    deliver = sum(s * x / topology.bandwidth(e, learner) for e, s in shares)
+    deliver = sum(t.seconds for t in delivery_terms(p, x=x, learner_device=learner_device,
+                                                     topology=topology))
     sites = _actor_sites(topology, actor_device)
     ingest = 0.0
     for node, dev in sites:

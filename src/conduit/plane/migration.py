@@ -67,7 +67,7 @@ def initial_placement(placement: PlacementArg, config: PlaneConfig) -> InitialPl
     dev = config.learner_device
     learner = "cuda:0" if dev.type == "cuda" and dev.index is None else str(dev)
     decision = plan_placement(capacity=config.capacity, spec=config.spec, actor_device="cpu",
-                              learner_device=learner, topology=Topology.detect())
+                              learner_device=learner, topology=Topology.detect(cluster=False))
     return InitialPlacement(decision.placement, decision=decision)
 
 
