@@ -2,6 +2,7 @@
 PYTHON ?= python3
 TEST_VENV := .venv-test
 DEMO_VENV := .venv-demo
+VERL_VENV := .venv-verl
 
 .PHONY: demo test lint bench clean
 
@@ -21,10 +22,18 @@ $(DEMO_VENV)/.installed: pyproject.toml
 demo: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/conduit demo
 
-## test: install into .venv-test, lint, and run the whole test suite
-test: $(TEST_VENV)/.installed
+$(VERL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q -e ".[verl,test]"
+	touch $@
+
+## test: install into .venv-test, lint, and run the whole test suite; then tests/verl in
+## .venv-verl (verl pins transformers < 5.11, which TRL's environment cannot share)
+test: $(TEST_VENV)/.installed $(VERL_VENV)/.installed
 	$(TEST_VENV)/bin/ruff check src tests
 	$(TEST_VENV)/bin/python -m pytest -q
+	$(VERL_VENV)/bin/python -m pytest -q tests/verl
 
 lint: $(TEST_VENV)/.installed
 	$(TEST_VENV)/bin/ruff check src tests
@@ -34,6 +43,6 @@ bench: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/conduit bench plane
 
 clean:
-	rm -rf $(TEST_VENV) $(DEMO_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(TEST_VENV) $(DEMO_VENV) $(VERL_VENV) runs .pytest_cache .ruff_cache
 
 -include mk/peers.mk

@@ -138,5 +138,77 @@ if want convergence; then
         ${CONVERGENCE_ARGS:---ppo-iters 80 --dqn-iters 250} --out "$OUT/convergence"
 fi
 
+# verl (PARTS=verl, not in the default parts): one GRPO step of verl's v1 trainer (vLLM rollout,
+# FSDP actor) with Conduit as its replay buffer, on a random-init tiny Qwen2 model, a digit
+# tokenizer and a digit-copying data set built here (nothing is downloaded). It needs CUDA,
+# vLLM, and verl with TransferQueue (pip install conduit-rl[verl]) in $VPY, and skips with the
+# reason otherwise. Writes $OUT/verl.log; passes when the step logs Conduit's metric.
+if want verl; then
+    echo "== verl: one GRPO step, Conduit as the v1 replay buffer" | tee "$OUT/verl.log"
+    if ! "$VPY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+        echo "SKIP verl: CUDA is not available" | tee -a "$OUT/verl.log"
+    elif ! "$VPY" -c "import vllm" 2>/dev/null; then
+        echo "SKIP verl: vLLM is not installed (verl's rollout needs it)" | tee -a "$OUT/verl.log"
+    elif ! "$VPY" -c "import verl, transfer_queue" 2>/dev/null; then
+        echo "SKIP verl: verl 0.9.1 and transferqueue are not installed" | tee -a "$OUT/verl.log"
+    else
+        VD=/tmp/conduit-verl
+        run 120 "$OUT/verl.log" "$VPY" - "$VD" <<'PY'
+import os, sys
+import pandas as pd
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+d = sys.argv[1]
+os.makedirs(d, exist_ok=True)
+vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"0123456789"])}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                               unk_token="<unk>")
+fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+fast.save_pretrained(f"{d}/model")
+cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+Qwen2ForCausalLM(cfg).save_pretrained(f"{d}/model")
+rows = [{"data_source": "digits", "prompt": [{"role": "user", "content": f"{i % 10}{i % 7}"}],
+         "ability": "copy", "reward_model": {"style": "rule", "ground_truth": str(i % 10)},
+         "extra_info": {"index": i}} for i in range(64)]
+pd.DataFrame(rows).to_parquet(f"{d}/train.parquet")
+with open(f"{d}/reward.py", "w") as f:
+    f.write("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    return float(solution_str[:1] == ground_truth)\n")
+PY
+        run "${LIMIT_VERL:-420}" "$OUT/verl.log" "$VPY" -m verl.trainer.main_ppo \
+            algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
+            data.train_files="$VD/train.parquet" data.val_files="$VD/train.parquet" \
+            data.train_batch_size=4 data.max_prompt_length=8 data.max_response_length=8 \
+            actor_rollout_ref.model.path="$VD/model" \
+            actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+            actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+            actor_rollout_ref.actor.use_kl_loss=False \
+            actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=4 \
+            actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
+            actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+            actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
+            reward.custom_reward_function.path="$VD/reward.py" \
+            reward.custom_reward_function.name=compute_score \
+            trainer.use_v1=True trainer.v1.trainer_mode=sync trainer.balance_batch=False \
+            trainer.v1.sampler.custom_sampler.path=pkg://conduit.integrations.verl.replay \
+            trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer \
+            +trainer.v1.sampler.sampler_kwargs.group_size=4 \
+            +trainer.v1.sampler.sampler_kwargs.mini_batch_size=8 \
+            trainer.total_training_steps=1 trainer.val_before_train=False \
+            trainer.test_freq=-1 trainer.save_freq=-1 trainer.logger='[console]' \
+            trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.default_local_dir="$VD/ckpt"
+        if grep -q "training/conduit/score_mean" "$OUT/verl.log"; then
+            echo "verl: the step ran through Conduit's replay buffer" | tee -a "$OUT/verl.log"
+        else
+            echo "!! verl: no Conduit metric in the step's log" | tee -a "$OUT/verl.log"
+            status=1
+        fi
+    fi
+fi
+
 echo "== done (status $status); outputs under $OUT"
 exit $status

@@ -1,0 +1,289 @@
+"""Conduit as verl's v1 pluggable replay buffer.
+
+verl's v1 trainer asks its replay buffer for each step's batch in ``_step_once``::
+
+    batch, metrics = replay_buffer.sample(global_steps=..., partition_id="train",
+                                          batch_size=train_batch_size // parameter_sync_step)
+
+and reads the trajectories of the returned ``KVBatchMeta`` keys from TransferQueue, where its
+agent loop wrote them (``{uid}_{session}_{index}``, beside a prompt key ``{uid}`` whose tag
+carries the group's status). Select this class with (a file path to this module works too)::
+
+    trainer.v1.sampler.custom_sampler.path=pkg://conduit.integrations.verl.replay
+    trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer
+    +trainer.v1.sampler.sampler_kwargs.group_size=<actor_rollout_ref.rollout.n>
+    +trainer.v1.sampler.sampler_kwargs.mini_batch_size=<rows per mini-batch>
+
+Each finished group goes through a Conduit on-policy plane: ingestion, once per group, checks
+it and computes its GRPO advantage from the rollout's rewards (``rm_scores``); delivery lays
+out the step's mini-batches in verl's order. The returned keys follow those mini-batches, and
+each tag carries ``conduit_score`` and ``conduit_advantage`` (equal to what verl's
+``compute_grpo_outcome_advantage`` gives that response). verl's ``_balance_batch`` reorders
+keys across data-parallel ranks; set ``trainer.balance_batch=False`` to train in this order.
+"""
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from itertools import pairwise
+from typing import Any
+
+import torch
+import transfer_queue as tq
+from transfer_queue import KVBatchMeta
+
+from conduit.errors import ConfigError, EmptyBufferError, SpecError
+from conduit.integrations.verl.advantages import grpo_group_advantage
+from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
+from conduit.spec import Batch, ExperienceSpec
+
+_SPEC = ExperienceSpec.of(key=((), torch.int64), seq_len=((), torch.int64),
+                          score=((), torch.float32), advantage=((), torch.float32))
+_ROLLOUT_SPEC = ExperienceSpec.of(key=((), torch.int64), seq_len=((), torch.int64),
+                                  score=((), torch.float32))
+
+
+@dataclass(frozen=True)
+class ConduitSamplerConfig:
+    """``trainer.v1.sampler.sampler_kwargs`` of :class:`ConduitReplayBuffer`.
+
+    Attributes:
+        group_size: Responses per prompt (``actor_rollout_ref.rollout.n``).
+        mini_batch_size: Rows per mini-batch (0: the whole step is one mini-batch).
+        reward_key: Token-level reward field the rollout writes.
+        epsilon: Added to each group's standard deviation.
+        norm_adv_by_std_in_grpo: GRPO (True) or Dr. GRPO (False).
+        placement: ``"auto"`` (Conduit decides from the topology) or None (CPU memory).
+        poll_interval: Seconds between looks at TransferQueue while groups are running.
+        timeout: Seconds ``sample`` waits for enough finished groups before raising.
+    """
+
+    group_size: int = 1
+    mini_batch_size: int = 0
+    reward_key: str = "rm_scores"
+    epsilon: float = 1e-6
+    norm_adv_by_std_in_grpo: bool = True
+    placement: str | None = "auto"
+    poll_interval: float = 0.5
+    timeout: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ConfigError("sampler_kwargs.group_size", f"must be a positive integer, got "
+                                                           f"{self.group_size!r}")
+        if not isinstance(self.mini_batch_size, int) or self.mini_batch_size < 0:
+            raise ConfigError("sampler_kwargs.mini_batch_size", f"must be an integer >= 0, got "
+                                                                f"{self.mini_batch_size!r}")
+        if self.placement not in (None, "auto"):
+            raise ConfigError("sampler_kwargs.placement", f"must be 'auto' or null, got "
+                                                          f"{self.placement!r}")
+        if not self.poll_interval > 0 or not self.timeout > 0:
+            raise ConfigError("sampler_kwargs.poll_interval", "poll_interval and timeout must "
+                                                              "be positive")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "ConduitSamplerConfig":
+        """Read verl's ``sampler_kwargs`` (a ``DictConfig`` or a dict).
+
+        Raises:
+            ConfigError: An unknown key, or a value out of range.
+        """
+        given = dict(kwargs.items()) if kwargs is not None else {}
+        known = {f.name for f in fields(cls)}
+        for key in given:
+            if key not in known:
+                raise ConfigError(f"sampler_kwargs.{key}", f"unknown; expected one of "
+                                                           f"{sorted(known)}")
+        return cls(**given)
+
+
+class ConduitReplayBuffer:
+    """verl's v1 replay buffer, with each step's groups passing through a Conduit plane.
+
+    The constructor takes the keyword arguments verl's ``_build_replay_buffer`` passes to a
+    custom sampler. It serves verl's ``sync`` trainer mode, where groups are on-policy and
+    ``max_off_policy_threshold`` has no effect (as in verl's own sync buffer). Failed groups (a
+    rollout that errored) are evicted and replaced through ``refill_fn``, as verl's async
+    buffer does. Keyword arguments a later verl adds are accepted and ignored. ``sample`` needs
+    the rewards in TransferQueue when it runs, as verl's streaming reward loop writes them
+    (rule-based rewards, or a reward model on its own resource pool).
+
+    Raises:
+        ConfigError: ``sampler_kwargs`` is invalid, or the trainer mode is not ``sync``.
+    """
+
+    def __init__(self, *, trainer_mode: str, trainer_config: Any,
+                 max_off_policy_threshold: int | None, max_off_policy_strategy: str,
+                 sampler_kwargs: Mapping[str, Any] | None,
+                 refill_fn: Callable[[int], int] | None = None, **_unused: Any) -> None:
+        if trainer_mode != "sync":
+            raise ConfigError("trainer.v1.trainer_mode", f"ConduitReplayBuffer is on-policy "
+                                                         f"and runs under 'sync', got "
+                                                         f"{trainer_mode!r}")
+        self.trainer_mode, self.trainer_config = trainer_mode, trainer_config
+        self.max_off_policy_strategy = max_off_policy_strategy
+        self.config = ConduitSamplerConfig.from_kwargs(sampler_kwargs)
+        self.poll_interval = self.config.poll_interval
+        self.refill_fn = refill_fn
+        self._plane: ExperienceDataPlane | None = None
+        self._step_rows = 0
+
+    @property
+    def plane(self) -> ExperienceDataPlane | None:
+        """The plane of the training partition (built by the first ``sample``)."""
+        return self._plane
+
+    def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
+        """Finished groups in ``partition_id`` (evicting failed ones first)."""
+        return len(self._finished(partition_id, {}))
+
+    def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int
+                            ) -> tuple[set[str], dict]:
+        """Wait until ``target_count`` groups are finished; returns their uids and metrics.
+
+        Raises:
+            EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
+        """
+        metrics: dict = {}
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            finished = self._finished(partition_id, metrics)
+            if len(finished) >= target_count:
+                return set(finished), metrics
+            if time.monotonic() >= deadline:
+                raise EmptyBufferError(f"{len(finished)} of {target_count} groups finished "
+                                       f"within {self.config.timeout} s in partition "
+                                       f"{partition_id!r}")
+            time.sleep(self.config.poll_interval)
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int
+               ) -> tuple[KVBatchMeta, dict]:
+        """The ``batch_size`` oldest finished groups, keys in Conduit's mini-batch order.
+
+        Raises:
+            SpecError: A selected group has a number of trajectories other than
+                ``group_size``, or an empty response.
+            EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
+        """
+        t0 = time.perf_counter()
+        _, metrics = self.wait_for_sampleable(global_steps, partition_id, batch_size)
+        listing = tq.kv_list(partition_id).get(partition_id, {})
+        finished = self._finished(partition_id, metrics, listing=listing)
+        chosen = sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
+        keys, tags = self._trajectories(listing, chosen)
+        if partition_id != "train":
+            tq.kv_clear(keys=chosen, partition_id=partition_id)
+            return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
+        order, scores = self._through_plane(keys, tags, partition_id, batch_size)
+        tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
+        prefix = "training/conduit"
+        metrics.update({f"{prefix}/score_mean": float(scores.mean()),
+                        f"{prefix}/sample_s": time.perf_counter() - t0})
+        return KVBatchMeta(partition_id=partition_id, keys=[keys[i] for i in order],
+                           tags=[tags[i] for i in order]), metrics
+
+    def close(self) -> None:
+        """Stop the plane's workers. Idempotent."""
+        if self._plane is not None:
+            self._plane.close()
+
+    def _finished(self, partition_id: str, metrics: dict,
+                  listing: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, int]:
+        """Finished groups (uid -> the step that issued them); failed ones are evicted."""
+        if listing is None:
+            listing = tq.kv_list(partition_id).get(partition_id, {})
+        finished, failed = {}, []
+        for key, tag in listing.items():
+            if tag.get("is_prompt", False):
+                if tag.get("status") == "finished":
+                    finished[key] = int(tag.get("global_steps", 0))
+                elif tag.get("status") == "failure":
+                    failed.append(key)
+        if failed:
+            doomed = set(failed)
+            tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in doomed],
+                        partition_id=partition_id)
+            name = f"{'training' if partition_id == 'train' else 'validation'}" \
+                   f"/rollout_failure/evicted_samples"
+            metrics[name] = metrics.get(name, 0) + len(failed)
+            if self.refill_fn is not None and partition_id == "train":
+                self.refill_fn(len(failed))
+        return finished
+
+    @staticmethod
+    def _trajectories(listing: Mapping[str, Mapping[str, Any]], chosen: list[str]
+                      ) -> tuple[list[str], list[dict]]:
+        """The chosen groups' trajectory keys, group by group in session order."""
+        rank = {u: i for i, u in enumerate(chosen)}
+        found = [k for k, tag in listing.items()
+                 if not tag.get("is_prompt", False) and k.split("_")[0] in rank]
+
+        def position(key: str) -> tuple[int, ...]:
+            uid, *rest = key.split("_")
+            return (rank[uid], *(int(r) if r.isdigit() else 0 for r in rest))
+
+        keys = sorted(found, key=position)
+        return keys, [dict(listing[k]) for k in keys]
+
+    def _through_plane(self, keys: list[str], tags: list[dict], partition_id: str,
+                       groups: int) -> tuple[list[int], torch.Tensor]:
+        """Push each group through the plane; the rows' order over its mini-batches, and
+        their scores. Writes each tag's ``conduit_score`` and ``conduit_advantage``."""
+        plane = self._plane_for(groups * self.config.group_size)
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id,
+                               select_fields=["response_mask", self.config.reward_key])
+        mask = _padded(data["response_mask"])
+        scores = _padded(data[self.config.reward_key]).sum(dim=-1).to(torch.float32)
+        empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise SpecError("response_mask", f"trajectory {keys[empty[0]]!r} has an empty "
+                                             f"response; every response needs a token")
+        uids = [k.split("_")[0] for k in keys]
+        bounds = [i for i in range(len(keys) + 1)
+                  if i in (0, len(keys)) or uids[i] != uids[i - 1]]
+        for start, stop in pairwise(bounds):
+            if stop - start != self.config.group_size:
+                raise SpecError("uid", f"group {uids[start]!r} has {stop - start} trajectories, "
+                                       f"expected group_size={self.config.group_size}")
+        for start, stop in pairwise(bounds):  # one rollout unit per group
+            plane.push({"key": torch.arange(start, stop), "seq_len": mask[start:stop].sum(-1),
+                        "score": scores[start:stop]}, policy_version=plane.policy_version)
+        order: list[int] = []
+        for mb in plane.minibatches():
+            for k, s, a in zip(mb["key"].tolist(), mb["score"].tolist(),
+                               mb["advantage"].tolist()):
+                tags[k]["conduit_score"], tags[k]["conduit_advantage"] = s, a
+                order.append(k)
+        return order, scores
+
+    def _plane_for(self, rows: int) -> ExperienceDataPlane:
+        if self._plane is not None:
+            if rows != self._step_rows:
+                raise ConfigError("batch_size", f"a step of {rows} rows after steps of "
+                                                f"{self._step_rows}; keep the batch size")
+            return self._plane
+        mb = self.config.mini_batch_size or rows
+        if rows % mb:
+            raise ConfigError("sampler_kwargs.mini_batch_size", f"{mb} does not divide the "
+                                                                f"step's {rows} rows")
+        plane = ExperienceDataPlane(
+            spec=_SPEC, rollout_spec=_ROLLOUT_SPEC, capacity=rows, mode="on_policy",
+            num_minibatches=rows // mb, placement=self.config.placement,
+            rollout_rows=self.config.group_size, timeout=self.config.timeout)
+        plane.register_ingestion()(self._ingest)
+        self._plane, self._step_rows = plane, rows
+        return plane
+
+    def _ingest(self, actor_in: ActorIn, exp_out: BufferOut) -> None:
+        for group in actor_in.read_units():
+            exp_out.write(self._with_advantage(group))
+
+    def _with_advantage(self, group: Batch) -> Batch:
+        advantage = grpo_group_advantage(group["score"], epsilon=self.config.epsilon,
+                                         norm_by_std=self.config.norm_adv_by_std_in_grpo)
+        return {**group, "advantage": advantage}
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """TransferQueue returns ragged fields as nested tensors: pad them with zeros."""
+    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t

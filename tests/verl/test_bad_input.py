@@ -1,0 +1,93 @@
+"""Bad input gets a typed error that names the field, from the call that brought it."""
+
+from tests.verl.conftest import skip_without_verl
+
+skip_without_verl()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from conduit import CapacityError, ConfigError, SpecError  # noqa: E402
+from conduit.integrations.verl import ConduitReplayBuffer, GRPOBuffer  # noqa: E402
+from tests.verl.conftest import make_step  # noqa: E402
+
+
+@pytest.fixture
+def buf():
+    with GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=3) as b:
+        yield b
+
+
+def test_wrong_type(buf):
+    step = make_step(groups=2, group_size=3)
+    with pytest.raises(SpecError, match="DataProto"):
+        buf.put({k: v for k, v in step.batch.items()})
+
+
+def test_mismatched_group_size(buf):
+    step = make_step(groups=2, group_size=3)
+    with pytest.raises(SpecError, match="group 'p0' has 2 responses") as err:
+        buf.put(step.slice(0, 2))
+    assert err.value.field == "uid"
+
+
+def test_empty_response(buf):
+    step = make_step(groups=2, group_size=3)
+    step.batch["response_mask"][4] = 0
+    with pytest.raises(SpecError, match="response 4") as err:
+        buf.put(step)
+    assert err.value.field == "response_mask"
+
+
+def test_missing_fields_and_reserved_names(buf):
+    step = make_step(groups=2, group_size=3)
+    with pytest.raises(SpecError) as err:
+        buf.put(step.select(batch_keys=["responses", "response_mask"]))
+    assert err.value.field == "token_level_rewards"
+    no_uid = make_step(groups=2, group_size=3)
+    no_uid.non_tensor_batch.pop("uid")
+    with pytest.raises(SpecError, match="uid"):
+        buf.put(no_uid)
+    step.batch["advantages"] = torch.zeros_like(step.batch["token_level_rewards"])
+    with pytest.raises(SpecError, match="computed by the buffer"):
+        buf.put(step)
+
+
+def test_group_put_twice_and_overflow(buf):
+    step = make_step(groups=2, group_size=3)
+    buf.put(step.slice(0, 3))
+    with pytest.raises(SpecError, match="already put"):
+        buf.put(step.slice(0, 3))
+    with pytest.raises(CapacityError):
+        buf.put(make_step(groups=2, group_size=3, first_uid=5))
+
+
+def test_non_tensor_keys_that_change_within_a_step(buf):
+    buf.put(make_step(groups=1, group_size=3))
+    other = make_step(groups=1, group_size=3, first_uid=1)
+    other.non_tensor_batch.pop("extra_info")
+    with pytest.raises(SpecError, match="extra_info") as err:
+        buf.put(other)
+    assert err.value.field == "non_tensor_batch"
+
+
+def test_field_that_changes_shape_between_puts(buf):
+    buf.put(make_step(groups=1, group_size=3))
+    with pytest.raises(SpecError) as err:
+        buf.put(make_step(groups=1, group_size=3, response_length=7, first_uid=1))
+    assert err.value.field in {"responses", "input_ids", "attention_mask", "response_mask",
+                               "token_level_rewards", "old_log_probs"}
+
+
+def test_bad_configuration():
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=4)
+    with pytest.raises(ConfigError, match="group_size"):
+        GRPOBuffer(group_size=0, groups_per_step=2, mini_batch_size=1)
+    args = dict(trainer_mode="sync", trainer_config=OmegaConf.create({}),
+                max_off_policy_threshold=None, max_off_policy_strategy="drop")
+    with pytest.raises(ConfigError, match=r"sampler_kwargs\.group_sise"):
+        ConduitReplayBuffer(**args, sampler_kwargs=OmegaConf.create({"group_sise": 4}))
+    with pytest.raises(ConfigError, match="trainer_mode"):
+        ConduitReplayBuffer(**{**args, "trainer_mode": "separate_async"}, sampler_kwargs=None)
