@@ -57,7 +57,7 @@ def ray_session(ray_home: Path) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RAY_AUTH_MODE", raising=False)
         mp.setenv("HOME", str(ray_home))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's own default, left on
         yield
         ray.shutdown()

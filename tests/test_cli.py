@@ -9,7 +9,8 @@ import pytest
 from conduit.cli import main
 from conduit.cli_args import plain_text
 
-BENCHES = ("plane", "placement", "schedule", "peers", "convergence", "workloads", "persist")
+BENCHES = ("plane", "placement", "schedule", "peers", "convergence", "workloads", "persist",
+           "scale")
 
 
 def test_plain_text_removes_rst_inline_markup() -> None:

@@ -221,7 +221,7 @@ def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         yield

@@ -1,0 +1,89 @@
+"""The one place that imports Ray, lazily, and connects to a cluster."""
+
+from __future__ import annotations
+
+import socket
+from types import ModuleType
+from typing import Any
+
+from conduit.distributed.errors import ClusterConnectionError, RayUnavailableError
+
+
+def import_ray() -> ModuleType:
+    """The ``ray`` module.
+
+    Raises:
+        RayUnavailableError: Ray is not installed; the message names the extra to install.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailableError(exc) from exc
+    return ray
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Fail fast on an address nothing listens on (``ray.init`` would retry for a minute)."""
+    if address == "auto" or address.startswith("ray://"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterConnectionError(address, "expected 'host:port' of the cluster's GCS (as "
+                                              "ray.init(address=...) takes), 'auto', or "
+                                              "'ray://host:port'")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterConnectionError(address, f"no Ray cluster answers there ({exc}); start "
+                                              f"one with `ray start --head` or pass "
+                                              f"address=None for a local one") from exc
+
+
+def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = None
+            ) -> tuple[Any, bool]:
+    """Attach to the cluster at ``address`` or, with None, to the Ray this process already
+    runs, else start a local one. Token authentication is left as Ray configures it.
+
+    Returns:
+        ``(ray, started)``: ``started`` is True when this call started Ray (the plane shuts it
+        down on close).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+        ClusterConnectionError: ``address`` is malformed or nothing answers there.
+    """
+    ray = import_ray()
+    if address is not None:
+        if not isinstance(address, str) or not address:
+            raise ClusterConnectionError(str(address), "expected a non-empty string")
+        _probe(address, min(timeout_s, 5.0))
+    if ray.is_initialized():
+        return ray, False
+    try:
+        if address is None:
+            ray.init(address="local", num_cpus=local_cpus, include_dashboard=False,
+                     log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        raise ClusterConnectionError(str(address), f"ray.init failed: {exc}") from exc
+    return ray, True
+
+
+def alive_nodes(ray: Any) -> list[str]:
+    """Ids of the cluster's live nodes, the driver's node first, then in id order."""
+    here = ray.get_runtime_context().get_node_id()
+    ids = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return sorted(ids, key=lambda n: n != here)
+
+
+def actor_died_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a shard's actor (or its node) is gone."""
+    exc = ray.exceptions
+    return tuple(t for t in (getattr(exc, "RayActorError", None),
+                             getattr(exc, "ActorDiedError", None),
+                             getattr(exc, "ActorUnavailableError", None),
+                             getattr(exc, "NodeDiedError", None),
+                             getattr(exc, "ObjectLostError", None),
+                             getattr(exc, "OwnerDiedError", None)) if t is not None)

@@ -1,0 +1,248 @@
+"""The shard actors of one plane: where they run, who replicates whom, and their restore.
+
+Shard ``k`` runs on a live node chosen round robin, pinned there with Ray's
+``NodeAffinitySchedulingStrategy``. Its rows are replicated on the next ``replication - 1``
+shards that run on other nodes (on any other shard when there are fewer nodes than copies).
+A shard found dead is re-created (on its node if that node lives, else on the least loaded live
+node), its primary rows are copied from a live replica, shard to shard through Ray's object
+store, and the replicas it kept for others are copied from their primaries. Without a live
+replica its rows are lost, and the count is reported (docs/design.md, distributed faults).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from conduit.distributed._ray import actor_died_errors, alive_nodes
+from conduit.distributed.errors import ShardUnavailableError
+from conduit.distributed.shard import BufferShard, HeldRows, RemoteError, ShardSpec
+from conduit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ShardResources:
+    """Ray resources each shard actor reserves on its node.
+
+    Attributes:
+        num_cpus: CPUs (fractions allowed).
+        num_gpus: GPUs.
+        memory: Bytes of memory to reserve (None: no reservation).
+        resources: Custom resources, e.g. ``{"buffer_host": 1}``.
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    memory: int | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_cpus", "num_gpus"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not v >= 0:
+                raise ConfigError(f"shard_resources.{name}", f"must be >= 0, got {v!r}")
+        if self.memory is not None and (not isinstance(self.memory, int) or self.memory < 1):
+            raise ConfigError("shard_resources.memory", f"must be a positive int of bytes or "
+                                                        f"None, got {self.memory!r}")
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of ``ActorClass.options``."""
+        out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        return out
+
+
+@dataclass(frozen=True)
+class ShardRecovery:
+    """One re-created shard.
+
+    Attributes:
+        shard: Its id.
+        old_node: The node it died on.
+        new_node: The node it runs on now.
+        source: The shard its rows were copied from (None: no live replica).
+        restored_rows: Rows restored.
+        lost_rows: Rows lost (those it held when no replica lived).
+        seconds: Time from detection to the restored shard answering.
+    """
+
+    shard: int
+    old_node: str
+    new_node: str
+    source: int | None
+    restored_rows: int
+    lost_rows: int
+    seconds: float
+
+
+def replica_sets(nodes: list[str], replication: int) -> list[list[int]]:
+    """For each shard (running on ``nodes[k]``), the shards holding its replicas: the next
+    shards in ring order on other nodes first, then the next on any node."""
+    n = len(nodes)
+    out = []
+    for k in range(n):
+        ring = [(k + j) % n for j in range(1, n)]
+        other = [s for s in ring if nodes[s] != nodes[k]]
+        same = [s for s in ring if nodes[s] == nodes[k]]
+        out.append((other + same)[:replication - 1])
+    return out
+
+
+class ShardSet:
+    """The actors of a sharded buffer and the bookkeeping the front needs.
+
+    Args:
+        ray: The ``ray`` module (connected).
+        num_shards: Shards.
+        replication: Copies of every row (1: no replica).
+        config: What each shard is built from.
+        resources: What each shard reserves.
+        timeout: Seconds any remote call may take before :class:`ShardUnavailableError`.
+    """
+
+    def __init__(self, ray: Any, *, num_shards: int, replication: int, config: ShardSpec,
+                 resources: ShardResources, timeout: float) -> None:
+        self.ray, self.config, self.resources, self.timeout = ray, config, resources, timeout
+        self._died = actor_died_errors(ray)
+        self._cls = ray.remote(BufferShard)
+        live = alive_nodes(ray)
+        self.nodes = [live[k % len(live)] for k in range(num_shards)]
+        self.replicas = replica_sets(self.nodes, replication)
+        self.held = [HeldRows(0, 0, 0.0, 1.0) for _ in range(num_shards)]
+        self.recoveries: list[ShardRecovery] = []
+        self._pending: dict[int, tuple[str, float]] = {}  # re-created, not yet restored
+        self.actors = [self._spawn(k, self.nodes[k]) for k in range(num_shards)]
+        self.get([a.ping.remote() for a in self.actors], time.monotonic() + timeout,
+                 shard=None)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _spawn(self, k: int, node: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        return self._cls.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            max_restarts=0, max_concurrency=1, **self.resources.options(),
+        ).remote(shard_id=k, config=self.config)
+
+    @property
+    def unrestored(self) -> bool:
+        """A shard was re-created but its restore did not finish (call :meth:`heal`)."""
+        return bool(self._pending)
+
+    def holders(self, owner: int) -> list[int]:
+        """Shards holding ``owner``'s rows: its primary first, then its replicas."""
+        return [owner, *self.replicas[owner]]
+
+    def shards_on(self, node: str) -> list[int]:
+        """Shards running on ``node``."""
+        return [k for k, n in enumerate(self.nodes) if n == node]
+
+    def get(self, refs: Any, deadline: float, *, shard: int | None) -> Any:
+        """``ray.get`` bounded by ``deadline``; the task's own Conduit error is re-raised.
+
+        Raises:
+            ShardUnavailableError: The deadline passed.
+            RayActorError (and kin): A shard died (the caller heals and retries).
+        """
+        exc_mod = self.ray.exceptions
+        try:
+            return self.ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+        except exc_mod.GetTimeoutError as exc:
+            raise ShardUnavailableError(-1 if shard is None else shard,
+                                        f"no answer within the plane's timeout "
+                                        f"({self.timeout:g} s)") from exc
+        except exc_mod.RayTaskError as exc:
+            if isinstance(exc, self._died):
+                raise
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RemoteError):
+                raise cause.rebuild() from None
+            raise
+
+    def is_death(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says a shard's actor or node is gone."""
+        return isinstance(exc, self._died)
+
+    def dead(self, deadline: float) -> list[int]:
+        """Shards whose actor is gone (a ping answers with an actor error)."""
+        refs = [a.ping.remote() for a in self.actors]
+        out = []
+        for k, ref in enumerate(refs):
+            try:
+                self.get(ref, deadline, shard=k)
+            except ShardUnavailableError:
+                raise
+            except Exception as exc:
+                if not self.is_death(exc):
+                    raise
+                out.append(k)
+        return out
+
+    def heal(self, deadline: float) -> list[ShardRecovery]:
+        """Re-create every dead shard and restore its rows and the replicas it kept. A shard
+        whose restore did not finish (the deadline passed) is restored by the next call.
+
+        Raises:
+            ShardUnavailableError: A shard could not be re-created or restored before
+                ``deadline``.
+        """
+        dead = self.dead(deadline)
+        now = time.monotonic()
+        if dead:
+            live = alive_nodes(self.ray)
+        for k in dead:
+            with contextlib.suppress(Exception):  # it is gone already
+                self.ray.kill(self.actors[k], no_restart=True)
+            self._pending.setdefault(k, (self.nodes[k], now))
+            self.nodes[k] = self._home(k, live)
+            self.actors[k] = self._spawn(k, self.nodes[k])
+        todo = sorted(self._pending)
+        if not todo:
+            return []
+        self.get([self.actors[k].ping.remote() for k in todo], deadline, shard=todo[0])
+        sources: dict[int, int | None] = {}
+        for k in todo:
+            sources[k] = next((r for r in self.replicas[k] if r not in todo), None)
+            if sources[k] is not None:
+                state = self.actors[sources[k]].export.remote(k)
+                self.held[k] = self.get(self.actors[k].restore.remote(k, state), deadline,
+                                        shard=k)
+        for k in todo:  # the replicas the dead shard kept for others
+            owners = [o for o in range(len(self)) if k in self.replicas[o]]
+            refs = [self.actors[k].restore.remote(o, self.actors[o].export.remote(o))
+                    for o in owners]
+            self.get(refs, deadline, shard=k)
+        out = []
+        for k in todo:
+            old_node, since = self._pending.pop(k)
+            lost = 0
+            if sources[k] is None:
+                lost, self.held[k] = self.held[k].size, HeldRows(0, 0, 0.0, 1.0)  # a fresh ring
+            out.append(ShardRecovery(k, old_node, self.nodes[k], sources[k], self.held[k].size,
+                                     lost, time.monotonic() - since))
+        self.recoveries.extend(out)
+        return out
+
+    def _home(self, k: int, live: list[str]) -> str:
+        """Where shard ``k`` is re-created: its node if alive, else the live node with the
+        fewest shards, avoiding its replicas' nodes when possible."""
+        if self.nodes[k] in live:
+            return self.nodes[k]
+        if not live:
+            raise ShardUnavailableError(k, "no live node to re-create the shard on")
+        load = Counter(n for j, n in enumerate(self.nodes) if j != k)
+        avoid = {self.nodes[r] for r in self.replicas[k]}
+        return min(live, key=lambda n: (n in avoid, load[n], live.index(n)))
+
+    def kill_all(self) -> None:
+        """End every shard actor."""
+        for a in self.actors:
+            with contextlib.suppress(Exception):  # already gone
+                self.ray.kill(a, no_restart=True)

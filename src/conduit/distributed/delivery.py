@@ -1,0 +1,238 @@
+"""Learner ports of the sharded plane: each rank draws its own batches, with the next batch's
+remote fetch in flight while the learner updates (delivery prefetch).
+
+A port never holds the front's lock while it waits on Ray: it plans a draw and submits its
+remote calls under the lock (so they are ordered after every acknowledged push), then waits
+for the results outside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from conduit.distributed import sampling
+from conduit.errors import ConfigError, EmptyBufferError
+from conduit.spec import Batch
+
+if TYPE_CHECKING:
+    from conduit.distributed.plane import RayExperienceDataPlane
+
+
+@dataclass
+class Pending:
+    """A draw whose remote fetches are in flight.
+
+    Attributes:
+        refs: ``owner -> ObjectRef`` of each shard's part.
+        where: ``owner -> positions of its rows in the batch``.
+        stamp: The front's priority-update count when the draw was planned.
+        min_leaf: Smallest priority held over all shards at planning (prioritized).
+        issued: ``time.perf_counter()`` at submission.
+        key: On-policy: ``(iteration, epoch, mini-batch)``.
+    """
+
+    refs: dict[int, Any]
+    where: dict[int, np.ndarray]
+    stamp: int
+    min_leaf: float = 1.0
+    issued: float = field(default_factory=time.perf_counter)
+    key: tuple[int, int, int] | None = None
+
+
+class LearnerPort:
+    """One learner rank's side of the plane: ``pull`` training-ready batches.
+
+    Off-policy, ranks draw independent batches (each with its own generator). On-policy, each
+    mini-batch is split into ``world_size`` disjoint shares and this rank gets share ``rank``;
+    the union over ranks is every row of the iteration exactly once per epoch.
+
+    Args:
+        plane: The front.
+        rank: This learner's rank.
+        world_size: Learner ranks of the plane.
+    """
+
+    def __init__(self, plane: RayExperienceDataPlane, *, rank: int, world_size: int) -> None:
+        self._plane, self.rank, self.world_size = plane, rank, world_size
+        self._rng = np.random.default_rng([plane.config.seed, rank, 0x5EED])
+        self._next: Pending | None = None
+        self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
+        self.remote_wait_s = 0.0  # time pull() waited on Ray for a batch's rows
+        self.pulls = 0
+
+    # -- off-policy -------------------------------------------------------------------------
+    def _plan_off_policy(self) -> Pending | None:
+        """Submit one batch's shard draws; None while fewer than ``min_size`` rows are held."""
+        plane, shards = self._plane, self._plane._shards
+        held = shards.held
+        prioritized = plane._prioritized
+        weights = np.array([h.mass if prioritized else h.size for h in held], dtype=np.float64)
+        if sum(h.size for h in held) < plane.min_size or not weights.sum() > 0:
+            return None
+        counts = sampling.split_draw(self._rng, weights, plane.batch_size)
+        refs = {k: shards.actors[k].sample.remote(k, int(c))
+                for k, c in enumerate(counts) if c > 0}
+        # Shards' rows interleave in the batch, as one buffer's draw would.
+        order = self._rng.permutation(plane.batch_size)
+        ends = np.cumsum(counts)
+        where = {k: order[ends[k] - counts[k]:ends[k]] for k in refs}
+        min_leaf = min((h.min_leaf for h in held if h.size), default=1.0)
+        return Pending(refs, where, plane._priority_updates, min_leaf)
+
+    def _fresh(self, pending: Pending | None) -> bool:
+        plane = self._plane
+        if pending is None:
+            return False
+        if pending.key is not None:
+            return pending.key == self._position
+        lag = plane._priority_updates - pending.stamp
+        return not plane._prioritized or lag <= plane.config.max_priority_lag
+
+    def _assemble(self, pending: Pending, parts: dict[int, dict[str, Any]]) -> Batch:
+        """One batch from the shards' parts, rows in the draw's order."""
+        plane = self._plane
+        owners = sorted(parts)
+        where = pending.where
+        n = sum(len(where[k]) for k in owners)
+        batch: Batch = {}
+        for name in [*plane.spec.fields, "_row_id", "_priority"]:
+            if name not in parts[owners[0]]:
+                continue
+            first = parts[owners[0]][name]
+            if isinstance(first, np.ndarray):
+                col = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+                for k in owners:
+                    col[where[k]] = parts[k][name]
+                batch[name] = torch.from_numpy(col)
+            else:
+                out = torch.empty((n, *first.shape[1:]), dtype=first.dtype)
+                for k in owners:
+                    out[torch.from_numpy(where[k])] = torch.as_tensor(parts[k][name])
+                batch[name] = out
+        owner = np.empty(n, dtype=np.int64)
+        for k in owners:
+            owner[where[k]] = k
+        rid = batch.pop("_row_id").numpy()
+        batch["_index"] = torch.from_numpy((owner << sampling.ROW_BITS) | rid)
+        pr = batch.pop("_priority", None)
+        if pr is not None:
+            batch["_weight"] = torch.from_numpy(sampling.global_weights(
+                pr.numpy(), pending.min_leaf, plane._beta))
+        device = plane.learner_device
+        if device.type != "cpu":
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        return batch
+
+    # -- on-policy --------------------------------------------------------------------------
+    def _plan_on_policy(self) -> Pending | None:
+        """Submit this rank's share of its next mini-batch; None until the iteration's rows
+        are all in."""
+        plane, shards = self._plane, self._plane._shards
+        iteration, epoch, m = self._position
+        if plane._gate.iteration != iteration or not plane._gate.ready:
+            return None
+        sizes = [h.size for h in shards.held]
+        part = sampling.epoch_parts(sum(sizes), seed=plane.config.seed, iteration=iteration,
+                                    epoch=epoch, num_minibatches=plane.num_minibatches)[m]
+        share = sampling.rank_share(part, self.rank, self.world_size)
+        located = sampling.locate(share, sizes)
+        refs = {k: shards.actors[k].gather.remote(k, slots) for k, (slots, _) in located.items()}
+        return Pending(refs, {k: at for k, (_, at) in located.items()},
+                       plane._priority_updates, key=self._position)
+
+    def _advance(self) -> None:
+        plane = self._plane
+        iteration, epoch, m = self._position
+        m += 1
+        if m == plane.num_minibatches:
+            m, epoch = 0, epoch + 1
+        if epoch == plane.num_epochs:
+            plane._rank_done(self.rank, iteration)
+            iteration, epoch = iteration + 1, 0
+        self._position = (iteration, epoch, m)
+
+    # -- both -------------------------------------------------------------------------------
+    def _plan(self) -> Pending | None:
+        if self._plane.config.on_policy:
+            return self._plan_on_policy()
+        return self._plan_off_policy()
+
+    def pull(self, *, timeout: float | None = None) -> Batch:
+        """Take this rank's next training batch.
+
+        Off-policy: ``batch_size`` rows drawn across shards (``_index`` identifies each row
+        for :meth:`~conduit.distributed.RayExperienceDataPlane.update_priorities`; prioritized
+        batches carry global ``_weight``). On-policy: this rank's share of the next mini-batch.
+
+        Raises:
+            EmptyBufferError: No batch could be formed within ``timeout``.
+            ShardUnavailableError: A shard's rows could not be read or restored in time.
+            PlaneClosedError: The plane is closed.
+        """
+        plane = self._plane
+        plane._check_open()
+        deadline = time.monotonic() + plane.config.wait_for(timeout)
+        pending, self._next = self._next, None
+        while True:
+            if plane._shards.unrestored:  # a restore cut short by an earlier deadline
+                plane._heal(deadline)
+                pending = None
+            if not self._fresh(pending):
+                pending = self._wait_plan(deadline)
+            t0 = time.perf_counter()
+            try:
+                owners = list(pending.refs)
+                got = plane._shards.get([pending.refs[k] for k in owners], deadline,
+                                        shard=None)
+                parts = dict(zip(owners, got, strict=True))
+            except Exception as exc:
+                if not plane._shards.is_death(exc):
+                    raise
+                plane._heal(deadline)
+                pending = None
+                continue
+            self.remote_wait_s += time.perf_counter() - t0
+            break
+        batch = self._assemble(pending, parts)
+        self.pulls += 1
+        if plane.config.on_policy:
+            self._advance()
+        if plane.prefetch:
+            with plane._cond:
+                self._next = self._plan()
+        return batch
+
+    def _wait_plan(self, deadline: float) -> Pending:
+        plane = self._plane
+        with plane._cond:
+            while True:
+                plane._check_open()
+                pending = self._plan()
+                if pending is not None:
+                    return pending
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    held = sum(h.size for h in plane._shards.held)
+                    need = plane.capacity if plane.config.on_policy else plane.min_size
+                    raise EmptyBufferError(f"no batch within the timeout: the shards hold "
+                                           f"{held} rows, a batch needs {need}")
+                plane._cond.wait(left)
+
+    def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
+        """On-policy: this rank's share of every mini-batch of the current iteration
+        (M × epochs), in order.
+
+        Raises:
+            ConfigError: The plane is off-policy.
+        """
+        plane = self._plane
+        if not plane.config.on_policy:
+            raise ConfigError("mode", "minibatches() is for on-policy planes; use pull()")
+        for _ in range(plane.config.batches_per_iteration):
+            yield self.pull(timeout=timeout)

@@ -1,0 +1,76 @@
+"""Pure functions that turn per-shard fill levels and priority masses into a global draw.
+
+No Ray here: the front calls them with numbers it keeps, so they are tested on their own.
+
+* Uniform replay over the union of shards: the batch's rows are split over shards by a
+  multinomial draw with probabilities proportional to the rows each primary holds, then each
+  shard draws its share uniformly. Every row is then drawn with probability ``1 / N``.
+* Prioritized replay: the split uses each primary's priority mass ``S_k``; within a shard the
+  sum tree draws row ``i`` with ``p_i / S_k``. Overall ``P(i) = p_i / sum_k S_k``, exactly the
+  single-buffer distribution. Importance weights are global: ``(N P(i))^-beta`` normalised by
+  the largest over all shards, which is ``(p_i / p_min)^-beta`` with ``p_min`` the smallest
+  priority held anywhere.
+* On-policy: one permutation of all the iteration's rows per ``(seed, iteration, epoch)``, split
+  into ``M`` mini-batches, each split into ``W`` disjoint rank shares.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROW_BITS = 40
+"""A delivered ``_index`` is ``owner << ROW_BITS | row_id``: shard and place in its order."""
+
+
+def encode(owner: int, row_ids: np.ndarray) -> np.ndarray:
+    """Global indices of ``owner``'s rows."""
+    return (np.int64(owner) << ROW_BITS) | np.asarray(row_ids, dtype=np.int64)
+
+
+def decode(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(owners, row ids)`` of global indices."""
+    idx = np.asarray(indices, dtype=np.int64)
+    return idx >> ROW_BITS, idx & ((np.int64(1) << ROW_BITS) - 1)
+
+
+def split_draw(rng: np.random.Generator, weights: np.ndarray, batch_size: int) -> np.ndarray:
+    """Rows of a batch each shard draws: multinomial with probabilities ``weights / sum``.
+
+    Raises:
+        ValueError: No weight is positive.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    total = w.sum()
+    if not total > 0:
+        raise ValueError("no shard holds a row that can be drawn")
+    return rng.multinomial(batch_size, w / total)
+
+
+def global_weights(priorities: np.ndarray, min_leaf: float, beta: float) -> np.ndarray:
+    """Importance weights of drawn rows over the whole sharded buffer, max-normalised."""
+    p = np.maximum(np.asarray(priorities, dtype=np.float64), 1e-300)
+    return np.power(p / max(min_leaf, 1e-300), -beta).astype(np.float32)
+
+
+def epoch_parts(total_rows: int, *, seed: int, iteration: int, epoch: int,
+                num_minibatches: int) -> list[np.ndarray]:
+    """Global row positions of each mini-batch of one epoch (a pure function of its args)."""
+    rng = np.random.default_rng([seed, iteration, epoch])
+    return list(np.array_split(rng.permutation(total_rows).astype(np.int64), num_minibatches))
+
+
+def rank_share(part: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s disjoint share of one mini-batch (sizes differ by at most one)."""
+    return np.array_split(part, world_size)[rank]
+
+
+def locate(positions: np.ndarray, sizes: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Global positions (shard 0's rows first, then shard 1's, ...) as ``owner -> (slots,
+    where in the batch)``."""
+    bounds = np.cumsum([0, *sizes])
+    owner = np.searchsorted(bounds, positions, side="right") - 1
+    out = {}
+    for k in np.unique(owner):
+        at = np.nonzero(owner == k)[0]
+        out[int(k)] = (positions[at] - bounds[k], at)
+    return out
