@@ -9,7 +9,7 @@ VERL_VENV := .venv-verl
 $(TEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/pip install -q --upgrade pip
-	$(TEST_VENV)/bin/pip install -q -e ".[rl,test,plots]"
+	$(TEST_VENV)/bin/pip install -q -e ".[rl,trl,test,plots]"
 	touch $@
 
 $(DEMO_VENV)/.installed: pyproject.toml

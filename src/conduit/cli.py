@@ -5,7 +5,7 @@ Subcommands:
 * ``conduit demo``: the main job, a short distributed training run, inline then through
   Conduit, with its per-iteration latency breakdown;
 * ``conduit train``: one training run (DQN, SAC or PPO on Ray actors);
-* ``conduit bench {plane,placement,schedule,peers,convergence,workloads,persist,scale}``:
+* ``conduit bench {plane,placement,schedule,peers,convergence,workloads,persist,scale,grpo}``:
   benchmarks that print tables and write JSON and PNG files;
 * ``conduit profile``: measure this machine's copy bandwidths (cached);
 * ``conduit plan``: print the placement and schedule Conduit would choose, without training.
@@ -29,6 +29,7 @@ _BENCHES = {
     "persist": ("conduit.bench.persist", "checkpoint save/load GB/s vs dd and TorchRL; "
                                          "the learner's stall during snapshots"),
     "scale": ("conduit.bench.scale", "Ray-sharded plane on 1, 2, 4 nodes; recovery; projection"),
+    "grpo": ("conduit.bench.grpo", "TRL's GRPOTrainer alone vs TRL + Conduit on a CPU LM"),
 }
 
 _COMMANDS = {

@@ -182,6 +182,64 @@ class ExperienceSpec:
         return out, rows
 
 
+@dataclass(frozen=True)
+class RaggedFieldSpec:
+    """A variable-length field: one 1-D sequence per sample, stored without padding
+    (:class:`~conduit.storage.ragged.RaggedStore`) and padded per mini-batch on delivery.
+
+    Attributes:
+        dtype: Element type.
+        max_length: Longest sequence a sample may hold.
+        min_length: Shortest (1 refuses empty sequences).
+    """
+
+    dtype: torch.dtype = torch.int64
+    max_length: int = 1024
+    min_length: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError("dtype", f"expected a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.min_length, int) or self.min_length < 0:
+            raise ConfigError("min_length", f"must be a non-negative int, got {self.min_length!r}")
+        if not isinstance(self.max_length, int) or self.max_length < max(1, self.min_length):
+            raise ConfigError("max_length", f"must be an int >= max(1, min_length), got "
+                                            f"{self.max_length!r}")
+
+    def validate(self, sequences: Any, *, field: str, what: str = "batch"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check a list of 1-D sequences and pack them.
+
+        Returns:
+            The sequences concatenated (``values``) and their ``lengths`` (int64).
+
+        Raises:
+            SpecError: Not a sequence of 1-D sequences, a wrong dtype, or a length outside
+                ``[min_length, max_length]``; the message names the field and the sample.
+        """
+        if isinstance(sequences, (str, bytes, Mapping)) or not hasattr(sequences, "__len__"):
+            raise SpecError(field, f"expected a list of 1-D sequences in {what}, got "
+                                   f"{type(sequences).__name__}")
+        parts = []
+        for i, seq in enumerate(sequences):
+            t = as_tensor(seq, field=field)
+            if t.dim() != 1:
+                raise SpecError(field, f"sample {i} in {what} has shape {tuple(t.shape)}, "
+                                       f"expected a 1-D sequence")
+            if t.numel() and t.dtype != self.dtype:
+                raise SpecError(field, f"sample {i} in {what} has dtype {t.dtype}, expected "
+                                       f"{self.dtype}")
+            if not self.min_length <= t.numel() <= self.max_length:
+                raise SpecError(field, f"sample {i} in {what} has length {t.numel()}, expected "
+                                       f"{self.min_length}..{self.max_length}; "
+                                       + ("drop or fill empty samples" if t.numel() == 0 else
+                                          "truncate it or raise max_length"))
+            parts.append(t.to(self.dtype).cpu())
+        lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+        values = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+        return values, lengths
+
+
 def as_tensor(value: Any, *, field: str) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 

@@ -1,9 +1,10 @@
 """``conduit train`` and ``conduit demo``.
 
-``conduit train --algo {dqn,sac,ppo} [--flags of that trainer's Args]`` trains one workload,
-prints a progress line with the per-iteration breakdown, and writes a JSON log and a PNG of the
-breakdown. ``conduit demo`` runs a heavy-payload workload inline and then through Conduit, and
-prints the exposed-path and end-to-end reductions and the plan Conduit chose.
+``conduit train --algo {dqn,sac,ppo,grpo} [--flags of that trainer's Args]`` trains one
+workload, prints a progress line with the per-iteration breakdown, and writes a JSON log and a
+PNG of the breakdown (GRPO: its reward curve). ``conduit demo`` runs a heavy-payload workload
+inline and then through Conduit, and prints the exposed-path and end-to-end reductions and the
+plan Conduit chose.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from types import ModuleType
 
 from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_dataclass
 from conduit.report import write_json
-from conduit.workloads import dqn, ppo, sac
+from conduit.workloads import dqn, grpo, ppo, sac
 from conduit.workloads.actors import ray_running
 from conduit.workloads.args import TrainerArgs
 from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
 from conduit.workloads.figures import plot_breakdown
 from conduit.workloads.learner import resolve_device
 
-TRAINERS: dict[str, ModuleType] = {"dqn": dqn, "sac": sac, "ppo": ppo}
+TRAINERS: dict[str, ModuleType] = {"dqn": dqn, "sac": sac, "ppo": ppo, "grpo": grpo}
 ALGOS = tuple(TRAINERS)
 
 _TRAIN_HELP = """\
-Train DQN, SAC or PPO with Ray rollout actors; the experience path runs inline (the
-sequential baseline) or through Conduit. Prints a per-iteration breakdown and writes a JSON
-log and a PNG. Flags depend on --algo (see 'conduit train --algo sac --help')."""
+Train DQN, SAC or PPO with Ray rollout actors, or GRPO on a tiny causal LM with TRL
+([trl] extra); the experience path runs inline (the sequential baseline) or through Conduit.
+Prints a per-iteration breakdown (GRPO: the reward curve) and writes a JSON log and a PNG.
+Flags depend on --algo (see 'conduit train --algo sac --help')."""
 
 _DEMO_HELP = """\
 Run a heavy-payload workload (image observations, a payload-size stand-in) with the inline
@@ -72,6 +74,8 @@ def train_main(argv: list[str] | None = None) -> int:
     mod = TRAINERS[known.algo]
     args = parse_dataclass(mod.Args, ns)
     result = mod.train(args)
+    if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
+        return mod.report(result, args)
     _print_summary(result)
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
     out = write_json(args.out or f"{stem}.json", result.to_json())

@@ -1,0 +1,209 @@
+"""``conduit bench grpo``: TRL's GRPOTrainer alone against TRL + Conduit (ConduitGRPOTrainer),
+side by side on the CPU GRPO workload, at two completion lengths.
+
+Both trainers run the same seed in alternating rounds (TRL, Conduit, Conduit, TRL, ...). For
+every optimizer step the benchmark times:
+
+* time per step: the run's wall time over its steps;
+* exposed experience path: on a generation step, from the end of generation to the start of
+  the update (``compute_loss``); on the other steps, from the start of ``_prepare_inputs`` to
+  the start of the update (the time between mini-batches);
+* the reward curve (one point per generation batch), and whether per-step losses, rewards and
+  final parameters are identical between the two trainers.
+
+    conduit bench grpo
+    conduit bench grpo --lengths 16 64 --steps 48 --rounds 2
+    conduit bench grpo --quick
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from conduit.bench.common import progress
+from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.report import pyplot, save_figure, table, write_json
+from conduit.workloads import grpo
+
+
+@dataclass(frozen=True)
+class GRPOBenchArgs:
+    """Arguments of ``conduit bench grpo``."""
+
+    lengths: tuple[int, ...] = arg((16, 64), "max completion lengths (tokens) to compare")
+    steps: int = arg(48, "optimizer steps per run")
+    rounds: int = arg(2, "runs per trainer and length, alternating which goes first")
+    steps_per_generation: int = arg(4, "mini-batches per generation batch")
+    batch_size: int = arg(16, "completions per mini-batch")
+    task: str = arg("target", "digit task (target or copy)")
+    seed: int = arg(0, "seed (the same for both trainers)")
+    pad: str = arg("minibatch", "Conduit pads completions to each mini-batch's longest "
+                   "('minibatch') or, as TRL, to the generation batch's ('iteration': bitwise "
+                   "identical losses)")
+    quick: bool = arg(False, "a smoke run: one length of 8, 8 steps, one round")
+    out: str = arg("runs/bench/grpo", "folder for grpo.json / grpo.png")
+
+
+class StepTimer:
+    """Times a trainer's experience path per optimizer step by wrapping three of its methods
+    on the instance (TRL is not patched)."""
+
+    def __init__(self) -> None:
+        self.exposed: list[float] = []
+        self.generation: list[float] = []
+        self._gen_end: float | None = None
+        self._prep_start = 0.0
+
+    def attach(self, trainer: Any) -> None:
+        """Wrap ``_generate``, ``_prepare_inputs`` and ``compute_loss`` of ``trainer``."""
+        gen, prep, loss = trainer._generate, trainer._prepare_inputs, trainer.compute_loss
+
+        def timed_generate(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = gen(*a, **k)
+            self._gen_end = time.perf_counter()
+            self.generation.append(self._gen_end - t0)
+            return out
+
+        def timed_prepare(*a: Any, **k: Any) -> Any:
+            self._prep_start, self._gen_end = time.perf_counter(), None
+            return prep(*a, **k)
+
+        def timed_loss(*a: Any, **k: Any) -> Any:
+            if trainer.model.training:
+                since = self._gen_end if self._gen_end is not None else self._prep_start
+                self.exposed.append(time.perf_counter() - since)
+            return loss(*a, **k)
+
+        trainer._generate, trainer._prepare_inputs = timed_generate, timed_prepare
+        trainer.compute_loss = timed_loss
+
+
+def one_run(args: grpo.Args, *, pad: str = "minibatch") -> dict[str, Any]:
+    """One training run with its per-step timings."""
+    timer = StepTimer()
+    kwargs = {"pad_completions_to": pad} if args.buffer == "conduit" else {}
+    res = grpo.train(args, trainer_kwargs=kwargs, hook=timer.attach)
+    res.trainer = None
+    return {"buffer": args.buffer, "max_completion_length": args.max_completion_length,
+            "wall_s": res.wall_s, "step_s": res.wall_s / args.steps,
+            "exposed_s": sum(timer.exposed), "exposed_per_step_s": sum(timer.exposed) / args.steps,
+            "generation_s": sum(timer.generation), "losses": res.losses,
+            "rewards": res.rewards, "params": res.params}
+
+
+def run(a: GRPOBenchArgs) -> dict[str, Any]:
+    """Every (length, round, trainer), then the table, JSON and PNG; returns the payload."""
+    if a.quick:
+        a = dataclasses.replace(a, lengths=(8,), steps=8, rounds=1)
+    if a.pad not in ("minibatch", "iteration"):
+        raise SystemExit(f"--pad: must be 'minibatch' or 'iteration', got {a.pad!r}")
+    runs: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for buffer in ("trl", "conduit"):  # first-run costs (imports, allocator, threads) untimed
+        grpo.train(grpo.Args(task=a.task, buffer=buffer, steps=2, seed=a.seed,
+                             batch_size=a.batch_size, max_completion_length=min(a.lengths),
+                             steps_per_generation=2))
+    progress("warm-up done")
+    for length in a.lengths:
+        for r in range(a.rounds):
+            for buffer in (("trl", "conduit") if r % 2 == 0 else ("conduit", "trl")):
+                args = grpo.Args(task=a.task, buffer=buffer, steps=a.steps, seed=a.seed,
+                                 batch_size=a.batch_size, max_completion_length=length,
+                                 steps_per_generation=a.steps_per_generation)
+                res = one_run(args, pad=a.pad)
+                runs.append({**res, "round": r})
+                progress(f"length {length} round {r + 1}/{a.rounds} {buffer:<8} "
+                         f"{1000 * res['step_s']:7.1f} ms/step, exposed "
+                         f"{1000 * res['exposed_per_step_s']:6.2f} ms/step")
+    rows, summary = [], []
+    for length in a.lengths:
+        by = {b: [x for x in runs if x["max_completion_length"] == length and x["buffer"] == b]
+              for b in ("trl", "conduit")}
+        med = {b: {k: statistics.median(x[k] for x in rs) for k in ("step_s",
+                                                                   "exposed_per_step_s")}
+               for b, rs in by.items()}
+        ref, got = by["trl"][0], by["conduit"][0]
+        same_losses = ref["losses"] == got["losses"]
+        same_rewards = ref["rewards"] == got["rewards"]
+        same_params = all(torch.equal(ref["params"][k], got["params"][k]) for k in ref["params"])
+        loss_diff = max((abs(x - y) for x, y in zip(ref["losses"], got["losses"])), default=0.0)
+        param_diff = max(float((ref["params"][k] - got["params"][k]).abs().max())
+                         for k in ref["params"])
+        red = 1 - med["conduit"]["exposed_per_step_s"] / med["trl"]["exposed_per_step_s"]
+        step_red = 1 - med["conduit"]["step_s"] / med["trl"]["step_s"]
+        summary.append({"max_completion_length": length, "median": med,
+                        "exposed_reduction": red, "step_time_reduction": step_red,
+                        "identical_losses": same_losses, "identical_rewards": same_rewards,
+                        "identical_params": same_params, "max_loss_diff": loss_diff,
+                        "max_param_diff": param_diff, "rewards": {
+                            "trl": ref["rewards"], "conduit": got["rewards"]}})
+        rows.append([length, f"{1000 * med['trl']['step_s']:.1f}",
+                     f"{1000 * med['conduit']['step_s']:.1f}", f"{100 * step_red:+.0f}%",
+                     f"{1000 * med['trl']['exposed_per_step_s']:.2f}",
+                     f"{1000 * med['conduit']['exposed_per_step_s']:.2f}",
+                     f"{100 * red:.0f}%", "yes" if same_rewards else "NO",
+                     "yes" if same_losses else f"max diff {loss_diff:.1e}",
+                     "yes" if same_params else f"max diff {param_diff:.1e}"])
+    print(f"\nGRPO on the CPU digit task, {a.steps} steps, batch {a.batch_size} x "
+          f"{a.steps_per_generation} mini-batches per generation, Conduit padding to the "
+          f"{a.pad}; medians over {a.rounds} round(s)")
+    print(table(["max len", "TRL ms/step", "Conduit ms/step", "step time lower",
+                 "TRL exposed ms/step", "Conduit exposed ms/step", "exposed lower",
+                 "same rewards", "same losses", "same params"], rows))
+    out = Path(a.out)
+    for x in runs:
+        x.pop("params")
+    payload = {"args": asdict(a), "summary": summary, "runs": runs,
+               "wall_s": time.perf_counter() - t_start}
+    write_json(out / "grpo.json", payload, with_machine=True)
+    png = plot(summary, out / "grpo.png")
+    print(f"wrote {out / 'grpo.json'}" + (f" and {png}" if png else ""))
+    return payload
+
+
+def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
+    """Exposed experience path per step (left) and the reward curves (right), per length."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [str(s["max_completion_length"]) for s in summary]
+    xs = range(len(summary))
+    for off, b, color in ((-0.2, "trl", "tab:gray"), (0.2, "conduit", "tab:blue")):
+        ax0.bar([x + off for x in xs], [1000 * s["median"][b]["exposed_per_step_s"]
+                                        for s in summary], width=0.4, color=color,
+                label="TRL" if b == "trl" else "TRL + Conduit")
+    ax0.set_xticks(list(xs), labels)
+    ax0.set_xlabel("max completion length (tokens)")
+    ax0.set_ylabel("exposed experience path (ms / step)")
+    ax0.legend(fontsize=8)
+    for s in summary:
+        for b, ls in (("trl", "-"), ("conduit", "--")):
+            ys = s["rewards"][b]
+            name = "TRL" if b == "trl" else "Conduit"
+            ax1.plot(range(1, len(ys) + 1), ys, ls=ls,
+                     label=f"{name}, len {s['max_completion_length']}")
+    ax1.set_xlabel("generation batch")
+    ax1.set_ylabel("mean reward")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit bench grpo``."""
+    p = command_parser("conduit bench grpo", __doc__, GRPOBenchArgs)
+    run(parse_dataclass(GRPOBenchArgs, p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,353 @@
+"""GRPO's experience path on a Conduit on-policy plane, independent of any trainer library.
+
+Pure functions first: :func:`combine_rewards` and :func:`group_advantages` follow the
+group-normalized advantage of GRPO (TRL's ``sum_then_normalize``, verl's
+``compute_grpo_outcome_advantage`` with ``norm_adv_by_std_in_grpo``), so a trainer computes
+them on one group as it arrives. :class:`GroupExperiencePath` then runs the path:
+
+* ingestion, once per arriving group: score it, compute its advantages, and pack its prompt and
+  completion tokens into a :class:`~conduit.storage.ragged.RaggedStore` (no padding);
+* delivery, once per mini-batch: slice the iteration in the trainer's order, pad to the
+  mini-batch's longest completion, compute the log-probs it needs (old policy, reference), and
+  move it to the learner's device; with overlapped delivery it runs during the previous update.
+
+The plane's buffer holds one fixed-size row per completion (its ragged slot, advantage and
+lengths); the tokens stay ragged. Framework code (TRL, verl) lives in the integration packages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal
+
+import torch
+
+from conduit.errors import ConfigError, SpecError, StateError
+from conduit.plane import ExperienceDataPlane
+from conduit.scheduling.space import Schedule
+from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec
+from conduit.storage import FifoSampler, data_path_threads
+from conduit.storage.ragged import RaggedStore
+
+ScaleRewards = Literal["group", "none"]
+ADV_EPS = 1e-4
+"""Added to the group's standard deviation before dividing (TRL's and verl's epsilon)."""
+
+
+def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Standard deviation along ``dim`` ignoring NaNs, with Bessel's correction (NaN for fewer
+    than two values)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    corr = torch.where(count > 1, count / (count - 1), torch.full_like(count / 1.0, float("nan")))
+    return torch.sqrt(var * corr).squeeze(dim)
+
+
+def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One reward per completion from ``per_func`` (completions × reward functions): the
+    weighted sum ignoring NaN; NaN where every function returned None (unscorable)."""
+    if per_func.dim() != 2 or per_func.shape[1] != weights.numel():
+        raise SpecError("rewards", f"expected shape (completions, {weights.numel()}), got "
+                                   f"{tuple(per_func.shape)}")
+    rewards = (per_func * weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *,
+                     scale: ScaleRewards = "group") -> torch.Tensor:
+    """Group-normalized advantages: each reward minus its group's mean, divided by the group's
+    standard deviation plus :data:`ADV_EPS` (``scale="group"``) or not (``"none"``). Groups are
+    consecutive runs of ``group_size`` completions; NaN rewards are left out of the statistics
+    and get advantage 0.
+
+    Raises:
+        SpecError: ``rewards`` is not 1-D or does not split into groups of ``group_size``.
+        ConfigError: ``scale`` is unknown or ``group_size`` is not positive.
+    """
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError("group_size", f"must be a positive int, got {group_size!r}")
+    if scale not in ("group", "none"):
+        raise ConfigError("scale_rewards", f"must be 'group' or 'none', got {scale!r}")
+    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
+        raise SpecError("rewards", f"{tuple(rewards.shape)} does not split into groups of "
+                                   f"{group_size} completions")
+    grouped = rewards.view(-1, group_size)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size, dim=0)
+    adv = rewards - mean
+    if scale == "group":
+        std = (nanstd(grouped, dim=1) if group_size > 1
+               else torch.zeros(grouped.shape[0], dtype=rewards.dtype, device=rewards.device))
+        adv = adv / (std.repeat_interleave(group_size, dim=0) + ADV_EPS)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+class OrderedFifoSampler(FifoSampler):
+    """Consume-once sampling in an order the trainer gives per iteration (its shuffle), split
+    into ``num_minibatches`` equal parts; every epoch repeats the iteration's order."""
+
+    def __init__(self, *, num_minibatches: int) -> None:
+        super().__init__(num_minibatches=num_minibatches, shuffle=False)
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def set_order(self, iteration: int, order: torch.Tensor) -> None:
+        """Rows of ``iteration`` in delivery order (a permutation of its rows)."""
+        self._orders = {iteration: order.to(torch.int64).cpu().clone()}
+
+    def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
+        order = self._orders.get(iteration)
+        if order is None or order.numel() != size:
+            raise StateError("sampler.order", f"no order of {size} rows for iteration "
+                                              f"{iteration}; call begin_iteration first")
+        return list(torch.tensor_split(order, self.num_minibatches))
+
+
+@dataclass(frozen=True)
+class LogProbSource:
+    """Per-token log-probs a delivered mini-batch needs, computed during delivery.
+
+    Attributes:
+        key: Name in the delivered batch (``old_per_token_logps``, ``ref_per_token_logps``).
+        fn: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask)`` -> (B, T) tensor;
+            it must read a policy that does not change during the iteration (a snapshot).
+        skip_first: Leading mini-batches of a single-epoch iteration that need none (they are
+            computed under the policy that generated them, so the learner's own log-probs,
+            detached, are the same).
+    """
+
+    key: str
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    skip_first: int = 0
+
+
+@dataclass
+class _Group:
+    prompt_ids: list[Sequence[int]]
+    completion_ids: list[Sequence[int]]
+    payload: Any
+
+
+class GroupExperiencePath:
+    """GRPO's experience path: groups in, padded mini-batches out, through an on-policy plane.
+
+    Args:
+        group_size: Completions per prompt (G).
+        groups: Groups per iteration (one generation batch holds ``groups × G`` rows).
+        num_minibatches: Mini-batches per epoch (TRL's ``steps_per_generation``).
+        num_epochs: Passes over each iteration (TRL's ``num_iterations``).
+        max_prompt_length: Longest prompt, in tokens.
+        max_completion_length: Longest completion, in tokens.
+        pad_token_id: Token that pads ids.
+        score: ``score(payload, prompt_ids, completion_ids)`` -> rewards of one group, shape
+            (G,), NaN for unscorable completions. Runs in ingestion.
+        scale_rewards: ``"group"`` or ``"none"`` (see :func:`group_advantages`).
+        logprobs: Log-probs computed per mini-batch in delivery.
+        pad_completions_to: ``"minibatch"`` (its longest completion) or ``"iteration"``.
+        learner_device: Where delivered mini-batches end up.
+        schedule: The plane's schedule (default: ingestion inline, one group per invocation;
+            delivery overlapped, one mini-batch per invocation, so the next mini-batch is
+            prepared during the update).
+        timeout: Seconds a push or pull may wait.
+
+    Raises:
+        ConfigError: An argument is invalid.
+    """
+
+    def __init__(self, *, group_size: int, groups: int, num_minibatches: int, num_epochs: int,
+                 max_prompt_length: int, max_completion_length: int, pad_token_id: int,
+                 score: Callable[[Any, list[Sequence[int]], list[Sequence[int]]], torch.Tensor],
+                 scale_rewards: ScaleRewards = "group",
+                 logprobs: Sequence[LogProbSource] = (),
+                 pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
+                 learner_device: str | torch.device = "cpu", schedule: Schedule | None = None,
+                 timeout: float = 600.0) -> None:
+        for name, v in (("group_size", group_size), ("groups", groups),
+                        ("num_minibatches", num_minibatches), ("num_epochs", num_epochs)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"must be a positive int, got {v!r}")
+        rows = group_size * groups
+        if rows % num_minibatches:
+            raise ConfigError("num_minibatches", f"{rows} rows per iteration do not split into "
+                                                 f"{num_minibatches} equal mini-batches")
+        if scale_rewards not in ("group", "none"):
+            raise ConfigError("scale_rewards", f"per-group ingestion supports 'group' or "
+                                               f"'none', got {scale_rewards!r}")
+        if pad_completions_to not in ("minibatch", "iteration"):
+            raise ConfigError("pad_completions_to", f"must be 'minibatch' or 'iteration', got "
+                                                    f"{pad_completions_to!r}")
+        self.group_size, self.groups, self.rows = group_size, groups, rows
+        self.num_minibatches, self.num_epochs = num_minibatches, num_epochs
+        self.pad_token_id, self.scale_rewards = int(pad_token_id), scale_rewards
+        self.pad_completions_to = pad_completions_to
+        self._score, self._logprobs = score, tuple(logprobs)
+        self.ragged = RaggedStore(fields={
+            "prompt_ids": RaggedFieldSpec(torch.int64, max_length=max_prompt_length),
+            "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
+            capacity=rows)
+        self._ragged_lock = threading.Lock()
+        spec = ExperienceSpec.of(row=((), torch.int64), slot=((), torch.int64),
+                                 advantage=((), torch.float32), reward=((), torch.float32))
+        self._sampler = OrderedFifoSampler(num_minibatches=num_minibatches)
+        m = num_minibatches
+        self.plane = ExperienceDataPlane(
+            spec=spec, capacity=rows, mode="on_policy", num_minibatches=m, num_epochs=num_epochs,
+            sampler=self._sampler, rollout_rows=group_size, learner_device=learner_device,
+            rollout_spec=ExperienceSpec.of(row=((), torch.int64)), timeout=timeout,
+            schedule=schedule or Schedule(0, Fraction(group_size, rows), 1, Fraction(1, m)))
+        self.plane.register_ingestion()(self._ingest)
+        self.plane.register_delivery()(self._deliver)
+        self.iteration = -1
+        self._groups: dict[int, _Group] = {}
+        self._part_of = torch.zeros(rows, dtype=torch.int64)
+        self._prompt_width = 0
+        self._pushed = 0
+        self._rewards = torch.full((rows,), float("nan"))
+        self._advantages = torch.zeros(rows)
+
+    # -- the trainer's side -------------------------------------------------------------------
+
+    def begin_iteration(self, order: torch.Tensor, *, prompt_width: int) -> None:
+        """Start the next iteration: its rows will be delivered in ``order`` (a permutation of
+        ``0 .. rows-1``, split into the mini-batches in turn), with prompts left-padded to
+        ``prompt_width``.
+
+        Raises:
+            StateError: The previous iteration has not been consumed.
+            SpecError: ``order`` is not a permutation of the iteration's rows.
+        """
+        order = torch.as_tensor(order, dtype=torch.int64).reshape(-1).cpu()
+        if order.numel() != self.rows or not torch.equal(order.sort().values,
+                                                         torch.arange(self.rows)):
+            raise SpecError("order", f"expected a permutation of {self.rows} rows")
+        if self.iteration >= 0 and self.plane.policy_version <= self.iteration:
+            raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
+                                          f"to pull")
+        self.iteration += 1
+        self._sampler.set_order(self.iteration, order)
+        for k, part in enumerate(torch.tensor_split(order, self.num_minibatches)):
+            self._part_of[part] = k
+        with self._ragged_lock:
+            self.ragged.clear()
+        self._groups, self._pushed, self._prompt_width = {}, 0, int(prompt_width)
+        self._rewards = torch.full((self.rows,), float("nan"))
+        self._advantages = torch.zeros(self.rows)
+
+    def push_group(self, *, prompt_ids: Sequence[Sequence[int]],
+                   completion_ids: Sequence[Sequence[int]], payload: Any = None) -> None:
+        """Hand one group (G completions of one prompt, in generation order) to ingestion.
+
+        Raises:
+            SpecError: The group does not hold ``group_size`` completions, a completion is
+                empty or longer than ``max_completion_length``, or the iteration is full.
+        """
+        g = self._pushed // self.group_size
+        for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+            if len(seqs) != self.group_size:
+                raise SpecError(name, f"group {g} has {len(seqs)} sequences, expected "
+                                      f"group_size={self.group_size}")
+        if self._pushed + self.group_size > self.rows:
+            raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups; "
+                                  f"call begin_iteration for the next one")
+        for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+            self.ragged.fields[name].validate(seqs, field=name, what=f"group {g}")
+        if any(len(p) > self._prompt_width for p in prompt_ids):
+            raise SpecError("prompt_ids", f"group {g} has a prompt longer than the iteration's "
+                                          f"prompt_width {self._prompt_width}")
+        self._groups[g] = _Group(list(prompt_ids), list(completion_ids), payload)
+        rows = torch.arange(self._pushed, self._pushed + self.group_size)
+        self._pushed += self.group_size
+        self.plane.push({"row": rows}, policy_version=self.iteration)
+
+    def pull(self) -> Batch:
+        """The next mini-batch: ``prompt_ids``/``prompt_mask`` (left-padded),
+        ``completion_ids``/``completion_mask`` (right-padded), ``advantages``, the
+        :class:`LogProbSource` keys it needs, and ``row`` (its rows in generation order)."""
+        return self.plane.pull()
+
+    def flush(self) -> None:
+        """Ingest every pushed group now."""
+        self.plane.flush()
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """Rewards of the iteration's ingested rows, in generation order (NaN before)."""
+        return self._rewards
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """Advantages of the iteration's ingested rows, in generation order."""
+        return self._advantages
+
+    def completion_tokens(self) -> int:
+        """Completion tokens of the iteration ingested so far."""
+        with self._ragged_lock:
+            return self.ragged.tokens("completion_ids")
+
+    def close(self) -> None:
+        """Stop the plane's workers."""
+        self.plane.close()
+
+    # -- operators ----------------------------------------------------------------------------
+
+    def _ingest(self, actor_in: Any, exp_out: Any) -> None:
+        for unit in actor_in.read_units():
+            rows = unit["row"]
+            g = int(rows[0]) // self.group_size
+            grp = self._groups[g]
+            rewards = torch.as_tensor(self._score(grp.payload, grp.prompt_ids,
+                                                  grp.completion_ids), dtype=torch.float32)
+            if rewards.shape != (self.group_size,):
+                raise SpecError("rewards", f"group {g}: the scorer returned shape "
+                                           f"{tuple(rewards.shape)}, expected "
+                                           f"({self.group_size},)")
+            adv = group_advantages(rewards, self.group_size, scale=self.scale_rewards)
+            with self._ragged_lock:
+                slots = self.ragged.extend({"prompt_ids": grp.prompt_ids,
+                                            "completion_ids": grp.completion_ids})
+            self._rewards[rows], self._advantages[rows] = rewards, adv
+            exp_out.write({"row": rows, "slot": slots, "advantage": adv, "reward": rewards})
+
+    def _deliver(self, exp_in: Any, learn_out: Any) -> None:
+        rows = exp_in.read()
+        if not torch.equal(rows["row"], rows["_index"]):
+            raise StateError("row", "buffer slots and generation rows disagree (groups were "
+                                    "ingested out of order)")
+        slots = rows["slot"]
+        with self._ragged_lock:
+            prompt_ids = self.ragged.padded("prompt_ids", slots, pad_value=self.pad_token_id,
+                                            side="left", width=self._prompt_width)
+            plen = self.ragged.lengths("prompt_ids", slots)
+            width = None
+            if self.pad_completions_to == "iteration":
+                width = int(self.ragged.lengths("completion_ids").max())
+            completion_ids = self.ragged.padded("completion_ids", slots,
+                                                pad_value=self.pad_token_id, width=width)
+            clen = self.ragged.lengths("completion_ids", slots)
+        cols = torch.arange(completion_ids.shape[1])
+        completion_mask = (cols.unsqueeze(0) < clen.unsqueeze(1)).long()
+        pcols = torch.arange(prompt_ids.shape[1])
+        prompt_mask = (pcols.unsqueeze(0) >= (prompt_ids.shape[1] - plen).unsqueeze(1)).long()
+        out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+               "completion_ids": completion_ids, "completion_mask": completion_mask,
+               "advantages": rows["advantage"], "row": rows["row"]}
+        part = int(self._part_of[int(rows["row"][0])]) if slots.numel() else 0
+        for src in self._logprobs:
+            if self.num_epochs == 1 and part < src.skip_first:
+                continue
+            with data_path_threads(1):  # a prefetch must not take the learner's cores
+                out[src.key] = src.fn(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        learn_out.write(out)
+
+    def __enter__(self) -> GroupExperiencePath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ADV_EPS", "GroupExperiencePath", "LogProbSource", "OrderedFifoSampler",
+           "combine_rewards", "group_advantages", "nanstd"]

@@ -1,0 +1,217 @@
+"""``ConduitGRPOTrainer``: TRL's ``GRPOTrainer`` with a Conduit on-policy plane as its experience
+path.
+
+TRL prepares a whole generation batch at once: after generation it pads every sequence to the
+batch's longest, computes old (and reference) log-probs over the batch, scores it, normalizes
+advantages, shuffles and splits it, and only then starts the first update. This subclass keeps
+generation as it is and hands each group of ``num_generations`` completions to a
+:class:`~conduit.integrations.grpo.GroupExperiencePath`: ingestion scores the group, computes
+its advantages and packs its tokens without padding; delivery builds each mini-batch (padded to
+its own longest completion, with the log-probs it needs) on a background worker while the
+previous update runs. The first ``gradient_accumulation_steps`` mini-batches of a single-epoch
+iteration are trained under the policy that generated them, so their old log-probs are the
+learner's own, detached (as TRL does when generation and optimizer steps align), and need no
+forward pass.
+
+The order of the mini-batches, the advantages and the loss are TRL's: the shuffle draws the same
+permutation from torch's RNG, right after generation (reward functions must not draw from
+torch's global RNG for the two paths to match draw for draw).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import nanstd as trl_nanstd
+
+from conduit.errors import ConfigError
+from conduit.integrations.grpo import GroupExperiencePath, LogProbSource, combine_rewards
+from conduit.scheduling.space import Schedule
+
+
+class ConduitGRPOTrainer(GRPOTrainer):
+    """A ``trl.GRPOTrainer`` whose experience path runs through Conduit; a drop-in replacement.
+
+    Args:
+        *args: Those of ``trl.GRPOTrainer``.
+        conduit_schedule: Schedule of the plane (default: ingestion inline once per group,
+            delivery overlapped once per mini-batch).
+        pad_completions_to: ``"minibatch"`` (default: each mini-batch's longest completion) or
+            ``"iteration"`` (the generation batch's longest, as TRL pads).
+        **kwargs: Those of ``trl.GRPOTrainer``.
+
+    Raises:
+        ConfigError: A feature the Conduit path does not carry is enabled (vLLM, tools,
+            environments, images, ``scale_rewards="batch"``, ``normalize_then_sum``,
+            ``mask_truncated_completions``, ``pad_to_multiple_of``, several processes).
+    """
+
+    def __init__(self, *args: Any, conduit_schedule: Schedule | None = None,
+                 pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_supported()
+        self._conduit_schedule = conduit_schedule
+        self._pad_completions_to = pad_completions_to
+        self._conduit: GroupExperiencePath | None = None
+        self._conduit_left = 0
+        self._conduit_items: torch.Tensor | None = None
+        self._conduit_per_func: torch.Tensor | None = None
+        self._old_policy: torch.nn.Module | None = None
+
+    def _check_supported(self) -> None:
+        a = self.args
+        checks = [
+            ("use_vllm", bool(self.use_vllm), "generate with the model (use_vllm=False)"),
+            ("tools", bool(self.tools), "drop tools"),
+            ("environment_factory", self.environment_factories is not None,
+             "drop environments"),
+            ("rollout_func", self.rollout_func is not None, "drop rollout_func"),
+            ("scale_rewards", self.scale_rewards not in ("group", "none"),
+             "use 'group' or 'none' (per-group ingestion)"),
+            ("multi_objective_aggregation", self.multi_objective_aggregation
+             != "sum_then_normalize", "use 'sum_then_normalize'"),
+            ("mask_truncated_completions", bool(self.mask_truncated_completions),
+             "set it to False"),
+            ("pad_to_multiple_of", self.pad_to_multiple_of is not None, "leave it unset"),
+            ("num_processes", self.accelerator.num_processes != 1, "run one process"),
+            ("beta", self.beta != 0.0 and self.ref_model is None,
+             "give a reference model (PEFT adapters are not carried)"),
+        ]
+        for name, bad, fix in checks:
+            if bad:
+                raise ConfigError(name, f"ConduitGRPOTrainer does not carry this setting; {fix}")
+        if a.generation_batch_size % self.num_generations:
+            raise ConfigError("generation_batch_size", "must be a multiple of num_generations")
+
+    # -- the experience path ------------------------------------------------------------------
+
+    def _build_path(self) -> GroupExperiencePath:
+        a = self.args
+        ga = self.args.gradient_accumulation_steps
+        generate_every = a.steps_per_generation * self.num_iterations
+        sources = []
+        if ga % generate_every != 0:  # TRL's rule for when old log-probs are needed
+            self._old_policy = copy.deepcopy(self.model).eval()
+            for p in self._old_policy.parameters():
+                p.requires_grad_(False)
+            skip = ga if self.num_iterations == 1 else 0
+            sources.append(LogProbSource("old_per_token_logps",
+                                         self._logps_of(self._old_policy), skip_first=skip))
+        if self.beta != 0.0:
+            sources.append(LogProbSource("ref_per_token_logps", self._logps_of(self.ref_model)))
+        max_prompt = a.max_prompt_length if getattr(a, "max_prompt_length", None) else 1 << 20
+        return GroupExperiencePath(
+            group_size=self.num_generations, groups=a.generation_batch_size // self.num_generations,
+            num_minibatches=a.steps_per_generation, num_epochs=self.num_iterations,
+            max_prompt_length=max_prompt, max_completion_length=self.max_completion_length,
+            pad_token_id=self._tokenizer.pad_token_id, score=self._score_group,
+            scale_rewards=self.scale_rewards, logprobs=sources,
+            pad_completions_to=self._pad_completions_to, learner_device=self.accelerator.device,
+            schedule=self._conduit_schedule)
+
+    def _logps_of(self, model: torch.nn.Module) -> Any:
+        def logps(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+            dev = self.accelerator.device
+            ids = torch.cat([prompt_ids, completion_ids], dim=1).to(dev)
+            mask = torch.cat([prompt_mask, completion_mask], dim=1).to(dev)
+            with torch.no_grad():
+                out, _, _ = self._get_per_token_logps_and_entropies(
+                    model, ids, mask, completion_ids.size(1),
+                    batch_size=self.args.per_device_train_batch_size)
+            return out
+        return logps
+
+    def _score_group(self, payload: Any, prompt_ids: Any, completion_ids: Any) -> torch.Tensor:
+        rows, inputs, prompts, completions = payload
+        per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
+        assert self._conduit_per_func is not None
+        self._conduit_per_func[rows] = per_func.to(self._conduit_per_func.device)
+        return combine_rewards(per_func, self.reward_weights).cpu()
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """Training: the next mini-batch from the plane, generating a new iteration when the
+        previous one is consumed. Evaluation: TRL's own path."""
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        if self._conduit is None:
+            self._conduit = self._build_path()
+        if self._conduit_left == 0:
+            self._generate_iteration(generation_batch)
+        batch = self._conduit.pull()
+        self._conduit_left -= 1
+        batch.pop("row")
+        batch["num_items_in_batch"] = self._conduit_items
+        return batch
+
+    def _generate_iteration(self, inputs: list[dict[str, Any]]) -> None:
+        path = self._conduit
+        assert path is not None
+        prompts = [x["prompt"] for x in inputs]
+        if "images" in inputs[0] or "image" in inputs[0]:
+            raise ConfigError("train_dataset", "image inputs are not carried by "
+                                               "ConduitGRPOTrainer")
+        prompt_ids, completion_ids, _, completions, _, extra, _, _ = self._generate(prompts)
+        if extra:
+            raise ConfigError("rollout_func", "extra fields are not carried")
+        order = torch.randperm(len(prompts))  # TRL's shuffle, drawn at the same point
+        if self._old_policy is not None:
+            with torch.no_grad():
+                for old, new in zip(self._old_policy.parameters(), self.model.parameters()):
+                    old.copy_(new)
+        n = len(prompts)
+        self._conduit_per_func = torch.zeros(n, len(self.reward_funcs))
+        self._conduit_items = torch.tensor(sum(len(c) for c in completion_ids),
+                                           device=self.accelerator.device)
+        path.begin_iteration(order, prompt_width=max(len(p) for p in prompt_ids))
+        g = self.num_generations
+        for start in range(0, n, g):
+            sl = slice(start, start + g)
+            path.push_group(prompt_ids=prompt_ids[sl], completion_ids=completion_ids[sl],
+                            payload=(torch.arange(start, start + g), inputs[sl], prompts[sl],
+                                     completions[sl]))
+        path.flush()
+        self._conduit_left = path.num_minibatches * path.num_epochs
+        self._log_iteration(prompts, completions)
+
+    def _log_iteration(self, prompts: list[Any], completions: list[Any]) -> None:
+        """The reward metrics and completion logs TRL records per generation batch."""
+        path, mode = self._conduit, "train"
+        assert path is not None and self._conduit_per_func is not None
+        per_func, rewards = self._conduit_per_func, path.rewards.clone()
+        for i, name in enumerate(self.reward_func_names):
+            self._metrics[mode][f"rewards/{name}/mean"].append(
+                torch.nanmean(per_func[:, i]).item())
+            self._metrics[mode][f"rewards/{name}/std"].append(trl_nanstd(per_func[:, i]).item())
+        g = self.num_generations
+        std = (trl_nanstd(rewards.view(-1, g), dim=1) if g > 1
+               else torch.zeros(rewards.numel() // g)).repeat_interleave(g)
+        self._metrics[mode]["reward"].append(torch.nanmean(rewards).item())
+        self._metrics[mode]["reward_std"].append(trl_nanstd(rewards).item())
+        self._metrics[mode]["frac_reward_zero_std"].append(
+            torch.isclose(std, torch.zeros_like(std)).float().mean().item())
+        self._logs["prompt"].extend(prompts)
+        self._logs["completion"].extend(completions)
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(per_func[:, i].tolist())
+        self._logs["advantages"].extend(path.advantages.tolist())
+        for column in sorted(self._pending_extra_logs):  # user-logged columns and metrics
+            self._logs["extra"][column].extend(self._pending_extra_logs[column])
+        self._pending_extra_logs.clear()
+        for name in sorted(self._pending_metrics):
+            values = self._pending_metrics[name]
+            self._metrics[mode][name].append(sum(values) / len(values))
+        self._pending_metrics.clear()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``GRPOTrainer.train``; the plane's workers stop when it returns."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._conduit is not None:
+                self._conduit.close()
+                self._conduit, self._conduit_left = None, 0

@@ -1,0 +1,201 @@
+"""Variable-length fields without padding: one flat value pool per field, plus per-row offsets
+and lengths. Rows are padded only when they are read, to the longest row of that read (one
+mini-batch), never to a global maximum.
+
+A row is addressed by its slot (its position in write order since the last :meth:`clear`), so a
+fixed-shape buffer row can refer to its ragged fields with one integer column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from conduit.errors import CapacityError, ConfigError, SpecError, StateError
+from conduit.spec import RaggedFieldSpec
+
+Side = Literal["left", "right"]
+
+
+class RaggedStore:
+    """Ragged fields of up to ``capacity`` rows, packed end to end.
+
+    Example:
+        >>> store = RaggedStore(fields={"tokens": RaggedFieldSpec(torch.int64, 8)}, capacity=4)
+        >>> slots = store.extend({"tokens": [[1, 2, 3], [4]]})
+        >>> store.padded("tokens", slots, pad_value=0)
+        tensor([[1, 2, 3], [4, 0, 0]])
+
+    Args:
+        fields: Field name -> :class:`~conduit.spec.RaggedFieldSpec`.
+        capacity: Rows held until :meth:`clear`.
+
+    Raises:
+        ConfigError: No fields, a field that is not a RaggedFieldSpec, or a bad capacity.
+    """
+
+    def __init__(self, *, fields: Mapping[str, RaggedFieldSpec], capacity: int) -> None:
+        if not fields:
+            raise ConfigError("fields", "a ragged store needs at least one field")
+        for name, fs in fields.items():
+            if not isinstance(fs, RaggedFieldSpec):
+                raise ConfigError(f"fields[{name!r}]", f"expected a RaggedFieldSpec, got {fs!r}")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError("capacity", f"must be a positive int, got {capacity!r}")
+        self.fields = dict(fields)
+        self.capacity = capacity
+        self._rows = 0
+        self._offsets = {n: torch.zeros(capacity + 1, dtype=torch.int64) for n in fields}
+        # Pools grow geometrically; a full buffer of max-length rows is the upper bound.
+        self._pools = {n: torch.empty(capacity * 4, dtype=fs.dtype) for n, fs in fields.items()}
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def lengths(self, name: str, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Lengths of ``name`` in ``slots`` (all rows when None)."""
+        off = self._offsets[self._field(name)]
+        lens = off[1:self._rows + 1] - off[:self._rows]
+        return lens if slots is None else lens[self._slots(slots)]
+
+    def tokens(self, name: str) -> int:
+        """Elements stored for ``name`` (the unpadded size)."""
+        return int(self._offsets[self._field(name)][self._rows])
+
+    def extend(self, rows: Mapping[str, Sequence[Any]]) -> torch.Tensor:
+        """Append rows: each field a list of 1-D sequences (one per row).
+
+        Returns:
+            The rows' slots.
+
+        Raises:
+            SpecError: A field is missing or unknown, a sequence is not 1-D, has the wrong
+                dtype or a length outside the field's bounds, or fields disagree on rows.
+            CapacityError: More rows than ``capacity`` since the last :meth:`clear`.
+        """
+        unknown = [k for k in rows if k not in self.fields]
+        if unknown:
+            raise SpecError(unknown[0], f"unknown ragged field; the store has {list(self.fields)}")
+        packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        n: int | None = None
+        for name, fs in self.fields.items():
+            if name not in rows:
+                raise SpecError(name, "missing from the ragged rows")
+            values, lens = fs.validate(rows[name], field=name, what="ragged rows")
+            if n is None:
+                n = int(lens.numel())
+            elif lens.numel() != n:
+                raise SpecError(name, f"has {lens.numel()} rows but the other fields have {n}")
+            packed[name] = (values, lens)
+        assert n is not None
+        if self._rows + n > self.capacity:
+            raise CapacityError(f"the ragged store holds {self.capacity} rows, {self._rows} are "
+                                f"stored and {n} more arrived; clear it or raise capacity",
+                                needed=self._rows + n, available=self.capacity)
+        for name, (values, lens) in packed.items():
+            self._append(name, values, lens)
+        start = self._rows
+        self._rows += n
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    def _append(self, name: str, values: torch.Tensor, lens: torch.Tensor) -> None:
+        off = self._offsets[name]
+        end = int(off[self._rows])
+        need = end + int(values.numel())
+        pool = self._pools[name]
+        if need > pool.numel():
+            grown = torch.empty(max(need, 2 * pool.numel()), dtype=pool.dtype)
+            grown[:end] = pool[:end]
+            self._pools[name] = pool = grown
+        pool[end:need] = values
+        off[self._rows + 1:self._rows + 1 + lens.numel()] = end + torch.cumsum(lens, 0)
+
+    def rows(self, name: str, slots: torch.Tensor) -> list[torch.Tensor]:
+        """The unpadded sequences of ``name`` in ``slots`` (views of the pool)."""
+        off, pool = self._offsets[self._field(name)], self._pools[name]
+        return [pool[int(off[s]):int(off[s + 1])] for s in self._slots(slots).tolist()]
+
+    def padded(self, name: str, slots: torch.Tensor, *, pad_value: float | int = 0,
+               side: Side = "right", width: int | None = None) -> torch.Tensor:
+        """``name`` of ``slots`` as a ``(len(slots), width)`` tensor, padded on ``side`` to the
+        longest of these rows (or to ``width``).
+
+        Raises:
+            SpecError: ``width`` is shorter than one of the rows.
+            ConfigError: ``side`` is neither "left" nor "right".
+        """
+        if side not in ("left", "right"):
+            raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
+        slots = self._slots(slots)
+        off, pool = self._offsets[self._field(name)], self._pools[name]
+        starts, lens = off[slots], off[slots + 1] - off[slots]
+        longest = int(lens.max()) if lens.numel() else 0
+        w = longest if width is None else width
+        if w < longest:
+            raise SpecError(name, f"a row of length {longest} does not fit width {w}")
+        col = torch.arange(w, dtype=torch.int64)
+        if side == "right":
+            pos = col.unsqueeze(0)
+            valid = pos < lens.unsqueeze(1)
+        else:
+            pos = col.unsqueeze(0) - (w - lens).unsqueeze(1)
+            valid = pos >= 0
+        src = torch.where(valid, starts.unsqueeze(1) + pos, 0)
+        if not pool.numel():
+            return torch.full(src.shape, pad_value, dtype=pool.dtype)
+        return pool[src].masked_fill(~valid, pad_value)
+
+    def clear(self) -> None:
+        """Drop every row (the pools keep their memory)."""
+        self._rows = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rows, and per field the packed values and offsets (copies)."""
+        return {"rows": self._rows,
+                "fields": {n: {"values": self._pools[n][:self.tokens(n)].clone(),
+                               "offsets": self._offsets[n][:self._rows + 1].clone()}
+                           for n in self.fields}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            StateError: A key is missing, or offsets and values disagree.
+        """
+        rows = state.get("rows")
+        if not isinstance(rows, int) or not 0 <= rows <= self.capacity:
+            raise StateError("ragged.rows", f"expected an int in [0, {self.capacity}], got "
+                                            f"{rows!r}")
+        fields = state.get("fields", {})
+        for name in self.fields:
+            entry = fields.get(name)
+            if not isinstance(entry, Mapping) or {"values", "offsets"} - set(entry):
+                raise StateError(f"ragged.fields.{name}", "missing values or offsets")
+            values, off = entry["values"], entry["offsets"]
+            if (off.numel() != rows + 1 or int(off[0]) != 0 or int(off[-1]) != values.numel()
+                    or bool((off[1:] < off[:-1]).any())):
+                raise StateError(f"ragged.fields.{name}.offsets",
+                                 f"{off.numel()} offsets do not describe {rows} rows of "
+                                 f"{values.numel()} values")
+        for name in self.fields:
+            values, off = fields[name]["values"], fields[name]["offsets"]
+            self._pools[name] = values.to(self.fields[name].dtype).clone()
+            self._offsets[name][:rows + 1] = off
+        self._rows = rows
+
+    def _field(self, name: str) -> str:
+        if name not in self.fields:
+            raise SpecError(name, f"unknown ragged field; the store has {list(self.fields)}")
+        return name
+
+    def _slots(self, slots: torch.Tensor) -> torch.Tensor:
+        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self._rows):
+            raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
+                                     f"{int(slots.min())}..{int(slots.max())}")
+        return slots
+
+
+__all__ = ["RaggedStore"]

@@ -1,0 +1,166 @@
+"""GRPO on the CPU: a tiny random-init causal LM learns the digit task of
+:mod:`conduit.workloads.grpo_task` with TRL's ``GRPOTrainer``, its experience path either TRL's
+own (``--buffer trl``) or Conduit's (``--buffer conduit``: :class:`ConduitGRPOTrainer`).
+
+``conduit train --algo grpo`` runs it, prints the reward curve, and writes the curve (JSON) and a
+plot. Needs the ``conduit-rl[trl]`` extra; TRL is imported when a run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from conduit.cli_args import arg
+from conduit.report import pyplot, save_figure, write_json
+from conduit.workloads import grpo_task
+
+BUFFERS = ("trl", "conduit")
+
+
+@dataclass(frozen=True)
+class Args:
+    """Arguments of ``conduit train --algo grpo``."""
+
+    task: str = arg("target", "reward: 'target' (emit the digit 7) or 'copy' (repeat the "
+                    "prompt's first digit)")
+    buffer: str = arg("conduit", "experience path: 'trl' (TRL alone) or 'conduit'")
+    steps: int = arg(60, "optimizer steps")
+    batch_size: int = arg(16, "completions per mini-batch (per_device_train_batch_size)")
+    num_generations: int = arg(8, "completions per prompt (the group size G)")
+    steps_per_generation: int = arg(4, "mini-batches per generation batch")
+    num_iterations: int = arg(1, "passes over each generation batch")
+    prompt_len: int = arg(4, "digits per prompt")
+    max_completion_length: int = arg(16, "longest completion, in tokens")
+    hidden: int = arg(64, "model width")
+    layers: int = arg(2, "decoder layers")
+    lr: float = arg(3e-3, "learning rate")
+    beta: float = arg(0.0, "KL coefficient (a reference model when > 0)")
+    seed: int = arg(0, "random seed")
+    threads: int = arg(0, "torch CPU threads (0: leave as is)")
+    out: str = arg("", "JSON path (default runs/train/grpo_<task>_<buffer>.json)")
+    plot: str = arg("", "PNG path (default next to the JSON)")
+
+
+@dataclass
+class GRPOResult:
+    """A finished run: per-step losses, the reward curve (one point per generation batch) and
+    the final parameters."""
+
+    args: Args
+    losses: list[float]
+    rewards: list[float]
+    wall_s: float
+    params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+    trainer: Any = field(repr=False, default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-friendly summary (no tensors)."""
+        return {"args": dataclasses.asdict(self.args), "losses": self.losses,
+                "rewards": self.rewards, "wall_s": self.wall_s,
+                "reward_first": self.rewards[0] if self.rewards else None,
+                "reward_last": self.rewards[-1] if self.rewards else None}
+
+
+def build_trainer(args: Args, *, output_dir: str, **trainer_kwargs: Any) -> Any:
+    """A ``GRPOTrainer`` (``buffer="trl"``) or ``ConduitGRPOTrainer`` for ``args``.
+
+    Raises:
+        ValueError: Unknown ``buffer`` or ``task``.
+    """
+    if args.buffer not in BUFFERS:
+        raise ValueError(f"buffer: must be one of {BUFFERS}, got {args.buffer!r}")
+    from trl import GRPOConfig, GRPOTrainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = grpo_task.digit_tokenizer()
+    model = grpo_task.tiny_llama(vocab_size=len(tok), hidden=args.hidden, layers=args.layers,
+                                 max_positions=args.prompt_len + args.max_completion_length + 8,
+                                 seed=args.seed)
+    gen_batch = args.batch_size * args.steps_per_generation
+    rows = gen_batch * args.steps // (args.steps_per_generation * args.num_iterations) + gen_batch
+    data = grpo_task.prompt_dataset(n=rows // args.num_generations + 1,
+                                    prompt_len=args.prompt_len, seed=args.seed)
+    cfg = GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
+        num_iterations=args.num_iterations, max_completion_length=args.max_completion_length,
+        learning_rate=args.lr, beta=args.beta, max_steps=args.steps, logging_steps=1,
+        report_to="none", use_cpu=True, seed=args.seed, data_seed=args.seed,
+        save_strategy="no", disable_tqdm=True, bf16=False, dataloader_num_workers=0,
+        log_level="error", lr_scheduler_type="constant")
+    if args.beta:  # TRL builds the reference model from the policy's path
+        init = Path(output_dir) / "init"
+        model.save_pretrained(init)
+        model = str(init)
+    cls = GRPOTrainer
+    if args.buffer == "conduit":
+        from conduit.integrations.trl import ConduitGRPOTrainer
+        cls = ConduitGRPOTrainer
+    from transformers import PrinterCallback
+
+    trainer = cls(model=model, args=cfg, reward_funcs=grpo_task.reward_fn(args.task),
+                  train_dataset=data, processing_class=tok, **trainer_kwargs)
+    trainer.remove_callback(PrinterCallback)  # the log dicts stay in trainer.state.log_history
+    return trainer
+
+
+def train(args: Args, *, trainer_kwargs: dict[str, Any] | None = None,
+          hook: Any = None) -> GRPOResult:
+    """Run GRPO for ``args.steps`` optimizer steps.
+
+    Args:
+        args: The run.
+        trainer_kwargs: Extra keyword arguments of the trainer class.
+        hook: Called with the trainer before training (e.g. to time its methods).
+    """
+    with tempfile.TemporaryDirectory(prefix="conduit-grpo-") as tmp:
+        trainer = build_trainer(args, output_dir=tmp, **(trainer_kwargs or {}))
+        if hook is not None:
+            hook(trainer)
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    hist = trainer.state.log_history
+    losses = [float(h["loss"]) for h in hist if "loss" in h]
+    rewards = [float(h["reward"]) for h in hist if "reward" in h]
+    params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return GRPOResult(args, losses, rewards, wall, params, trainer)
+
+
+def plot_rewards(curves: dict[str, list[float]], path: str | Path, *, title: str
+                 ) -> Path | None:
+    """Reward per generation batch, one line per curve; None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=label, marker="." if len(ys) < 40 else None)
+    ax.set_xlabel("generation batch")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def report(result: GRPOResult, args: Args) -> int:
+    """Print and save a finished run (``conduit train --algo grpo``); the exit status."""
+    r = result.rewards
+    print(f"GRPO ({args.task}, {args.buffer}): {args.steps} steps in {result.wall_s:.1f}s; mean "
+          f"reward {r[0]:.3f} -> {r[-1]:.3f} over {len(r)} generation batches")
+    stem = f"runs/train/grpo_{args.task}_{args.buffer}"
+    out = write_json(args.out or f"{stem}.json", result.to_json())
+    png = plot_rewards({args.buffer: r}, args.plot or out.with_suffix(".png"),
+                       title=f"GRPO on the digit task '{args.task}'")
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    finite = all(x == x and abs(x) != float("inf") for x in result.losses)
+    return 0 if finite else 1

@@ -1,0 +1,176 @@
+"""GRPO's experience path on an on-policy plane, without any trainer library."""
+
+import math
+
+import pytest
+import torch
+
+from conduit.errors import ConfigError, OperatorError, SpecError, StateError
+from conduit.integrations.grpo import (
+    GroupExperiencePath,
+    LogProbSource,
+    combine_rewards,
+    group_advantages,
+)
+from conduit.scheduling.space import Schedule
+
+G, GROUPS, M = 4, 3, 2
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
+    adv = group_advantages(r, 4)
+    g0 = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    want0 = (g0 - g0.mean()) / (g0.std() + 1e-4)  # Bessel-corrected std, as TRL and verl
+    assert torch.allclose(adv[:4], want0, atol=1e-6, rtol=0)
+    assert adv[4:].tolist() == [0.0] * 4  # a constant group carries no signal
+    assert torch.equal(group_advantages(r, 4, scale="none")[:4], g0 - g0.mean())
+
+
+def test_nan_rewards_are_left_out_and_get_zero_advantage():
+    r = torch.tensor([1.0, float("nan"), 3.0, 5.0])
+    adv = group_advantages(r, 4)
+    kept = torch.tensor([1.0, 3.0, 5.0])
+    assert adv[1] == 0.0
+    assert torch.allclose(adv[[0, 2, 3]], (kept - 3.0) / (kept.std() + 1e-4), atol=1e-6)
+    per_func = torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")]])
+    combined = combine_rewards(per_func, torch.tensor([2.0, 1.0]))
+    assert combined[0] == 2.0 and math.isnan(combined[1])
+
+
+@pytest.mark.parametrize(("rewards", "size", "err"), [
+    (torch.ones(6), 4, SpecError), (torch.ones(2, 2), 2, SpecError), (torch.ones(0), 2, SpecError),
+    (torch.ones(4), 0, ConfigError)])
+def test_groups_that_do_not_split_are_refused(rewards, size, err):
+    with pytest.raises(err):
+        group_advantages(rewards, size)
+
+
+def _score(payload, prompt_ids, completion_ids):
+    return torch.tensor([float(len(c)) for c in completion_ids])
+
+
+def _path(**kw):
+    args = dict(group_size=G, groups=GROUPS, num_minibatches=M, num_epochs=2,
+                max_prompt_length=6, max_completion_length=8, pad_token_id=0, score=_score,
+                timeout=20)
+    return GroupExperiencePath(**{**args, **kw})
+
+
+def _groups(it):
+    gen = torch.Generator().manual_seed(it)
+    out = []
+    for g in range(GROUPS):
+        plen = 2 + g
+        prompts = [[1 + g] * plen] * G
+        lens = torch.randint(1, 9, (G,), generator=gen).tolist()
+        out.append((prompts, [[10 + g * G + i] * n for i, n in enumerate(lens)]))
+    return out
+
+
+def _run(path, iters=2):
+    got = []
+    for it in range(iters):
+        order = torch.randperm(G * GROUPS, generator=torch.Generator().manual_seed(it))
+        groups = _groups(it)
+        path.begin_iteration(order, prompt_width=max(len(p[0]) for p, _ in groups))
+        for prompts, comps in groups:
+            path.push_group(prompt_ids=prompts, completion_ids=comps)
+        got.append((order, groups, [path.pull() for _ in range(M * 2)]))
+    return got
+
+
+@pytest.mark.parametrize("schedule", [None, Schedule.inline(num_minibatches=M)])
+def test_minibatches_follow_the_order_and_pad_to_their_longest(schedule):
+    with _path(schedule=schedule) as path:
+        for order, groups, batches in _run(path):
+            comps = [c for _, cs in groups for c in cs]
+            prompts = [p for ps, _ in groups for p in ps]
+            parts = torch.tensor_split(order, M)
+            for k, mb in enumerate(batches):
+                rows = parts[k % M]  # every epoch repeats the iteration's order
+                assert torch.equal(mb["row"], rows)
+                longest = max(len(comps[r]) for r in rows.tolist())
+                assert mb["completion_ids"].shape == (len(rows), longest)
+                for i, r in enumerate(rows.tolist()):
+                    n = len(comps[r])
+                    assert mb["completion_ids"][i, :n].tolist() == comps[r]
+                    assert mb["completion_mask"][i].tolist() == [1] * n + [0] * (longest - n)
+                    p = prompts[r]
+                    width = mb["prompt_ids"].shape[1]
+                    assert mb["prompt_ids"][i, width - len(p):].tolist() == p
+                    assert mb["prompt_mask"][i].tolist() == [0] * (width - len(p)) + [1] * len(p)
+                rewards = torch.tensor([float(len(c)) for c in comps])
+                assert torch.equal(mb["advantages"], group_advantages(rewards, G)[rows])
+
+
+def test_schedules_deliver_the_same_minibatches():
+    with _path() as a, _path(schedule=Schedule.inline(num_minibatches=M)) as b:
+        for (_, _, xs), (_, _, ys) in zip(_run(a), _run(b)):
+            for x, y in zip(xs, ys):
+                assert x.keys() == y.keys()
+                assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_logprob_sources_run_in_delivery_except_the_skipped_first(epochs):
+    seen = []
+
+    def logps(pids, pmask, cids, cmask):
+        seen.append(cids.shape[0])
+        return cids.to(torch.float32) * 0.5
+
+    src = LogProbSource("old_per_token_logps", logps, skip_first=1)
+    with _path(num_epochs=epochs, logprobs=[src]) as path:
+        groups = _groups(0)
+        path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
+        for prompts, comps in groups:
+            path.push_group(prompt_ids=prompts, completion_ids=comps)
+        batches = [path.pull() for _ in range(M * epochs)]
+    # A single epoch's first mini-batch is trained under the generating policy: skipped.
+    # With more epochs every mini-batch needs them.
+    skipped = 1 if epochs == 1 else 0
+    assert all("old_per_token_logps" not in mb for mb in batches[:skipped])
+    for mb in batches[skipped:]:
+        assert torch.equal(mb["old_per_token_logps"], mb["completion_ids"].float() * 0.5)
+    assert len(seen) == M * epochs - skipped
+
+
+def test_bad_groups_get_typed_errors():
+    with _path() as path:
+        path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
+        with pytest.raises(SpecError, match="expected group_size=4") as err:
+            path.push_group(prompt_ids=[[1]] * 3, completion_ids=[[2]] * 3)
+        assert err.value.field == "prompt_ids"
+        with pytest.raises(SpecError, match="length 0") as err:
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2], [], [2], [2]])
+        assert err.value.field == "completion_ids"
+        with pytest.raises(SpecError, match=r"length 9.*raise max_length"):
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2] * 9] * G)
+        with pytest.raises(SpecError, match="prompt_width"):
+            path.push_group(prompt_ids=[[1] * 5] * G, completion_ids=[[2]] * G)
+        with pytest.raises(SpecError, match="permutation"):
+            path.begin_iteration(torch.zeros(G * GROUPS), prompt_width=4)
+        for _ in range(GROUPS):
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2]] * G)
+        with pytest.raises(SpecError, match="holds 3 groups"):
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2]] * G)
+        with pytest.raises(StateError, match="still has mini-batches"):
+            path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
+
+
+def test_a_scorer_of_the_wrong_shape_fails_ingestion():
+    with _path(score=lambda payload, p, c: torch.zeros(G + 1)) as path:
+        path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
+        with pytest.raises(OperatorError, match="scorer returned shape"):
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2]] * G)
+        path.plane.recover()  # the failed group is lost; closing is clean
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"num_minibatches": 5}, "num_minibatches"), ({"scale_rewards": "batch"}, "scale_rewards"),
+    ({"group_size": 0}, "group_size"), ({"pad_completions_to": "max"}, "pad_completions_to")])
+def test_bad_configuration(kw, field):
+    with pytest.raises(ConfigError) as err:
+        _path(**kw)
+    assert err.value.field == field

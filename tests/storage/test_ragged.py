@@ -1,0 +1,116 @@
+"""Ragged fields: stored without padding, padded per read, bad input refused with a typed error."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conduit.errors import CapacityError, ConfigError, SpecError, StateError
+from conduit.spec import RaggedFieldSpec
+from conduit.storage.ragged import RaggedStore
+
+
+def _store(capacity=16, max_length=8, min_length=1):
+    return RaggedStore(fields={
+        "tokens": RaggedFieldSpec(torch.int64, max_length=max_length, min_length=min_length),
+        "logps": RaggedFieldSpec(torch.float32, max_length=max_length, min_length=min_length)},
+        capacity=capacity)
+
+
+def _rows(lengths, start=0):
+    toks = [list(range(start + 10 * i, start + 10 * i + n)) for i, n in enumerate(lengths)]
+    return {"tokens": toks, "logps": [torch.tensor(t, dtype=torch.float32) / 7 for t in toks]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 8), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_round_trip_in_chunks(chunks):
+    store = _store(capacity=sum(len(c) for c in chunks))
+    expected = []
+    for k, lengths in enumerate(chunks):
+        rows = _rows(lengths, start=1000 * k)
+        slots = store.extend(rows)
+        assert slots.tolist() == list(range(len(expected), len(expected) + len(lengths)))
+        expected += rows["tokens"]
+    all_slots = torch.arange(len(expected))
+    assert [r.tolist() for r in store.rows("tokens", all_slots)] == expected
+    assert store.tokens("tokens") == sum(map(len, expected))  # nothing padded in storage
+    assert store.lengths("tokens").tolist() == [len(t) for t in expected]
+
+
+def test_padded_to_the_longest_row_of_the_read():
+    store = _store()
+    store.extend(_rows([3, 1, 5, 2]))
+    slots = torch.tensor([3, 1])
+    right = store.padded("tokens", slots, pad_value=-1)
+    assert right.tolist() == [[30, 31], [10, -1]]  # width 2: the longest of these two rows
+    left = store.padded("tokens", slots, pad_value=-1, side="left", width=4)
+    assert left.tolist() == [[-1, -1, 30, 31], [-1, -1, -1, 10]]
+    logps = store.padded("logps", torch.tensor([2]), pad_value=0.0)
+    assert torch.equal(logps, torch.tensor([[20, 21, 22, 23, 24]], dtype=torch.float32) / 7)
+    with pytest.raises(SpecError, match="does not fit width 3"):
+        store.padded("tokens", torch.tensor([2]), width=3)
+    with pytest.raises(ConfigError, match="side"):
+        store.padded("tokens", slots, side="middle")
+
+
+def test_pools_grow_and_clear_keeps_capacity():
+    store = _store(capacity=4, max_length=64)
+    store.extend(_rows([64, 64, 64, 64]))  # beyond the initial pool of 4 x 4 elements
+    assert store.tokens("tokens") == 256
+    with pytest.raises(CapacityError, match="holds 4 rows"):
+        store.extend(_rows([1]))
+    store.clear()
+    assert len(store) == 0
+    store.extend(_rows([2]))
+    assert store.rows("tokens", torch.tensor([0]))[0].tolist() == [0, 1]
+
+
+def test_state_dict_round_trip():
+    store = _store()
+    store.extend(_rows([3, 1, 5]))
+    state = store.state_dict()
+    other = _store()
+    other.load_state_dict(state)
+    for name in ("tokens", "logps"):
+        assert torch.equal(other.padded(name, torch.arange(3)), store.padded(name, torch.arange(3)))
+    bad = {"rows": 3, "fields": {**state["fields"], "tokens": {
+        "values": state["fields"]["tokens"]["values"][:-1],
+        "offsets": state["fields"]["tokens"]["offsets"]}}}
+    with pytest.raises(StateError, match=r"tokens\.offsets"):
+        other.load_state_dict(bad)
+
+
+@pytest.mark.parametrize(("rows", "field", "match"), [
+    ({"tokens": [[1], []], "logps": [[0.5], []]}, "tokens", r"length 0.*drop or fill"),
+    ({"tokens": [list(range(9))], "logps": [[0.0] * 9]}, "tokens", r"length 9.*raise max_length"),
+    ({"tokens": [[[1, 2]]], "logps": [[0.0, 0.0]]}, "tokens", "1-D"),
+    ({"tokens": [torch.tensor([1.5])], "logps": [[0.0]]}, "tokens", "dtype"),
+    ({"tokens": [[1], [2]], "logps": [[0.0]]}, "logps", "has 1 rows"),
+    ({"tokens": [[1]]}, "logps", "missing"),
+    ({"tokens": [[1]], "logps": [[0.0]], "other": [[1]]}, "other", "unknown"),
+    ({"tokens": "12", "logps": [[0.0]]}, "tokens", "list of 1-D sequences"),
+])
+def test_bad_rows_get_a_spec_error_naming_the_field(rows, field, match):
+    store = _store()
+    with pytest.raises(SpecError, match=match) as err:
+        store.extend(rows)
+    assert err.value.field == field
+    assert len(store) == 0  # nothing half-written
+
+
+def test_bad_configuration_and_slots():
+    with pytest.raises(ConfigError, match="max_length"):
+        RaggedFieldSpec(torch.int64, max_length=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        RaggedFieldSpec("int64")
+    with pytest.raises(ConfigError, match="fields"):
+        RaggedStore(fields={}, capacity=4)
+    with pytest.raises(ConfigError, match="capacity"):
+        _store(capacity=0)
+    store = _store()
+    store.extend(_rows([2]))
+    with pytest.raises(SpecError, match="slots must lie in"):
+        store.padded("tokens", torch.tensor([1]))
+    with pytest.raises(SpecError, match="unknown ragged field"):
+        store.lengths("nope")
