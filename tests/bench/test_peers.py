@@ -352,6 +352,7 @@ ADAPTERS = [
     ("conduit", ()),
     ("conduit-pull", ()),
     ("conduit-prefetch", ()),
+    ("conduit-split", ()),
     ("gather-floor", ()),
     ("gear-placement", ()),
     ("cpprb", ("cpprb",)),

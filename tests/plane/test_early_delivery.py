@@ -8,6 +8,7 @@ import torch
 
 from conduit import EmptyBufferError, ExperienceDataPlane, Schedule
 from conduit.plane.early import EarlyBatch
+from conduit.storage import FifoSampler
 from tests.conftest import make_rows
 
 N, M, EPOCHS, UNIT = 48, 4, 2, 12
@@ -149,3 +150,31 @@ def test_rollout_rows_shapes_the_space(small_spec):
     assert space(rollout_rows=UNIT // 2) == ["1/8", "1/4", "1/2", "3/4", "1"]
     assert space(rollout_rows=UNIT // 3) == ["1/12", "1/6", "1/4", "1/2", "3/4", "1"]
     assert space(rollout_rows=N) == ["1/4", "1/2", "3/4", "1"]  # units of a whole iteration
+
+
+def test_first_minibatch_from_the_head_is_delivered_before_the_last_unit(small_spec):
+    """With ``first_within = 1 - 1/units`` the first mini-batch only holds rows of the earlier
+    units: it is delivered before the last unit is pushed, and every schedule delivers the
+    same batches."""
+    def plane(schedule):
+        return ExperienceDataPlane(spec=small_spec, capacity=N, mode="on_policy",
+                                   num_minibatches=M, num_epochs=EPOCHS, schedule=schedule,
+                                   timeout=20, sampler=FifoSampler(num_minibatches=M, seed=3,
+                                                                   first_within=1 - UNIT / N))
+
+    with plane(Schedule.inline(num_minibatches=M)) as ref_plane:
+        ref = _run(ref_plane, small_spec)
+    with plane(Schedule(1, 0.25, 1, 0.25)) as p:
+        got = []
+        for it in range(2):
+            for start in range(0, N - UNIT, UNIT):
+                p.push(make_rows(small_spec, UNIT, start=it * 1000 + start), policy_version=it)
+            first = p.pull(timeout=10)  # the last unit is not pushed yet
+            assert int(first["id"].max()) < it * 1000 + N - UNIT
+            p.push(make_rows(small_spec, UNIT, start=it * 1000 + N - UNIT), policy_version=it)
+            got.append([first, *(p.pull(timeout=10) for _ in range(M * EPOCHS - 1))])
+        assert p.counters["early_batches"] >= 2
+    for it_ref, it_got in zip(ref, got):
+        for a, b in zip(it_ref, it_got):
+            for k in a:
+                assert torch.equal(a[k], b[k]), k

@@ -169,3 +169,13 @@ def test_space_is_a_value():
     b = feasible_space(mode="off_policy", g_max_ing=2, g_max_del=2)
     assert a == b and hash(a) == hash(b)
     assert isinstance(a, ScheduleSpace)
+
+
+@pytest.mark.parametrize(("m", "u", "finer"), [
+    (1, F(1, 2), (F(1, 2),)),  # one mini-batch: ingestion may still run once per unit
+    (2, F(1, 8), (F(1, 8), F(1, 4), F(3, 8))),  # every multiple below 1/M, not M - 1 of them
+    (4, F(1, 4), ()),
+])
+def test_every_multiple_of_the_unit_below_one_minibatch_is_feasible(m, u, finer):
+    space = feasible_space(mode="on_policy", num_minibatches=m, unit_fraction_ing=u)
+    assert space.g_ing == (*finer, *(F(k, m) for k in range(1, m + 1)))

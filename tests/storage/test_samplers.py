@@ -214,3 +214,36 @@ def test_same_seed_same_batches_on_every_store(small_spec, make):
         for x, y in zip(outs[0], other):
             for k in x:
                 assert torch.equal(x[k], y[k]), k
+
+
+@given(n=st.integers(1, 200), m=st.integers(1, 16), within=st.floats(0.01, 1.0),
+       seed=st.integers(0, 1000))
+@settings(max_examples=80, deadline=None)
+def test_fifo_first_within_keeps_exactly_once_and_leads_from_the_head(n, m, within, seed):
+    m = min(m, n)
+    s = FifoSampler(num_minibatches=m, seed=seed, first_within=within)
+    for epoch in range(2):
+        parts = s.layout(n, iteration=1, epoch=epoch)
+        sizes = [p.numel() for p in parts]
+        assert len(parts) == m and max(sizes) - min(sizes) <= 1
+        assert sorted(torch.cat(parts).tolist()) == list(range(n))
+    head = max(sizes[0], int(within * n))
+    assert int(s.layout(n, iteration=1, epoch=0)[0].max()) < head
+
+
+def test_fifo_first_within_one_is_the_plain_shuffle():
+    a = FifoSampler(num_minibatches=4, seed=7)
+    b = FifoSampler(num_minibatches=4, seed=7, first_within=1.0)
+    for epoch in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(a.layout(40, iteration=2, epoch=epoch),
+                                                      b.layout(40, iteration=2, epoch=epoch)))
+    c = FifoSampler(num_minibatches=4, seed=7, first_within=0.5)
+    assert all(torch.equal(x, y) for x, y in zip(a.layout(40, iteration=2, epoch=1),
+                                                  c.layout(40, iteration=2, epoch=1)))
+    assert c.config()["first_within"] == 0.5
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan")])
+def test_fifo_first_within_is_validated(bad):
+    with pytest.raises(ConfigError, match="first_within"):
+        FifoSampler(num_minibatches=4, first_within=bad)

@@ -10,6 +10,10 @@ schedule (Fig. 5a) and under an overlapped one, side by side, and reports per it
 
 (docs/design.md §9), plus the time to sample a batch of 512 at dimension 1000 from a
 100 000-slot buffer next to a plain ``copy_`` of the same bytes and to the gather floor.
+
+On-policy, both schedules use the same consume-once layout; by default its first mini-batch is
+drawn from every rollout unit but the last (``--no-lead-first`` for a plain shuffle), so an
+overlapped plane can assemble it while the last unit is still being ingested.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from conduit.plane.synthetic import Workload, fill, make_step, register_ops, syn
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
-from conduit.storage import ExperienceBuffer, UniformSampler
+from conduit.storage import ExperienceBuffer, FifoSampler, UniformSampler
 from conduit.storage.threads import data_path_threads
 from conduit.timing import repeat_times
 
@@ -52,6 +56,9 @@ class PlaneBenchArgs:
     compute_threads: int = arg(1, "torch threads for rollout/update compute (the data path "
                                   "always uses its own single thread)")
     repeats: int = arg(50, "repetitions for the gather-vs-copy measurement")
+    lead_first: bool = arg(True, "on-policy: draw each iteration's first mini-batch from every "
+                                 "unit but the last (FifoSampler first_within = 1 - 1/units), "
+                                 "the same layout under both schedules")
     out: str = arg("runs/bench/plane", "output directory for JSON and PNG")
     quick: bool = arg(False, "tiny sizes, for a smoke run")
 
@@ -62,8 +69,11 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
     spec = synthetic_spec(args.dim)
     if on_policy:
         n = args.onpolicy_units * args.rollout_rows
+        within = 1 - 1 / args.onpolicy_units if args.lead_first else 1.0
         plane = ExperienceDataPlane(spec=spec, capacity=n, mode="on_policy",
-                                    num_minibatches=args.minibatches, schedule=schedule)
+                                    num_minibatches=args.minibatches, schedule=schedule,
+                                    sampler=FifoSampler(num_minibatches=args.minibatches,
+                                                        first_within=within))
     else:
         plane = ExperienceDataPlane(spec=spec, capacity=args.capacity, batch_size=args.batch_size,
                                     schedule=schedule)

@@ -103,11 +103,13 @@ class LearnerOut:
         if rows % self._batches:
             raise SpecError(None, f"delivery wrote {rows} rows, which do not split into "
                                   f"{self._batches} equal training batches")
-        for k, v in batch.items():
+        device, host = self._device, self._device.type == "cpu"
+        moved = {}
+        for k, v in batch.items():  # one pass: check rows, move what is not there yet
             if v.shape[0] != rows:
                 raise SpecError(k, f"has {v.shape[0]} rows in the delivered batch, "
                                    f"expected {rows}")
-        moved = {k: _to(v, self._device) for k, v in batch.items()}
+            moved[k] = v if host and v.device.type == "cpu" else _to(v, device)
         if self._batches == 1:
             self.staged.append(moved)
             return

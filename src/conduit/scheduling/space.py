@@ -192,5 +192,6 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
         if u.denominator > MAX_MINIBATCHES:
             raise ConfigError("unit_fraction_ing", f"{u} is finer than 1/{MAX_MINIBATCHES}; "
                                                    f"push larger rollout units")
-        g_ing = [u * j for j in range(1, m) if u * j < Fraction(1, m)] + g_ing
+        below = -(-Fraction(1, m) // u)  # the multiples u, 2u, ... strictly below 1/M
+        g_ing = [u * j for j in range(1, below)] + g_ing
     return ScheduleSpace(mode=mode, g_ing=tuple(g_ing), g_del=(Fraction(1, m),))

@@ -1,4 +1,5 @@
-"""Compiled row copies (Numba) for host tensors with large rows, such as image payloads.
+"""Compiled row kernels (Numba): row copies for host tensors with large rows, such as image
+payloads, and the check of which delivered rows a priority update may still touch.
 
 ``dst[dst_rows[k]] = src[src_rows[k]]`` row by row, as bytes, in one call that does not hold
 the GIL, where a Python loop would take it once per row (``docs/design.md §7``).
@@ -30,3 +31,27 @@ def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray,
         for j in range(m):
             dst[a, j] = src[b, j]
     return 0
+
+
+@numba.njit(cache=True, nogil=True)
+def current_rows(slots: np.ndarray, size: int, delivered: np.ndarray, row_id: np.ndarray,
+                 keep: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Which slots still hold the row last delivered from them (or never delivered one).
+
+    Sets ``keep[k]`` for slot ``slots[k]``.
+
+    Returns:
+        How many slots were kept, or ``-1 - k`` for the first slot ``k`` outside
+        ``[0, size)`` (``keep`` is then unset).
+    """
+    n = slots.shape[0]
+    for k in range(n):
+        if slots[k] < 0 or slots[k] >= size:
+            return -1 - k
+    kept = 0
+    for k in range(n):
+        d = delivered[slots[k]]
+        ok = d == -1 or d == row_id[slots[k]]
+        keep[k] = ok
+        kept += ok
+    return kept

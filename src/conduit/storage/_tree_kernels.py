@@ -20,8 +20,9 @@ def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.
     """Set leaf ``idx[k]`` to ``svals[k]`` (sum tree) and ``mvals[k]`` (min tree).
 
     Leaves are written in order (a repeated index keeps its last value); then the touched
-    parents are repaired bottom-up, level by level, in address order and once each, so the
-    walk streams through memory instead of chasing one random path per write.
+    parents are repaired bottom-up, one level at a time over the whole batch, so the misses of
+    the lower levels overlap. A parent shared by several leaves is recomputed once per leaf,
+    from the same children: cheaper than sorting the batch to visit it once.
     """
     n = idx.shape[0]
     if n == 0:
@@ -29,18 +30,15 @@ def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.
     for k in range(n):
         s[p + idx[k]] = svals[k]
         m[p + idx[k]] = mvals[k]
-    node = np.sort(idx + p) >> 1
+    node = (idx + p) >> 1
     while node[0] >= 1:
-        prev = -1
         for k in range(n):
             c = node[k]
-            if c != prev:
-                left = 2 * c
-                s[c] = s[left] + s[left + 1]
-                a = m[left]
-                b = m[left + 1]
-                m[c] = a if a < b else b
-                prev = c
+            left = 2 * c
+            s[c] = s[left] + s[left + 1]
+            a = m[left]
+            b = m[left + 1]
+            m[c] = a if a < b else b
             node[k] = c >> 1
 
 
@@ -53,12 +51,14 @@ def _descend(s: np.ndarray, p: int, x: np.ndarray) -> np.ndarray:  # pragma: no 
     width = 1
     while width < p:
         for k in range(n):
+            # Branch-free: which child a mass goes to is a coin flip the branch predictor
+            # misses half the time, which costs more than the memory access.
             c = node[k] * 2
             ls = s[c]
-            if x[k] >= ls:
-                x[k] -= ls
-                c += 1
-            node[k] = c
+            xk = x[k]
+            right = xk >= ls
+            x[k] = xk - ls if right else xk
+            node[k] = c + right
         width *= 2
     return node
 
@@ -120,4 +120,25 @@ def check_priorities(idx: np.ndarray, pr: np.ndarray,
     for k in range(idx.shape[0]):
         if idx[k] < 0 or idx[k] >= capacity:
             return 3, 0.0
+    return 0, pmax
+
+
+@numba.njit(cache=True, nogil=True)
+def set_priorities(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, pr: np.ndarray,
+                   leaves: np.ndarray, bound: float,
+                   capacity: int) -> tuple[int, float]:  # pragma: no cover - compiled
+    """Check raw priorities ``pr`` for leaves ``idx`` and, when all are valid, set leaf
+    ``idx[k]`` to ``leaves[k]`` (see :func:`set_leaves`), all in one call.
+
+    Returns:
+        ``(0, max priority)`` after setting, or a code with nothing set: 1 not finite,
+        2 negative, 3 index out of range, 4 a leaf above ``bound`` (with the largest priority).
+    """
+    code, pmax = check_priorities(idx, pr, capacity)
+    if code != 0:
+        return code, 0.0
+    for k in range(leaves.shape[0]):
+        if not leaves[k] <= bound:
+            return 4, pmax
+    set_leaves(s, m, p, idx, leaves, leaves)
     return 0, pmax

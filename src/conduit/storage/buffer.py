@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Mapping
@@ -13,13 +12,22 @@ import torch
 
 from conduit.errors import ConfigError, PriorityError
 from conduit.spec import Batch, ExperienceSpec
-from conduit.storage.column_store import Store, make_store
+from conduit.storage import compiled
+from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot
 from conduit.storage.state import StateDict, array, entry
-from conduit.storage.threads import data_path_threads
+from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
+
+
+def _flat_host(values: Any) -> torch.Tensor:
+    """``values`` as a flat CPU tensor without autograd history (no copy when it is one)."""
+    if (isinstance(values, torch.Tensor) and values.dim() == 1 and values.device.type == "cpu"
+            and not values.requires_grad):
+        return values
+    return torch.as_tensor(values).detach().cpu().reshape(-1)
 
 
 class ExperienceBuffer:
@@ -39,8 +47,10 @@ class ExperienceBuffer:
         placement: Where the rows live (default: pageable CPU).
         store: A store to use instead of allocating one for ``placement`` (for example a
             :class:`~conduit.storage.MemmapColumnStore`); its spec and capacity must match.
-        threads: Torch intra-op threads used by the data path (see
-            :func:`~conduit.storage.threads.data_path_threads`).
+        threads: Threads of the data path (see
+            :func:`~conduit.storage.threads.data_path_threads`). Above one, a large gather
+            from a single-device store may be split over row ranges on a pool the buffer owns,
+            where that measures faster (:class:`~conduit.storage.threads.GatherWorkers`).
     """
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, sampler: Sampler | None = None,
@@ -95,7 +105,7 @@ class ExperienceBuffer:
         else:
             data = dict(batch)
             n = next(iter(data.values())).shape[0]
-        with self._lock, data_path_threads(self.threads):
+        with self._lock, data_path_threads(1):
             first_id = self.writer.total_written
             pieces = self.writer.reserve(n)
             for store_start, b0, length in pieces:
@@ -132,15 +142,27 @@ class ExperienceBuffer:
             return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
                                        device)
 
+    _workers: GatherWorkers | None = None
+
     def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
-        # The thread count is usually right already; skip the context manager's cost then.
-        threads = (contextlib.nullcontext() if torch.get_num_threads() == self.threads
-                   else data_path_threads(self.threads))
-        with threads:
-            out = self.store.get(info.indices, device=device)
-        slots = info.indices.numpy()
-        self._delivered_id[slots] = self._row_id[slots]
-        out["_index"] = info.indices
+        indices = info.indices
+        if self.threads > 1 and isinstance(self.store, ColumnStore):
+            # Several data-path threads: a large gather may be split over row ranges on the
+            # buffer's own pool, each range on one torch thread (see GatherWorkers).
+            if self._workers is None:
+                self._workers = GatherWorkers(threads=self.threads)
+            with data_path_threads(1):
+                out = self.store.get(indices, device=device, workers=self._workers)
+        elif torch.get_num_threads() == self.threads:  # usually right already: no switch
+            out = self.store.get(indices, device=device)
+        else:
+            with data_path_threads(self.threads):
+                out = self.store.get(indices, device=device)
+        if self.sampler.accepts_priorities:
+            # Only a priority update reads which row a slot delivered (see update_priorities).
+            slots = indices.numpy()
+            self._delivered_id[slots] = self._row_id[slots]
+        out["_index"] = indices
         if info.weights is not None:
             out["_weight"] = info.weights
         return out
@@ -162,26 +184,35 @@ class ExperienceBuffer:
             PriorityError: Indices that are not integers or not filled slots; priorities that
                 are not finite and non-negative; mismatched lengths.
         """
-        idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
+        idx, pr = _flat_host(indices), _flat_host(priorities)
         if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise PriorityError(f"indices: must be integer slots (a batch's _index), got dtype "
                                 f"{idx.dtype}")
-        pr = torch.as_tensor(priorities).detach().cpu().reshape(-1)
-        if pr.numel() != idx.numel():
-            raise PriorityError(f"priorities: {pr.numel()} values for {idx.numel()} indices")
+        if pr.shape[0] != idx.shape[0]:
+            raise PriorityError(f"priorities: {pr.shape[0]} values for {idx.shape[0]} indices")
         with self._lock:
             slots = idx.numpy().astype(np.int64, copy=False)
             size = self.writer.size
-            if slots.size and (slots.min() < 0 or slots.max() >= size):
+            current = np.empty(slots.shape[0], dtype=np.bool_)
+            kernels = compiled.load("_row_kernels")
+            if kernels is not None:
+                kept = kernels.current_rows(slots, size, self._delivered_id, self._row_id,
+                                            current)
+            else:
+                kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
+                if kept == 0:
+                    delivered = self._delivered_id[slots]
+                    np.logical_or(delivered == -1, delivered == self._row_id[slots],
+                                  out=current)
+                    kept = int(current.sum())
+            if kept < 0:
                 raise PriorityError(f"indices: must be filled slots in [0, {size}), got "
                                     f"[{slots.min()}, {slots.max()}]")
-            delivered = self._delivered_id[slots]
-            current = (delivered == -1) | (delivered == self._row_id[slots])
-            if not current.all():
+            if kept < slots.shape[0]:
                 keep = torch.from_numpy(current)
                 idx, pr = idx[keep], pr[keep]
             self.sampler.update_priorities(idx, pr)
-            return int(idx.numel())
+            return kept
 
     def clear(self) -> None:
         """Forget all rows (storage stays allocated)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +17,7 @@ from conduit.storage import compiled
 from conduit.storage.hostmem import host_zeros
 from conduit.storage.layout import Placement
 from conduit.storage.state import StateDict, entry, integer
+from conduit.storage.threads import GatherWorkers
 
 
 class Store(Protocol):
@@ -102,12 +104,14 @@ def _memory_key(t: torch.Tensor) -> int:
 class GatherOutputs:
     """Host tensors that gathers write into, reused once nothing refers to them.
 
-    A set holds one ``[rows, *shape]`` tensor per field. It is handed out again only when no
-    tensor, view or numpy array made from it is alive (torch's use count of its memory is back
-    to the pool's own), so a batch a caller still holds is never overwritten: a learner that
-    holds one batch while it pulls the next gets double buffering, one that holds more gets
-    more sets. With ``keep`` sets in use, a gather gets new memory, as without the pool; where
-    torch exposes no use count, nothing is kept (``docs/design.md §7``).
+    A set holds one ``[rows, *shape]`` tensor per field, all views of one block of memory (each
+    field starts on a 64-byte boundary). A set is handed out again only when no tensor, view or
+    numpy array made from any of its fields is alive (torch's use count of the block is back to
+    the pool's own), so a batch a caller still holds, even one field of it, is never
+    overwritten: a learner that holds one batch while it pulls the next gets double buffering,
+    one that holds more gets more sets. With ``keep`` sets in use, a gather gets new memory, as
+    without the pool; where torch exposes no use count, nothing is kept
+    (``docs/design.md §7``).
 
     Args:
         fields: Field specs of a set.
@@ -117,33 +121,50 @@ class GatherOutputs:
     def __init__(self, fields: Mapping[str, FieldSpec], *, keep: int = 4) -> None:
         self._fields = dict(fields)
         self._keep = keep if _storage_use_count is not None else 0
-        # (rows, tensors, (memory handle, use count while only the pool holds it) per tensor)
-        self._sets: list[tuple[int, dict[str, torch.Tensor], list[tuple[int, int]]]] = []
+        # (rows, the pool's views per field, their block, its memory handle, its use count
+        # while only the pool holds the set), in hand-out order.
+        self._sets: list[tuple[int, dict[str, torch.Tensor], torch.Tensor, int, int]] = []
         self._lock = threading.Lock()
+
+    def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One block for every field of a ``rows``-row set, and the fields' views of it."""
+        spans, total = [], 0
+        for fs in self._fields.values():
+            nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
+            spans.append((total, nbytes))
+            total += -(-nbytes // 64) * 64
+        block = torch.empty(max(total, 1), dtype=torch.uint8)
+        views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
+                 for (name, fs), (a, n) in zip(self._fields.items(), spans)}
+        return block, views
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
         """New ``[rows, *shape]`` tensors per field, over memory that nothing else refers to
         (the pool's again once these, and everything made from them, are gone)."""
+        count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
+            if sets:  # the usual case: the set handed out last is free again
+                n, views, _, key, idle = sets[-1]
+                if n == rows and count(key) == idle:
+                    return {name: t.detach() for name, t in views.items()}
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
-            count = _storage_use_count
             for k in range(len(sets) - 1, -1, -1):
-                n, out, idle = sets[k]
-                if all(count(key) == c for key, c in idle):
+                n, views, _, key, idle = sets[k]
+                if count(key) == idle:
                     if n == rows:
-                        sets.append(sets.pop(k))
-                        return {name: t.detach() for name, t in out.items()}
+                        if k != len(sets) - 1:
+                            sets.append(sets.pop(k))
+                        return {name: t.detach() for name, t in views.items()}
                     free = k
-            out = {name: torch.empty((rows, *fs.shape), dtype=fs.dtype)
-                   for name, fs in self._fields.items()}
+            block, views = self._allocate(rows)
             if len(sets) >= self._keep and free is not None:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
-                keys = [_memory_key(t) for t in out.values()]
-                sets.append((rows, out, [(key, count(key)) for key in keys]))
-            return {name: t.detach() for name, t in out.items()}
+                key = _memory_key(block)
+                sets.append((rows, views, block, key, count(key)))
+            return {name: t.detach() for name, t in views.items()}
 
 
 def _check_capacity(capacity: int) -> int:
@@ -225,25 +246,52 @@ class ColumnStore:
             else:
                 col[start:start + src.shape[0]].copy_(src, non_blocking=True)
 
-    def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
+    def get(self, indices: torch.Tensor, *, device: torch.device | None = None,
+            workers: GatherWorkers | None = None) -> Batch:
         """Gather rows at ``indices`` with one ``index_select`` per field.
 
         Host rows gathered for the host land in :class:`GatherOutputs` tensors that nothing
         else refers to: every call returns new tensors, whose memory may be a batch dropped
-        earlier.
+        earlier. With ``workers``, a large host gather may be split over row ranges (see
+        :class:`~conduit.storage.threads.GatherWorkers`); the result is the same.
         """
-        flat = indices if indices.dim() == 1 else indices.reshape(-1)
-        lead = tuple(indices.shape)
         if self.device.type != "cpu" or (device is not None and device != self.device):
-            return self._get_new(flat, lead, device)
-        if self._outputs is None:  # made here, so subclasses with their own columns get one
-            self._outputs = GatherOutputs(self.spec.fields)
-        outs = self._outputs.take(flat.numel())
-        got: Batch = {}
+            return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
+        outputs = self._outputs
+        if outputs is None:  # made here, so subclasses with their own columns get one
+            outputs = self._outputs = GatherOutputs(self.spec.fields)
+        if workers is not None and indices.dim() == 1:
+            outs = outputs.take(indices.shape[0])
+            self._split_gather(indices, outs, workers)
+            return outs
+        if indices.dim() == 1:  # the common case: one index_select per field, nothing else
+            outs = outputs.take(indices.shape[0])
+            for name, col in self._cols.items():
+                torch.index_select(col, 0, indices, out=outs[name])
+            return outs
+        lead = tuple(indices.shape)
+        flat = indices.reshape(-1)
+        outs = outputs.take(flat.shape[0])
         for name, col in self._cols.items():
-            rows = torch.index_select(col, 0, flat, out=outs[name])
-            got[name] = rows if len(lead) == 1 else rows.view(*lead, *col.shape[1:])
-        return got
+            torch.index_select(col, 0, flat, out=outs[name])
+            outs[name] = outs[name].view(*lead, *col.shape[1:])
+        return outs
+
+    def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers) -> None:
+        """Gather into ``outs`` whole, or as one row range per worker, as ``workers`` chose."""
+        cols, n = self._cols, indices.shape[0]
+
+        def rows(a: int, b: int) -> Callable[[], None]:
+            def run() -> None:
+                idx = indices[a:b]
+                for name, col in cols.items():
+                    torch.index_select(col, 0, idx, out=outs[name][a:b])
+            return run
+
+        k = max(1, min(workers.threads, n))
+        bounds = [n * j // k for j in range(k + 1)]
+        workers.gather(n * self.spec.bytes_per_sample, rows(0, n),
+                       [rows(bounds[j], bounds[j + 1]) for j in range(k)])
 
     def _get_new(self, flat: torch.Tensor, lead: tuple[int, ...],
                  device: torch.device | None) -> Batch:

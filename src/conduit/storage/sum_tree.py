@@ -153,10 +153,10 @@ class SumTree:
         cap = float(np.nextafter(total, 0))
         if self.backend == "numba":
             idx = np.empty(u.size, dtype=np.int64)
-            w = np.empty(u.size, dtype=np.float64)
+            w = np.empty(u.size, dtype=np.float32)  # rounded from float64 in the kernel
             _load_kernels().stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
                                             float(beta), size, idx, w)
-            return idx, w.astype(np.float32)
+            return idx, w
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
         idx = np.minimum(self.find(mass), size - 1)
         p = self.get(idx) / total
@@ -182,6 +182,40 @@ class SumTree:
         if idx.size and (idx.min() < 0 or idx.max() >= self.capacity):
             return "index", 0.0
         return None, float(priorities.max()) if priorities.size else 0.0
+
+    def set_priorities(self, idx: np.ndarray, priorities: np.ndarray, *, alpha: float,
+                       eps: float, bound: float) -> tuple[str | None, float]:
+        """Validate raw priorities and, when all are valid, set leaves ``idx`` to
+        ``(priority + eps) ** alpha`` (one compiled call on the ``"numba"`` backend).
+
+        Args:
+            idx: Leaves, int64.
+            priorities: Raw priorities, float64, one per leaf.
+            alpha: Priority exponent.
+            eps: Added to every priority.
+            bound: Largest leaf value accepted.
+
+        Returns:
+            ``(problem, max priority)``: ``problem`` is ``None`` once the leaves are set,
+            otherwise (nothing set) one of :meth:`check`'s problems or ``"too large"`` (a leaf
+            above ``bound``).
+        """
+        if self.backend == "numba":
+            # numpy's power, not the kernel's, so that both backends give the same leaves.
+            # abs() keeps invalid priorities, which the kernel refuses, from warning.
+            leaves = (np.abs(priorities) + eps) ** alpha
+            code, pmax = _load_kernels().set_priorities(self._sum, self._min, self._p, idx,
+                                                        priorities, leaves, float(bound),
+                                                        self.capacity)
+            return (None, "not finite", "negative", "index", "too large")[code], float(pmax)
+        problem, pmax = self.check(idx, priorities)
+        if problem is not None:
+            return problem, pmax
+        leaves = (priorities + eps) ** alpha
+        if not np.all(leaves <= bound):
+            return "too large", pmax
+        self.set(idx, leaves)
+        return None, pmax
 
     def state_dict(self) -> StateDict:
         """Leaves only (as tensors); inner nodes are rebuilt on load."""

@@ -115,6 +115,33 @@ class ConduitPeer(PeerAdapter):
         self._buf = None
 
 
+class ConduitSplitPeer(ConduitPeer):
+    """``ExperienceBuffer(threads=2)``: a large gather may be split over two row ranges on the
+    buffer's own pool, kept only where the buffer measured it faster (``GatherWorkers``)."""
+
+    name = "conduit-split"
+    description = ("conduit.storage.ExperienceBuffer(threads=2): uniform and prioritized "
+                   "samples whose gathers of 1 MB or more split over two threads where "
+                   "measured faster")
+    metrics = ("sample_uniform", "sample_per_update")
+
+    def sample_uniform(self) -> Any:
+        # Two threads from the first sample on: the fill before it stays on one thread, as
+        # for every other peer.
+        assert self._buf is not None
+        self._buf.threads = 2
+        return super().sample_uniform()
+
+    def sample_prioritized_and_update(self) -> Any:
+        assert self._buf is not None
+        self._buf.threads = 2
+        return super().sample_prioritized_and_update()
+
+    def notes(self) -> list[str]:
+        return ["conduit-split may use a second thread for large gathers; its first 16 large "
+                "gathers (warm-up included) measure whether the split pays on this machine"]
+
+
 class ConduitPlanePeer(PeerAdapter):
     """Uniform sampling through the learner port: ``ExperienceDataPlane.pull()``.
 

@@ -47,7 +47,12 @@ from conduit.bench.peers.adapter import (
     Workload,
     make_chunk,
 )
-from conduit.bench.peers.conduit_peer import ConduitPeer, ConduitPrefetchPeer, ConduitPullPeer
+from conduit.bench.peers.conduit_peer import (
+    ConduitPeer,
+    ConduitPrefetchPeer,
+    ConduitPullPeer,
+    ConduitSplitPeer,
+)
 from conduit.bench.peers.cpprb_peer import CpprbPeer
 from conduit.bench.peers.floor_peer import GatherFloorPeer
 from conduit.bench.peers.gear_peer import GearPlacementPeer
@@ -70,7 +75,8 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 """Metric key -> (column title, unit). ``rows/s`` is higher-better, ``ms`` lower-better."""
 
-ALL_PEERS = ("conduit", "conduit-pull", "conduit-prefetch", "gather-floor", "gear-placement",
+ALL_PEERS = ("conduit", "conduit-pull", "conduit-prefetch", "conduit-split", "gather-floor",
+             "gear-placement",
              "torchrl", "torchrl-prefetch", "cpprb", "rllib", "reverb")
 REFERENCE = "conduit"
 
@@ -496,6 +502,7 @@ _ADAPTERS: dict[str, Callable[[], PeerAdapter]] = {
     "conduit": ConduitPeer,
     "conduit-pull": ConduitPullPeer,
     "conduit-prefetch": ConduitPrefetchPeer,
+    "conduit-split": ConduitSplitPeer,
     "gather-floor": GatherFloorPeer,
     "gear-placement": GearPlacementPeer,
     "torchrl": TorchRLPeer,

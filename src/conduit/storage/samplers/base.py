@@ -41,6 +41,10 @@ class Sampler(abc.ABC):
       the plane discards prefetched batches older than the latest update (beyond the allowed
       lag).
 
+    :attr:`accepts_priorities` is set for every subclass from whether it overrides
+    :meth:`update_priorities`; only then does the buffer remember which row each gather
+    delivered from a slot (a scattered write per row that other samplers do not pay for).
+
     Args:
         seed: Seed of the sampler's own generator.
     """
@@ -49,6 +53,12 @@ class Sampler(abc.ABC):
     consume_once: ClassVar[bool] = False
     #: Priority updates make batches drawn before them stale.
     invalidates_prefetch: ClassVar[bool] = False
+    #: The sampler takes priority updates (derived: it overrides :meth:`update_priorities`).
+    accepts_priorities: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.accepts_priorities = cls.update_priorities is not Sampler.update_priorities
 
     def __init__(self, *, seed: int = 0) -> None:
         self.seed = seed

@@ -20,21 +20,40 @@ class FifoSampler(Sampler):
     depends only on ``(seed, iteration, epoch)``, never on timing, so any schedule sees the same
     mini-batches.
 
+    ``first_within < 1`` draws the first mini-batch of an iteration's first epoch from the first
+    ``first_within · n`` rows only (at least as many as it holds); the other mini-batches shuffle
+    the rest. Rows land in push order, so with ``U`` rollout units per iteration
+    ``first_within = 1 - 1/U`` lets that mini-batch be assembled before the last unit lands: the
+    learner's first update then overlaps the last unit's ingestion (``docs/design.md §2``).
+    Every row is still delivered exactly once per epoch.
+
     Args:
         num_minibatches: M, mini-batches per epoch.
         shuffle: Shuffle within the epoch (otherwise insertion order).
         seed: Seed.
+        first_within: Share of the iteration's rows, in push order, that the first mini-batch of
+            its first epoch is drawn from, in ``(0, 1]`` (1: all of them, a plain shuffle).
+
+    Raises:
+        ConfigError: ``num_minibatches`` is not a positive integer, or ``first_within`` is
+            outside ``(0, 1]``.
     """
 
     consume_once: ClassVar[bool] = True
 
-    def __init__(self, *, num_minibatches: int = 1, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, *, num_minibatches: int = 1, shuffle: bool = True, seed: int = 0,
+                 first_within: float = 1.0) -> None:
         super().__init__(seed=seed)
         if not isinstance(num_minibatches, int) or num_minibatches < 1:
             raise ConfigError("num_minibatches", f"must be a positive integer, got "
                                                  f"{num_minibatches!r}")
+        if not 0 < first_within <= 1:
+            raise ConfigError("first_within", f"must lie in (0, 1], got {first_within!r}; use "
+                                              f"1 - 1/units for an iteration of that many "
+                                              f"rollout units")
         self.num_minibatches = num_minibatches
         self.shuffle = shuffle
+        self.first_within = float(first_within)
         self.iteration = 0
         self.epoch = 0
         self.cursor = 0
@@ -54,12 +73,19 @@ class FifoSampler(Sampler):
         A pure function of ``(seed, iteration, epoch, size)``: the plane uses it to start
         assembling an iteration's first mini-batches while its rows are still arriving.
         """
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, iteration, epoch])
-            order = torch.from_numpy(rng.permutation(size).astype(np.int64))
-        else:
-            order = torch.arange(size, dtype=torch.int64)
-        return list(torch.tensor_split(order, self.num_minibatches))
+        if not self.shuffle:
+            return list(torch.tensor_split(torch.arange(size, dtype=torch.int64),
+                                           self.num_minibatches))
+        rng = np.random.default_rng([self.seed, iteration, epoch])
+        if epoch > 0 or self.first_within >= 1 or self.num_minibatches == 1:
+            order = rng.permutation(size).astype(np.int64)
+            return list(torch.tensor_split(torch.from_numpy(order), self.num_minibatches))
+        first = size // self.num_minibatches + (size % self.num_minibatches > 0)
+        head = rng.permutation(max(first, int(self.first_within * size))).astype(np.int64)
+        rest = np.concatenate([head[first:], np.arange(head.size, size, dtype=np.int64)])
+        rest = rest[rng.permutation(rest.size)]
+        return [torch.from_numpy(head[:first]),
+                *torch.tensor_split(torch.from_numpy(rest), self.num_minibatches - 1)]
 
     def seek(self, position: int) -> None:
         """Skip to mini-batch ``position`` of the current epoch (0 = its first).
@@ -98,7 +124,7 @@ class FifoSampler(Sampler):
     def config(self) -> dict[str, JSON]:
         """Constructor arguments."""
         return {**super().config(), "num_minibatches": self.num_minibatches,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, "first_within": self.first_within}
 
     def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`.

@@ -13,10 +13,14 @@ from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict, entry, number
 from conduit.storage.sum_tree import SumTree
 
+_F64_MAX = float(np.finfo(np.float64).max)
+
 
 def _host(values: Any) -> np.ndarray:
     """A flat numpy view of a CPU tensor (a copy for other devices or other array types)."""
     if isinstance(values, torch.Tensor):
+        if values.dim() == 1 and values.device.type == "cpu" and not values.requires_grad:
+            return values.numpy()
         values = values.detach()
         if values.device.type != "cpu":
             values = values.cpu()
@@ -74,10 +78,10 @@ class PrioritizedSampler(Sampler):
 
     def sample(self, size: int, batch_size: int) -> SampleInfo:
         """Stratified proportional draw with importance weights."""
-        need_rows(size, batch_size, "a prioritized batch")
+        if size < 1 or batch_size < 1:
+            need_rows(size, batch_size, "a prioritized batch")
         tree = self.tree
-        total = tree.total
-        if not total > 0:
+        if not tree.total > 0:
             raise PriorityError("all priorities are zero; nothing can be sampled")
         idx, w = tree.stratified_draw(self._rng.random(batch_size), size=size, beta=self.beta)
         return SampleInfo(torch.from_numpy(idx), torch.from_numpy(w))
@@ -92,7 +96,10 @@ class PrioritizedSampler(Sampler):
         pr = np.ascontiguousarray(_host(priorities), dtype=np.float64)
         if idx.shape != pr.shape:
             raise PriorityError(f"priorities: {pr.size} values for {idx.size} indices")
-        problem, pmax = self.tree.check(idx, pr)
+        if not pr.size:
+            return
+        problem, pmax = self.tree.set_priorities(idx, pr, alpha=self.alpha, eps=self.eps,
+                                                 bound=self._leaf_bound())
         if problem == "not finite":
             raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
         if problem == "negative":
@@ -100,22 +107,18 @@ class PrioritizedSampler(Sampler):
         if problem == "index":
             raise PriorityError(f"indices: must lie in [0, {self.capacity}), got "
                                 f"[{idx.min()}, {idx.max()}]")
-        if not pr.size:
-            return
-        leaves = (pr + self.eps) ** self.alpha
-        if not np.all(leaves <= self._leaf_bound()):
+        if problem == "too large":
             raise PriorityError(f"priorities: up to {pr.max():.3g}, too large next to the "
                                 f"smallest possible priority (eps={self.eps:g}): the sum "
                                 f"over the buffer or the importance weights would leave float "
                                 f"range; rescale them (for example clip |TD errors|)")
         self.max_priority = max(self.max_priority, pmax)
-        self.tree.set(idx, leaves)
 
     def _leaf_bound(self) -> float:
         """The largest leaf the tree accepts: its sum over the buffer stays finite, and the
         smallest importance weight, ``(min_leaf / leaf) ** beta`` with ``min_leaf =
         eps ** alpha``, stays above 1e-30."""
-        bound = float(np.finfo(np.float64).max) / (4 * max(self.capacity, 1))
+        bound = _F64_MAX / (4 * max(self.capacity, 1))
         if self.beta > 0:
             bound = min(bound, self.eps ** self.alpha * 1e30 ** (1 / self.beta))
         return bound
