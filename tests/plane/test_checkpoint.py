@@ -296,3 +296,15 @@ def test_a_snapshot_taken_while_pushes_go_on_is_the_plane_at_one_instant(small_s
             stop.set()
             t.join()
         assert plane.buffer.total_written > 3000
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities need Linux")
+def test_snapshots_copy_and_write_at_the_lowest_priority(small_spec, tmp_path):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 16))
+        with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
+            worker = snap._io.submit(threading.get_native_id).result()
+            assert os.getpriority(os.PRIO_PROCESS, worker) == 19
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+            snap.request(wait=True)
+            assert snap.stats.snapshots == 1 and snap.stats.failures == 0

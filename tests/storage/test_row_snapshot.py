@@ -117,3 +117,19 @@ def test_a_writer_thread_racing_the_copy_never_reaches_the_snapshot(small_spec):
         if t.is_alive():
             t.join()
     assert buf.total_written > 4000 and not buf._snapshots
+
+
+def test_a_paced_copy_is_exact_and_a_bad_duty_is_refused(small_spec):
+    from conduit.errors import ConfigError
+
+    buf = ExperienceBuffer(spec=small_spec, capacity=64)
+    buf.extend(make_rows(small_spec, 64))
+    expected = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    with pytest.raises(ConfigError, match="duty"):
+        buf.complete_snapshot(snap, duty=0)
+    assert not buf._snapshots  # a refused call stops tracking the snapshot too
+    snap = buf.begin_snapshot()
+    buf.extend(make_rows(small_spec, 10, start=900))
+    assert_blocks_equal(buf.complete_snapshot(snap, chunk_bytes=small_spec.bytes_per_sample * 4,
+                                              duty=0.5), expected)

@@ -19,9 +19,12 @@ snapshot copies them first and writes in the background (docs/design.md §8).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -36,12 +39,13 @@ from conduit.spec import ExperienceSpec
 from conduit.storage import (
     CheckpointError,
     CheckpointInfo,
+    ExperienceBuffer,
     Placement,
     read_checkpoint,
     sampler_from_config,
     write_checkpoint,
 )
-from conduit.storage.snapshot import Blocks
+from conduit.storage.snapshot import Blocks, RowSnapshot
 from conduit.storage.state import JSON, StateDict, StateValue
 
 if TYPE_CHECKING:
@@ -194,6 +198,18 @@ class SnapshotStats:
     failures: int
 
 
+COPY_DUTY = 0.25
+"""Share of its time a snapshot's copy thread spends copying (see
+:meth:`~conduit.storage.ExperienceBuffer.complete_snapshot`)."""
+
+
+def _lowest_priority() -> None:
+    """Give the calling OS thread the lowest scheduling priority where the OS allows it
+    (Linux nice values are per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
@@ -227,6 +243,10 @@ class Snapshotter:
         self.last_error: BaseException | None = None
         self._done = threading.Condition()
         self._count = 0
+        # Copying and writing run on a worker at the lowest OS priority, so they take only
+        # the cores training leaves idle; the short pause runs on the normal-priority thread.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-snapshot-io",
+                                      initializer=_lowest_priority)
         self._thread = threading.Thread(target=self._run, name="conduit-snapshot", daemon=True)
         self._thread.start()
 
@@ -245,10 +265,10 @@ class Snapshotter:
         return SnapshotStats(len(self._write), tuple(self._pause), tuple(self._write),
                              self._failures)
 
-    def _copy(self) -> tuple[dict[str, JSON], dict[str, torch.Tensor]]:
-        """Hold the operators that change rows only to read the small state and start a
-        copy-on-write snapshot of the rows (the pause), then copy the rows while training
-        goes on."""
+    def _mark(self) -> tuple[ExperienceBuffer, RowSnapshot, dict[str, JSON],
+                             dict[str, torch.Tensor]]:
+        """Hold the operators that change rows only to read the small state and mark a
+        copy-on-write snapshot of the rows (the pause)."""
         plane = self.plane
         if plane.failed is None:
             plane.flush()
@@ -256,10 +276,16 @@ class Snapshotter:
         with plane.frozen(rows=False, flush=False, reads=True) as state:
             buffer = plane.buffer
             rows = buffer.begin_snapshot(reuse=self._rows)
-            out = _layout(plane, state, rows.blocks)
+            meta, parts = _layout(plane, state, rows.blocks)
         self._pause.append(time.perf_counter() - t0)
-        self._rows = buffer.complete_snapshot(rows)
-        return out
+        return buffer, rows, meta, parts
+
+    def _copy_and_write(self, buffer: ExperienceBuffer, rows: RowSnapshot,
+                        meta: dict[str, JSON], parts: dict[str, torch.Tensor]) -> float:
+        """Copy the rows while training goes on, then write them (on the low-priority
+        worker); returns the write's seconds."""
+        self._rows = buffer.complete_snapshot(rows, duty=COPY_DUTY)
+        return write_checkpoint(self.path, tensors=parts, meta=meta).seconds
 
     def _run(self) -> None:
         while not self._stop:
@@ -268,9 +294,8 @@ class Snapshotter:
             if self._stop or self.plane.closed:
                 break
             try:
-                meta, parts = self._copy()
-                info = write_checkpoint(self.path, tensors=parts, meta=meta)
-                self._write.append(info.seconds)
+                marked = self._mark()
+                self._write.append(self._io.submit(self._copy_and_write, *marked).result())
             except Exception as exc:
                 self._failures += 1
                 self.last_error = exc
@@ -283,6 +308,7 @@ class Snapshotter:
         self._stop = True
         self._wake.set()
         self._thread.join()
+        self._io.shutdown(wait=True)
         with self._done:
             self._done.notify_all()
 

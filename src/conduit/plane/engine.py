@@ -139,9 +139,13 @@ class PlaneEngine:
                 self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def capture(self, *, rows: bool) -> StateDict:
-        """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused."""
+        """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused or
+        while writes are held. The buffer's state is read under the buffer's own lock, before
+        the plane's lock is taken, so pushes and pulls are not held while its ids are
+        copied."""
+        buffer = self.flow.buffer.state_dict(rows=rows)
         with self.signals.lock:
-            return {"buffer": self.flow.buffer.state_dict(rows=rows),
+            return {"buffer": buffer,
                     "counters": dict(self.flow.counters), "flow": self.flow.state_dict(),
                     "schedule": self.schedule.to_dict(), "spec": self.flow.spec.to_dict()}
 

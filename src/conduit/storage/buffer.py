@@ -251,21 +251,34 @@ class ExperienceBuffer:
             self._snapshots.append(snap)
             return snap
 
-    def complete_snapshot(self, snap: RowSnapshot, *, chunk_bytes: int = 2 << 20) -> Blocks:
+    def complete_snapshot(self, snap: RowSnapshot, *, chunk_bytes: int = 2 << 20,
+                          duty: float = 1.0) -> Blocks:
         """Copy the rest of ``snap`` about ``chunk_bytes`` per lock hold, on one thread,
         yielding between chunks, so a concurrent sample or write waits at most one chunk; then
         stop tracking it (also on error).
+
+        Args:
+            snap: What :meth:`begin_snapshot` returned.
+            chunk_bytes: Bytes copied per lock hold.
+            duty: Fraction of the time spent copying, in ``(0, 1]``: below 1 the thread
+                sleeps between chunks, so the copy spreads its memory traffic thinly over
+                training instead of saturating the memory bus.
 
         Returns:
             The copied blocks: the filled rows at :meth:`begin_snapshot`.
         """
         rows = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
         try:
+            if not 0 < duty <= 1:
+                raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+            rest = 1 / duty - 1
             done = False
             while not done:
+                t0 = time.perf_counter()
                 with self._lock, data_path_threads(1):
                     done = snap.step(rows)
-                time.sleep(0)  # let a waiting sampler or writer take the lock
+                # let a waiting sampler or writer take the lock, and keep to the duty cycle
+                time.sleep(rest * (time.perf_counter() - t0))
         finally:
             with self._lock:
                 if snap in self._snapshots:
