@@ -31,8 +31,23 @@ def test_quick_run_measures_every_shard_count_and_restores_without_loss(tmp_path
     pytest.importorskip("ray")
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setenv("HOME", str(ray_home))
+    from conduit.placement import cluster as ray_cluster
+    measured_bw: list[float] = []
+
+    def probe(node_ids, **kwargs):  # the placement profiler's probe, recorded
+        measured_bw.append(ray_cluster.inter_node_bandwidth(node_ids, **kwargs))
+        return measured_bw[-1]
+    monkeypatch.setattr(scale, "inter_node_bandwidth", probe)
     assert scale.main(["--quick", "--out", str(tmp_path)]) == 0
     data = json.loads(Path(tmp_path, "scale.json").read_text())
+    assert len(measured_bw) == 1 and data["inter_node_bandwidth"] == measured_bw[0]
+    assert data["inter_node_bandwidth_probe"] == "conduit.placement.cluster.inter_node_bandwidth"
+    first = scale.projection(row_bytes=data["row_bytes"], bandwidth=measured_bw[0],
+                             replication=2, batch_size=data["args"]["batch_size"],
+                             per_batch_s=data["per_batch_s"])
+    assert len(data["projection"]) == len(first)
+    for got, want in zip(data["projection"], first, strict=True):  # it uses that bandwidth
+        assert got == pytest.approx(want)
     measured = data["measured"]
     assert set(measured) == {"1", "2"}
     for m in measured.values():

@@ -14,10 +14,11 @@ and every figure is the median over rounds:
 4. **recovery**: ``ray.kill`` of one shard with the buffer filled, then the time until the
    re-created shard answers with its rows restored from its replica (``S >= 2``).
 
-The inter-node bandwidth is measured between two Ray nodes (an object put on one node and read
-by a task on the other). The projection then takes the placement cost model
-(:func:`conduit.placement.transfer.transfer_estimate`) over a topology of ``N`` copies of this
-machine joined by that bandwidth: a learner on one node samples from every node's shard, so a
+The inter-node bandwidth is the one the placement profiler measures between Ray nodes
+(:func:`conduit.placement.cluster.inter_node_bandwidth`: an object made on one node and fetched
+by an actor on each other node, the slowest pair). The projection then takes the placement cost
+model (:func:`conduit.placement.transfer.transfer_estimate`) over a topology of ``N`` copies of
+this machine joined by that bandwidth: a learner on one node samples from every node's shard, so a
 share ``(N-1)/N`` of its rows comes over the network, and each batch also pays the measured
 fixed cost of its remote calls. It is labelled a projection: here every
 "node" is a process on one machine, so the measured figures show correctness and overhead, not
@@ -35,12 +36,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from conduit.bench.common import progress
 from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.placement import Topology
+from conduit.placement.cluster import inter_node_bandwidth
 from conduit.placement.topology import NodeTopology
 from conduit.placement.transfer import Candidate, transfer_estimate
 from conduit.report import pyplot, save_figure, table, write_json
@@ -124,37 +125,6 @@ class LocalCluster:
         self.ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
-
-
-def inter_node_bandwidth(ray: Any, nodes: list[str], nbytes: int, repeats: int = 3) -> float:
-    """Bytes/s of an object made on ``nodes[0]`` and read by a task on ``nodes[1]``, net of
-    the same round trip with a tiny object (median of ``repeats``)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    def on(node: str) -> dict[str, Any]:
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                "num_cpus": 0}
-
-    @ray.remote
-    def make(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.uint8)
-
-    @ray.remote
-    def read(a: np.ndarray) -> int:
-        return int(a.nbytes)
-
-    def once(n: int) -> float:
-        ref = make.options(**on(nodes[0])).remote(n)
-        ray.wait([ref])
-        t0 = time.perf_counter()
-        ray.get(read.options(**on(nodes[1])).remote(ref))
-        return time.perf_counter() - t0
-
-    once(1)
-    once(nbytes)
-    big = statistics.median(once(nbytes) for _ in range(repeats))
-    small = statistics.median(once(1) for _ in range(repeats))
-    return nbytes / max(big - small, 1e-6)
 
 
 # -- measurements -------------------------------------------------------------------------------
@@ -264,9 +234,10 @@ def run(a: ScaleBenchArgs) -> dict[str, Any]:
                 progress(f"{s} shards: killing shard 0 with {len(planes[s])} rows")
                 med.update(measure_recovery(planes[s]))
             rows[s] = med
-        live = planes[max(a.shards)].nodes
-        bandwidth = inter_node_bandwidth(cluster.ray, live, 8 << 20 if a.quick else 64 << 20) \
-            if len(set(live)) > 1 else float("nan")
+        live = list(dict.fromkeys(planes[max(a.shards)].nodes))
+        progress(f"measuring the inter-node bandwidth between {len(live)} Ray nodes")
+        bandwidth = inter_node_bandwidth(live, probe_bytes=8 << 20 if a.quick else 64 << 20) \
+            if len(live) > 1 else float("nan")
         for p in planes.values():
             p.close()
     finally:
@@ -302,7 +273,9 @@ def run(a: ScaleBenchArgs) -> dict[str, Any]:
                       f"{p['all_learners_rows_s']:,.0f}"] for p in proj]))
     result = {"args": asdict(a), "measured": {str(s): m for s, m in rows.items()},
               "rounds": {str(s): v for s, v in rounds.items()},
-              "inter_node_bandwidth": bandwidth, "row_bytes": row_bytes,
+              "inter_node_bandwidth": bandwidth,
+              "inter_node_bandwidth_probe": "conduit.placement.cluster.inter_node_bandwidth",
+              "row_bytes": row_bytes,
               "per_batch_s": per_batch_s,
               "projection": proj, "note": "all Ray nodes share one machine: measured figures "
                                           "show correctness and overhead, not real scaling; "

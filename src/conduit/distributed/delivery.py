@@ -1,5 +1,8 @@
-"""Learner ports of the sharded plane: each rank draws its own batches, with the next batch's
-remote fetch in flight while the learner updates (delivery prefetch).
+"""Learner ports of the sharded plane: each rank draws its own batches, with the next delivery
+invocation's remote fetch in flight while the learner updates (delivery prefetch,
+``overlap_del = 1``). One invocation draws ``g_del`` batches' rows at once and runs the
+delivery operator over them on the pulling thread; the batches it writes are handed out one
+per ``pull``.
 
 A port never holds the front's lock while it waits on Ray: it plans a draw and submits its
 remote calls under the lock (so they are ordered after every acknowledged push), then waits
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from conduit.distributed import sampling
+from conduit.distributed.operators import deliver
 from conduit.errors import ConfigError, EmptyBufferError
 from conduit.spec import Batch
 
@@ -62,6 +66,8 @@ class LearnerPort:
         self._plane, self.rank, self.world_size = plane, rank, world_size
         self._rng = np.random.default_rng([plane.config.seed, rank, 0x5EED])
         self._next: Pending | None = None
+        self._staged: list[Batch] = []  # batches of the last invocation not pulled yet
+        self._staged_from: Pending | None = None
         self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
         self.remote_wait_s = 0.0  # time pull() waited on Ray for a batch's rows
         self.pulls = 0
@@ -75,11 +81,12 @@ class LearnerPort:
         weights = np.array([h.mass if prioritized else h.size for h in held], dtype=np.float64)
         if sum(h.size for h in held) < plane.min_size or not weights.sum() > 0:
             return None
-        counts = sampling.split_draw(self._rng, weights, plane.batch_size)
+        n = plane.batch_size * plane._g_del
+        counts = sampling.split_draw(self._rng, weights, n)
         refs = {k: shards.actors[k].sample.remote(k, int(c))
                 for k, c in enumerate(counts) if c > 0}
         # Shards' rows interleave in the batch, as one buffer's draw would.
-        order = self._rng.permutation(plane.batch_size)
+        order = self._rng.permutation(n)
         ends = np.cumsum(counts)
         where = {k: order[ends[k] - counts[k]:ends[k]] for k in refs}
         min_leaf = min((h.min_leaf for h in held if h.size), default=1.0)
@@ -95,7 +102,7 @@ class LearnerPort:
         return not plane._prioritized or lag <= plane.config.max_priority_lag
 
     def _assemble(self, pending: Pending, parts: dict[int, dict[str, Any]]) -> Batch:
-        """One batch from the shards' parts, rows in the draw's order."""
+        """The draw's rows from the shards' parts, in the draw's order (on the host)."""
         plane = self._plane
         owners = sorted(parts)
         where = pending.where
@@ -124,9 +131,6 @@ class LearnerPort:
         if pr is not None:
             batch["_weight"] = torch.from_numpy(sampling.global_weights(
                 pr.numpy(), pending.min_leaf, plane._beta))
-        device = plane.learner_device
-        if device.type != "cpu":
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         return batch
 
     # -- on-policy --------------------------------------------------------------------------
@@ -169,15 +173,28 @@ class LearnerPort:
         Off-policy: ``batch_size`` rows drawn across shards (``_index`` identifies each row
         for :meth:`~conduit.distributed.RayExperienceDataPlane.update_priorities`; prioritized
         batches carry global ``_weight``). On-policy: this rank's share of the next mini-batch.
+        Both as the delivery operator wrote them.
 
         Raises:
             EmptyBufferError: No batch could be formed within ``timeout``.
+            OperatorError: The delivery operator raised (on-policy, the same share is drawn
+                again by the next pull), or the ingestion operator failed on the front's
+                thread (until ``recover()``).
             ShardUnavailableError: A shard's rows could not be read or restored in time.
             PlaneClosedError: The plane is closed.
         """
         plane = self._plane
         plane._check_open()
+        plane._ingestion.raise_if_failed()
         deadline = time.monotonic() + plane.config.wait_for(timeout)
+        if self._staged and self._fresh(self._staged_from):
+            batch = self._staged.pop(0)
+            self.pulls += 1
+            if plane.prefetch and not self._staged:
+                with plane._cond:
+                    self._next = self._plan()
+            return batch
+        self._staged = []
         pending, self._next = self._next, None
         while True:
             if plane._shards.unrestored:  # a restore cut short by an earlier deadline
@@ -199,20 +216,29 @@ class LearnerPort:
                 continue
             self.remote_wait_s += time.perf_counter() - t0
             break
-        batch = self._assemble(pending, parts)
+        rows = self._assemble(pending, parts)
+        on = plane.config.on_policy
+        batches = 1 if on else plane._g_del
+        staged = deliver(plane._ingestion.deliver_fn, rows, batches=batches,
+                         batch_size=len(rows["_index"]) // batches,
+                         device=plane.learner_device)
+        batch, self._staged, self._staged_from = staged[0], staged[1:], pending
         self.pulls += 1
-        if plane.config.on_policy:
+        if on:
             self._advance()
-        if plane.prefetch:
+        if plane.prefetch and not self._staged:
             with plane._cond:
                 self._next = self._plan()
         return batch
 
     def _wait_plan(self, deadline: float) -> Pending:
         plane = self._plane
-        with plane._cond:
-            while True:
+        ingestion = plane._ingestion
+        while True:
+            ingestion.hurry()  # rows queued for ingestion are what this learner waits for
+            with plane._cond:
                 plane._check_open()
+                ingestion.raise_if_failed()
                 pending = self._plan()
                 if pending is not None:
                     return pending
@@ -222,7 +248,9 @@ class LearnerPort:
                     need = plane.capacity if plane.config.on_policy else plane.min_size
                     raise EmptyBufferError(f"no batch within the timeout: the shards hold "
                                            f"{held} rows, a batch needs {need}")
-                plane._cond.wait(left)
+                # Queued units (and a failure on the ingestion thread) do not signal the
+                # front's condition; look again shortly.
+                plane._cond.wait(left if ingestion.direct else min(left, 0.05))
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: this rank's share of every mini-batch of the current iteration

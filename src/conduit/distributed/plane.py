@@ -5,6 +5,8 @@ The front runs in the driver. It orders every change of a shard's rows (pushes, 
 updates, on-policy clears) and sends it to the shard and its replicas in that order, so each
 replica is the same ring as its primary, slot for slot. Payloads go into Ray's object store
 once (``ray.put``, numpy columns read without a copy) and every holder reads the same object.
+The Fig. 8 ingestion operator runs in the front, before that ordering, and the delivery
+operator on each learner rank's thread (:mod:`conduit.distributed.operators`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
 from conduit.distributed.delivery import LearnerPort
 from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.iteration import IterationGate
+from conduit.distributed.operators import FrontIngestion, QueuedUnit, ScheduledOperators
+from conduit.distributed.sampling import priority_updates
 from conduit.distributed.shard import ShardSpec, to_wire
-from conduit.errors import CapacityError, ConfigError, PlaneClosedError, PriorityError
+from conduit.errors import (
+    CapacityError,
+    ConfigError,
+    PlaneClosedError,
+    PriorityError,
+    StaleRolloutError,
+)
 from conduit.plane.config import PlaneConfig
-from conduit.scheduling.space import Mode
+from conduit.plane.data_plane import admit_rollout
+from conduit.scheduling.space import Mode, ScheduleSpace
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
 
@@ -68,7 +79,7 @@ def _shard_spec(sampler: SamplerArg, cfg: PlaneConfig, capacity: int,
                                  f"UniformSampler / PrioritizedSampler), got {sampler!r}")
 
 
-class RayExperienceDataPlane:
+class RayExperienceDataPlane(ScheduledOperators):
     """An Experience Data Plane whose buffer is sharded over Ray actors on several nodes.
 
     Actors push to the shard on their own node; each row is copied to ``replication - 1``
@@ -100,12 +111,20 @@ class RayExperienceDataPlane:
         shard_resources: What each shard actor reserves on its node.
         num_learners: Learner ranks (:meth:`learner`); on-policy, an iteration is consumed
             when every rank has pulled its shares.
-        prefetch: Keep each rank's next batch in flight while the learner updates.
-        schedule, rollout_spec, rollout_rows, g_max, store: Not available on a sharded plane;
-            anything but their defaults raises :class:`ConfigError`.
+        schedule: Overlap and granularity of the operators (:meth:`register_ingestion`,
+            :meth:`register_delivery`): ``overlap_ing = 1`` ingests on the front's thread,
+            ``g_ing`` units per invocation; ``overlap_del = 1`` keeps each rank's next
+            delivery invocation (``g_del`` batches) in flight while the learner updates.
+            Default: ``Schedule(0, 1, 1, 1)`` (on-policy ``g_del = 1/M``). On-policy, ingestion
+            is inline with ``g_ing = 1``.
+        prefetch: ``overlap_del`` when no schedule is given (default True).
+        rollout_spec, g_max: As for :class:`~conduit.plane.ExperienceDataPlane`.
+        rollout_rows, store: Not available on a sharded plane; anything but None raises
+            :class:`ConfigError`.
 
     Raises:
         ConfigError: An argument is invalid; the message names it.
+        ScheduleError: The schedule is outside the feasible space or not available sharded.
         RayUnavailableError: Ray is not installed (``pip install 'conduit-rl[ray]'``).
         ClusterConnectionError: ``address`` names no reachable cluster.
         ShardUnavailableError: The shards did not start within ``timeout``.
@@ -120,20 +139,19 @@ class RayExperienceDataPlane:
                  timeout: float = 60.0, seed: int = 0, store: Any = None, num_shards: int = 2,
                  replication: int = 2, address: str | None = None,
                  shard_resources: ShardResources | None = None, num_learners: int = 1,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool | None = None) -> None:
         self.config = cfg = PlaneConfig(
             spec=spec, capacity=capacity, mode=mode, batch_size=batch_size,
             num_minibatches=num_minibatches, num_epochs=num_epochs, min_size=min_size,
-            g_max=g_max, max_priority_lag=max_priority_lag, timeout=timeout, seed=seed,
-            learner_device=torch.device(learner_device))
-        for name, value in (("schedule", schedule), ("rollout_spec", rollout_spec),
-                            ("rollout_rows", rollout_rows), ("store", store)):
+            rollout_spec=rollout_spec, g_max=g_max, max_priority_lag=max_priority_lag,
+            timeout=timeout, seed=seed, learner_device=torch.device(learner_device))
+        for name, value in (("rollout_rows", rollout_rows), ("store", store)):
             if value is not None:
                 raise ConfigError(name, "not available on a sharded plane (each shard builds "
-                                        "its own store; delivery is prefetched per rank); "
-                                        "leave it unset")
-        if g_max != 8:
-            raise ConfigError("g_max", "not available on a sharded plane; leave it unset")
+                                        "its own store; units are ingested whole); leave it "
+                                        "unset")
+        self.space: ScheduleSpace = cfg.schedule_space()
+        schedule = self._resolve_schedule(schedule, prefetch)
         for name, value, low in (("num_shards", num_shards, 1), ("replication", replication, 1),
                                  ("num_learners", num_learners, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -147,7 +165,8 @@ class RayExperienceDataPlane:
         self.mode, self.capacity, self.batch_size = cfg.mode, cfg.capacity, cfg.train_batch_size
         self.min_size, self.num_minibatches = cfg.first_batch_rows, cfg.num_minibatches
         self.num_epochs, self.timeout = cfg.num_epochs, cfg.timeout
-        self.learner_device, self.prefetch = cfg.learner_device, bool(prefetch)
+        self.learner_device = cfg.learner_device
+        self.prefetch, self._g_del = bool(schedule.overlap_del), max(1, int(schedule.g_del))
         self.num_shards, self.replication, self.num_learners = num_shards, replication, \
             num_learners
         if cfg.on_policy and cfg.train_batch_size < num_learners:
@@ -166,12 +185,15 @@ class RayExperienceDataPlane:
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
         self.counters = {"units": 0, "rows": 0}
+        self._ingestion = FrontIngestion(store=self._store_output, timeout=cfg.timeout)
+        self._ingestion.set_schedule(schedule)
         try:
             self._shards = ShardSet(self._ray, num_shards=num_shards, replication=replication,
                                     config=shard_spec,
                                     resources=shard_resources or ShardResources(),
                                     timeout=cfg.timeout)
         except BaseException:
+            self._ingestion.close()
             if self._started:
                 self._ray.shutdown()
             raise
@@ -236,52 +258,100 @@ class RayExperienceDataPlane:
 
     def push(self, rollout: Mapping[str, Any] | Any, *, node: str | None = None,
              policy_version: int | None = None, timeout: float | None = None) -> None:
-        """Store one rollout on ``node``'s shard and its replicas; returns once every copy is
+        """Hand one rollout unit to the plane for ``node``'s shard and its replicas.
+
+        With the default schedule and no ingestion operator it returns once every copy is
         written (the push is then acknowledged: it survives the loss of any
-        ``replication - 1`` shards).
+        ``replication - 1`` shards). Otherwise the unit is queued for the ingestion operator,
+        which runs here every ``g_ing`` units (``overlap_ing = 0``) or on the front's thread
+        (``overlap_ing = 1``, the push returns once the unit is queued); :meth:`flush` and
+        :meth:`close` ingest what is queued, and a unit that could not be stored is reported
+        (:class:`~conduit.errors.OperatorError`, :class:`~conduit.errors.DataLossError`).
 
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows; or (off-policy)
                 an ``ObjectRef`` of such a mapping that an actor put in its node's object
-                store (checked against the spec by the shard).
+                store (checked against the spec by the shard; fetched to the front when an
+                ingestion operator or a queued schedule needs its rows).
             node: The pushing actor's Ray node id (None: this process's node).
             policy_version: On-policy: the policy that produced the rollout (older raises,
                 newer waits for the current iteration to be consumed).
             timeout: Seconds the push may take (default: the plane's ``timeout``).
 
         Raises:
-            SpecError: The rollout does not match the spec.
+            SpecError: The rollout does not match the spec (or ``rollout_spec``).
             CapacityError: More rows than a shard (off-policy) or the iteration holds.
             StaleRolloutError: On-policy rollout from an older policy.
-            BackpressureTimeout: On-policy: the current iteration was not consumed in time.
+            BackpressureTimeout: The ingestion queue had no room, or (on-policy) the current
+                iteration was not consumed in time.
+            OperatorError: The ingestion operator raised (here, or earlier on the thread).
             ShardUnavailableError: The shard could not be written or restored in time.
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
         deadline = time.monotonic() + self.config.wait_for(timeout)
-        ref_type = self._ray.ObjectRef
-        validate = isinstance(rollout, ref_type)
-        if validate:
+        ing = self._ingestion
+        ing.raise_if_failed()
+        if isinstance(rollout, self._ray.ObjectRef):
             if self.config.on_policy:
                 raise ConfigError("rollout", "on-policy rollouts are pushed as mappings (the "
                                              "iteration counts their rows)")
-            payload, rows = rollout, 0
+            if ing.direct and self.config.rollout_spec is None:
+                self._store(rollout, 0, node, None, deadline, validate=True)
+                self._acknowledged()
+                return
+            rollout = self._shards.get(rollout, deadline, shard=None)
+        if ing.registered or self.config.rollout_spec is not None:
+            data, rows = admit_rollout(rollout, spec=self.spec,
+                                       rollout_spec=self.config.rollout_spec,
+                                       capacity=self._row_limit, raw=True)
         else:
-            data, rows = self.spec.validate(rollout, what="rollout")
-            on = self.config.on_policy
-            limit = self.capacity if on else self._shards.config.capacity
-            if rows > limit:
-                where = "an iteration's" if on else "a shard's"
-                raise CapacityError(f"a rollout of {rows} rows is larger than {where} "
-                                    f"{limit} rows; split it or raise capacity",
-                                    needed=rows, available=limit)
-            payload = self._ray.put(to_wire(data))
+            data, rows = self._admit(rollout, what="rollout")
+        if self.config.on_policy and policy_version is not None \
+                and policy_version < self._gate.iteration:
+            raise StaleRolloutError(f"policy_version {policy_version} is older than the "
+                                    f"plane's {self._gate.iteration}")
+        if ing.direct:
+            self._store(data, rows, node, policy_version, deadline)
+        else:
+            ing.submit(QueuedUnit(data, rows, node, policy_version), deadline)
+        self._acknowledged()
+
+    @property
+    def _row_limit(self) -> int:
+        """Most rows one write may hold: the iteration on-policy, a shard off-policy."""
+        return self.capacity if self.config.on_policy else self._shards.config.capacity
+
+    def _admit(self, batch: Mapping[str, Any], *, what: str) -> tuple[Batch, int]:
+        """``batch`` checked against the spec and the row limit."""
+        data, rows = self.spec.validate(batch, what=what)
+        limit = self._row_limit
+        if rows > limit:
+            where = "an iteration's" if self.config.on_policy else "a shard's"
+            raise CapacityError(f"a {what} of {rows} rows is larger than {where} {limit} rows; "
+                                f"split it or raise capacity", needed=rows, available=limit)
+        return data, rows
+
+    def _acknowledged(self) -> None:
+        with self._cond:
+            self.counters["units"] += 1
+
+    def _store_output(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
+        """What an ingestion operator writes for ``unit``: checked, then stored."""
+        data, rows = self._admit(batch, what="write")
+        self._store(data, rows, unit.node, unit.version, deadline)
+        return rows
+
+    def _store(self, data: Any, rows: int, node: str | None, version: int | None,
+               deadline: float, *, validate: bool = False) -> None:
+        """Write checked rows (or, ``validate``, an actor's ``ObjectRef``) to the shard of
+        ``node`` and its replicas."""
+        payload = data if validate else self._ray.put(to_wire(data))
         with self._cond:
             if self.config.on_policy:
-                self._gate.admit(rows, policy_version, deadline)
+                self._gate.admit(rows, version, deadline)
             owner = self._route(node)
             self._write(owner, payload, validate, deadline)
-            self.counters["units"] += 1
             self.counters["rows"] += rows
             if self.config.on_policy:
                 self._gate.stored(rows)
@@ -377,19 +447,7 @@ class RayExperienceDataPlane:
         if not self._prioritized:
             raise PriorityError("sampler: this plane samples uniformly; build it with "
                                 "sampler='prioritized' to update priorities")
-        idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
-        if idx.is_floating_point() or idx.dtype == torch.bool:
-            raise PriorityError(f"indices: must be a batch's integer _index, got {idx.dtype}")
-        pr = torch.as_tensor(priorities).detach().cpu().reshape(-1).to(torch.float64).numpy()
-        if pr.size != idx.numel():
-            raise PriorityError(f"priorities: {pr.size} values for {idx.numel()} indices")
-        if not np.isfinite(pr).all() or (pr < 0).any():
-            raise PriorityError("priorities: must be finite and >= 0 (pass |TD errors|)")
-        from conduit.distributed.sampling import decode
-        owners, rows = decode(idx.numpy())
-        if owners.size and (owners.min() < 0 or owners.max() >= self.num_shards):
-            raise PriorityError(f"indices: name shards outside [0, {self.num_shards}); pass "
-                                f"the _index of a batch this plane delivered")
+        owners, rows, pr = priority_updates(indices, priorities, self.num_shards)
         deadline = time.monotonic() + self.timeout
         with self._cond:
             def update() -> None:
@@ -411,6 +469,7 @@ class RayExperienceDataPlane:
         return {
             "mode": self.mode, "num_shards": self.num_shards, "replication": self.replication,
             "counters": dict(self.counters), "lost_rows": self.lost_rows,
+            "schedule": self.schedule.to_dict(), "ingestion": dict(self._ingestion.counters),
             "shards": [{"shard": k, "node": shards.nodes[k], "rows": shards.held[k].size,
                         "replicas_on": shards.replicas[k]} for k in range(self.num_shards)],
             "recoveries": [r.__dict__ for r in shards.recoveries],
@@ -427,15 +486,25 @@ class RayExperienceDataPlane:
         return self._closed
 
     def close(self) -> None:
-        """End the shard actors (and the local Ray this plane started). Idempotent."""
+        """Refuse new calls, store every queued unit, then end the shard actors (and the
+        local Ray this plane started). Idempotent.
+
+        Raises:
+            DataLossError: Some units that ``push`` acknowledged could not be stored (an
+                ingestion failure not cleared by :meth:`recover`, one while draining, or an
+                operator stuck past the timeout). The plane is closed all the same.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._shards.kill_all()
-        if self._started:
-            self._ray.shutdown()
+        try:
+            self._ingestion.close()
+        finally:
+            self._shards.kill_all()
+            if self._started:
+                self._ray.shutdown()
 
     def __enter__(self) -> RayExperienceDataPlane:
         return self

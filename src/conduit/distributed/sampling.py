@@ -16,7 +16,12 @@ No Ray here: the front calls them with numbers it keeps, so they are tested on t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
+
+from conduit.errors import PriorityError
 
 ROW_BITS = 40
 """A delivered ``_index`` is ``owner << ROW_BITS | row_id``: shard and place in its order."""
@@ -74,3 +79,26 @@ def locate(positions: np.ndarray, sizes: list[int]) -> dict[int, tuple[np.ndarra
         at = np.nonzero(owner == k)[0]
         out[int(k)] = (positions[at] - bounds[k], at)
     return out
+
+
+def priority_updates(indices: Any, priorities: Any, num_shards: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(owners, row ids, priorities as float64)`` of a priority update, checked.
+
+    Raises:
+        PriorityError: Indices that are not a delivered ``_index`` of one of ``num_shards``
+            shards; NaN, infinite or negative priorities; mismatched lengths.
+    """
+    idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
+    if idx.is_floating_point() or idx.dtype == torch.bool:
+        raise PriorityError(f"indices: must be a batch's integer _index, got {idx.dtype}")
+    pr = torch.as_tensor(priorities).detach().cpu().reshape(-1).to(torch.float64).numpy()
+    if pr.size != idx.numel():
+        raise PriorityError(f"priorities: {pr.size} values for {idx.numel()} indices")
+    if not np.isfinite(pr).all() or (pr < 0).any():
+        raise PriorityError("priorities: must be finite and >= 0 (pass |TD errors|)")
+    owners, rows = decode(idx.numpy())
+    if owners.size and (owners.min() < 0 or owners.max() >= num_shards):
+        raise PriorityError(f"indices: name shards outside [0, {num_shards}); pass the _index "
+                            f"of a batch this plane delivered")
+    return owners, rows, pr

@@ -1,0 +1,476 @@
+"""The Fig. 8 operators of the sharded plane and the schedule that runs them.
+
+Ingestion runs in the front, before a unit's rows are routed and replicated: the operator's
+output is what goes into Ray's object store once and is written to the owner and every replica
+in one order, so the copies stay the same ring slot for slot and an operator never runs twice
+for one unit (running it on each shard would run it ``replication`` times, and a
+non-deterministic operator would make the replicas differ). With ``overlap_ing = 1`` it runs on
+the front's ``conduit-ingestion`` thread: ``push`` returns once the unit is queued (at most
+``2·g_ing`` units wait; a full queue makes ``push`` wait, then raise
+:class:`~conduit.errors.BackpressureTimeout`, as on a local plane). One invocation takes up to
+``g_ing`` queued units pushed on the same node, so its rows still go to that node's shard.
+
+Delivery runs on the learner rank's thread over the rows one draw fetched from the shards
+(``g_del`` training batches per invocation, with ``_index`` and ``_weight``); with
+``overlap_del = 1`` the next invocation's remote fetch is in flight while the learner updates
+(:mod:`conduit.distributed.delivery`).
+
+A failure of an operator on the ingestion thread is latched as on a local plane
+(:mod:`conduit.plane.runtime`): ``push``, ``flush`` and ``pull`` raise its
+:class:`~conduit.errors.OperatorError` until ``recover()``; ``close()`` reports every
+acknowledged unit that was not stored with :class:`~conduit.errors.DataLossError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conduit.errors import (
+    BackpressureTimeout,
+    ConfigError,
+    DataLossError,
+    OperatorError,
+    PlaneClosedError,
+    ScheduleError,
+)
+from conduit.plane.config import PlaneConfig
+from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
+from conduit.plane.runtime import DeliveryFn, IngestionFn, identity_delivery, identity_ingestion
+from conduit.scheduling.space import Schedule, ScheduleSpace
+from conduit.spec import Batch
+from conduit.storage import data_path_threads
+
+StoreFn = Callable[[Mapping[str, Any], "QueuedUnit", float], int]
+"""Writes one operator output for a unit (validated, routed, replicated); returns its rows."""
+
+
+@dataclass
+class QueuedUnit:
+    """One pushed rollout unit waiting for ingestion.
+
+    Attributes:
+        data: Field -> tensor, as pushed.
+        rows: Its rows.
+        node: The Ray node it was pushed on (its rows go to that node's shard).
+        version: On-policy: the policy version it was pushed with.
+    """
+
+    data: Batch
+    rows: int
+    node: str | None
+    version: int | None
+
+
+def check_schedule(space: ScheduleSpace, schedule: Schedule, *, on_policy: bool) -> None:
+    """Raise if ``schedule`` cannot run on a sharded plane.
+
+    Raises:
+        ConfigError: ``schedule`` is not a :class:`Schedule`.
+        ScheduleError: Outside the feasible space, or (on-policy) overlapped or fractional
+            ingestion, which a sharded on-policy plane does not run: it ingests each pushed
+            unit inline, so the iteration's row count stays exact.
+    """
+    if not isinstance(schedule, Schedule):
+        raise ConfigError("schedule", f"expected a conduit.scheduling.Schedule, got "
+                                      f"{type(schedule).__name__}")
+    space.check(schedule)
+    if on_policy and (schedule.overlap_ing or schedule.g_ing != 1):
+        raise ScheduleError(f"overlap_ing, g_ing: a sharded on-policy plane ingests each pushed "
+                            f"unit inline; use Schedule(0, 1, ...), got "
+                            f"{schedule.label()}")
+
+
+def deliver(fn: DeliveryFn, rows: Batch, *, batches: int, batch_size: int,
+            device: torch.device) -> list[Batch]:
+    """Run the delivery operator over one draw's ``rows``; its training batches, on ``device``.
+
+    Raises:
+        OperatorError: The operator raised, or did not write ``batches`` training batches.
+    """
+    out = LearnerOut(batches=batches, device=device)
+    try:
+        fn(BufferIn(rows, batches=batches, batch_size=batch_size), out)
+        if len(out.staged) != batches:
+            raise RuntimeError("the delivery operator did not call learn_out.write()")
+    except Exception as exc:
+        raise OperatorError("delivery", exc) from exc
+    return out.staged
+
+
+class FrontIngestion:
+    """The operators of the sharded front: the ingestion operator with its queue, its thread
+    and its error latch, and the delivery operator the learner ports run.
+
+    Args:
+        store: Writes one operator output (called with no lock of this class held).
+        timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
+    """
+
+    thread_name = "conduit-ingestion"
+
+    def __init__(self, *, store: StoreFn, timeout: float) -> None:
+        self._store, self._timeout = store, timeout
+        self.fn: IngestionFn = identity_ingestion
+        self.registered = False
+        self.deliver_fn: DeliveryFn = identity_delivery
+        self.schedule = Schedule()
+        self._cond = threading.Condition(threading.RLock())
+        self._pending: deque[QueuedUnit] = deque()
+        self._inflight = 0  # units taken by a running invocation
+        self._hurry = 0  # flushes waiting: ingest fewer than g_ing units
+        self._hurried = False  # a learner waits for rows: ingest what is queued
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._closed = False  # no unit is queued after close() began draining
+        self.error: OperatorError | None = None
+        self.error_reported = False
+        self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
+
+    # -- schedule ---------------------------------------------------------------------------
+    @property
+    def overlapped(self) -> bool:
+        """Whether ingestion runs on the front's thread (``overlap_ing = 1``)."""
+        return bool(self.schedule.overlap_ing)
+
+    @property
+    def direct(self) -> bool:
+        """No operator and one unit per inline invocation: a push writes its rows itself."""
+        return not self.registered and not self.overlapped and self.schedule.g_ing == 1
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Use ``schedule`` from now on (call after :meth:`flush`), starting or stopping the
+        thread."""
+        self._join()
+        with self._cond:
+            self.schedule, self._stop = schedule, False
+        if self.overlapped:
+            self._thread = threading.Thread(target=self._work, name=self.thread_name,
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def _g(self) -> int:
+        return int(self.schedule.g_ing)
+
+    # -- errors (as conduit.plane.runtime.OperatorRuntime latches them) -----------------------
+    def raise_if_failed(self) -> None:
+        """Raise the latched operator error, if any."""
+        with self._cond:
+            if self.error is not None:
+                self.error_reported = True
+                raise self.error
+
+    def recover(self) -> OperatorError | None:
+        """Unlatch the operator error (the caller handled it); returns it."""
+        with self._cond:
+            err, self.error = self.error, None
+            self._cond.notify_all()
+        return err
+
+    # -- the queue --------------------------------------------------------------------------
+    def submit(self, unit: QueuedUnit, deadline: float) -> None:
+        """Queue ``unit``; inline, run every invocation that is due on this thread.
+
+        Raises:
+            BackpressureTimeout: No room in the queue by ``deadline``.
+            OperatorError: The operator raised here (the unit's rows are lost, the error is
+                not kept) or earlier on the thread (latched until ``recover``).
+            PlaneClosedError: :meth:`close` began (the unit is not taken).
+        """
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise PlaneClosedError("the sharded plane is closed")
+                self.raise_if_failed()
+                if len(self._pending) < 2 * self._g:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BackpressureTimeout(
+                        f"push waited for room: {len(self._pending)} units queued and "
+                        f"{self._inflight} being ingested (at most 2·g_ing = {2 * self._g} "
+                        f"wait); the ingestion operator is slower than the actors")
+                self._cond.wait(left)
+            self._pending.append(unit)
+            self._cond.notify_all()
+        if not self.overlapped:
+            self._drain_inline(force=False)
+
+    def _take(self, *, force: bool) -> list[QueuedUnit] | None:
+        """Up to ``g_ing`` queued units of one node (call with the lock held)."""
+        if not self._pending or (len(self._pending) < self._g and not force):
+            return None
+        node = self._pending[0].node
+        units = []
+        while self._pending and len(units) < self._g and self._pending[0].node == node:
+            units.append(self._pending.popleft())
+        self._inflight += len(units)
+        self._cond.notify_all()  # room in the queue for a waiting push
+        return units
+
+    def _run(self, units: list[QueuedUnit]) -> OperatorError | None:
+        """One invocation over ``units``; returns its error (not yet latched)."""
+        deadline = time.monotonic() + self._timeout
+        first = units[0]
+        out = BufferOut(lambda batch: self._store(batch, first, deadline))
+        err = None
+        try:
+            with data_path_threads(1):
+                self.fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
+        except Exception as exc:
+            err = OperatorError("ingestion", exc, lost_units=len(units),
+                                lost_rows=sum(u.rows for u in units))
+            err.__cause__ = exc
+        with self._cond:
+            self._inflight -= len(units)
+            self.counters["invocations"] += 1
+            if err is not None:
+                self.counters["lost_units"] += err.lost_units
+                self.counters["lost_rows"] += err.lost_rows
+            self._cond.notify_all()
+        return err
+
+    def _drain_inline(self, *, force: bool) -> None:
+        while True:
+            with self._cond:
+                self.raise_if_failed()
+                units = self._take(force=force)
+            if units is None:
+                return
+            err = self._run(units)
+            if err is not None:
+                raise err
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stop:  # close() drains the queue itself, counting failures
+                        return
+                    if self.error is None:
+                        units = self._take(force=self._hurry > 0 or self._hurried)
+                        if units is not None:
+                            self._hurried = self._hurried and bool(self._pending)
+                            break
+                    self._cond.wait()
+            err = self._run(units)
+            if err is not None:
+                with self._cond:
+                    if self.error is None:
+                        self.error, self.error_reported = err, False
+                    self._cond.notify_all()
+
+    def hurry(self) -> None:
+        """A learner waits for rows: ingest what is queued, however few units (inline: on
+        this thread, which must not hold the front's lock; overlapped: on the thread)."""
+        if self.overlapped:
+            with self._cond:
+                if self._pending and not self._hurried:
+                    self._hurried = True
+                    self._cond.notify_all()
+            return
+        self._drain_inline(force=True)
+
+    def idle(self) -> bool:
+        """Whether no unit waits or is being ingested."""
+        with self._cond:
+            return not self._pending and not self._inflight
+
+    def flush(self, deadline: float) -> None:
+        """Ingest every queued unit (fewer than ``g_ing`` included).
+
+        Raises:
+            BackpressureTimeout: Not done by ``deadline``.
+            OperatorError: An invocation failed.
+        """
+        if not self.overlapped:
+            self._drain_inline(force=True)
+            return
+        with self._cond:
+            self._hurry += 1
+            self._cond.notify_all()
+            try:
+                while self._pending or self._inflight:
+                    self.raise_if_failed()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BackpressureTimeout(
+                            f"flush: {len(self._pending)} rollout units still queued and "
+                            f"{self._inflight} being ingested when the timeout ran out; pass a "
+                            f"longer timeout or check the ingestion operator")
+                    self._cond.wait(left)
+                self.raise_if_failed()
+            finally:
+                self._hurry = max(0, self._hurry - 1)
+
+    # -- close ------------------------------------------------------------------------------
+    def _join(self) -> bool:
+        """Stop the thread after its running invocation; False if it did not stop in time."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread.join(self._timeout)
+        return not thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the thread and store every queued unit.
+
+        Raises:
+            DataLossError: Some acknowledged units were not stored: a latched failure never
+                raised to a caller, a failure while draining, or a thread stuck in the
+                operator past the timeout; the first cause is attached.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        stopped = self._join()
+        with self._cond:
+            cause: BaseException | None = None if self.error_reported else self.error
+            lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
+            self.error = None  # the queue is drained below whatever happened
+            if not stopped:
+                stuck = OperatorError("runtime", TimeoutError(
+                    f"the ingestion thread did not stop within {self._timeout:g} s"))
+                cause = cause or stuck
+                lost_units += self._inflight + len(self._pending)
+                lost_rows += sum(u.rows for u in self._pending)
+                self._pending.clear()
+        while True:
+            with self._cond:
+                units = self._take(force=True)
+            if units is None:
+                break
+            err = self._run(units)
+            if err is not None:
+                cause = cause or err
+                lost_units += err.lost_units
+                lost_rows += err.lost_rows
+        if lost_units:
+            raise DataLossError(
+                f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "
+                f"were not stored: {cause}", lost_units=lost_units,
+                lost_rows=lost_rows) from cause
+
+
+def check_ports(kind: str, got: tuple[str, str], want: tuple[str, str]) -> None:
+    """Raise unless an operator connects the ports of its kind (Fig. 8).
+
+    Raises:
+        ConfigError: Named ``register_<kind>``.
+    """
+    if got != want:
+        raise ConfigError(f"register_{kind}", f"{kind} connects input={want[0]!r} to "
+                                              f"output={want[1]!r}, got {got[0]!r} -> "
+                                              f"{got[1]!r}")
+
+
+class ScheduledOperators:
+    """The operator and schedule methods of the sharded plane's front (a mixin of
+    :class:`~conduit.distributed.RayExperienceDataPlane`, which provides the attributes)."""
+
+    config: PlaneConfig
+    space: ScheduleSpace
+    prefetch: bool
+    _g_del: int
+    _ingestion: FrontIngestion
+    _check_open: Callable[[], None]
+
+    def _resolve_schedule(self, schedule: Schedule | None, prefetch: bool | None) -> Schedule:
+        cfg = self.config
+        if schedule is None:
+            schedule = Schedule(0, 1, int(True if prefetch is None else bool(prefetch)),
+                                cfg.default_schedule().g_del)
+        elif prefetch is not None and bool(prefetch) != bool(getattr(schedule, "overlap_del",
+                                                                     prefetch)):
+            raise ConfigError("prefetch", f"prefetch={prefetch} contradicts the schedule's "
+                                          f"overlap_del; leave prefetch unset with a schedule")
+        check_schedule(self.space, schedule, on_policy=cfg.on_policy)
+        return schedule
+
+    def register_ingestion(self, *, input: str = "Actor", output: str = "ExperienceBuffer"
+                           ) -> Callable[[IngestionFn], IngestionFn]:
+        """Decorator registering the ingestion operator (Fig. 8), as on a local plane: it gets
+        ``(actor_in, exp_out)``, reads rollouts with ``actor_in.read()`` (or ``read_units()``)
+        and writes buffer rows with ``exp_out.write(...)``. It runs in the front, before the
+        rows are routed to the pushing node's shard and replicated. Register it before the
+        first push.
+
+        Raises:
+            ConfigError: The ports are not ``"Actor"`` -> ``"ExperienceBuffer"``.
+        """
+        check_ports("ingestion", (input, output), ("Actor", "ExperienceBuffer"))
+
+        def deco(fn: IngestionFn) -> IngestionFn:
+            self._ingestion.fn, self._ingestion.registered = fn, True
+            return fn
+        return deco
+
+    def register_delivery(self, *, input: str = "ExperienceBuffer", output: str = "Learner"
+                          ) -> Callable[[DeliveryFn], DeliveryFn]:
+        """Decorator registering the delivery operator (Fig. 8), as on a local plane: it gets
+        ``(exp_in, learn_out)``, reads the sampled rows (with ``_index`` and, prioritized,
+        ``_weight``) with ``exp_in.read()`` and writes training-ready data with
+        ``learn_out.write(...)``, which splits it into the invocation's ``g_del`` batches. It
+        runs on each learner rank's pulling thread over that rank's draw.
+
+        Raises:
+            ConfigError: The ports are not ``"ExperienceBuffer"`` -> ``"Learner"``.
+        """
+        check_ports("delivery", (input, output), ("ExperienceBuffer", "Learner"))
+
+        def deco(fn: DeliveryFn) -> DeliveryFn:
+            self._ingestion.deliver_fn = fn
+            return fn
+        return deco
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule in force (``overlap_del`` follows :attr:`prefetch`)."""
+        return dataclasses.replace(self._ingestion.schedule, overlap_del=int(self.prefetch))
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Ingest what is queued, then switch overlap and granularity; data are kept.
+
+        Raises:
+            ScheduleError: The schedule is outside the feasible space or not available on a
+                sharded plane.
+        """
+        self._check_open()
+        check_schedule(self.space, schedule, on_policy=self.config.on_policy)
+        self.flush()
+        self._ingestion.set_schedule(schedule)  # not under the lock: the thread may write
+        self.prefetch, self._g_del = bool(schedule.overlap_del), max(1, int(schedule.g_del))
+
+    def flush(self, *, timeout: float | None = None) -> None:
+        """Ingest every queued unit now (even fewer than ``g_ing``).
+
+        Raises:
+            BackpressureTimeout: Ingestion did not finish within ``timeout``.
+            OperatorError: The ingestion operator raised.
+            PlaneClosedError: The plane is closed.
+        """
+        self._check_open()
+        self._ingestion.flush(time.monotonic() + self.config.wait_for(timeout))
+
+    @property
+    def failed(self) -> OperatorError | None:
+        """The operator error that calls now raise (until :meth:`recover`), if any."""
+        return self._ingestion.error
+
+    def recover(self) -> OperatorError | None:
+        """Clear an ingestion failure once the caller has handled it, and return it; the
+        queued units are ingested again. The failed invocation's units are lost (counted in
+        the error and in ``stats()["ingestion"]``)."""
+        self._check_open()
+        return self._ingestion.recover()

@@ -1,0 +1,103 @@
+"""The sharded front's ingestion queue on its own (no Ray): units grouped per node and per
+``g_ing``, inline and on the thread, closed without taking units it cannot store."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from conduit.distributed.operators import FrontIngestion, QueuedUnit
+from conduit.errors import BackpressureTimeout, PlaneClosedError
+from conduit.plane.ports import ActorIn, BufferOut
+from conduit.scheduling import Schedule
+
+
+class Recorder:
+    """A store that records ``(node, ids)`` of every write."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str | None, list[int]]] = []
+
+    def __call__(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
+        assert deadline > time.monotonic()
+        self.writes.append((unit.node, batch["id"].tolist()))
+        return len(batch["id"])
+
+
+def unit(start: int, node: str, n: int = 2) -> QueuedUnit:
+    return QueuedUnit({"id": torch.arange(start, start + n)}, n, node, None)
+
+
+def test_inline_invocations_take_up_to_g_units_of_one_node():
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    sizes: list[int] = []
+
+    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        sizes.append(len(actor_in))
+        exp_out.write(actor_in.read())
+    ing.fn, ing.registered = op, True
+    ing.set_schedule(Schedule(0, 3, 0, 1))
+    assert not ing.direct
+    deadline = time.monotonic() + 5
+    for start, node in ((0, "a"), (2, "a"), (4, "b")):
+        ing.submit(unit(start, node), deadline)
+    # Three queued: the first invocation takes a's two units; b's waits for two more.
+    assert store.writes == [("a", [0, 1, 2, 3])]
+    ing.submit(unit(6, "b"), deadline)
+    ing.submit(unit(8, "b"), deadline)
+    ing.submit(unit(10, "a"), deadline)
+    assert store.writes[1:] == [("b", [4, 5, 6, 7, 8, 9])]
+    ing.flush(deadline)
+    assert store.writes[2:] == [("a", [10, 11])]
+    assert sizes == [2, 3, 1]
+    ing.close()
+
+
+def test_the_thread_ingests_and_close_refuses_later_units():
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    gate = threading.Event()
+
+    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        gate.wait(5)
+        exp_out.write(actor_in.read())
+    ing.fn, ing.registered = op, True
+    ing.set_schedule(Schedule(1, 1, 0, 1))
+    assert ing.overlapped and ing._thread is not None and ing._thread.name == "conduit-ingestion"
+    deadline = time.monotonic() + 5
+    for k in range(3):
+        ing.submit(unit(2 * k, "a"), deadline)
+    with pytest.raises(BackpressureTimeout):
+        ing.submit(unit(6, "a"), time.monotonic() + 0.1)
+    assert not ing.idle()
+    gate.set()
+    ing.flush(time.monotonic() + 5)
+    assert ing.idle()
+    assert [ids for _, ids in store.writes] == [[0, 1], [2, 3], [4, 5]]
+    ing.close()
+    assert ing._thread is None
+    with pytest.raises(PlaneClosedError):
+        ing.submit(unit(8, "a"), deadline)
+    assert len(store.writes) == 3
+
+
+def test_a_switch_to_inline_stops_the_thread_and_keeps_order():
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(Schedule(1, 2, 0, 1))
+    deadline = time.monotonic() + 5
+    ing.submit(unit(0, "a"), deadline)
+    ing.flush(deadline)
+    thread = ing._thread
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    assert thread is not None and not thread.is_alive()
+    assert ing.direct  # no operator, one unit per inline invocation
+    ing.submit(unit(2, "a"), deadline)
+    assert [ids for _, ids in store.writes] == [[0, 1], [2, 3]]
+    ing.close()
