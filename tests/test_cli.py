@@ -10,7 +10,7 @@ from conduit.cli import main
 from conduit.cli_args import plain_text
 
 BENCHES = ("plane", "placement", "schedule", "peers", "convergence", "workloads", "persist",
-           "scale", "grpo")
+           "scale", "grpo", "rllib")
 
 
 def test_plain_text_removes_rst_inline_markup() -> None:

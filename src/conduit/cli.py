@@ -4,9 +4,9 @@ Subcommands:
 
 * ``conduit demo``: the main job, a short distributed training run, inline then through
   Conduit, with its per-iteration latency breakdown;
-* ``conduit train``: one training run (DQN, SAC or PPO on Ray actors);
-* ``conduit bench {plane,placement,schedule,peers,convergence,workloads,persist,scale,grpo}``:
-  benchmarks that print tables and write JSON and PNG files;
+* ``conduit train``: one training run (DQN, SAC or PPO on Ray actors; GRPO with TRL);
+* ``conduit bench NAME``: benchmarks that print tables and write JSON and PNG files (plane,
+  placement, schedule, peers, convergence, workloads, persist, scale, grpo, rllib);
 * ``conduit profile``: measure this machine's copy bandwidths (cached);
 * ``conduit plan``: print the placement and schedule Conduit would choose, without training.
 """
@@ -30,6 +30,7 @@ _BENCHES = {
                                          "the learner's stall during snapshots"),
     "scale": ("conduit.bench.scale", "Ray-sharded plane on 1, 2, 4 nodes; recovery; projection"),
     "grpo": ("conduit.bench.grpo", "TRL's GRPOTrainer alone vs TRL + Conduit on a CPU LM"),
+    "rllib": ("conduit.bench.rllib", "RLlib alone vs RLlib + Conduit: DQN, SAC, PPO; buffers"),
 }
 
 _COMMANDS = {

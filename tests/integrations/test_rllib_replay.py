@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
 )
+from conduit.integrations.rllib.windows import WindowRequest, deliver_windows  # noqa: E402
 from conduit.storage import SampleInfo  # noqa: E402
 
 N_STEP, GAMMA = 3, 0.9
@@ -92,6 +95,18 @@ class _Draws:
         return (self.positions.pop(0) + 0.5) / self.total
 
 
+def _scripted(positions: list[int], *, weights: bool) -> Callable[[int, int], SampleInfo]:
+    """A stand-in for an inner sampler's ``sample`` that draws the scripted slots in order."""
+    queue = list(positions)
+
+    def sample(size: int, batch_size: int) -> SampleInfo:
+        take = torch.tensor(queue[:batch_size], dtype=torch.int64)
+        del queue[:batch_size]
+        return SampleInfo(take, torch.ones(len(take)) if weights else None)
+
+    return sample
+
+
 def _filled(buffer: EpisodeReplayBuffer, adds: list[list[SingleAgentEpisode]]
             ) -> EpisodeReplayBuffer:
     for episodes in adds:
@@ -134,11 +149,11 @@ def test_uniform_buffer_returns_what_rllib_returns(adds: list[list[SingleAgentEp
     positions = _positions(adds)
     n_steps = [1 + k % 3 for k in range(len(positions))]
     ours = _filled(ConduitEpisodeReplayBuffer(capacity=1000, batch_size_B=len(positions),
-                                              seed=1), adds)
+                                              seed=1, schedule="inline"), adds)
     theirs = _filled(EpisodeReplayBuffer(capacity=1000), adds)
     assert len(ours) == len(theirs) and ours.get_num_episodes() == theirs.get_num_episodes()
     theirs.rng = _Draws(positions, n_steps=n_steps)
-    ours._sampler.inner._rng = _Draws(positions)
+    ours._sampler.inner.sample = _scripted(positions, weights=False)
     ours._sampler._rng = _Draws(n_steps)
     kwargs = {"num_items": len(positions), "n_step": n_step, "gamma": GAMMA,
               "batch_length_T": 0, "sample_episodes": True}
@@ -157,20 +172,14 @@ def test_prioritized_buffer_returns_what_rllib_returns(adds: list[list[SingleAge
     redrawn by both buffers, from the same scripted positions."""
     complete = 8
     ours = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, batch_size_B=complete,
-                                                         alpha=0.6, seed=1), adds)
+                                                         alpha=0.6, seed=1, schedule="inline"),
+                   adds)
     theirs = _filled(PrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6), adds)
     positions = _positions(adds)
     n_steps = [3 - k % 3 for k in range(len(positions))]
     theirs.rng = _Draws(positions, len(theirs), n_steps)
     ours._sampler._rng = _Draws(n_steps)
-    queue = list(positions)
-
-    def scripted(size: int, batch_size: int) -> SampleInfo:
-        take = torch.tensor(queue[:batch_size], dtype=torch.int64)
-        del queue[:batch_size]
-        return SampleInfo(take, torch.ones(len(take)))
-
-    ours._sampler.inner.sample = scripted
+    ours._sampler.inner.sample = _scripted(positions, weights=True)
     a = ours.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
     b = theirs.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
     for x, y in zip(a, b):
@@ -207,12 +216,14 @@ def test_priorities_reach_the_sum_tree_and_shape_weights(
 def test_state_round_trips_through_pickle(adds: list[list[SingleAgentEpisode]]) -> None:
     """An RLlib checkpoint pickles ``get_state``; a restored buffer holds the same rows,
     priorities and sampler, and continues ongoing episodes."""
-    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=5)
+    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=5,
+                                                   schedule="inline")
     buffer.add(adds[0])
     buffer.sample(num_items=8, n_step=N_STEP)
     buffer.update_priorities(np.arange(1, 9, dtype=np.float64))
     state = pickle.loads(pickle.dumps(buffer.get_state()))
-    restored = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=99)
+    restored = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6, seed=99,
+                                                     schedule="inline")
     restored.set_state(state)
     assert len(restored) == len(buffer) and restored.get_num_episodes() == \
         buffer.get_num_episodes()
@@ -253,3 +264,109 @@ def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -
         buffer.sample(num_items=4, n_step=1, batch_length_T=8)
     with pytest.raises(ConfigError, match="capacity"):
         buffer.sample(num_items=5000, n_step=1)
+
+
+def _wait_staged(buffer: ConduitEpisodeReplayBuffer, timeout: float = 10.0) -> None:
+    """Wait until the delivery worker has staged a batch ahead of the next sample."""
+    deadline = time.monotonic() + timeout
+    while buffer.plane.stats()["staged_batches"] < 1:
+        assert time.monotonic() < deadline, "the delivery worker staged nothing"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("n_step", [N_STEP, (1, 4)])
+def test_prefetched_samples_return_what_rllib_returns(adds: list[list[SingleAgentEpisode]],
+                                                      prioritized: bool,
+                                                      n_step: int | tuple[int, int]) -> None:
+    """Batches drawn ahead on the delivery worker: for the rows and n-steps they hold,
+    RLlib's buffer (scripted to draw the same) returns the same fields and reward sums."""
+    kind = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    ours = _filled(kind(capacity=1000, batch_size_B=24, alpha=0.6, seed=2,
+                        schedule="prefetch"), adds)
+    assert ours.plane.schedule.overlap_del == 1
+    kwargs = ({"num_items": 24, "n_step": n_step, "gamma": GAMMA, "beta": 0.4} if prioritized
+              else {"num_items": 24, "n_step": n_step, "gamma": GAMMA, "batch_length_T": 0,
+                    "sample_episodes": True})
+    for _ in range(3):
+        _wait_staged(ours)
+        sampled = ours.sample(**kwargs)
+        positions = ours._last_index.tolist()  # no wrap: slot = row position
+        n_steps = [int(e.get_extra_model_outputs("n_step", 0)) for e in sampled]
+        rllib = PrioritizedEpisodeReplayBuffer if prioritized else EpisodeReplayBuffer
+        theirs = _filled(rllib(capacity=1000, alpha=0.6), adds)
+        theirs.rng = _Draws(positions, len(theirs), n_steps)
+        for x, y in zip(sampled, theirs.sample(**kwargs), strict=True):
+            _assert_same(x, y, ids=not prioritized)
+    # The first batch, drawn before any sample() named its arguments, was thrown away.
+    assert ours.discarded_batches >= 1
+    assert ours.plane.counters["delivered_batches"] >= 4
+    ours.plane.close()
+
+
+def test_priorities_after_a_prefetched_sample_reach_its_rows(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    """update_priorities applies to the rows the last sample returned, not to the batch the
+    worker staged meanwhile; that batch, drawn before the update, is not served."""
+    buffer = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.5, eps=1e-6,
+                                                           seed=4, schedule="prefetch"), adds)
+    kwargs = {"num_items": 16, "n_step": 1, "beta": 1.0}
+    buffer.sample(**kwargs)
+    _wait_staged(buffer)
+    sampled = buffer._last_index.copy()
+    tree = buffer._sampler.inner
+    before = tree.priorities(torch.arange(len(buffer))).numpy()
+    td = np.linspace(0.5, 8.0, 16)
+    discarded = buffer.plane.counters["discarded_batches"]
+    buffer.update_priorities(td, "default_policy")
+    after = tree.priorities(torch.arange(len(buffer))).numpy()
+    expected = before.copy()
+    expected[sampled] = (td + 1e-6) ** 0.5  # a slot drawn twice keeps its last value
+    assert after == pytest.approx(expected)
+    nxt = buffer.sample(**kwargs)
+    assert buffer.plane.counters["discarded_batches"] > discarded
+    # Drawn after the update: weights follow the new priorities.
+    want = after.min() / after[buffer._last_index]
+    got = np.array([e.get_extra_model_outputs("weights", 0) for e in nxt])
+    assert got == pytest.approx(want, rel=1e-5)
+    buffer.plane.close()
+
+
+def test_delivery_lays_windows_over_the_links_it_finds(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    """A draw delivered after an add continued its episode gets the longer window, as RLlib
+    returns after that add; a drawn row that an add overwrote is marked invalid."""
+    buffer = _filled(ConduitEpisodeReplayBuffer(capacity=1000, seed=6, schedule="inline"),
+                     adds[:1])
+    sampler, plane = buffer._sampler, buffer.plane
+    ongoing = adds[0][1]  # its continuation comes in the second add
+    end = len(adds[0][0]) + len(ongoing)  # its last row + 1
+    positions = [end - 2, end - 1, 0]
+    sampler.set_request(WindowRequest(n_step=N_STEP, gamma=GAMMA))
+    sampler.inner.sample = _scripted(positions, weights=False)
+    info = plane.buffer.draw(len(positions))
+    rows = plane.buffer.gather(info)
+    buffer.add(adds[1])
+
+    def gather(slots: np.ndarray) -> torch.Tensor:
+        return plane.buffer.gather(torch.from_numpy(slots))["next_obs"]
+
+    out = deliver_windows(sampler, rows, gather)
+    theirs = _filled(EpisodeReplayBuffer(capacity=1000), adds)
+    theirs.rng = _Draws(positions)
+    for i, eps in enumerate(theirs.sample(num_items=3, n_step=N_STEP, gamma=GAMMA,
+                                          batch_length_T=0, sample_episodes=True)):
+        np.testing.assert_array_equal(out["next_obs"][i].numpy(), eps.get_observations(-1))
+        assert float(out["reward"][i]) == pytest.approx(eps.get_rewards(0))
+    assert bool(out["_valid"].all())
+
+    full = len(adds[0][0])
+    small = _filled(ConduitEpisodeReplayBuffer(capacity=full, seed=6, schedule="inline"),
+                    [adds[0][:1]])
+    small._sampler.set_request(WindowRequest(n_step=1))
+    small._sampler.inner.sample = _scripted([0, full - 1], weights=False)
+    info = small.plane.buffer.draw(2)
+    rows = small.plane.buffer.gather(info)
+    small.add([adds[0][2]])  # overwrites the oldest slots, 0 included
+    out = deliver_windows(small._sampler, rows, lambda slots: rows["next_obs"][slots])
+    assert out["_valid"].tolist() == [False, True]

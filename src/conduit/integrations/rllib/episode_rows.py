@@ -13,6 +13,7 @@ are newer than it: while a row is in the buffer, so is its whole window.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -146,6 +147,9 @@ class EpisodeRows:
         self.table: OrderedDict[int, EpisodeMeta] = OrderedDict()
         self._ongoing: dict[str, int] = {}  # episode id -> key, until the episode is done
         self._next_key = 0
+        #: Held while the links and the ring they describe change together (an add), and
+        #: while a delivery reads them.
+        self.lock = threading.Lock()
 
     def __len__(self) -> int:
         return min(self.written, self.capacity)

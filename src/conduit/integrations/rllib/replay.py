@@ -5,11 +5,18 @@ one pull from the plane, whose sampler draws the rows and whose delivery operato
 n-step windows over them. What a sample returns is what RLlib's buffer of the same name
 returns for the same arguments: a list of one-step ``SingleAgentEpisode`` objects holding the
 n-step transition, with ``n_step`` and ``weights`` in their ``extra_model_outputs``.
+
+The plane's schedule is chosen by the ``"schedule"`` key of ``replay_buffer_config``:
+``"inline"`` draws on the caller's thread inside ``sample``; ``"prefetch"`` draws the next
+batch on the plane's delivery worker while RLlib updates the learner and samples its env
+runners; ``"auto"`` (default) starts overlapped and keeps or drops prefetch over the first
+training iterations, by their measured time (:mod:`~conduit.integrations.rllib.schedule`).
 """
 
 # ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
 from __future__ import annotations
 
+import uuid
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -24,9 +31,17 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 )
 from ray.rllib.utils.typing import AgentID, ModuleID
 
-from conduit import ExperienceDataPlane, ExperienceSpec
-from conduit.errors import ConfigError, EmptyBufferError, PriorityError
+from conduit import ExperienceDataPlane, ExperienceSpec, Schedule
+from conduit.errors import (
+    ConduitError,
+    ConfigError,
+    EmptyBufferError,
+    OperatorError,
+    PriorityError,
+)
 from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, spec_of
+from conduit.integrations.rllib.episodes import episode_like
+from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
 from conduit.integrations.rllib.windows import (
     Transitions,
     WindowRequest,
@@ -34,7 +49,7 @@ from conduit.integrations.rllib.windows import (
     deliver_windows,
 )
 from conduit.plane import BufferIn, LearnerOut
-from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
+from conduit.storage import Placement, PrioritizedSampler, Sampler, Store, UniformSampler
 
 
 def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
@@ -51,9 +66,14 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     whole episodes instead). Sampling draws ``(o_t, a_t, Σ γ^k r_{t+k}, o_{t+n},
     terminated, truncated)`` transitions: for ``sample_episodes=True`` with
     ``batch_length_T=0``, the path DQN and SAC take. Infos are not stored (sampled episodes hold
-    empty infos), nor are ``extra_model_outputs``. The plane runs its operators inline: an
-    ``add`` links rows to earlier chunks of their episodes, which a draw running ahead on a
-    worker could miss.
+    empty infos), nor are ``extra_model_outputs``.
+
+    With ``schedule="prefetch"`` (or ``"auto"`` when it keeps prefetch), a batch may be drawn
+    before the latest ``add`` calls (at most :data:`G_MAX` of them), so it may miss their
+    rows; each of its transitions is what RLlib's buffer returns for its row when the batch
+    was delivered, and importance weights are those of the draw. Batches drawn for other
+    ``sample`` arguments (``n_step``, ``gamma``, ``beta``) are discarded, as are batches
+    drawn before a priority update, and rows overwritten since their draw.
 
     Args:
         capacity: Timesteps held.
@@ -63,6 +83,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         beta: Importance-weight exponent when ``sample`` gets ``beta=None``.
         eps: Added to every priority (prioritized buffer).
         seed: Seed of the sampler (None: a fresh one).
+        schedule: ``"auto"``, ``"inline"`` or ``"prefetch"`` (see the module docstring).
         placement: Where the rows live: ``"auto"`` (Alg. 1 over this machine's topology,
             docs/design.md §4), a :class:`~conduit.storage.Placement`, or None (pageable CPU
             memory).
@@ -70,7 +91,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         **kwargs: Further keys of ``replay_buffer_config``, ignored as RLlib does.
 
     Raises:
-        ConfigError: ``alpha``, ``beta`` or ``eps`` is out of range.
+        ConfigError: ``alpha``, ``beta``, ``eps`` or ``schedule`` is out of range.
     """
 
     #: Whether rows are drawn by priority.
@@ -78,12 +99,14 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
 
     def __init__(self, capacity: int = 10_000, *, batch_size_B: int = 16,
                  batch_length_T: int = 1, alpha: float = 1.0, beta: float = 0.0,
-                 eps: float = 1e-6, seed: int | None = None,
+                 eps: float = 1e-6, seed: int | None = None, schedule: ScheduleName = "auto",
                  placement: Placement | Literal["auto"] | None = None,
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
         EpisodeReplayBuffer.__init__(
             self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
             metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
+        #: The plane's schedule, and for ``"auto"`` its decision (``schedule.report``).
+        self.schedule = ReplaySchedule(schedule)
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0]) >> 1
         self.beta, self.placement = beta, placement
         inner: Sampler = (PrioritizedSampler(alpha=alpha, beta=beta, eps=eps, seed=self.seed)
@@ -92,22 +115,41 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._sampler = WindowSampler(inner, self._rows)
         self._plane: ExperienceDataPlane | None = None
         self._last_index: np.ndarray | None = None
+        #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
+        self.discarded_batches = 0
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
         """The plane the rows live in (None until the first ``add``)."""
         return self._plane
 
-    def _build_plane(self, spec: ExperienceSpec, batch_size: int) -> ExperienceDataPlane:
+    def _close_plane(self) -> Schedule | None:
+        """Close the plane (if any); returns the schedule a plane replacing it starts on."""
+        plane, self._plane = self._plane, None
+        if plane is None:
+            return None
+        decided = self.schedule.keep(plane)
+        plane.close()
+        return decided
+
+    def _build_plane(self, spec: ExperienceSpec, batch_size: int,
+                     decided: Schedule | None = None, store: Store | None = None
+                     ) -> ExperienceDataPlane:
+        """A plane for ``spec`` on ``decided`` (None: the schedule :attr:`schedule` starts
+        with), in ``store`` if given."""
         plane = ExperienceDataPlane(spec=spec, capacity=self.capacity,
                                     batch_size=min(batch_size, self.capacity), min_size=1,
                                     sampler=self._sampler, placement=self.placement,
-                                    seed=self.seed)
+                                    seed=self.seed, g_max=G_MAX, store=store)
+
+        def gather_next_obs(slots: np.ndarray) -> torch.Tensor:
+            return plane.buffer.gather(torch.from_numpy(slots))["next_obs"]
 
         @plane.register_delivery()
         def n_step_windows(exp_in: BufferIn, learn_out: LearnerOut) -> None:
-            learn_out.write(deliver_windows(self._sampler, exp_in.read()))
+            learn_out.write(deliver_windows(self._sampler, exp_in.read(), gather_next_obs))
 
+        self.schedule.apply(plane, decided)
         return plane
 
     def _plane_for(self, batch_size: int) -> ExperienceDataPlane:
@@ -119,10 +161,11 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             if batch_size > self.capacity:
                 raise ConfigError("num_items", f"{batch_size} transitions per sample exceed "
                                                f"the capacity {self.capacity}")
-            state = plane.state_dict()
-            plane.close()
-            self._plane = plane = self._build_plane(plane.spec, batch_size)
-            plane.load_state_dict(state)
+            # The rows stay where they are: the new plane takes over the store.
+            state, spec, store = plane.state_dict(rows=False), plane.spec, plane.buffer.store
+            plane = self._build_plane(spec, batch_size, self._close_plane(), store=store)
+            plane.load_state_dict(state, rows=False)
+            self._plane = plane
         return plane
 
     def add(self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode) -> None:
@@ -132,13 +175,16 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         Raises:
             SpecError: An observation or action differs in shape or dtype from earlier ones.
         """
-        added = self._rows.append(force_list(episodes))
-        if added.steps:
-            if self._plane is None:
-                self._plane = self._build_plane(spec_of(added.rows), self.batch_size_B)
-            for a in range(0, added.steps, self.capacity):
-                self._plane.push({k: v[a:a + self.capacity] for k, v in added.rows.items()})
-            self._plane.flush()
+        self.schedule.adding()
+        with self._rows.lock:  # a delivery running ahead sees links and ring change at once
+            added = self._rows.append(force_list(episodes))
+            if added.steps:
+                if self._plane is None:
+                    self._plane = self._build_plane(spec_of(added.rows), self.batch_size_B)
+                for a in range(0, added.steps, self.capacity):
+                    self._plane.push({k: v[a:a + self.capacity]
+                                      for k, v in added.rows.items()})
+                self._plane.flush()
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added += added.steps
         self._num_episodes_evicted += added.evicted_episodes
@@ -200,19 +246,67 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                         "RLlib's own buffer for sequences")
         size = num_items or batch_size_B or self.batch_size_B
         beta = self.beta if beta is None else beta
-        if self.prioritized:
-            if not beta >= 0:
-                raise ConfigError("beta", f"must be >= 0, got {beta}")
-            self._sampler.inner.beta = float(beta)
-        self._sampler.request = WindowRequest(n_step=n_step or 1, gamma=gamma,
-                                              complete=self.prioritized)
+        if self.prioritized and not beta >= 0:
+            raise ConfigError("beta", f"must be >= 0, got {beta}")
+        n_step = n_step or 1
+        self._sampler.set_request(WindowRequest(
+            n_step=tuple(n_step) if isinstance(n_step, list) else n_step, gamma=gamma,
+            complete=self.prioritized, beta=float(beta) if self.prioritized else None))
         resamples = self._sampler.resamples
-        batch = Transitions.of(self._plane_for(size).pull())
+        plane = self._plane_for(size)
+        self.schedule.sampling(plane)
+        batch = Transitions.of(self._pull(plane))
         self._last_index = batch.index
         self.sampled_timesteps += size
-        episodes = [self._episode(batch, i, to_numpy) for i in range(size)]
+        episodes = self._episodes(batch, to_numpy)
         self._log_sample(batch, self._sampler.resamples - resamples)
+        self.schedule.sampled()
         return episodes
+
+    def _pull(self, plane: ExperienceDataPlane) -> dict[str, torch.Tensor]:
+        """The next batch drawn for the request in force with every row still in the buffer;
+        others are discarded (a prefetched batch may be either)."""
+        for _ in range(4 * G_MAX + 4):
+            try:
+                batch = plane.pull()
+            except OperatorError as exc:
+                if isinstance(exc.__cause__, ConduitError):  # e.g. too few complete windows
+                    plane.recover()
+                    raise exc.__cause__ from None
+                raise
+            if (bool(batch.pop("_valid").all())
+                    and int(batch.pop("_request")[0]) == self._sampler.serial):
+                return batch
+            self.discarded_batches += 1
+        raise EmptyBufferError(f"{4 * G_MAX + 4} batches in a row were drawn for other sample "
+                               f"arguments or lost rows to adds; sample with schedule='inline'")
+
+    def _episodes(self, batch: Transitions, to_numpy: bool) -> list[SingleAgentEpisode]:
+        """The rows of ``batch`` as RLlib's buffer of this kind returns them: the first built
+        by RLlib's constructor, the others copied from it where they share its spaces."""
+        first = self._episode(batch, 0, to_numpy)
+        spaces = first.observation_space, first.action_space
+        alike: dict[tuple[int, int], bool] = {}  # spaces by id -> equal to the first's
+        out = [first]
+        for i in range(1, len(batch.index)):
+            meta = self._rows.table[int(batch.episode[i])]
+            key = id(meta.observation_space), id(meta.action_space)
+            if key not in alike:
+                alike[key] = (meta.observation_space, meta.action_space) == spaces
+            if not alike[key]:
+                out.append(self._episode(batch, i, to_numpy))
+                continue
+            weight = (float(batch.weight[i]) if self.prioritized and batch.weight is not None
+                      else 1.0)
+            extra = {"n_step": [int(batch.n_step[i])], "weights": [weight]}
+            out.append(episode_like(
+                first, id_=uuid.uuid4().hex if self.prioritized else meta.id_,
+                observations=[batch.obs[i], batch.next_obs[i]], actions=[batch.action[i]],
+                rewards=[batch.reward[i]], extra=extra, t_started=int(batch.t[i]),
+                terminated=bool(batch.terminated[i]), truncated=bool(batch.truncated[i])))
+            if not self.prioritized:
+                out[-1].agent_id, out[-1].module_id = meta.agent_id, meta.module_id
+        return out
 
     def _episode(self, batch: Transitions, i: int, to_numpy: bool) -> SingleAgentEpisode:
         """Row ``i`` as RLlib's buffer of this kind builds it."""
@@ -283,14 +377,13 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         Raises:
             StateError: The state is missing a key or does not fit the buffer's capacity.
         """
+        decided = self._close_plane()  # first: its delivery worker reads the links
         self._rows.load_state_dict(state["rows"])
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
         if state["spec"] is not None:
-            self._plane = self._build_plane(ExperienceSpec.from_dict(state["spec"]),
-                                            state["batch_size"])
-            self._plane.load_state_dict(state["plane"])
+            plane = self._build_plane(ExperienceSpec.from_dict(state["spec"]),
+                                      state["batch_size"], decided)
+            plane.load_state_dict(state["plane"])
+            self._plane = plane
         self._last_index = state["last_index"]
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added = state["_num_timesteps_added"]

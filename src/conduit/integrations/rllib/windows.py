@@ -1,9 +1,17 @@
 """Sampling n-step windows through the plane: the sampler that draws them and the delivery
-operator that turns the gathered rows into transitions."""
+operator that turns the gathered rows into transitions.
+
+A draw may run ahead of the learner on the plane's delivery worker (prefetch), while the
+caller adds episodes. Adds hold :attr:`EpisodeRows.lock` while they change links and ring
+together; the delivery operator holds it while it lays the windows over the rows, so every
+delivered transition is what RLlib's buffer returns for its row at delivery time. A row that
+was overwritten between its draw and its delivery is marked invalid (``_valid``), and the
+caller draws again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,22 +21,24 @@ from conduit.errors import EmptyBufferError, SpecError
 from conduit.integrations.rllib.episode_rows import EpisodeRows, NStep, Window
 from conduit.spec import Batch
 from conduit.storage import SampleInfo, Sampler
-from conduit.storage.state import JSON, StateDict, entry
+from conduit.storage.state import JSON, StateDict, entry, integer
 
 
-@dataclass
+@dataclass(frozen=True)
 class WindowRequest:
-    """What the next draw is for.
+    """What a draw is for.
 
     Attributes:
         n_step: Steps per window, or a range ``[low, high)`` drawn per row.
         gamma: Discount of the reward sums.
         complete: Redraw rows whose window would be cut short (RLlib's prioritized buffer).
+        beta: Importance-weight exponent of a prioritized inner sampler (None: leave it).
     """
 
     n_step: NStep = 1
     gamma: float = 0.99
     complete: bool = False
+    beta: float | None = None
 
     def draw_n(self, rng: np.random.Generator, size: int) -> np.ndarray:
         """The n-step of ``size`` rows."""
@@ -38,15 +48,31 @@ class WindowRequest:
         return np.full(size, self.n_step, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """One draw, waiting for its delivery.
+
+    Attributes:
+        window: The windows as the links stood at the draw.
+        request: What the draw was for.
+        serial: The request's serial number (see :meth:`WindowSampler.set_request`).
+        ring_rows: Rows the ring had received at the draw.
+    """
+
+    window: Window
+    request: WindowRequest
+    serial: int
+    ring_rows: int
+
+
 class WindowSampler(Sampler):
     """Draws rows with an inner sampler and lays n-step windows over them.
 
     A draw returns each row's first slot and, when any window is longer than one step, its last
     slot as a second column (``[B, 2]``), so one gather reads the observation and action at
-    the start and the next observation at the end. The windows of a draw and the request they
-    were drawn for wait in :attr:`drawn`, keyed by ``id`` of its index tensor (the delivered
-    ``_index``), for :func:`deliver_windows`. Set :attr:`request` before a pull; a plane whose
-    delivery runs inline draws on that pull.
+    the start and the next observation at the end. Each draw waits in :attr:`drawn`, keyed by
+    ``id`` of its index tensor (the delivered ``_index``), for :func:`deliver_windows`. Call
+    :meth:`set_request` before a pull; a draw uses the request in force when it runs.
 
     Args:
         inner: Draws the rows (uniform or prioritized); priorities and state are its own.
@@ -59,16 +85,35 @@ class WindowSampler(Sampler):
         self._rng = np.random.default_rng([inner.seed, 1])  # a stream apart from inner's
         self.inner, self.rows, self.max_rounds = inner, rows, max_rounds
         self.invalidates_prefetch = inner.invalidates_prefetch
-        self.request = WindowRequest()
-        self.drawn: dict[int, tuple[Window, WindowRequest]] = {}
+        self._request: tuple[int, WindowRequest] = (0, WindowRequest())
+        self.drawn: dict[int, Drawn] = {}
         #: Rows redrawn because their window was cut short, over the sampler's life.
         self.resamples = 0
+        #: Rows the ring has received (counted on write, under the buffer's lock).
+        self.ring_rows = 0
+
+    @property
+    def request(self) -> WindowRequest:
+        """The request draws are made for."""
+        return self._request[1]
+
+    @property
+    def serial(self) -> int:
+        """Serial number of :attr:`request`; it grows whenever the request changes."""
+        return self._request[0]
+
+    def set_request(self, request: WindowRequest) -> None:
+        """Make draws for ``request`` from now on (batches drawn for another one are stale)."""
+        serial, current = self._request
+        if request != current:
+            self._request = (serial + 1, request)  # one assignment: a worker reads either
 
     def bind(self, capacity: int) -> None:
         super().bind(capacity)
         self.inner.bind(capacity)
 
     def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
+        self.ring_rows += len(indices)
         self.inner.on_write(indices, batch, size=size)
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
@@ -76,12 +121,14 @@ class WindowSampler(Sampler):
 
     def sample(self, size: int, batch_size: int) -> SampleInfo:
         """Draw ``batch_size`` rows; with ``request.complete``, only rows whose window holds
-        all of its ``n`` steps.
+        all of its ``n`` steps (as the links read now; the delivery checks them again).
 
         Raises:
             EmptyBufferError: ``max_rounds`` rounds found too few such rows.
         """
-        req = self.request
+        serial, req = self._request
+        if req.beta is not None and hasattr(self.inner, "beta"):
+            self.inner.beta = float(req.beta)
         starts, n, weights = [], [], []
         need = batch_size
         for _ in range(self.max_rounds):
@@ -106,7 +153,7 @@ class WindowSampler(Sampler):
         pairs = window.end != window.starts
         indices = torch.from_numpy(np.stack([window.starts, window.end], axis=1)
                                    if pairs.any() else window.starts.copy())
-        self.drawn[id(indices)] = window, req
+        self.drawn[id(indices)] = Drawn(window, req, serial, self.ring_rows)
         return SampleInfo(indices, torch.cat(weights) if weights else None)
 
     def reset(self) -> None:
@@ -117,11 +164,14 @@ class WindowSampler(Sampler):
         return self.inner.config()
 
     def state_dict(self) -> StateDict:
-        return {**super().state_dict(), "inner": self.inner.state_dict()}
+        return {**super().state_dict(), "inner": self.inner.state_dict(),
+                "ring_rows": self.ring_rows}
 
     def load_state_dict(self, state: StateDict) -> None:
         super().load_state_dict(state)
         self.inner.load_state_dict(entry(state, "inner", "sampler"))
+        self.ring_rows = integer(state, "ring_rows", "sampler")
+        self.drawn.clear()
 
 
 @dataclass(frozen=True)
@@ -142,15 +192,30 @@ class Transitions:
 
     @classmethod
     def of(cls, batch: Batch) -> Transitions:
-        """From a batch pulled from the plane (see :func:`deliver_windows`)."""
-        arrays = {k.lstrip("_"): v.numpy() for k, v in batch.items()}
+        """From a batch pulled from the plane (see :func:`deliver_windows`), without its
+        ``_request`` and ``_valid`` columns."""
+        arrays = {k.lstrip("_"): v.numpy() for k, v in batch.items()
+                  if k not in ("_request", "_valid")}
         return cls(**arrays)
 
 
-def deliver_windows(sampler: WindowSampler, rows: Batch) -> Batch:
+def _row_ids(slots: np.ndarray, ring_rows: int, capacity: int) -> np.ndarray:
+    """The row each slot held when the ring had received ``ring_rows`` rows."""
+    return slots + capacity * ((ring_rows - 1 - slots) // capacity)
+
+
+def deliver_windows(sampler: WindowSampler, rows: Batch,
+                    gather_next_obs: Callable[[np.ndarray], torch.Tensor]) -> Batch:
     """Training rows for a draw of ``sampler``: observation and action at each window's start,
     next observation at its end, discounted reward sum, end flags, n-step, episode and
-    timestep, ``_index`` (the start slots, for priority updates) and ``_weight`` if any.
+    timestep, ``_index`` (the start slots, for priority updates), ``_weight`` if any,
+    ``_request`` (the serial of the request it was drawn for) and ``_valid``.
+
+    The windows are laid over the links as they stand now, under the rows' lock; where a
+    window now ends elsewhere than at the draw (an add continued its episode, or the draw
+    read links an add was writing), its next observation is gathered again with
+    ``gather_next_obs(slots)``. A row is invalid when it was overwritten since its draw, or
+    when a complete window was asked for and it no longer has one.
 
     Raises:
         SpecError: ``rows`` was not drawn by ``sampler``.
@@ -158,17 +223,33 @@ def deliver_windows(sampler: WindowSampler, rows: Batch) -> Batch:
     drawn = sampler.drawn.pop(id(rows["_index"]), None)
     if drawn is None:
         raise SpecError("_index", "the delivered rows were not drawn by this WindowSampler")
-    window, request = drawn
+    links, req = sampler.rows, drawn.request
     pair = rows["_index"].dim() == 2
-    reward, terminated, truncated = sampler.rows.returns(window, request.gamma)
+    next_obs = rows["next_obs"][:, 1] if pair else rows["next_obs"]
+    starts, n = drawn.window.starts, drawn.window.n
+    with links.lock:
+        cap = links.capacity
+        start_id = _row_ids(starts, drawn.ring_rows, cap)
+        valid = start_id >= sampler.ring_rows - cap
+        window = links.windows(starts, n)
+        if req.complete:
+            valid &= window.length == n
+        moved = valid & ((window.end != drawn.window.end)
+                         | (_row_ids(drawn.window.end, drawn.ring_rows, cap) < start_id))
+        if moved.any():
+            next_obs = next_obs.clone()
+            next_obs[torch.from_numpy(moved)] = gather_next_obs(window.end[moved])
+        reward, terminated, truncated = links.returns(window, req.gamma)
+        episode, t = links.episode[starts], links.t[starts]
     out = {"obs": rows["obs"][:, 0] if pair else rows["obs"],
            "action": rows["action"][:, 0] if pair else rows["action"],
-           "next_obs": rows["next_obs"][:, 1] if pair else rows["next_obs"],
+           "next_obs": next_obs,
            "reward": torch.from_numpy(reward), "terminated": torch.from_numpy(terminated),
-           "truncated": torch.from_numpy(truncated), "n_step": torch.from_numpy(window.n),
-           "episode": torch.from_numpy(sampler.rows.episode[window.starts]),
-           "t": torch.from_numpy(sampler.rows.t[window.starts]),
-           "_index": torch.from_numpy(window.starts)}
+           "truncated": torch.from_numpy(truncated), "n_step": torch.from_numpy(n),
+           "episode": torch.from_numpy(episode), "t": torch.from_numpy(t),
+           "_index": torch.from_numpy(starts),
+           "_request": torch.full((len(starts),), drawn.serial, dtype=torch.int64),
+           "_valid": torch.from_numpy(valid)}
     if "_weight" in rows:
         out["_weight"] = rows["_weight"]
     return out

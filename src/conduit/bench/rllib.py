@@ -1,0 +1,507 @@
+"""``conduit bench rllib``: RLlib alone against RLlib + Conduit, side by side in one run.
+
+For DQN, SAC and PPO, on CartPole and on its heavy-payload variant (the 128×128×3 image of
+``conduit bench workloads``, as float32 in [0, 1] since RLlib's CNN encoders take float input:
+≈ 192 KB per observation; registered with RLlib's tune registry as ``conduit-CartPole-img128``),
+the same RLlib config is built twice per seed: with RLlib's own experience path, and with
+Conduit's (DQN and SAC: the ``replay_buffer_config`` type
+``conduit.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer``; PPO:
+``learner_class=ConduitPPOTorchLearner``). The two run alternately (RLlib first on even
+seeds, Conduit first on odd ones), for the same number of training iterations, on local env
+runners and a local learner. Per iteration it records
+
+* the wall time of ``Algorithm.train()`` (the first iteration is a warm-up, not counted);
+* DQN, SAC: the time inside the replay buffer, measured by wrapping the buffer instance's
+  ``add``, ``sample`` and ``update_priorities`` (RLlib's own buffer timers are exponential
+  moving averages, not per-call times); with prefetch it is the time the training step waited,
+  not the time the delivery worker spent;
+* PPO: the time to produce the learner's mini-batches (each ``next()`` of the iterator
+  ``Learner._create_iterator_if_necessary`` returns, wrapped on the learner instance);
+* the mean episode return RLlib reports after the last iteration, per seed.
+
+A standalone microbenchmark (no Algorithm) fills RLlib's ``EpisodeReplayBuffer`` and
+``PrioritizedEpisodeReplayBuffer`` and Conduit's two buffers to capacity with CartPole-sized
+episodes (4 float32 observations) and times ``add`` (two 100-step episodes, evicting once
+full), ``sample`` (32 transitions, n_step 3) and ``update_priorities`` at each capacity,
+alternating the buffers; Conduit's buffers run ``schedule="inline"`` there (nothing to overlap).
+
+    conduit bench rllib                       # full run (about 10 minutes on 2 cores)
+    conduit bench rllib --quick               # a smoke run (about a minute)
+    conduit bench rllib --only DQN-CP PPO-img128 --seeds 1
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from conduit.bench.common import progress
+from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.report import pyplot, save_figure, table, write_json
+from conduit.workloads.envs import ImagePayload
+
+HEAVY_ENV = "conduit-CartPole-img128"
+PREFIX = "conduit.integrations.rllib."
+VARIANTS = ("rllib", "conduit")
+
+
+@dataclass(frozen=True)
+class RllibBenchArgs:
+    """Arguments of ``conduit bench rllib``."""
+
+    quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, the "
+                             "CartPole workloads unless --only, "
+                             "capacities 1e3 and 1e4")
+    seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)")
+    iters: int = arg(0, "measured training iterations per run (0: per-workload defaults)")
+    only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)")
+    schedule: str = arg("auto", "replay_buffer_config['schedule'] of Conduit's buffers: auto, "
+                                "inline or prefetch")
+    capacities: tuple[int, ...] = arg((10_000, 1_000_000), "microbenchmark capacities (rows)")
+    repeats: int = arg(30, "microbenchmark calls per buffer and capacity")
+    num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)")
+    out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row of the table: an algorithm on an environment, and its run lengths."""
+
+    name: str
+    algo: str
+    heavy: bool
+    iters: int
+
+
+def workloads() -> list[Workload]:
+    """DQN, SAC and PPO on CartPole and on the 128 px image variant (measured iterations per
+    run: fewer where an iteration is long)."""
+    return [Workload("DQN-CP", "dqn", False, 6), Workload("DQN-img128", "dqn", True, 2),
+            Workload("SAC-CP", "sac", False, 4), Workload("SAC-img128", "sac", True, 1),
+            Workload("PPO-CP", "ppo", False, 4), Workload("PPO-img128", "ppo", True, 1)]
+
+
+#: What ``--quick`` runs unless ``--only`` says otherwise.
+QUICK = ("DQN-CP", "SAC-CP", "PPO-CP")
+
+
+class PixelObservation(gym.ObservationWrapper):
+    """Only the image of an :class:`~conduit.workloads.envs.ImagePayload` observation, as
+    float32 in ``[0, 1]``: RLlib's default models take a ``Box``, not a ``Dict``, and its CNN
+    encoders take float input (as its Atari wrappers give them)."""
+
+    def __init__(self, env: ImagePayload) -> None:
+        super().__init__(env)
+        self.observation_space = gym.spaces.Box(0.0, 1.0, env.observation_space["pixels"].shape,
+                                                np.float32)
+
+    def observation(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+        return observation["pixels"].astype(np.float32) * np.float32(1 / 255)
+
+
+def register_envs() -> None:
+    """Register :data:`HEAVY_ENV` with RLlib's tune registry."""
+    from ray.tune.registry import register_env
+
+    register_env(HEAVY_ENV, lambda _: PixelObservation(ImagePayload(gym.make("CartPole-v1"),
+                                                                    128)))
+
+
+def build_config(w: Workload, variant: str, *, seed: int, quick: bool, schedule: str) -> Any:
+    """The RLlib config of ``w``; ``variant`` ``"conduit"`` differs by one line."""
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.algorithms.sac import SACConfig
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+    from conduit.integrations.rllib import ConduitPPOTorchLearner, ConduitSACConfig
+
+    conduit = variant == "conduit"
+    model = (DefaultModelConfig(conv_filters=[[16, [8, 8], 8], [32, [4, 4], 4],
+                                              [64, [4, 4], 4]], head_fcnet_hiddens=[64])
+             if w.heavy else DefaultModelConfig(fcnet_hiddens=[64, 64]))
+    env = HEAVY_ENV if w.heavy else "CartPole-v1"
+    if w.algo == "ppo":
+        config = PPOConfig().training(
+            train_batch_size_per_learner=128 if quick else (256 if w.heavy else 1000),
+            minibatch_size=32 if quick else (64 if w.heavy else 128),
+            num_epochs=2 if quick or w.heavy else 6)
+        if conduit:
+            config = config.learners(learner_class=ConduitPPOTorchLearner)
+        steps = 0
+    else:
+        kind = "PrioritizedEpisodeReplayBuffer"
+        buffer: dict[str, Any] = {"type": PREFIX + "Conduit" + kind if conduit else kind,
+                                  "capacity": 2_000 if w.heavy else 50_000,
+                                  "alpha": 0.6, "beta": 0.4}
+        if conduit:
+            buffer["schedule"] = schedule
+        steps = 32 if quick else (64 if w.heavy else 256)
+        if w.algo == "dqn":
+            config = DQNConfig().training(n_step=3)
+        else:
+            config = ConduitSACConfig() if conduit else SACConfig()
+        config = config.training(replay_buffer_config=buffer, train_batch_size_per_learner=32,
+                                 num_steps_sampled_before_learning_starts=steps)
+        config = config.env_runners(rollout_fragment_length=4)
+    return (config.environment(env).env_runners(num_env_runners=0)
+            .rl_module(model_config=model)
+            .reporting(min_time_s_per_iteration=0,
+                       min_sample_timesteps_per_iteration=max(steps, 1))
+            .debugging(seed=seed, log_level="ERROR"))
+
+
+class CallTimer:
+    """Wraps methods of one object (on the instance, not its class) and sums their time."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, obj: Any, name: str) -> None:
+        """Time every call of ``obj.name``."""
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def wrap_iterator_factory(self, obj: Any, name: str) -> None:
+        """Time every ``next()`` of the iterables ``obj.name(...)`` returns."""
+        inner = getattr(obj, name)
+
+        def timed_iterable(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            t0 = time.perf_counter()
+            made = inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return self._timed(iter(made))
+
+        setattr(obj, name, timed_iterable)
+
+    def _timed(self, it: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self.seconds += time.perf_counter() - t0
+                return
+            self.seconds += time.perf_counter() - t0
+            yield item
+
+    def take(self) -> float:
+        """The time summed since the last call."""
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def run_algorithm(w: Workload, variant: str, *, seed: int, iters: int, quick: bool,
+                  schedule: str) -> dict[str, Any]:
+    """Build ``w`` for ``variant``, train one warm-up and ``iters`` measured iterations."""
+    algo = build_config(w, variant, seed=seed, quick=quick, schedule=schedule).build_algo()
+    timer = CallTimer()
+    try:
+        if w.algo == "ppo":
+            timer.wrap_iterator_factory(algo.learner_group._learner,
+                                        "_create_iterator_if_necessary")
+        records, result = [], None
+        for i in range(iters + 1):
+            if i == 1 and w.algo != "ppo":  # the buffer exists after the first iteration
+                buf = algo.local_replay_buffer
+                for name in ("add", "sample", "update_priorities"):
+                    timer.wrap(buf, name)
+            timer.take()
+            t0 = time.perf_counter()
+            result = algo.train()
+            wall = time.perf_counter() - t0
+            if i:
+                records.append({"iter_s": wall, "path_s": timer.take()})
+        ret = float(result["env_runners"].get("episode_return_mean", math.nan))
+        out: dict[str, Any] = {"records": records, "return": ret}
+        if variant == "conduit" and w.algo != "ppo":
+            buf = algo.local_replay_buffer
+            out["schedule"] = buf.plane.schedule.label()
+            out["discarded_batches"] = buf.discarded_batches
+        return out
+    finally:
+        algo.stop()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over every measured iteration of ``runs`` (one run per seed)."""
+    recs = [r for run in runs for r in run["records"]]
+    returns = [run["return"] for run in runs]
+    finite = [x for x in returns if math.isfinite(x)]
+    return {"iterations": len(recs), "iter_s": _median([r["iter_s"] for r in recs]),
+            "path_s": _median([r["path_s"] for r in recs]),
+            "path_share": _median([r["path_s"] / r["iter_s"] for r in recs]),
+            "returns": returns, "return_mean": statistics.fmean(finite) if finite else math.nan,
+            "return_std": statistics.stdev(finite) if len(finite) > 1 else math.nan,
+            "schedules": [run.get("schedule") for run in runs if run.get("schedule")]}
+
+
+def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two variants' mean returns differ by less than twice their standard error
+    (None with fewer than two seeds each)."""
+    n_a, n_b = len(a["returns"]), len(b["returns"])
+    if n_a < 2 or n_b < 2 or not math.isfinite(a["return_std"] + b["return_std"]):
+        return None
+    se = math.sqrt(a["return_std"] ** 2 / n_a + b["return_std"] ** 2 / n_b)
+    return abs(a["return_mean"] - b["return_mean"]) <= 2 * se
+
+
+# -- microbenchmark ----------------------------------------------------------------------------
+
+
+_BOX, _DISCRETE = gym.spaces.Box(-5, 5, (4,), np.float32), gym.spaces.Discrete(2)
+
+
+def _episodes(rng: np.random.Generator, count: int, length: int = 100) -> list[Any]:
+    """``count`` terminated CartPole-sized episodes; they share their spaces, as the episodes
+    of one env runner do."""
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    box, disc = _BOX, _DISCRETE
+    out = []
+    for _ in range(count):
+        obs = rng.standard_normal((length + 1, 4), dtype=np.float32)
+        eps = SingleAgentEpisode(observations=list(obs), actions=list(rng.integers(2, size=length)),
+                                 rewards=list(np.ones(length, np.float32)), terminated=True,
+                                 observation_space=box, action_space=disc, len_lookback_buffer=0)
+        out.append(eps.to_numpy())
+    return out
+
+
+def micro_buffers(capacity: int) -> dict[str, Any]:
+    """RLlib's and Conduit's uniform and prioritized buffers of ``capacity`` rows."""
+    from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer
+
+    from conduit.integrations.rllib import (
+        ConduitEpisodeReplayBuffer,
+        ConduitPrioritizedEpisodeReplayBuffer,
+    )
+
+    return {"rllib-uniform": EpisodeReplayBuffer(capacity=capacity),
+            "conduit-uniform": ConduitEpisodeReplayBuffer(capacity=capacity, seed=0,
+                                                          schedule="inline"),
+            "rllib-prioritized": PrioritizedEpisodeReplayBuffer(capacity=capacity, alpha=0.6),
+            "conduit-prioritized": ConduitPrioritizedEpisodeReplayBuffer(
+                capacity=capacity, alpha=0.6, beta=0.4, seed=0, schedule="inline")}
+
+
+def microbench(capacity: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Fill each buffer to ``capacity`` rows, then time ``add``, ``sample`` and
+    ``update_priorities`` ``repeats`` times, alternating the buffers; medians in ms."""
+    rng = np.random.default_rng(capacity)
+    buffers = micro_buffers(capacity)
+    out: dict[str, dict[str, float]] = {}
+    chunk = 100  # episodes per fill call
+    for name, buf in buffers.items():
+        t0 = time.perf_counter()
+        while buf.get_num_timesteps() < capacity:
+            buf.add(_episodes(rng, min(chunk, math.ceil(capacity / 100))))
+        out[name] = {"fill_s": time.perf_counter() - t0}
+    times: dict[str, dict[str, list[float]]] = {n: {"add": [], "sample": [], "update": []}
+                                                for n in buffers}
+    kwargs = {"num_items": 32, "n_step": 3, "gamma": 0.99, "batch_length_T": 0,
+              "sample_episodes": True}
+    for r in range(repeats):
+        order = list(buffers) if r % 2 == 0 else list(reversed(buffers))
+        for name in order:
+            buf, adds = buffers[name], _episodes(rng, 2)
+            t0 = time.perf_counter()
+            buf.add(adds)
+            t1 = time.perf_counter()
+            if "prioritized" in name:
+                buf.sample(num_items=32, n_step=3, gamma=0.99, beta=0.4)
+            else:
+                buf.sample(**kwargs)
+            t2 = time.perf_counter()
+            times[name]["add"].append(t1 - t0)
+            times[name]["sample"].append(t2 - t1)
+            if "prioritized" in name:
+                td = np.abs(rng.standard_normal(32))
+                t3 = time.perf_counter()
+                buf.update_priorities(td, "default_policy")
+                times[name]["update"].append(time.perf_counter() - t3)
+    for name, t in times.items():
+        out[name].update({f"{k}_ms": 1000 * _median(v) for k, v in t.items() if v})
+        out[name]["add_sample_ms"] = out[name]["add_ms"] + out[name]["sample_ms"]
+    for buf in buffers.values():
+        plane = getattr(buf, "plane", None)
+        if plane is not None:
+            plane.close()
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:.1f}" if math.isfinite(x) else "-"
+
+
+def _ret(s: dict[str, Any]) -> str:
+    if not math.isfinite(s["return_mean"]):
+        return "-"
+    std = f"±{s['return_std']:.0f}" if math.isfinite(s["return_std"]) else ""
+    return f"{s['return_mean']:.0f}{std}"
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, each with the figures it was judged on."""
+    out: dict[str, Any] = {}
+    for name, r in rows.items():
+        rl, co = r["rllib"], r["conduit"]
+        entry: dict[str, Any] = {"e2e_ratio": co["iter_s"] / rl["iter_s"]}
+        if r["algo"] != "ppo":
+            entry["buffer_share_ratio"] = rl["path_share"] / co["path_share"]
+            entry["buffer_share_5x"] = entry["buffer_share_ratio"] >= 5
+        entry["e2e_met"] = (entry["e2e_ratio"] < 1) if r["heavy"] else (entry["e2e_ratio"] <= 1)
+        entry["returns_within_noise"] = within_noise(rl, co)
+        out[name] = entry
+    return out
+
+
+def print_tables(rows: dict[str, dict[str, Any]], micro: dict[int, Any],
+                 goals: dict[str, Any]) -> None:
+    """The training table, the targets and the microbenchmark table."""
+    body = []
+    for name, r in rows.items():
+        rl, co = r["rllib"], r["conduit"]
+        body.append([name, rl["iterations"], f"{_ms(rl['iter_s'])}/{_ms(co['iter_s'])}",
+                     f"{_ms(rl['path_s'])}/{_ms(co['path_s'])}",
+                     f"{100 * rl['path_share']:.1f}/{100 * co['path_share']:.1f}",
+                     f"{_ret(rl)}/{_ret(co)}", ",".join(sorted(set(co["schedules"]))) or "-"])
+    print("\nper training iteration, medians, RLlib/RLlib+Conduit (path: time inside the replay "
+          "buffer for DQN and SAC, in PPO's mini-batch iterator for PPO)")
+    print(table(["workload", "iters", "iteration ms", "path ms", "path share %",
+                 "return", "conduit schedule"], body))
+    print("\ntargets")
+    print(table(["workload", "e2e conduit/rllib", "met", "buffer share rllib/conduit",
+                 ">= 5x", "returns within noise"],
+                [[n, f"{g['e2e_ratio']:.2f}", g["e2e_met"],
+                  f"{g['buffer_share_ratio']:.1f}" if "buffer_share_ratio" in g else "-",
+                  g.get("buffer_share_5x", "-"), g["returns_within_noise"]]
+                 for n, g in goals.items()]))
+    print("\nbuffer microbenchmark at capacity (medians, ms; CartPole-sized rows)")
+    body = []
+    for cap, res in micro.items():
+        for name, m in res.items():
+            body.append([f"{cap:,}", name, f"{m['fill_s']:.1f}", f"{m['add_ms']:.3f}",
+                         f"{m['sample_ms']:.3f}", f"{m.get('update_ms', math.nan):.3f}",
+                         f"{m['add_sample_ms']:.3f}"])
+    print(table(["capacity", "buffer", "fill s", "add", "sample", "update_prio",
+                 "add+sample"], body))
+
+
+def plot(rows: dict[str, dict[str, Any]], micro: dict[int, Any], path: Path) -> Path | None:
+    """Iteration and buffer time per workload, and add+sample cost against capacity."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(rows)
+    x = np.arange(len(names))
+    for k, variant in enumerate(VARIANTS):
+        it = [1000 * rows[n][variant]["iter_s"] for n in names]
+        path_ms = [1000 * rows[n][variant]["path_s"] for n in names]
+        a.bar(x + (k - 0.5) * 0.4, it, 0.4, label=f"{variant}: iteration", alpha=0.5)
+        a.bar(x + (k - 0.5) * 0.4, path_ms, 0.4, label=f"{variant}: buffer / mini-batches")
+    a.set_xticks(x, names, rotation=30)
+    a.set_yscale("log")
+    a.set_ylabel("ms per training iteration (median)")
+    a.legend(fontsize=7)
+    caps = sorted(micro)
+    for name in next(iter(micro.values())):
+        b.plot(caps, [micro[c][name]["add_sample_ms"] for c in caps], marker="o", label=name)
+    b.set_xscale("log")
+    b.set_yscale("log")
+    b.set_xlabel("capacity (rows)")
+    b.set_ylabel("add + sample, ms (median)")
+    b.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def run(a: RllibBenchArgs) -> dict[str, Any]:
+    """Run the side-by-side training runs and the microbenchmark; write JSON and PNG."""
+    import ray
+
+    known = {w.name: w for w in workloads()}
+    unknown = set(a.only) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(known)}")
+    if a.schedule not in ("auto", "inline", "prefetch"):
+        raise SystemExit(f"schedule: must be auto, inline or prefetch, got {a.schedule!r}")
+    only = a.only or (QUICK if a.quick else ())
+    chosen = [w for w in workloads() if not only or w.name in only]
+    seeds = 1 if a.quick else a.seeds
+    capacities = (1_000, 10_000) if a.quick else a.capacities
+    repeats = 3 if a.quick else a.repeats
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w.name: {v: [] for v in VARIANTS}
+                                                        for w in chosen}
+    own_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test's) is used as it is
+    if own_ray:
+        ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False,
+                 log_to_driver=False)
+    try:
+        register_envs()
+        for seed in range(seeds):
+            for w in chosen:
+                iters = a.iters or (1 if a.quick else w.iters)
+                for variant in (VARIANTS if seed % 2 == 0 else VARIANTS[::-1]):
+                    t0 = time.perf_counter()
+                    res = run_algorithm(w, variant, seed=seed, iters=iters, quick=a.quick,
+                                        schedule=a.schedule)
+                    runs[w.name][variant].append(res)
+                    it = _median([r["iter_s"] for r in res["records"]])
+                    progress(f"seed {seed} {w.name:<10} {variant:<7} "
+                             f"{time.perf_counter() - t0:5.1f}s  iteration {1000 * it:7.1f} ms"
+                             f"  return {res['return']:.1f}  {res.get('schedule', '')}")
+    finally:
+        if own_ray:
+            ray.shutdown()
+    rows = {w.name: {"algo": w.algo, "heavy": w.heavy,
+                     **{v: summarize(runs[w.name][v]) for v in VARIANTS},
+                     "runs": runs[w.name]} for w in chosen}
+    micro = {}
+    for cap in capacities:
+        t0 = time.perf_counter()
+        micro[cap] = microbench(cap, repeats)
+        progress(f"microbenchmark at capacity {cap:,}: {time.perf_counter() - t0:.1f}s")
+    goals = targets(rows)
+    print_tables(rows, micro, goals)
+    out = Path(a.out)
+    payload = {"args": asdict(a), "workloads": rows, "targets": goals,
+               "micro": {str(c): m for c, m in micro.items()}}
+    write_json(out / "rllib.json", payload, with_machine=True)
+    png = plot(rows, micro, out / "rllib.png")
+    print(f"wrote {out / 'rllib.json'}" + (f" and {png}" if png else ""))
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conduit bench rllib``."""
+    p = command_parser("conduit bench rllib", __doc__, RllibBenchArgs)
+    run(parse_dataclass(RllibBenchArgs, p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""``conduit bench rllib``: a quick run writes side-by-side figures for both variants."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.rllib")
+
+from conduit.bench.rllib import QUICK, main, within_noise
+from conduit.report import pyplot
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_run_compares_both_variants(tmp_path: Path) -> None:
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rllib.json").read_text())
+    assert {"machine", "args", "workloads", "targets", "micro"} <= data.keys()
+    assert list(data["workloads"]) == list(QUICK)
+    for name, row in data["workloads"].items():
+        rllib, conduit = row["rllib"], row["conduit"]
+        assert rllib["iterations"] == conduit["iterations"] >= 1, name
+        for variant in (rllib, conduit):
+            for key in ("iter_s", "path_s", "path_share"):
+                assert _positive(variant[key]), (name, key, variant[key])
+            assert len(variant["returns"]) == 1 and _positive(variant["returns"][0])
+        assert [len(r["records"]) for r in row["runs"]["rllib"]] == \
+            [len(r["records"]) for r in row["runs"]["conduit"]]
+        goal = data["targets"][name]
+        assert _positive(goal["e2e_ratio"])
+        if row["algo"] != "ppo":
+            assert _positive(goal["buffer_share_ratio"])
+            assert conduit["schedules"], name  # the buffer reported the schedule it ran
+    assert set(data["micro"]) == {"1000", "10000"}
+    for figures in data["micro"].values():
+        assert set(figures) == {"rllib-uniform", "conduit-uniform", "rllib-prioritized",
+                                "conduit-prioritized"}
+        for name, m in figures.items():
+            for key in ("add_ms", "sample_ms", "add_sample_ms"):
+                assert _positive(m[key]), (name, key)
+            assert ("update_ms" in m) == ("prioritized" in name)
+    if pyplot() is not None:
+        assert (tmp_path / "rllib.png").stat().st_size > 0
+
+
+def test_returns_within_noise_needs_two_seeds() -> None:
+    def summary(returns: list[float]) -> dict[str, object]:
+        mean = sum(returns) / len(returns)
+        std = (sum((r - mean) ** 2 for r in returns) / (len(returns) - 1)) ** 0.5 \
+            if len(returns) > 1 else math.nan
+        return {"returns": returns, "return_mean": mean, "return_std": std}
+
+    assert within_noise(summary([20.0]), summary([21.0])) is None
+    assert within_noise(summary([20.0, 24.0, 22.0]), summary([21.0, 23.0, 25.0])) is True
+    assert within_noise(summary([20.0, 21.0, 22.0]), summary([90.0, 91.0, 92.0])) is False
