@@ -49,12 +49,12 @@ def _build(config, refill_fn=None, path=None):
                sampler_kwargs=sampler_config.sampler_kwargs, refill_fn=refill_fn)
 
 
-def _rollout(uid, global_steps, seed, status="finished", sessions=N, partition="train"):
+def _rollout(uid, global_steps, seed, status="finished", trajectories=N, partition="train"):
     """What the v1 agent loop leaves in TransferQueue for one prompt: a prompt key with the
-    group's status and one ragged trajectory per session, ``{uid}_{session}_0``."""
+    group's status and ``trajectories`` ragged trajectories, ``{uid}_{trajectory}_0``."""
     g = torch.Generator().manual_seed(seed)
     keys, masks, scores, tags = [], [], [], []
-    for s in range(sessions):
+    for s in range(trajectories):
         length = int(torch.randint(1, LENGTH + 1, (1,), generator=g))
         reward = torch.zeros(length)
         reward[-1] = float(torch.randint(0, 3, (1,), generator=g))
@@ -65,7 +65,7 @@ def _rollout(uid, global_steps, seed, status="finished", sessions=N, partition="
                      "seq_len": 2 + length, "global_steps": global_steps})
     fields = TensorDict({"response_mask": torch.nested.nested_tensor(masks, layout=torch.jagged),
                          "rm_scores": torch.nested.nested_tensor(scores, layout=torch.jagged)},
-                        batch_size=[sessions])
+                        batch_size=[trajectories])
     tq.kv_batch_put(keys=keys, partition_id=partition, fields=fields, tags=tags)
     tq.kv_batch_put(keys=[uid], partition_id=partition,
                     tags=[{"is_prompt": True, "status": status, "global_steps": global_steps}])
@@ -135,7 +135,7 @@ def test_failed_groups_are_replaced_through_refill_fn(kv_store):
     buffer = _build(_config(), refill_fn=refill)
     _rollout("a", 1, seed=1)
     _rollout("b", 1, seed=2)
-    _rollout("bad", 1, seed=3, status="failure", sessions=2)
+    _rollout("bad", 1, seed=3, status="failure", trajectories=2)
     batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=3)
     assert asked == [1]
     assert metrics["training/rollout_failure/evicted_samples"] == 1
@@ -153,7 +153,7 @@ def test_a_file_path_loads_it_too(kv_store):
 
 def test_validation_partition_is_passed_through(kv_store):
     buffer = _build(_config())
-    _rollout("v0", 1, seed=1, partition="val", sessions=1)
+    _rollout("v0", 1, seed=1, partition="val", trajectories=1)
     batch, _ = buffer.sample(global_steps=1, partition_id="val", batch_size=1)
     assert batch.keys == ["v0_0_0"] and batch.partition_id == "val"
     assert buffer.plane is None  # validation data never trains
@@ -161,7 +161,7 @@ def test_validation_partition_is_passed_through(kv_store):
 
 def test_bad_groups_get_typed_errors(kv_store):
     buffer = _build(_config())
-    _rollout("short", 1, seed=1, sessions=N - 1)
+    _rollout("short", 1, seed=1, trajectories=N - 1)
     with pytest.raises(SpecError, match="group 'short' has 3 trajectories") as err:
         buffer.sample(global_steps=1, partition_id="train", batch_size=1)
     assert err.value.field == "uid"

@@ -6,8 +6,8 @@ verl's v1 trainer asks its replay buffer for each step's batch in ``_step_once``
                                           batch_size=train_batch_size // parameter_sync_step)
 
 and reads the trajectories of the returned ``KVBatchMeta`` keys from TransferQueue, where its
-agent loop wrote them (``{uid}_{session}_{index}``, beside a prompt key ``{uid}`` whose tag
-carries the group's status). Select this class with (a file path to this module works too)::
+agent loop stores them as ``{uid}_{trajectory}_{index}``, beside a prompt key ``{uid}`` whose
+tag carries the group's status. Select this class with (a file path to this module works too)::
 
     trainer.v1.sampler.custom_sampler.path=pkg://conduit.integrations.verl.replay
     trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer
@@ -213,7 +213,7 @@ class ConduitReplayBuffer:
     @staticmethod
     def _trajectories(listing: Mapping[str, Mapping[str, Any]], chosen: list[str]
                       ) -> tuple[list[str], list[dict]]:
-        """The chosen groups' trajectory keys, group by group in session order."""
+        """The chosen groups' trajectory keys, group by group, ordered by trajectory and index."""
         rank = {u: i for i, u in enumerate(chosen)}
         found = [k for k, tag in listing.items()
                  if not tag.get("is_prompt", False) and k.split("_")[0] in rank]
