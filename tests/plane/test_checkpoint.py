@@ -308,3 +308,21 @@ def test_snapshots_copy_and_write_at_the_lowest_priority(small_spec, tmp_path):
             assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
             snap.request(wait=True)
             assert snap.stats.snapshots == 1 and snap.stats.failures == 0
+
+
+def test_a_snapshot_that_fails_to_start_is_not_left_tracked(small_spec, tmp_path, monkeypatch):
+    from conduit.plane import checkpoint
+
+    def broken(*_):
+        raise RuntimeError("layout failed")
+
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 16))
+        monkeypatch.setattr(checkpoint, "_layout", broken)
+        with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
+            snap.request(wait=True)
+            assert snap.stats.failures == 1 and "layout failed" in str(snap.last_error)
+        assert plane.buffer._snapshots == []  # later writes copy into no stale snapshot
+        plane.push(make_rows(small_spec, 8, start=100))
+        plane.flush()
+        assert len(plane.buffer) == 24

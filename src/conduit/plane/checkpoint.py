@@ -276,7 +276,11 @@ class Snapshotter:
         with plane.frozen(rows=False, flush=False, reads=True) as state:
             buffer = plane.buffer
             rows = buffer.begin_snapshot(reuse=self._rows)
-            meta, parts = _layout(plane, state, rows.blocks)
+            try:
+                meta, parts = _layout(plane, state, rows.blocks)
+            except BaseException:
+                buffer.drop_snapshot(rows)  # or every later write would copy into it
+                raise
         self._pause.append(time.perf_counter() - t0)
         return buffer, rows, meta, parts
 

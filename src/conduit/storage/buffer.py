@@ -280,10 +280,14 @@ class ExperienceBuffer:
                 # let a waiting sampler or writer take the lock, and keep to the duty cycle
                 time.sleep(rest * (time.perf_counter() - t0))
         finally:
-            with self._lock:
-                if snap in self._snapshots:
-                    self._snapshots.remove(snap)
+            self.drop_snapshot(snap)
         return snap.blocks
+
+    def drop_snapshot(self, snap: RowSnapshot) -> None:
+        """Stop tracking ``snap``: later writes no longer copy rows into it."""
+        with self._lock:
+            if snap in self._snapshots:
+                self._snapshots.remove(snap)
 
     def adopt_cursor(self, other: ExperienceBuffer) -> None:
         """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
