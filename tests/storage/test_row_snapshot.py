@@ -1,13 +1,23 @@
-"""A buffer's rows snapshotted at one instant and copied while writes go on (copy-on-write)."""
+"""A buffer's rows and ids snapshotted at one instant and read out while writes go on
+(copy-on-write)."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
-from conduit.storage import ExperienceBuffer, Placement
+from conduit.errors import ConfigError
+from conduit.storage import (
+    CheckpointError,
+    ExperienceBuffer,
+    Placement,
+    PrioritizedSampler,
+    read_checkpoint,
+    write_checkpoint,
+)
 from tests.conftest import make_rows
 
 
@@ -38,13 +48,37 @@ def test_the_snapshot_holds_the_rows_at_its_start_despite_writes(small_spec, pla
     buf = ExperienceBuffer(spec=small_spec, capacity=40, placement=placement)
     buf.extend(make_rows(small_spec, before))
     expected = clone_blocks(buf.filled_blocks())
+    ids = buf._row_id.copy()
     snap = buf.begin_snapshot()
-    with buf._lock:
-        snap.step(3)  # part copied by the copying thread, the rest copied by the writes
+    # a reader is part-way through one column when the writes come
+    reader = snap.stream_rows(0, "obs", chunk_bytes=2 * small_spec.fields["obs"].nbytes)
+    chunks = [next(reader).clone()]
     write(buf, small_spec, during, start=1000)
-    assert_blocks_equal(buf.complete_snapshot(snap, chunk_bytes=2 * small_spec.bytes_per_sample),
-                        expected)
-    assert snap.done
+    chunks += [c.clone() for c in reader]
+    assert torch.equal(torch.cat(chunks), expected[0][1]["obs"])
+    for b, (_, cols) in enumerate(expected):
+        for f, col in cols.items():
+            if (b, f) != (0, "obs"):
+                got = [c.clone() for c in snap.stream_rows(b, f, chunk_bytes=3 * col[0].nbytes)]
+                assert torch.equal(torch.cat(got), col)
+    with pytest.raises(ConfigError, match="read out already"):
+        next(snap.stream_rows(0, "obs"))
+    assert np.array_equal(snap.ids("row_id"), ids)
+    buf.drop_snapshot(snap)
+    assert not buf._snapshots
+
+
+def test_taking_a_snapshot_copies_nothing_and_writes_copy_only_what_they_overwrite(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=64)
+    buf.extend(make_rows(small_spec, 64))
+    expected = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    assert not snap._kept and not snap._ids  # nothing copied at the instant
+    buf.extend(make_rows(small_spec, 5, start=700))  # slots 0..4
+    assert {k: int(m.sum()) for k, m in snap._kept_mask.items()} == {
+        (0, f): 5 for f in small_spec.fields}
+    assert set(snap._ids) == {"row_id"}  # the ids it changed, copied once
+    assert_blocks_equal(buf.complete_snapshot(snap), expected)
 
 
 def test_rows_written_after_the_snapshot_completes_do_not_reach_it(small_spec):
@@ -61,10 +95,12 @@ def test_a_clear_and_new_writes_during_a_snapshot(small_spec):
     buf = ExperienceBuffer(spec=small_spec, capacity=16)
     buf.extend(make_rows(small_spec, 16))
     expected = clone_blocks(buf.filled_blocks())
+    ids = buf._row_id.copy()
     snap = buf.begin_snapshot()
     buf.clear()
     buf.extend(make_rows(small_spec, 4, start=50))
     assert_blocks_equal(buf.complete_snapshot(snap), expected)
+    assert np.array_equal(snap.state["row_id"].numpy(), ids)
 
 
 def test_a_restore_during_a_snapshot_keeps_the_snapshot(small_spec):
@@ -73,25 +109,29 @@ def test_a_restore_during_a_snapshot_keeps_the_snapshot(small_spec):
     other = ExperienceBuffer(spec=small_spec, capacity=16)
     other.extend(make_rows(small_spec, 16, start=300))
     expected = clone_blocks(buf.filled_blocks())
+    ids = buf._row_id.copy()
     snap = buf.begin_snapshot()
     buf.load_state_dict(other.state_dict())
     assert_blocks_equal(buf.complete_snapshot(snap), expected)
+    assert np.array_equal(snap.state["row_id"].numpy(), ids)
     assert_blocks_equal(buf.filled_blocks(), other.filled_blocks())
 
 
-def test_memory_of_an_earlier_snapshot_is_reused(small_spec):
-    buf = ExperienceBuffer(spec=small_spec, capacity=16)
-    buf.extend(make_rows(small_spec, 16))
-    first = buf.complete_snapshot(buf.begin_snapshot())
-    ptr = first[0][1]["obs"].data_ptr()
-    buf.extend(make_rows(small_spec, 5, start=70))
-    expected = clone_blocks(buf.filled_blocks())
-    second = buf.complete_snapshot(buf.begin_snapshot(reuse=first))
-    assert second[0][1]["obs"].data_ptr() == ptr
-    assert_blocks_equal(second, expected)
+def test_delivered_ids_are_those_of_the_instant_while_sampling_goes_on(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=32,
+                           sampler=PrioritizedSampler(alpha=0.6, beta=0.4))
+    buf.extend(make_rows(small_spec, 32))
+    buf.sample(8)
+    delivered = buf._delivered_id.copy()
+    snap = buf.begin_snapshot()
+    for _ in range(5):
+        buf.sample(8)  # records what each slot delivered
+    assert not np.array_equal(buf._delivered_id, delivered)
+    buf.complete_snapshot(snap)
+    assert np.array_equal(snap.state["delivered_id"].numpy(), delivered)
 
 
-def test_a_writer_thread_racing_the_copy_never_reaches_the_snapshot(small_spec):
+def test_a_writer_thread_racing_the_read_out_never_reaches_the_snapshot(small_spec):
     buf = ExperienceBuffer(spec=small_spec, capacity=4000, placement=Placement.sharded(["cpu"] * 2))
     buf.extend(make_rows(small_spec, 4000))
     stop = threading.Event()
@@ -107,11 +147,13 @@ def test_a_writer_thread_racing_the_copy_never_reaches_the_snapshot(small_spec):
         for _ in range(3):
             with buf._lock:  # the instant of the snapshot, as the plane's hold gives it
                 expected = clone_blocks(buf.filled_blocks())
+                ids = buf._row_id.copy()
                 snap = buf.begin_snapshot()
             if not t.is_alive():
                 t.start()
             blocks = buf.complete_snapshot(snap, chunk_bytes=16 * small_spec.bytes_per_sample)
             assert_blocks_equal(blocks, expected)
+            assert np.array_equal(snap.state["row_id"].numpy(), ids)
     finally:
         stop.set()
         if t.is_alive():
@@ -119,9 +161,7 @@ def test_a_writer_thread_racing_the_copy_never_reaches_the_snapshot(small_spec):
     assert buf.total_written > 4000 and not buf._snapshots
 
 
-def test_a_paced_copy_is_exact_and_a_bad_duty_is_refused(small_spec):
-    from conduit.errors import ConfigError
-
+def test_a_paced_read_out_is_exact_and_a_bad_duty_is_refused(small_spec):
     buf = ExperienceBuffer(spec=small_spec, capacity=64)
     buf.extend(make_rows(small_spec, 64))
     expected = clone_blocks(buf.filled_blocks())
@@ -133,3 +173,38 @@ def test_a_paced_copy_is_exact_and_a_bad_duty_is_refused(small_spec):
     buf.extend(make_rows(small_spec, 10, start=900))
     assert_blocks_equal(buf.complete_snapshot(snap, chunk_bytes=small_spec.bytes_per_sample * 4,
                                               duty=0.5), expected)
+
+
+def test_a_snapshot_streams_into_a_checkpoint_while_writes_go_on(small_spec, tmp_path):
+    buf = ExperienceBuffer(spec=small_spec, capacity=100)
+    buf.extend(make_rows(small_spec, 100))
+    (_, expected), = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    (_, cols), = snap.blocks
+    writes = iter(range(20))
+
+    def source(f):
+        def chunks():
+            for chunk in snap.stream_rows(0, f, chunk_bytes=10 * cols[f][0].nbytes):
+                yield chunk
+                if next(writes, None) is not None:  # a write between any two chunks
+                    buf.extend(make_rows(small_spec, 7, start=5000))
+        return chunks
+
+    write_checkpoint(tmp_path / "s.ckpt", tensors=dict(cols), meta={},
+                     sources={f: source(f) for f in cols})
+    buf.drop_snapshot(snap)
+    _, back = read_checkpoint(tmp_path / "s.ckpt")
+    assert all(torch.equal(back[f], expected[f]) for f in expected)
+    assert buf.total_written > 100
+
+
+def test_a_source_of_the_wrong_size_or_name_is_refused(small_spec, tmp_path):
+    t = torch.arange(10, dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="source made 36 bytes"):
+        write_checkpoint(tmp_path / "a.ckpt", tensors={"t": t}, meta={},
+                         sources={"t": lambda: iter([t[:9]])})
+    assert not (tmp_path / "a.ckpt").exists()
+    with pytest.raises(ConfigError, match="sources"):
+        write_checkpoint(tmp_path / "a.ckpt", tensors={"t": t}, meta={},
+                         sources={"u": lambda: iter([t])})

@@ -14,7 +14,7 @@ per part, written atomically, no pickle). Its metadata holds:
   replaced by ``{"$tensor": part}`` references.
 
 Rows are written straight from the buffer's memory (no copy) while the plane is paused; a
-snapshot copies them first and writes in the background (docs/design.md §8).
+snapshot reads them out copy-on-write while training goes on (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from conduit.storage import (
     sampler_from_config,
     write_checkpoint,
 )
-from conduit.storage.snapshot import Blocks, RowSnapshot
+from conduit.storage.snapshot import RowSnapshot, SnapshotSource
 from conduit.storage.state import JSON, StateDict, StateValue
 
 if TYPE_CHECKING:
@@ -103,7 +103,8 @@ def _layout(plane: ExperienceDataPlane, state: StateDict,
             "spec": plane.spec.to_dict(),
             "rollout_spec": cfg.rollout_spec.to_dict() if cfg.rollout_spec else None,
             "sampler": {"kind": type(sampler).__name__, "config": sampler.config()},
-            "schedule": plane.schedule.to_dict(), "placement": plane.buffer.placement.to_dict(),
+            "schedule": state.get("schedule", plane.schedule.to_dict()),
+            "placement": plane.buffer.placement.to_dict(),
             "rows": rows, "state": _to_parts(state, "state", parts)}
     return meta, parts
 
@@ -187,7 +188,7 @@ class SnapshotStats:
 
     Attributes:
         snapshots: Snapshots written.
-        pause_s: Seconds the plane was paused to copy each one (the learner's stall).
+        pause_s: Seconds the operators that change rows were held for each one.
         write_s: Seconds each background write took.
         failures: Snapshots that could not be written (the last error is kept).
     """
@@ -199,8 +200,8 @@ class SnapshotStats:
 
 
 COPY_DUTY = 0.25
-"""Share of its time a snapshot's copy thread spends copying (see
-:meth:`~conduit.storage.ExperienceBuffer.complete_snapshot`)."""
+"""Share of its time a snapshot's worker spends reading rows out of the buffer (see
+:meth:`~conduit.storage.snapshot.RowSnapshot.stream_rows`)."""
 
 
 def _lowest_priority() -> None:
@@ -214,11 +215,13 @@ class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
     Every ``every_s`` seconds (and on :meth:`request`) a background thread holds the operators
-    that change rows only to read the sampler and iteration state and start a copy-on-write
-    snapshot of the rows (delivery goes on off-policy), copies the rows while training goes on
-    (a write copies the old rows it overwrites first), and writes the copy to ``path``
-    atomically: a crash at any point leaves the previous snapshot intact. The file holds the
-    plane exactly as it was at the hold.
+    that change rows only to read the small sampler, writer and iteration state and start a
+    copy-on-write snapshot of the rows and slot ids (nothing is copied; delivery goes on
+    off-policy). A worker then streams the rows into ``path`` while training goes on, a chunk
+    per hold of the buffer's lock (a write copies aside the old rows it overwrites before the
+    worker reaches them), and renames the file into place: a crash at any point leaves the
+    previous snapshot intact, and memory grows only by the rows overwritten meanwhile. The
+    file holds the plane exactly as it was at the hold.
 
     Args:
         plane: The plane to snapshot.
@@ -237,14 +240,13 @@ class Snapshotter:
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []
-        self._rows: Blocks | None = None  # the last copy, reused by the next one
-        self._write: list[float] = []
+        self._writes: list[float] = []
         self._failures = 0
         self.last_error: BaseException | None = None
         self._done = threading.Condition()
         self._count = 0
-        # Copying and writing run on a worker at the lowest OS priority, so they take only
-        # the cores training leaves idle; the short pause runs on the normal-priority thread.
+        # Reading out and writing run on a worker at the lowest OS priority, so they take only
+        # the cores training leaves idle; the short hold runs on the normal-priority thread.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-snapshot-io",
                                       initializer=_lowest_priority)
         self._thread = threading.Thread(target=self._run, name="conduit-snapshot", daemon=True)
@@ -262,34 +264,43 @@ class Snapshotter:
     @property
     def stats(self) -> SnapshotStats:
         """Counts and timings so far."""
-        return SnapshotStats(len(self._write), tuple(self._pause), tuple(self._write),
+        return SnapshotStats(len(self._writes), tuple(self._pause), tuple(self._writes),
                              self._failures)
 
     def _mark(self) -> tuple[ExperienceBuffer, RowSnapshot, dict[str, JSON],
                              dict[str, torch.Tensor]]:
-        """Hold the operators that change rows only to read the small state and mark a
-        copy-on-write snapshot of the rows (the pause)."""
+        """Hold the operators that change rows only to read the small state and start a
+        copy-on-write snapshot of the rows and ids (the pause)."""
         plane = self.plane
         if plane.failed is None:
             plane.flush()
         t0 = time.perf_counter()
-        with plane.frozen(rows=False, flush=False, reads=True) as state:
+        with plane.frozen(rows=False, flush=False, reads=True, buffer=False) as state:
             buffer = plane.buffer
-            rows = buffer.begin_snapshot(reuse=self._rows)
-            try:
-                meta, parts = _layout(plane, state, rows.blocks)
-            except BaseException:
-                buffer.drop_snapshot(rows)  # or every later write would copy into it
-                raise
+            rows = buffer.begin_snapshot()
         self._pause.append(time.perf_counter() - t0)
+        try:
+            meta, parts = _layout(plane, {"buffer": rows.state, **state}, rows.blocks)
+        except BaseException:
+            buffer.drop_snapshot(rows)  # or every later write would copy into it
+            raise
         return buffer, rows, meta, parts
 
-    def _copy_and_write(self, buffer: ExperienceBuffer, rows: RowSnapshot,
-                        meta: dict[str, JSON], parts: dict[str, torch.Tensor]) -> float:
-        """Copy the rows while training goes on, then write them (on the low-priority
+    def _write(self, buffer: ExperienceBuffer, rows: RowSnapshot, meta: dict[str, JSON],
+               parts: dict[str, torch.Tensor]) -> float:
+        """Stream the snapshot into the file while training goes on (on the low-priority
         worker); returns the write's seconds."""
-        self._rows = buffer.complete_snapshot(rows, duty=COPY_DUTY)
-        return write_checkpoint(self.path, tensors=parts, meta=meta).seconds
+        sources: dict[str, SnapshotSource] = {
+            f"state/buffer/{name}": (lambda name=name: rows.stream_ids(name))
+            for name in ("row_id", "delivered_id")}
+        for b, (_, cols) in enumerate(rows.blocks):
+            for f in cols:
+                sources[f"rows/{b}/{f}"] = (lambda b=b, f=f: rows.stream_rows(
+                    b, f, duty=COPY_DUTY))
+        try:
+            return write_checkpoint(self.path, tensors=parts, meta=meta, sources=sources).seconds
+        finally:
+            buffer.drop_snapshot(rows)
 
     def _run(self) -> None:
         while not self._stop:
@@ -299,7 +310,7 @@ class Snapshotter:
                 break
             try:
                 marked = self._mark()
-                self._write.append(self._io.submit(self._copy_and_write, *marked).result())
+                self._writes.append(self._io.submit(self._write, *marked).result())
             except Exception as exc:
                 self._failures += 1
                 self.last_error = exc

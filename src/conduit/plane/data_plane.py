@@ -464,14 +464,16 @@ class ExperienceDataPlane:
             return state
 
     @contextmanager
-    def frozen(self, *, rows: bool = False, flush: bool = True, reads: bool = False
-               ) -> Iterator[dict[str, Any]]:
+    def frozen(self, *, rows: bool = False, flush: bool = True, reads: bool = False,
+               buffer: bool = True) -> Iterator[dict[str, Any]]:
         """Ingest queued units (``flush``; not after a failure), hold the operators (``reads``:
-        only those that change rows) and yield :meth:`state_dict`; rows stay as they are."""
+        only those that change rows) and yield :meth:`state_dict`, without the buffer's entry
+        unless ``buffer`` (the caller reads it, e.g. with ``buffer.begin_snapshot()``); rows
+        stay as they are."""
         if flush and self.failed is None:
             self.flush()
         with self._engine.writes_held() if reads else self._engine.quiesced():
-            yield self._engine.capture(rows=rows)
+            yield self._engine.capture(rows=rows, buffer=buffer)
 
     def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:
         """Restore :meth:`state_dict` (placement and schedule may differ).

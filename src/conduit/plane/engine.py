@@ -138,14 +138,14 @@ class PlaneEngine:
                 setattr(rt, counter, getattr(rt, counter) - 1)
                 self.signals.wake(callers=True, ingestion=True, delivery=True)
 
-    def capture(self, *, rows: bool) -> StateDict:
-        """The plane's state (see ``ExperienceDataPlane.state_dict``); call while paused or
-        while writes are held. The buffer's state is read under the buffer's own lock, before
-        the plane's lock is taken, so pushes and pulls are not held while its ids are
-        copied."""
-        buffer = self.flow.buffer.state_dict(rows=rows)
+    def capture(self, *, rows: bool, buffer: bool = True) -> StateDict:
+        """The plane's state (see ``ExperienceDataPlane.state_dict``; without the buffer's
+        entry unless ``buffer``); call while paused or while writes are held. The buffer's
+        state is read under the buffer's own lock, before the plane's lock is taken, so pushes
+        and pulls are not held while its ids are copied."""
+        own = {"buffer": self.flow.buffer.state_dict(rows=rows)} if buffer else {}
         with self.signals.lock:
-            return {"buffer": buffer,
+            return {**own,
                     "counters": dict(self.flow.counters), "flow": self.flow.state_dict(),
                     "schedule": self.schedule.to_dict(), "spec": self.flow.spec.to_dict()}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +111,7 @@ class ExperienceBuffer:
                 part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
                 for snap in self._snapshots:
                     snap.preserve(store_start, store_start + length)
+                    snap.preserve_ids("row_id")
                 self.store.set_range(store_start, part)
                 self._row_id[store_start:store_start + length] = np.arange(
                     first_id + b0, first_id + b0 + length)
@@ -161,6 +161,8 @@ class ExperienceBuffer:
         if self.sampler.accepts_priorities:
             # Only a priority update reads which row a slot delivered (see update_priorities).
             slots = indices.numpy()
+            for snap in self._snapshots:
+                snap.preserve_ids("delivered_id")
             self._delivered_id[slots] = self._row_id[slots]
         out["_index"] = indices
         if info.weights is not None:
@@ -217,6 +219,8 @@ class ExperienceBuffer:
     def clear(self) -> None:
         """Forget all rows (storage stays allocated)."""
         with self._lock:
+            for snap in self._snapshots:
+                snap.preserve_ids()
             self.writer.reset()
             self.sampler.reset()
             self._row_id.fill(-1)
@@ -238,50 +242,53 @@ class ExperienceBuffer:
                     blocks.append((start, {f: shard.column(f)[:n] for f in self.spec.fields}))
             return blocks
 
-    def begin_snapshot(self, *, reuse: Blocks | None = None) -> RowSnapshot:
-        """Start a copy of the filled rows as they are now, completed by
-        :meth:`complete_snapshot` while writes and samples go on (copy-on-write: a write copies
-        the old rows of the slots it overwrites first if they are not copied yet).
+    def begin_snapshot(self) -> RowSnapshot:
+        """Take a snapshot of the buffer as it is now, copying nothing: its rows and ids are
+        read out later (:meth:`RowSnapshot.stream_rows`, :meth:`complete_snapshot`) while
+        writes and samples go on, a write first copying aside what it would change
+        (copy-on-write). Call :meth:`drop_snapshot` once it is read out.
 
-        Args:
-            reuse: Blocks of an earlier snapshot whose memory is reused where shapes match.
+        Returns:
+            The snapshot; its ``state`` is :meth:`state_dict` ``(rows=False)`` at this
+            instant, with the ids filled in as they are read out.
         """
         with self._lock:
-            snap = RowSnapshot(views=self.filled_blocks(), reuse=reuse)
+            state: StateDict = {"writer": self.writer.state_dict(),
+                                "sampler": self.sampler.state_dict(),
+                                "row_id": torch.from_numpy(self._row_id),
+                                "delivered_id": torch.from_numpy(self._delivered_id)}
+            snap = RowSnapshot(views=self.filled_blocks(), state=state, lock=self._lock,
+                               ids={"row_id": self._row_id, "delivered_id": self._delivered_id})
             self._snapshots.append(snap)
             return snap
 
     def complete_snapshot(self, snap: RowSnapshot, *, chunk_bytes: int = 2 << 20,
                           duty: float = 1.0) -> Blocks:
-        """Copy the rest of ``snap`` about ``chunk_bytes`` per lock hold, on one thread,
-        yielding between chunks, so a concurrent sample or write waits at most one chunk; then
-        stop tracking it (also on error).
+        """Read ``snap`` out into new CPU tensors, about ``chunk_bytes`` at a time while writes
+        and samples go on, then stop tracking it (also on error); its ``state`` then holds
+        copies of the ids.
 
         Args:
             snap: What :meth:`begin_snapshot` returned.
-            chunk_bytes: Bytes copied per lock hold.
-            duty: Fraction of the time spent copying, in ``(0, 1]``: below 1 the thread
-                sleeps between chunks, so the copy spreads its memory traffic thinly over
-                training instead of saturating the memory bus.
+            chunk_bytes: Bytes per chunk.
+            duty: Fraction of the time spent reading, in ``(0, 1]`` (see
+                :meth:`RowSnapshot.stream_rows`).
 
         Returns:
-            The copied blocks: the filled rows at :meth:`begin_snapshot`.
+            The rows at :meth:`begin_snapshot`, laid out as :meth:`filled_blocks`.
+
+        Raises:
+            ConfigError: ``duty`` is outside ``(0, 1]``.
         """
-        rows = max(1, chunk_bytes // max(1, self.spec.bytes_per_sample))
         try:
             if not 0 < duty <= 1:
                 raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
-            rest = 1 / duty - 1
-            done = False
-            while not done:
-                t0 = time.perf_counter()
-                with self._lock, data_path_threads(1):
-                    done = snap.step(rows)
-                # let a waiting sampler or writer take the lock, and keep to the duty cycle
-                time.sleep(rest * (time.perf_counter() - t0))
+            blocks = snap.materialize(chunk_bytes=chunk_bytes, duty=duty)
+            for name in ("row_id", "delivered_id"):
+                snap.state[name] = torch.from_numpy(snap.ids(name))
         finally:
             self.drop_snapshot(snap)
-        return snap.blocks
+        return blocks
 
     def drop_snapshot(self, snap: RowSnapshot) -> None:
         """Stop tracking ``snap``: later writes no longer copy rows into it."""
@@ -293,6 +300,8 @@ class ExperienceBuffer:
         """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
         slot (a migration)."""
         with self._lock:
+            for snap in self._snapshots:
+                snap.preserve_ids()
             self.writer.load_state_dict(other.writer.state_dict())
             self._row_id[:] = other._row_id
             self._delivered_id[:] = other._delivered_id
@@ -322,6 +331,8 @@ class ExperienceBuffer:
                 for snap in self._snapshots:
                     snap.preserve(0, snap.size)
                 self.store.load_state_dict(entry(state, "store", "buffer"))
+            for snap in self._snapshots:
+                snap.preserve_ids()
             self.writer.load_state_dict(entry(state, "writer", "buffer"))
             self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
             for key, ids in (("row_id", self._row_id), ("delivered_id", self._delivered_id)):

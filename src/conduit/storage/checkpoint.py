@@ -40,11 +40,12 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from conduit.errors import ConduitError, ConfigError
@@ -123,7 +124,9 @@ class _Part:
 
 
 def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torch.Tensor],
-                     meta: Mapping[str, Any]) -> CheckpointInfo:
+                     meta: Mapping[str, Any],
+                     sources: Mapping[str, Callable[[], Iterable[torch.Tensor | np.ndarray]]]
+                     | None = None) -> CheckpointInfo:
     """Write ``tensors`` and ``meta`` to ``path`` atomically.
 
     Each tensor is streamed from its own memory in chunks of 8 MiB (CPU tensors are not
@@ -138,29 +141,45 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
             that guards them, or pass a snapshot): a byte changed mid-write fails the part's
             checksum when the file is read.
         meta: Strict-JSON data (no NaN or infinity) stored in the header.
+        sources: Part name -> a callable making that part's bytes as consecutive chunks
+            (CPU tensors or numpy arrays, C order), used instead of reading ``tensors[name]``,
+            which then gives only the part's dtype and shape (a copy-on-write snapshot reads
+            its rows out this way, see :class:`~conduit.storage.snapshot.RowSnapshot`).
 
     Returns:
         What was written.
 
     Raises:
         ConfigError: ``meta`` is not strict JSON, or a tensor is not dense, holds no data
-            or has an unsupported dtype (nothing is written).
+            or has an unsupported dtype, or a source names no part (nothing is written).
+        CheckpointError: A source made more or fewer bytes than its part holds (the
+            temporary file is removed).
         OSError: The file system refused the write (the temporary file is removed).
     """
     t0 = time.perf_counter()
     path = Path(path)
     _require_little_endian(path)
     _check_tensors(tensors)
+    sources = dict(sources or {})
+    if not set(sources) <= set(tensors):
+        raise ConfigError("sources", f"names parts that are not in tensors: "
+                                     f"{sorted(set(sources) - set(tensors))}")
     parts, file_bytes = _layout(meta, tensors)
     header = _header(meta, parts, file_bytes)
     with atomic_write(path) as f:
         done = []
         for p in parts:
             f.seek(p.offset)
-            crc = 0
-            for chunk in _byte_chunks(tensors[p.name]):
+            crc = written = 0
+            chunks = (map(_bytes_of_chunk, sources[p.name]()) if p.name in sources
+                      else _byte_chunks(tensors[p.name]))
+            for chunk in chunks:
                 crc = zlib.crc32(chunk, crc)
                 f.write(chunk)
+                written += chunk.nbytes
+            if written != p.nbytes:
+                raise CheckpointError(path, f"its source made {written} bytes, the part holds "
+                                            f"{p.nbytes}", part=p.name)
             done.append(_Part(p.name, p.dtype, p.shape, p.offset, p.nbytes, crc))
         f.truncate(file_bytes)
         final = _header(meta, done, file_bytes)
@@ -318,6 +337,12 @@ def _byte_chunks(t: torch.Tensor) -> Iterator[memoryview]:
         step = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
         for i in range(0, t.shape[0], step):
             yield _bytes_of(t[i:i + step].cpu().contiguous())
+
+
+def _bytes_of_chunk(chunk: torch.Tensor | np.ndarray) -> memoryview:
+    if isinstance(chunk, np.ndarray):
+        return memoryview(np.ascontiguousarray(chunk)).cast("B")
+    return _bytes_of(chunk.detach().cpu().contiguous())
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

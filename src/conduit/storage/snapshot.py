@@ -1,81 +1,187 @@
-"""RowSnapshot: a buffer's rows as they were at one instant, copied while writes go on."""
+"""RowSnapshot: a buffer's rows and slot ids as they were at one instant, read out while writes
+go on (copy-on-write)."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+
 import numpy as np
 import torch
+
+from conduit.errors import ConfigError
+from conduit.storage.state import StateDict
 
 Blocks = list[tuple[int, dict[str, torch.Tensor]]]
 """``(first slot, field -> column)`` per part of a store (one per shard)."""
 
 
-class RowSnapshot:
-    """The filled rows of a buffer at the instant it was taken, completed in the background.
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every run of True in ``mask``."""
+    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
-    Copy-on-write: a copying thread moves the rows a chunk at a time, and a write that is
-    about to overwrite a row not yet copied copies it first (:meth:`preserve`), so the copy
-    ends equal to the rows at the instant :meth:`ExperienceBuffer.begin_snapshot` ran, while
-    writes and samples never wait for more than one chunk. Every method must be called under
-    the owning buffer's lock.
+
+class RowSnapshot:
+    """The filled rows, slot ids and small state of a buffer at the instant it was taken, read
+    out in order while writes and samples go on.
+
+    Nothing is copied when the snapshot is taken. A reader streams each column
+    (:meth:`stream_rows`) and each id array (:meth:`stream_ids`) a chunk at a time; a write
+    about to change a row or an id the reader has not reached copies the old value aside first
+    (:meth:`preserve`, :meth:`preserve_ids`, called by the buffer under its lock), and the
+    reader takes it from there. So the bytes read out are exactly the buffer at the instant,
+    extra memory is one chunk plus the rows overwritten meanwhile, and the reader holds the
+    buffer's lock only to check for such rows, never for a copy.
 
     Args:
         views: Views of the live columns at that instant (see
             :meth:`ExperienceBuffer.filled_blocks`), covering slots ``[0, size)`` in order.
-        reuse: Blocks of an earlier snapshot whose memory is reused where the shapes still
-            match (no new pages to fault in).
+        ids: Name -> the buffer's live per-slot id array (length at least ``size``).
+        state: The buffer's small state at that instant; its id entries are filled in by
+            :meth:`stream_ids` (until then they alias the live arrays).
+        lock: The buffer's lock, held by every write.
 
     Attributes:
-        blocks: The copies, on the CPU, laid out as ``views``; exact once :attr:`done`.
         size: Rows in the snapshot.
+        state: See ``state`` above.
     """
 
-    def __init__(self, *, views: Blocks, reuse: Blocks | None = None) -> None:
-        old = dict(reuse or [])
+    def __init__(self, *, views: Blocks, ids: Mapping[str, np.ndarray], state: StateDict,
+                 lock: threading.RLock) -> None:
         self._views = views
-        self.blocks: Blocks = []
-        for start, cols in views:
-            prev = old.get(start, {})
-            self.blocks.append((start, {
-                f: prev[f] if f in prev and prev[f].shape == c.shape and prev[f].dtype == c.dtype
-                else torch.empty_like(c, device="cpu") for f, c in cols.items()}))
+        self._lock = lock
         self.size = sum(next(iter(cols.values())).shape[0] for _, cols in views)
-        self._pending = np.ones(self.size, dtype=bool)
-        self._left = self.size
-        self._next = 0  # where the copying thread goes on
+        self.state = state
+        # Per (block, field): rows [0, read) are read out; kept rows were copied aside by a
+        # write before the reader reached them (their copies live in ``_kept``).
+        self._read: dict[tuple[int, str], int] = {}
+        self._kept_mask: dict[tuple[int, str], np.ndarray] = {}
+        self._kept: dict[tuple[int, str], torch.Tensor] = {}
+        self._ids_live = dict(ids)
+        self._ids: dict[str, np.ndarray] = {}  # copies taken before the first change
 
     @property
-    def done(self) -> bool:
-        """Every row is copied."""
-        return self._left == 0
+    def blocks(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The live views the snapshot reads from, ``(first slot, field -> column)`` per block
+        (their shapes and dtypes are the snapshot's; their contents may have moved on)."""
+        return self._views
+
+    # -- writes (under the buffer's lock) ----------------------------------------------------
 
     def preserve(self, first: int, stop: int) -> None:
-        """Copy the rows in slots ``[first, stop)`` not copied yet; call before they change."""
+        """Copy aside the rows of slots ``[first, stop)`` the reader has not reached; call
+        under the buffer's lock before they change."""
         stop = min(stop, self.size)
-        if first >= stop or not self._left:
-            return
-        pending = self._pending[first:stop]
-        if pending.all():
-            runs = [(first, stop)]
-        else:
-            edges = np.diff(np.concatenate(([0], pending.view(np.int8), [0])))
-            runs = list(zip((np.flatnonzero(edges == 1) + first).tolist(),
-                            (np.flatnonzero(edges == -1) + first).tolist()))
-        for a, b in runs:
-            self._copy(a, b)
-            self._left -= b - a
-        pending[:] = False
+        for b, (start, cols) in enumerate(self._views):
+            n = next(iter(cols.values())).shape[0]
+            lo, hi = max(first, start) - start, min(stop, start + n) - start
+            if lo >= hi:
+                continue
+            for f, col in cols.items():
+                key = (b, f)
+                a = max(lo, self._read.get(key, 0))
+                if a >= hi:
+                    continue
+                mask = self._kept_mask.get(key)
+                if mask is None:
+                    # Virtual memory only: pages of rows never overwritten are never touched.
+                    mask = self._kept_mask[key] = np.zeros(n, dtype=bool)
+                    self._kept[key] = torch.empty_like(col, device="cpu")
+                todo = ~mask[a:hi]
+                for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
+                    self._kept[key][a + r0:a + r1].copy_(col[a + r0:a + r1])
+                mask[a:hi] = True
 
-    def step(self, rows: int) -> bool:
-        """Copy the next ``rows`` slots in order (those not copied yet); returns :attr:`done`."""
-        first = self._next
-        self._next = min(self.size, first + max(1, rows))
-        self.preserve(first, self._next)
-        return self.done
+    def preserve_ids(self, name: str | None = None) -> None:
+        """Copy aside the id array ``name`` (all when None) if it is not copied yet; call
+        under the buffer's lock before it changes."""
+        for key in ([name] if name is not None else list(self._ids_live)):
+            if key not in self._ids and key in self._ids_live:
+                self._ids[key] = self._ids_live[key].copy()
 
-    def _copy(self, a: int, b: int) -> None:
-        for (start, src), (_, dst) in zip(self._views, self.blocks):
-            n = next(iter(src.values())).shape[0]
-            lo, hi = max(a, start) - start, min(b, start + n) - start
-            if lo < hi:
-                for f, col in src.items():
-                    dst[f][lo:hi].copy_(col[lo:hi])
+    # -- reading out -------------------------------------------------------------------------
+
+    def stream_rows(self, block: int, field: str, *, chunk_bytes: int = 2 << 20,
+                    duty: float = 1.0) -> Iterator[torch.Tensor]:
+        """The column ``field`` of block ``block`` as it was at the instant, as consecutive
+        CPU chunks of about ``chunk_bytes`` (each valid until the next is requested).
+
+        Args:
+            block: Index into :attr:`blocks`.
+            field: A field of the spec.
+            chunk_bytes: Bytes per chunk.
+            duty: Fraction of the time spent reading, in ``(0, 1]``: below 1 the generator
+                sleeps before each chunk, so the read-out spreads its memory traffic thinly
+                over training instead of saturating the memory bus.
+
+        Raises:
+            ConfigError: ``duty`` is outside ``(0, 1]``, or the column was read out already
+                (each is read once: rows behind a reader are no longer kept).
+        """
+        if not 0 < duty <= 1:
+            raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+        key = (block, field)
+        with self._lock:
+            if key in self._read:
+                raise ConfigError("field", f"rows/{block}/{field} of this snapshot is read out "
+                                           f"already; each column is read once")
+            self._read[key] = 0
+        rest = 1 / duty - 1
+        col = self._views[block][1][field]
+        n = col.shape[0]
+        row_bytes = max(1, col[:1].numel() * col.element_size())
+        rows = max(1, chunk_bytes // row_bytes)
+        bounce = torch.empty((min(rows, max(n, 1)), *col.shape[1:]), dtype=col.dtype)
+        a = 0
+        while a < n:
+            t0 = time.perf_counter()
+            b = min(n, a + rows)
+            out = bounce[:b - a]
+            # Copied without the lock, so a write never waits for it: a write that changes
+            # one of these rows meanwhile copies its old value aside first (this reader has
+            # not passed it), and the old values are laid over the copy under the lock.
+            out.copy_(col[a:b])
+            with self._lock:
+                mask = self._kept_mask.get(key)
+                if mask is not None and mask[a:b].any():
+                    for r0, r1 in _runs(mask[a:b]):
+                        out[r0:r1].copy_(self._kept[key][a + r0:a + r1])
+                self._read[key] = b
+            if b >= n:
+                self._kept.pop(key, None)  # read out: its copies are no longer needed
+            time.sleep(rest * (time.perf_counter() - t0))
+            yield out
+            a = b
+
+    def stream_ids(self, name: str) -> Iterator[np.ndarray]:
+        """The id array ``name`` as it was at the instant, in one chunk (copied now if no
+        write has changed it yet); also fills :attr:`state`'s entry."""
+        with self._lock:
+            self.preserve_ids(name)
+            ids = self._ids[name]
+        yield ids
+
+    def materialize(self, *, chunk_bytes: int = 2 << 20, duty: float = 1.0) -> Blocks:
+        """Read every row out into new CPU tensors, laid out as :attr:`blocks`."""
+        out: Blocks = []
+        for b, (start, cols) in enumerate(self._views):
+            copies = {}
+            for f, col in cols.items():
+                dst = torch.empty_like(col, device="cpu")
+                at = 0
+                for chunk in self.stream_rows(b, f, chunk_bytes=chunk_bytes, duty=duty):
+                    dst[at:at + chunk.shape[0]].copy_(chunk)
+                    at += chunk.shape[0]
+                copies[f] = dst
+            out.append((start, copies))
+        return out
+
+    def ids(self, name: str) -> np.ndarray:
+        """The id array ``name`` at the instant (a copy)."""
+        return next(self.stream_ids(name))
+
+
+SnapshotSource = Callable[[], Iterator[torch.Tensor | np.ndarray]]
+"""Makes the chunks of one checkpoint part, in order."""
