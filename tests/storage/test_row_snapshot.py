@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conduit.errors import ConfigError
+from conduit.spec import ExperienceSpec
 from conduit.storage import (
     CheckpointError,
     ExperienceBuffer,
@@ -208,3 +209,34 @@ def test_a_source_of_the_wrong_size_or_name_is_refused(small_spec, tmp_path):
     with pytest.raises(ConfigError, match="sources"):
         write_checkpoint(tmp_path / "a.ckpt", tensors={"t": t}, meta={},
                          sources={"u": lambda: iter([t])})
+
+
+def test_streaming_a_snapshot_to_disk_does_not_double_memory(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    spec = ExperienceSpec.of(obs=((256,), torch.float32), id=((), torch.int64))
+    buf = ExperienceBuffer(spec=spec, capacity=64_000)  # 66 MB of rows
+    for k in range(8):
+        buf.extend(make_rows(spec, 8000, start=8000 * k))
+    proc = psutil.Process()
+    base = proc.memory_info().rss
+    snap = buf.begin_snapshot()
+    buf.extend(make_rows(spec, 500, start=100_000))  # overwritten before the reader gets there
+    peak = [0]
+    (_, cols), = snap.blocks
+
+    def source(f):
+        def chunks():
+            for chunk in snap.stream_rows(0, f):
+                peak[0] = max(peak[0], proc.memory_info().rss - base)
+                yield chunk
+        return chunks
+
+    sources = {f: source(f) for f in cols}
+    sources["row_id"] = lambda: snap.stream_ids("row_id")
+    write_checkpoint(tmp_path / "s.ckpt", tensors={**cols, "row_id": snap.state["row_id"]},
+                     meta={}, sources=sources)
+    buf.drop_snapshot(snap)
+    assert peak[0] < 16 << 20  # a chunk, the 500 rows set aside and the ids, not a copy
+    _, back = read_checkpoint(tmp_path / "s.ckpt")
+    assert back["id"].tolist() == list(range(64_000))
+    assert back["row_id"].tolist() == list(range(64_000))
