@@ -19,7 +19,7 @@ from ray.rllib.utils.replay_buffers import (  # noqa: E402
     PrioritizedEpisodeReplayBuffer,
 )
 
-from conduit.errors import ConfigError, PriorityError  # noqa: E402
+from conduit.errors import ConfigError, PriorityError, StateError  # noqa: E402
 from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
@@ -349,7 +349,7 @@ def test_delivery_lays_windows_over_the_links_it_finds(
     buffer.add(adds[1])
 
     def gather(slots: np.ndarray) -> torch.Tensor:
-        return plane.buffer.gather(torch.from_numpy(slots))["next_obs"]
+        return plane.buffer.gather(torch.from_numpy(slots))["obs"]
 
     out = deliver_windows(sampler, rows, gather)
     theirs = _filled(EpisodeReplayBuffer(capacity=1000), adds)
@@ -368,5 +368,152 @@ def test_delivery_lays_windows_over_the_links_it_finds(
     info = small.plane.buffer.draw(2)
     rows = small.plane.buffer.gather(info)
     small.add([adds[0][2]])  # overwrites the oldest slots, 0 included
-    out = deliver_windows(small._sampler, rows, lambda slots: rows["next_obs"][slots])
+    out = deliver_windows(small._sampler, rows,
+                          lambda slots: small.plane.buffer.gather(torch.from_numpy(slots))["obs"])
     assert out["_valid"].tolist() == [False, True]
+
+
+class _Chunks:
+    """Episode chunks from ``envs`` interleaved envs, each observation ``(episode, t, 0, 0)``
+    and each reward ``t + episode / 8``, so a sampled transition names its source. Episodes
+    end terminated or truncated after 1 to 12 steps; chunks hold 1 to 5 steps."""
+
+    def __init__(self, envs: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.space = gym.spaces.Box(-1e6, 1e6, (4,), np.float32)
+        # Per env: its episode, the episode's number and its length (None: to be reset).
+        self.live: list[tuple[SingleAgentEpisode, int, int] | None] = [None] * envs
+        self.envs, self.count = envs, 0
+        self.steps: dict[int, int] = {}  # episode number -> steps added
+        self.ended: dict[int, tuple[bool, bool]] = {}  # -> (terminated, truncated)
+
+    def _obs(self, number: int, t: int) -> np.ndarray:
+        return np.array([number, t, 0, 0], dtype=np.float32)
+
+    def add(self) -> list[SingleAgentEpisode]:
+        """One ``add`` call's chunks: one per env, from 1 to ``envs`` envs."""
+        for k in range(self.envs):
+            if self.live[k] is None:
+                eps = SingleAgentEpisode(observation_space=self.space,
+                                         action_space=gym.spaces.Discrete(2))
+                eps.add_env_reset(self._obs(self.count, 0), {})
+                self.live[k] = (eps, self.count, int(self.rng.integers(1, 13)))
+                self.steps[self.count] = 0
+                self.count += 1
+        out = []
+        for k in sorted(self.rng.choice(self.envs, int(self.rng.integers(1, self.envs + 1)),
+                                        replace=False)):
+            live = self.live[k]
+            assert live is not None
+            eps, number, length = live
+            for _ in range(int(self.rng.integers(1, 6))):
+                t = len(eps) + eps.t_started + 1
+                done = t == length
+                terminated = done and bool(self.rng.integers(2))
+                eps.add_env_step(self._obs(number, t), int(self.rng.integers(2)),
+                                 float(t - 1 + number / 8), {}, terminated=terminated,
+                                 truncated=done and not terminated)
+                if done:
+                    self.ended[number] = terminated, not terminated
+                    break
+            self.steps[number] = eps.t_started + len(eps)
+            if eps.is_done:
+                out.append(eps.to_numpy())
+                self.live[k] = None
+            else:
+                self.live[k] = (eps.cut(), number, length)
+                out.append(eps.to_numpy())
+        return out
+
+    def check(self, eps: SingleAgentEpisode, *, complete: bool, ahead: bool) -> None:
+        """``eps`` is the n-step transition from its first observation's row, as RLlib's
+        buffer lays it over the steps added so far (``ahead``: over the steps added when a
+        batch drawn ahead was delivered, which may be fewer)."""
+        number, t = (int(x) for x in eps.get_observations(0)[:2])
+        n = int(eps.get_extra_model_outputs("n_step", 0))
+        k = int(eps.get_observations(-1)[1]) - t
+        assert 1 <= k <= min(n, self.steps[number] - t)
+        assert eps.t_started == t and (k == n or not complete)
+        assert ahead or k == min(n, self.steps[number] - t)
+        np.testing.assert_array_equal(eps.get_observations(-1), self._obs(number, t + k))
+        want = sum(GAMMA ** j * (t + j + number / 8) for j in range(k))
+        assert eps.get_rewards(0) == pytest.approx(want)
+        ends = k == n and t + k == self.steps[number] and number in self.ended
+        terminated, truncated = self.ended[number] if ends else (False, False)
+        assert (eps.is_terminated, eps.is_truncated) == (terminated, truncated)
+
+
+@pytest.mark.parametrize("schedule", ["inline", "prefetch"])
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("n_step", [1, N_STEP])
+def test_next_observations_stay_in_their_episode_through_wrap_around(
+        schedule: str, prioritized: bool, n_step: int) -> None:
+    """Each observation is stored once; a transition's next observation is the next row's or,
+    at the end of its stored episode, the episode's tail. Many times around a small ring, with
+    interleaved envs, continued, terminated and truncated episodes, every sampled transition
+    reads its next observation, reward sum and end flags from its own episode at the right
+    step, never from another episode or a newer row."""
+    capacity = 37
+    kind = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    buffer = kind(capacity=capacity, alpha=0.6, seed=11, schedule=schedule)
+    source = _Chunks(envs=3, seed=n_step + 2 * prioritized)
+    kwargs = {"num_items": 8, "n_step": n_step, "gamma": GAMMA, "beta": 0.4}
+    sampled = 0
+    for step in range(120):
+        buffer.add(source.add())
+        if prioritized and step < 6:
+            continue  # too few complete windows yet
+        for eps in buffer.sample(**kwargs):
+            source.check(eps, complete=prioritized, ahead=schedule == "prefetch")
+            sampled += 1
+        if prioritized:
+            buffer.update_priorities(np.linspace(0.1, 2.0, 8))
+    assert sum(source.steps.values()) > 10 * capacity and sampled >= 8 * 100
+    assert set(buffer.plane.spec.names) == {"obs", "action"}
+    # Tails are held for the episodes in the buffer only: their array stays small.
+    assert buffer.get_num_episodes() <= capacity
+    assert len(buffer._rows.tails.data) <= 2 * capacity
+    if schedule == "prefetch":
+        buffer.plane.close()
+
+
+def test_cached_metrics_logger_reports_what_rllibs_logger_reports() -> None:
+    """The buffers' metrics logger pushes known keys straight to their Stats objects; what
+    ``get_metrics`` reports is what RLlib's own ``MetricsLogger`` reports for the same calls,
+    also after the logger was reset."""
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    from conduit.integrations.rllib.metrics import CachedMetricsLogger
+
+    ours, theirs = (ConduitPrioritizedEpisodeReplayBuffer(capacity=50, alpha=0.6, seed=3,
+                                                          schedule="inline")
+                    for _ in range(2))
+    theirs.metrics = MetricsLogger(root=False)
+    assert isinstance(ours.metrics, CachedMetricsLogger)
+    sources = [_Chunks(envs=2, seed=5), _Chunks(envs=2, seed=5)]
+    reports = 0
+    for step in range(40):
+        for buffer, source in zip((ours, theirs), sources, strict=True):
+            buffer.add(source.add())
+            if step >= 6:
+                buffer.sample(num_items=4, n_step=(1, 3), gamma=GAMMA, beta=0.4)
+                buffer.update_priorities(np.linspace(0.1, 1.0, 4))
+        if step == 20:
+            ours.metrics.reset()
+            theirs.metrics.reset()
+        if step % 5 == 4:
+            a, b = ours.get_metrics(), theirs.get_metrics()
+            assert a == b and float(a["num_env_steps_added"]) > 0
+            assert step < 6 or float(a["num_env_steps_sampled"]) > 0
+            reports += 1
+    assert reports == 8
+
+
+def test_a_state_of_another_row_layout_is_refused(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    buffer = ConduitEpisodeReplayBuffer(capacity=64, schedule="inline")
+    buffer.add(adds[0])
+    state = buffer.get_state()
+    state["spec"] = {**state["spec"], "next_obs": state["spec"]["obs"]}
+    with pytest.raises(StateError, match="spec"):
+        ConduitEpisodeReplayBuffer(capacity=64, schedule="inline").set_state(state)

@@ -1,14 +1,22 @@
 """RLlib episodes as buffer rows, and the n-step windows sampled over them.
 
-Every timestep of an added episode chunk becomes one buffer row ``(obs, action, next_obs)``.
-What links rows into episodes lives beside the plane, one entry per slot: the slot of the
-episode's next timestep (chunks of an ongoing episode arrive in later ``add`` calls, so a link
-is set after its row was written), the reward, and whether the episode terminated or was
-truncated at that step. A window of ``n`` steps from a sampled row follows these links; it is
-cut short where the stored episode ends, as in RLlib's ``EpisodeReplayBuffer``.
+Every timestep of an added episode chunk becomes one buffer row ``(obs, action)``: each
+observation is stored once. What links rows into episodes lives beside the plane, one entry per
+slot: the slot of the episode's next timestep (chunks of an ongoing episode arrive in later
+``add`` calls, so a link is set after its row was written), the reward, and whether the
+episode terminated or was truncated at that step. A window of ``n`` steps from a sampled row
+follows these links; it is cut short where the stored episode ends, as in RLlib's
+``EpisodeReplayBuffer``.
+
+A row's next observation is the observation of its successor row (RLlib's chunks of one
+episode share the observation at their boundary). The last stored row of an episode has no
+successor; its next observation is the episode's *tail*, kept in :class:`Tails`, one per
+episode in the buffer, overwritten when a later chunk continues the episode and freed when the
+episode's last row is overwritten.
 
 Rows are written in ring order, so slot ``r % capacity`` holds row ``r``. A row's successors
-are newer than it: while a row is in the buffer, so is its whole window.
+are newer than it: while a row is in the buffer, so is its whole window and the row or tail
+holding its next observation.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
-from conduit.errors import ConfigError, StateError
+from conduit.errors import ConfigError, SpecError, StateError
 from conduit.spec import ExperienceSpec
 from conduit.storage.state import entry
 
@@ -60,6 +68,7 @@ class EpisodeMeta:
     observation_space: gym.Space | None
     action_space: gym.Space | None
     last_row: int
+    tail: int = -1
 
 
 @dataclass(frozen=True)
@@ -98,17 +107,82 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-def _steps(eps: Episode) -> dict[str, np.ndarray]:
+def _steps(eps: Episode) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """A chunk's rows ``(obs, action)``, its rewards, and its last observation (the tail)."""
     n = len(eps)
     obs = np.asarray(eps.get_observations(slice(0, n + 1)))
-    return {"obs": obs[:-1], "next_obs": obs[1:],
-            "action": np.asarray(eps.get_actions(slice(0, n))),
-            "reward": np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float64)}
+    return ({"obs": obs[:-1], "action": np.asarray(eps.get_actions(slice(0, n)))},
+            np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float64), obs[-1])
+
+
+class Tails:
+    """The observation after the last stored row of each episode, in a growing array.
+
+    Slots are handed out by :meth:`take` and returned by :meth:`free`; the array doubles when
+    all are taken, so it holds about as many observations as there are episodes in the buffer.
+    """
+
+    def __init__(self) -> None:
+        self.data: np.ndarray | None = None
+        self._free: list[int] = []
+
+    def take(self, like: np.ndarray) -> int:
+        """A free slot for observations like ``like`` (the first call fixes shape and dtype).
+
+        Raises:
+            SpecError: ``like`` differs in shape or dtype from earlier observations.
+        """
+        self._check(like)
+        if not self._free:
+            size = 0 if self.data is None else len(self.data)
+            grown = np.zeros((max(2 * size, 16), *like.shape), dtype=like.dtype)
+            if self.data is not None:
+                grown[:size] = self.data
+            self.data = grown
+            self._free = list(range(len(grown) - 1, size - 1, -1))
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        """Return ``slot``."""
+        self._free.append(slot)
+
+    def write(self, slot: int, obs: np.ndarray) -> None:
+        """Store ``obs`` in ``slot``.
+
+        Raises:
+            SpecError: ``obs`` differs in shape or dtype from earlier observations.
+        """
+        self._check(obs)
+        assert self.data is not None, "write to a slot that was not taken"
+        self.data[slot] = obs
+
+    def _check(self, obs: np.ndarray) -> None:
+        if self.data is not None and (obs.shape != self.data.shape[1:]
+                                      or obs.dtype != self.data.dtype):
+            raise SpecError("obs", f"an observation of shape {obs.shape} and dtype {obs.dtype} "
+                                   f"after ones of {self.data.shape[1:]} and "
+                                   f"{self.data.dtype}; add episodes of one observation space")
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """The observations in ``slots``."""
+        assert self.data is not None, "no tail was written"
+        return self.data[slots]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The array and free slots."""
+        return {"data": None if self.data is None else self.data.copy(),
+                "free": list(self._free)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        data = entry(state, "data", "episode_rows.tails")
+        self.data = None if data is None else np.array(data)
+        self._free = [int(k) for k in entry(state, "free", "episode_rows.tails")]
 
 
 def spec_of(rows: dict[str, np.ndarray]) -> ExperienceSpec:
-    """The spec of rows made by :meth:`EpisodeRows.append`: one timestep's observation, action
-    and next observation.
+    """The spec of rows made by :meth:`EpisodeRows.append`: one timestep's observation and
+    action.
 
     Raises:
         ConfigError: The observations or actions are not numeric arrays (for example dict
@@ -131,7 +205,7 @@ class EpisodeRows:
     """
 
     _ARRAYS: ClassVar[tuple[str, ...]] = ("succ", "reward", "terminated", "truncated",
-                                          "episode", "t")
+                                          "episode", "t", "tail")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -141,6 +215,10 @@ class EpisodeRows:
         self.truncated = np.zeros(capacity, dtype=bool)
         self.episode = np.full(capacity, -1, dtype=np.int64)
         self.t = np.zeros(capacity, dtype=np.int64)
+        #: The tail slot of the episode's last stored row (read only where ``succ`` is -1).
+        self.tail = np.full(capacity, -1, dtype=np.int64)
+        #: Next observations of the episodes' last stored rows.
+        self.tails = Tails()
         #: Rows written so far; the next row goes to slot ``written % capacity``.
         self.written = 0
         #: Episodes with a row in the ring, oldest last write first.
@@ -170,18 +248,22 @@ class EpisodeRows:
             n = len(eps)
             if n == 0:
                 continue
-            steps = _steps(eps)
+            steps, reward, last_obs = _steps(eps)
             key = self._ongoing.get(eps.id_)
             if key is None or key not in self.table:
                 key, new = self._next_key, new + 1
                 self._next_key += 1
                 self.table[key] = EpisodeMeta(eps.id_, eps.agent_id, eps.module_id,
-                                              eps.observation_space, eps.action_space, -1)
+                                              eps.observation_space, eps.action_space, -1,
+                                              self.tails.take(last_obs))
             else:
                 links.append((self.table[key].last_row, row))
+            meta = self.table[key]
+            self.tails.write(meta.tail, last_obs)
             slots = (row + np.arange(n)) % self.capacity
             self.succ[slots] = np.append(slots[1:], -1)
-            self.reward[slots] = steps.pop("reward")
+            self.tail[slots[-1]] = meta.tail
+            self.reward[slots] = reward
             self.terminated[slots] = False
             self.truncated[slots] = False
             self.terminated[slots[-1]] = eps.is_terminated
@@ -205,8 +287,10 @@ class EpisodeRows:
         while self.table and next(iter(self.table.values())).last_row < oldest:
             key, meta = self.table.popitem(last=False)
             self._ongoing.pop(meta.id_, None)
+            self.tails.free(meta.tail)
             evicted += 1
-        rows = ({k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
+        rows = (parts[0] if len(parts) == 1 else  # one chunk: its arrays, not copies
+                {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
         return Appended(rows, row - before, new, evicted,
                         max(0, oldest) - max(0, before - self.capacity))
 
@@ -225,6 +309,15 @@ class EpisodeRows:
         length = valid.sum(axis=1)
         return Window(starts, n, slots, valid, length, slots[:, -1])
 
+    def complete(self, starts: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Whether the window of ``n[i]`` steps from slot ``starts[i]`` holds all of them
+        (what ``windows(starts, n).length == n`` says, without laying the windows)."""
+        cur = starts.astype(np.int64)
+        for k in range(1, int(n.max()) if len(n) else 1):
+            step = (k < n) & (cur >= 0)
+            cur = np.where(step, self.succ[np.maximum(cur, 0)], cur)
+        return cur >= 0
+
     def returns(self, window: Window, gamma: float
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Discounted reward sums over each window (summed last step first, as RLlib's
@@ -237,9 +330,21 @@ class EpisodeRows:
         full = window.length == window.n
         return (acc, self.terminated[window.end] & full, self.truncated[window.end] & full)
 
+    def next_of(self, slots: np.ndarray) -> np.ndarray:
+        """The slot holding the next observation of the rows in ``slots``: their successor's
+        slot, or -1 where the row is its episode's last stored one (see :meth:`tails_of`)."""
+        return self.succ[slots]
+
+    def tails_of(self, slots: np.ndarray) -> np.ndarray:
+        """The next observations of the rows in ``slots``, each the last stored row of its
+        episode."""
+        return self.tails.read(self.tail[slots])
+
     def state_dict(self) -> dict[str, Any]:
-        """Arrays, write count and episode table (picklable; spaces are kept as objects)."""
+        """Arrays, tails, write count and episode table (picklable; spaces are kept as
+        objects)."""
         return {**{k: getattr(self, k).copy() for k in self._ARRAYS}, "written": self.written,
+                "tails": self.tails.state_dict(),
                 "table": [(k, vars(m).copy()) for k, m in self.table.items()],
                 "ongoing": dict(self._ongoing), "next_key": self._next_key}
 
@@ -256,6 +361,7 @@ class EpisodeRows:
                                                       f"({self.capacity},)")
             getattr(self, k)[:] = arr
         self.written = int(entry(state, "written", "episode_rows"))
+        self.tails.load_state_dict(entry(state, "tails", "episode_rows"))
         self.table = OrderedDict((k, EpisodeMeta(**m))
                                  for k, m in entry(state, "table", "episode_rows"))
         self._ongoing = dict(entry(state, "ongoing", "episode_rows"))

@@ -16,7 +16,6 @@ training iterations, by their measured time (:mod:`~conduit.integrations.rllib.s
 # ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
 from __future__ import annotations
 
-import uuid
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -38,9 +37,11 @@ from conduit.errors import (
     EmptyBufferError,
     OperatorError,
     PriorityError,
+    StateError,
 )
 from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, spec_of
-from conduit.integrations.rllib.episodes import episode_like
+from conduit.integrations.rllib.episodes import OneStepEpisodes, episode_ids
+from conduit.integrations.rllib.metrics import CachedMetricsLogger
 from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
 from conduit.integrations.rllib.windows import (
     Transitions,
@@ -66,7 +67,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     whole episodes instead). Sampling draws ``(o_t, a_t, Σ γ^k r_{t+k}, o_{t+n},
     terminated, truncated)`` transitions: for ``sample_episodes=True`` with
     ``batch_length_T=0``, the path DQN and SAC take. Infos are not stored (sampled episodes hold
-    empty infos), nor are ``extra_model_outputs``.
+    empty infos), nor are ``extra_model_outputs``. Each observation is stored once: a row's
+    next observation is the next row of its episode, or for the last stored row the episode's
+    tail (:mod:`~conduit.integrations.rllib.episode_rows`).
 
     With ``schedule="prefetch"`` (or ``"auto"`` when it keeps prefetch), a batch may be drawn
     before the latest ``add`` calls (at most :data:`G_MAX` of them), so it may miss their
@@ -105,6 +108,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         EpisodeReplayBuffer.__init__(
             self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
             metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
+        self.metrics = CachedMetricsLogger(root=False)  # RLlib's, with fewer steps per value
         #: The plane's schedule, and for ``"auto"`` its decision (``schedule.report``).
         self.schedule = ReplaySchedule(schedule)
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0]) >> 1
@@ -115,6 +119,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._sampler = WindowSampler(inner, self._rows)
         self._plane: ExperienceDataPlane | None = None
         self._last_index: np.ndarray | None = None
+        #: Per (observation space, action space, to_numpy), by ids: makes sampled episodes.
+        self._makers: dict[tuple[int, int, bool], tuple[Any, Any, OneStepEpisodes]] = {}
         #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
         self.discarded_batches = 0
 
@@ -142,12 +148,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                     sampler=self._sampler, placement=self.placement,
                                     seed=self.seed, g_max=G_MAX, store=store)
 
-        def gather_next_obs(slots: np.ndarray) -> torch.Tensor:
-            return plane.buffer.gather(torch.from_numpy(slots))["next_obs"]
+        def gather_obs(slots: np.ndarray) -> torch.Tensor:
+            return plane.buffer.gather(torch.from_numpy(slots))["obs"]
 
         @plane.register_delivery()
         def n_step_windows(exp_in: BufferIn, learn_out: LearnerOut) -> None:
-            learn_out.write(deliver_windows(self._sampler, exp_in.read(), gather_next_obs))
+            learn_out.write(deliver_windows(self._sampler, exp_in.read(), gather_obs))
 
         self.schedule.apply(plane, decided)
         return plane
@@ -274,7 +280,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                     plane.recover()
                     raise exc.__cause__ from None
                 raise
-            if (bool(batch.pop("_valid").all())
+            # Rows overwritten by adds since the batch was delivered are stale as well.
+            oldest = self._sampler.ring_rows - self.capacity
+            if (batch.pop("_valid").numpy().all() and (batch.pop("_row").numpy() >= oldest).all()
                     and int(batch.pop("_request")[0]) == self._sampler.serial):
                 return batch
             self.discarded_batches += 1
@@ -282,30 +290,39 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                f"arguments or lost rows to adds; sample with schedule='inline'")
 
     def _episodes(self, batch: Transitions, to_numpy: bool) -> list[SingleAgentEpisode]:
-        """The rows of ``batch`` as RLlib's buffer of this kind returns them: the first built
-        by RLlib's constructor, the others copied from it where they share its spaces."""
-        first = self._episode(batch, 0, to_numpy)
-        spaces = first.observation_space, first.action_space
-        alike: dict[tuple[int, int], bool] = {}  # spaces by id -> equal to the first's
-        out = [first]
-        for i in range(1, len(batch.index)):
-            meta = self._rows.table[int(batch.episode[i])]
-            key = id(meta.observation_space), id(meta.action_space)
-            if key not in alike:
-                alike[key] = (meta.observation_space, meta.action_space) == spaces
-            if not alike[key]:
+        """The rows of ``batch`` as RLlib's buffer of this kind returns them: each made like an
+        episode RLlib's constructor built for the same spaces (:attr:`_makers`; the first row
+        of new spaces is built by that constructor)."""
+        out: list[SingleAgentEpisode] = []
+        size, table = len(batch.index), self._rows.table
+        # Columns as lists once: NumPy scalars and views, as indexing row by row gives them.
+        obs, next_obs = list(batch.obs), list(batch.next_obs)
+        action, reward = list(batch.action), list(batch.reward)
+        n_step, t, episode = batch.n_step.tolist(), batch.t.tolist(), batch.episode.tolist()
+        terminated, truncated = batch.terminated.tolist(), batch.truncated.tolist()
+        weights = (batch.weight.tolist() if self.prioritized and batch.weight is not None
+                   else [1.0] * size)
+        ids = episode_ids(size) if self.prioritized else None
+        for i in range(size):
+            meta = table[episode[i]]
+            key = id(meta.observation_space), id(meta.action_space), to_numpy
+            maker = self._makers.get(key)
+            if maker is None:
                 out.append(self._episode(batch, i, to_numpy))
+                if len(self._makers) >= 64:
+                    self._makers.clear()
+                # The maker holds the spaces, so their ids stay theirs while it is kept.
+                self._makers[key] = (meta.observation_space, meta.action_space,
+                                     OneStepEpisodes(out[-1]))
                 continue
-            weight = (float(batch.weight[i]) if self.prioritized and batch.weight is not None
-                      else 1.0)
-            extra = {"n_step": [int(batch.n_step[i])], "weights": [weight]}
-            out.append(episode_like(
-                first, id_=uuid.uuid4().hex if self.prioritized else meta.id_,
-                observations=[batch.obs[i], batch.next_obs[i]], actions=[batch.action[i]],
-                rewards=[batch.reward[i]], extra=extra, t_started=int(batch.t[i]),
-                terminated=bool(batch.terminated[i]), truncated=bool(batch.truncated[i])))
-            if not self.prioritized:
-                out[-1].agent_id, out[-1].module_id = meta.agent_id, meta.module_id
+            eps = maker[2].make(
+                id_=meta.id_ if ids is None else ids[i], observations=(obs[i], next_obs[i]),
+                actions=(action[i],), rewards=(reward[i],),
+                extra={"n_step": (n_step[i],), "weights": (weights[i],)}, t_started=t[i],
+                terminated=terminated[i], truncated=truncated[i])
+            if ids is None:
+                eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
+            out.append(eps)
         return out
 
     def _episode(self, batch: Transitions, i: int, to_numpy: bool) -> SingleAgentEpisode:
@@ -377,11 +394,14 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         Raises:
             StateError: The state is missing a key or does not fit the buffer's capacity.
         """
+        spec = ExperienceSpec.from_dict(state["spec"]) if state["spec"] is not None else None
+        if spec is not None and set(spec.fields) != {"obs", "action"}:
+            raise StateError("spec", f"rows of fields {sorted(spec.fields)}; this buffer's rows "
+                                     f"are (obs, action): restore a state of this buffer kind")
         decided = self._close_plane()  # first: its delivery worker reads the links
         self._rows.load_state_dict(state["rows"])
-        if state["spec"] is not None:
-            plane = self._build_plane(ExperienceSpec.from_dict(state["spec"]),
-                                      state["batch_size"], decided)
+        if spec is not None:
+            plane = self._build_plane(spec, state["batch_size"], decided)
             plane.load_state_dict(state["plane"])
             self._plane = plane
         self._last_index = state["last_index"]

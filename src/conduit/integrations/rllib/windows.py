@@ -6,7 +6,8 @@ caller adds episodes. Adds hold :attr:`EpisodeRows.lock` while they change links
 together; the delivery operator holds it while it lays the windows over the rows, so every
 delivered transition is what RLlib's buffer returns for its row at delivery time. A row that
 was overwritten between its draw and its delivery is marked invalid (``_valid``), and the
-caller draws again.
+caller draws again; so is a delivered batch holding a row that an add overwrote before the
+caller took the batch (each row carries its row number at the draw, ``_row``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class Drawn:
 
     Attributes:
         window: The windows as the links stood at the draw.
+        next_slots: Slot of the row after each window's end at the draw (-1: none, the next
+            observation is a tail).
         request: What the draw was for.
         serial: The request's serial number (see :meth:`WindowSampler.set_request`).
         ring_rows: Rows the ring had received at the draw.
     """
 
     window: Window
+    next_slots: np.ndarray
     request: WindowRequest
     serial: int
     ring_rows: int
@@ -68,11 +72,12 @@ class Drawn:
 class WindowSampler(Sampler):
     """Draws rows with an inner sampler and lays n-step windows over them.
 
-    A draw returns each row's first slot and, when any window is longer than one step, its last
-    slot as a second column (``[B, 2]``), so one gather reads the observation and action at
-    the start and the next observation at the end. Each draw waits in :attr:`drawn`, keyed by
-    ``id`` of its index tensor (the delivered ``_index``), for :func:`deliver_windows`. Call
-    :meth:`set_request` before a pull; a draw uses the request in force when it runs.
+    A draw returns each row's first slot and the slot of the row after its window's end as a
+    second column (``[B, 2]``; the first slot again where the window ends its stored episode),
+    so one gather reads the observation and action at the start and the next observation.
+    Each draw waits in :attr:`drawn`, keyed by ``id`` of its index tensor (the delivered
+    ``_index``), for :func:`deliver_windows`. Call :meth:`set_request` before a pull; a draw
+    uses the request in force when it runs.
 
     Args:
         inner: Draws the rows (uniform or prioritized); priorities and state are its own.
@@ -135,7 +140,7 @@ class WindowSampler(Sampler):
             info = self.inner.sample(size, need)
             idx = info.indices.numpy()
             rows_n = req.draw_n(self._rng, len(idx))
-            keep = (self.rows.windows(idx, rows_n).length == rows_n if req.complete
+            keep = (self.rows.complete(idx, rows_n) if req.complete
                     else np.ones(len(idx), dtype=bool))
             self.resamples += int(len(idx) - keep.sum())
             starts.append(idx[keep])
@@ -150,10 +155,10 @@ class WindowSampler(Sampler):
                                    f"window among {size} rows; add longer episodes or "
                                    f"lower n_step")
         window = self.rows.windows(np.concatenate(starts), np.concatenate(n))
-        pairs = window.end != window.starts
-        indices = torch.from_numpy(np.stack([window.starts, window.end], axis=1)
-                                   if pairs.any() else window.starts.copy())
-        self.drawn[id(indices)] = Drawn(window, req, serial, self.ring_rows)
+        nxt = self.rows.next_of(window.end)
+        indices = torch.from_numpy(np.stack([window.starts, np.where(nxt >= 0, nxt,
+                                                                     window.starts)], axis=1))
+        self.drawn[id(indices)] = Drawn(window, nxt, req, serial, self.ring_rows)
         return SampleInfo(indices, torch.cat(weights) if weights else None)
 
     def reset(self) -> None:
@@ -193,9 +198,9 @@ class Transitions:
     @classmethod
     def of(cls, batch: Batch) -> Transitions:
         """From a batch pulled from the plane (see :func:`deliver_windows`), without its
-        ``_request`` and ``_valid`` columns."""
+        ``_request``, ``_valid`` and ``_row`` columns."""
         arrays = {k.lstrip("_"): v.numpy() for k, v in batch.items()
-                  if k not in ("_request", "_valid")}
+                  if k not in ("_request", "_valid", "_row")}
         return cls(**arrays)
 
 
@@ -205,17 +210,20 @@ def _row_ids(slots: np.ndarray, ring_rows: int, capacity: int) -> np.ndarray:
 
 
 def deliver_windows(sampler: WindowSampler, rows: Batch,
-                    gather_next_obs: Callable[[np.ndarray], torch.Tensor]) -> Batch:
+                    gather_obs: Callable[[np.ndarray], torch.Tensor]) -> Batch:
     """Training rows for a draw of ``sampler``: observation and action at each window's start,
-    next observation at its end, discounted reward sum, end flags, n-step, episode and
+    the observation after its end, discounted reward sum, end flags, n-step, episode and
     timestep, ``_index`` (the start slots, for priority updates), ``_weight`` if any,
-    ``_request`` (the serial of the request it was drawn for) and ``_valid``.
+    ``_request`` (the serial of the request it was drawn for), ``_valid`` and ``_row`` (the
+    row number of each start: the row is still in the buffer while ``_row >= ring rows -
+    capacity``).
 
-    The windows are laid over the links as they stand now, under the rows' lock; where a
-    window now ends elsewhere than at the draw (an add continued its episode, or the draw
-    read links an add was writing), its next observation is gathered again with
-    ``gather_next_obs(slots)``. A row is invalid when it was overwritten since its draw, or
-    when a complete window was asked for and it no longer has one.
+    The windows are laid over the links as they stand now, under the rows' lock. The next
+    observation is the gathered row after the window's end; where that row is another one now
+    (an add continued the episode, or the draw read links an add was writing), it is gathered
+    again with ``gather_obs(slots)``, and where the window ends the stored episode it is the
+    episode's tail. A row is invalid when it was overwritten since its draw, or when a
+    complete window was asked for and it no longer has one.
 
     Raises:
         SpecError: ``rows`` was not drawn by ``sampler``.
@@ -224,8 +232,8 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
     if drawn is None:
         raise SpecError("_index", "the delivered rows were not drawn by this WindowSampler")
     links, req = sampler.rows, drawn.request
-    pair = rows["_index"].dim() == 2
-    next_obs = rows["next_obs"][:, 1] if pair else rows["next_obs"]
+    obs = rows["obs"]
+    next_obs = obs[:, 1]
     starts, n = drawn.window.starts, drawn.window.n
     with links.lock:
         cap = links.capacity
@@ -234,22 +242,26 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
         window = links.windows(starts, n)
         if req.complete:
             valid &= window.length == n
-        moved = valid & ((window.end != drawn.window.end)
-                         | (_row_ids(drawn.window.end, drawn.ring_rows, cap) < start_id))
+        nxt = links.next_of(window.end)
+        tail = valid & (nxt < 0)
+        moved = valid & (nxt >= 0) & ((nxt != drawn.next_slots) | (
+            _row_ids(drawn.next_slots, drawn.ring_rows, cap) < start_id))
+        # The gathered rows are this delivery's own: the next observations are set in place.
         if moved.any():
-            next_obs = next_obs.clone()
-            next_obs[torch.from_numpy(moved)] = gather_next_obs(window.end[moved])
+            next_obs[torch.from_numpy(moved)] = gather_obs(nxt[moved]).to(next_obs.device)
+        if tail.any():
+            next_obs[torch.from_numpy(tail)] = torch.from_numpy(
+                links.tails_of(window.end[tail])).to(next_obs.device)
         reward, terminated, truncated = links.returns(window, req.gamma)
         episode, t = links.episode[starts], links.t[starts]
-    out = {"obs": rows["obs"][:, 0] if pair else rows["obs"],
-           "action": rows["action"][:, 0] if pair else rows["action"],
+    out = {"obs": obs[:, 0], "action": rows["action"][:, 0],
            "next_obs": next_obs,
            "reward": torch.from_numpy(reward), "terminated": torch.from_numpy(terminated),
            "truncated": torch.from_numpy(truncated), "n_step": torch.from_numpy(n),
            "episode": torch.from_numpy(episode), "t": torch.from_numpy(t),
            "_index": torch.from_numpy(starts),
            "_request": torch.full((len(starts),), drawn.serial, dtype=torch.int64),
-           "_valid": torch.from_numpy(valid)}
+           "_valid": torch.from_numpy(valid), "_row": torch.from_numpy(start_id)}
     if "_weight" in rows:
         out["_weight"] = rows["_weight"]
     return out
