@@ -89,6 +89,10 @@ class ExperienceSpec:
             fixed[name] = fs
         object.__setattr__(self, "fields", _FrozenDict(fixed))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt through the constructor, so an unpickled spec is checked like a new one.
+        return (type(self), (dict(self.fields),))
+
     @classmethod
     def of(cls, **fields: tuple[tuple[int, ...], torch.dtype] | FieldSpec) -> ExperienceSpec:
         """Build a spec from keyword arguments ``name=(shape, dtype)`` or ``name=FieldSpec``."""
@@ -288,3 +292,7 @@ class _FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # dict's own pickling refills the copy item by item, which this class refuses.
+        return (type(self), (dict(self),))

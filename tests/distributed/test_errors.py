@@ -59,6 +59,10 @@ def test_a_missing_ray_names_the_extra_to_install(monkeypatch):
     ({"mode": "on_policy", "capacity": 8, "num_minibatches": 4, "num_learners": 3},
      "num_learners"),
     ({"placement": "auto"}, "placement"),
+    ({"learner_device": "no-such-device"}, "learner_device"),
+    ({"learner_device": "cuda:64"}, "learner_device"),
+    ({"learner_device": ("cpu", "cpu"), "num_learners": 3}, "learner_device"),
+    ({"learner_device": ("cpu", "cuda:64"), "num_learners": 2}, "learner_device[1]"),
     ({"batch_size": 0}, "batch_size"),
 ])
 def test_bad_arguments_name_their_field_before_ray_starts(kwargs, field, monkeypatch):

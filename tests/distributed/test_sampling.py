@@ -62,3 +62,15 @@ def test_epoch_parts_are_a_pure_function_of_seed_iteration_epoch():
     c = sampling.epoch_parts(30, seed=1, iteration=2, epoch=0, num_minibatches=3)
     assert all((x == y).all() for x, y in zip(a, b, strict=True))
     assert any((x != y).any() for x, y in zip(a, c, strict=True))
+
+
+def test_a_reader_takes_the_current_copy_on_its_node_else_the_primary():
+    nodes = ["a", "b", "c", "b"]  # shards 1 and 3 run on node b
+    holders = [0, 1, 3]  # shard 0's rows: its primary, then replicas on shards 1 and 3
+    assert sampling.nearest_copy(0, holders, nodes, "a", [0, 1, 3]) == 0  # primary is local
+    assert sampling.nearest_copy(0, holders, nodes, "b", [0, 1, 3]) == 1  # first local copy
+    assert sampling.nearest_copy(0, holders, nodes, "b", [0, 3]) == 3  # shard 1's is stale
+    assert sampling.nearest_copy(0, holders, nodes, "b", [0]) == 0  # no current local copy
+    assert sampling.nearest_copy(0, holders, nodes, "c", [0, 1, 3]) == 0  # none on node c
+    assert sampling.nearest_copy(0, holders, nodes, None, [0, 1, 3]) == 0
+    assert sampling.nearest_copy(0, holders, nodes, "b", []) == 0  # restoring: the primary

@@ -66,3 +66,22 @@ def test_a_shards_conduit_error_survives_pickling_with_its_type_and_field(small_
         shard.write(0, {"obs": np.zeros((2, 5), np.float32)}, True, 0)
     back = pickle.loads(pickle.dumps(info.value)).rebuild()
     assert isinstance(back, SpecError) and back.field == "obs" and "expected" in str(back)
+
+
+def test_every_copy_draws_from_its_own_stream_and_counts_what_it_serves(small_spec):
+    shard_spec = ShardSpec(spec=small_spec, capacity=16, seed=1)  # uniform
+    primary = BufferShard(shard_id=0, config=shard_spec)
+    replica = BufferShard(shard_id=1, config=shard_spec)
+    rows = to_wire(make_rows(small_spec, 16))
+    assert primary.write(0, rows, False, 0) == replica.write(0, rows, False, 0)  # same rows
+    a, b = primary.sample(0, 64), replica.sample(0, 64)
+    # Two learners reading the two copies draw independently (same distribution, other draws).
+    assert not np.array_equal(a["_row_id"], b["_row_id"])
+    assert set(a["_row_id"].tolist()) <= set(range(16)) >= set(b["_row_id"].tolist())
+    restored = BufferShard(shard_id=2, config=shard_spec)
+    restored.restore(0, primary.export(0))
+    after = restored.sample(0, 64)
+    assert not np.array_equal(after["_row_id"], primary.sample(0, 64)["_row_id"])
+    restored.gather(0, np.array([3, 4, 5]))
+    assert primary.read_counts() == {0: 128} and replica.read_counts() == {0: 64}
+    assert restored.read_counts() == {0: 67}

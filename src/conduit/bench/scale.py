@@ -181,24 +181,36 @@ def projection(*, row_bytes: int, bandwidth: float, replication: int, batch_size
                per_batch_s: float = 0.0, nodes: tuple[int, ...] = PROJECTED_NODES
                ) -> list[dict[str, float]]:
     """Per-sample delivery and replication time on ``N`` copies of this machine joined by
-    ``bandwidth``, from the placement cost model (a projection, not a measurement). A learner's
-    batch costs ``per_batch_s`` (the measured fixed cost of a draw's remote calls) plus
-    ``batch_size`` rows at the model's per-row delivery time."""
+    ``bandwidth``, from the placement cost model (a projection, not a measurement). Rows are
+    spread evenly and each is on ``replication`` nodes; a learner reads the rows whose copy is
+    on its node locally (a share ``r / N``) and the rest remotely, each at the model's per-row
+    cost for a local and for a remote node. A learner's batch costs ``per_batch_s`` (the
+    measured fixed cost of a draw's remote calls) plus ``batch_size`` rows at that mixture."""
     base = Topology.detect().nodes[0]
     out = []
     for n in nodes:
         topo = Topology(nodes=tuple(NodeTopology(name=f"node{i}", devices=base.devices,
                                                  links=base.links) for i in range(n)),
                         inter_node_bandwidth=bandwidth, source="projection")
-        cand = Candidate(placement=Placement.pageable(),
-                         nodes=tuple(nd.name for nd in topo.nodes))
-        est = transfer_estimate(cand, x=row_bytes, actor_device="cpu",
-                                learner_device="node0/cpu", topology=topo)
+
+        def deliver_s(names: tuple[str, ...], topo: Topology = topo) -> float:
+            cand = Candidate(placement=Placement.pageable(), nodes=names)
+            return transfer_estimate(cand, x=row_bytes, actor_device="cpu",
+                                     learner_device="node0/cpu", topology=topo).deliver_s
+
+        local_s = deliver_s(("node0",))
+        remote_s = deliver_s(("node1",)) if n > 1 else local_s
+        local_share = min(1.0, replication / n)
+        per_row = local_share * local_s + (1 - local_share) * remote_s
+        ingest = transfer_estimate(Candidate(placement=Placement.pageable(),
+                                             nodes=tuple(nd.name for nd in topo.nodes)),
+                                   x=row_bytes, actor_device="cpu",
+                                   learner_device="node0/cpu", topology=topo).ingest_s
         replicate = (replication - 1) * row_bytes / bandwidth
-        learner = batch_size / (per_batch_s + batch_size * est.deliver_s)
-        out.append({"nodes": n, "remote_share": (n - 1) / n,
-                    "deliver_us_per_row": est.deliver_s * 1e6,
-                    "ingest_us_per_row": (est.ingest_s + replicate) * 1e6,
+        learner = batch_size / (per_batch_s + batch_size * per_row)
+        out.append({"nodes": n, "remote_share": 1 - local_share,
+                    "deliver_us_per_row": per_row * 1e6,
+                    "ingest_us_per_row": (ingest + replicate) * 1e6,
                     "learner_rows_s": learner,
                     "all_learners_rows_s": n * learner})
     return out

@@ -7,6 +7,9 @@ A shard found dead is re-created (on its node if that node lives, else on the le
 node), its primary rows are copied from a live replica, shard to shard through Ray's object
 store, and the replicas it kept for others are copied from their primaries. Without a live
 replica its rows are lost, and the count is reported (docs/design.md, distributed faults).
+
+The set also records what every holder reported after the last change it applied, so a read
+can be served by any copy that is current (:meth:`ShardSet.read_from`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from conduit.distributed._ray import actor_died_errors, alive_nodes
 from conduit.distributed.errors import ShardUnavailableError
+from conduit.distributed.sampling import nearest_copy
 from conduit.distributed.shard import BufferShard, HeldRows, RemoteError, ShardSpec
 from conduit.errors import ConfigError
 
@@ -115,6 +119,9 @@ class ShardSet:
         self.nodes = [live[k % len(live)] for k in range(num_shards)]
         self.replicas = replica_sets(self.nodes, replication)
         self.held = [HeldRows(0, 0, 0.0, 1.0) for _ in range(num_shards)]
+        # owner -> holder -> what that holder reported after the last change it applied
+        self.copies: list[dict[int, HeldRows]] = [
+            dict.fromkeys(self.holders(k), self.held[k]) for k in range(num_shards)]
         self.recoveries: list[ShardRecovery] = []
         self._pending: dict[int, tuple[str, float]] = {}  # re-created, not yet restored
         self.actors = [self._spawn(k, self.nodes[k]) for k in range(num_shards)]
@@ -139,6 +146,47 @@ class ShardSet:
     def holders(self, owner: int) -> list[int]:
         """Shards holding ``owner``'s rows: its primary first, then its replicas."""
         return [owner, *self.replicas[owner]]
+
+    def acknowledged(self, owner: int, states: list[HeldRows]) -> None:
+        """Every holder of ``owner`` (in :meth:`holders` order) applied a change and reported
+        ``states``; the primary's is the owner's state."""
+        self.held[owner] = states[0]
+        self.copies[owner] = dict(zip(self.holders(owner), states, strict=True))
+
+    def current(self, owner: int) -> list[int]:
+        """Holders of ``owner`` whose copy equals the primary's (none while a restore of the
+        owner or of the holder is unfinished)."""
+        if owner in self._pending:
+            return []
+        want = self.held[owner]
+        return [h for h, got in self.copies[owner].items()
+                if h not in self._pending and got == want]
+
+    def read_from(self, owner: int, node: str | None) -> int:
+        """The shard a reader on ``node`` fetches ``owner``'s rows from: a current copy on
+        ``node`` (the primary first), else the primary."""
+        return nearest_copy(owner, self.holders(owner), self.nodes, node, self.current(owner))
+
+    def probe(self, skip: set[int]) -> dict[int, Any]:
+        """Pings to the shards not in ``skip``. A draw reads a shard's rows from one copy, so
+        it may contact no copy of a dead shard; its probes still find it dead."""
+        return {k: self.actors[k].ping.remote() for k in range(len(self)) if k not in skip}
+
+    def any_died(self, probes: dict[int, Any]) -> bool:
+        """Whether a probe that has answered found its shard dead (probes still running are
+        not waited for: a busy shard is not a dead one)."""
+        refs = list(probes.values())
+        if not refs:
+            return False
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            try:
+                self.ray.get(ref, timeout=0)
+            except Exception as exc:
+                if not self.is_death(exc):
+                    raise
+                return True
+        return False
 
     def shards_on(self, node: str) -> list[int]:
         """Shards running on ``node``."""
@@ -214,17 +262,20 @@ class ShardSet:
                 state = self.actors[sources[k]].export.remote(k)
                 self.held[k] = self.get(self.actors[k].restore.remote(k, state), deadline,
                                         shard=k)
+                self.copies[k][k] = self.held[k]
         for k in todo:  # the replicas the dead shard kept for others
             owners = [o for o in range(len(self)) if k in self.replicas[o]]
             refs = [self.actors[k].restore.remote(o, self.actors[o].export.remote(o))
                     for o in owners]
-            self.get(refs, deadline, shard=k)
+            for o, state in zip(owners, self.get(refs, deadline, shard=k), strict=True):
+                self.copies[o][k] = state
         out = []
         for k in todo:
             old_node, since = self._pending.pop(k)
             lost = 0
             if sources[k] is None:
                 lost, self.held[k] = self.held[k].size, HeldRows(0, 0, 0.0, 1.0)  # a fresh ring
+                self.copies[k][k] = self.held[k]
             out.append(ShardRecovery(k, old_node, self.nodes[k], sources[k], self.held[k].size,
                                      lost, time.monotonic() - since))
         self.recoveries.extend(out)

@@ -7,12 +7,18 @@ per ``pull``.
 A port never holds the front's lock while it waits on Ray: it plans a draw and submits its
 remote calls under the lock (so they are ordered after every acknowledged push), then waits
 for the results outside it.
+
+Each port has a node and a device. A draw fixes which rows are read; each shard's part is then
+fetched from the current copy of that shard's rows on the port's node when there is one, else
+from the shard's primary (the §5.1 local/remote mixture, :func:`sampling.nearest_copy`). The
+delivery operator's batches end up on the port's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +26,54 @@ import numpy as np
 import torch
 
 from conduit.distributed import sampling
+from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.operators import deliver
 from conduit.errors import ConfigError, EmptyBufferError
 from conduit.spec import Batch
 
 if TYPE_CHECKING:
     from conduit.distributed.plane import RayExperienceDataPlane
+
+DeviceArg = str | torch.device | Sequence[str | torch.device]
+"""One device for every learner rank, or one per rank."""
+
+
+def _available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    if device.type == "mps":
+        return torch.backends.mps.is_available()
+    return False
+
+
+def rank_devices(value: DeviceArg, num_learners: int) -> tuple[torch.device, ...]:
+    """The device of each learner rank: ``value`` for all, or ``value[r]`` for rank ``r``.
+
+    Raises:
+        ConfigError: Not a device or one per rank, or a device this process cannot use; the
+            field is ``learner_device`` (``learner_device[r]`` for one rank's).
+    """
+    if isinstance(value, str | torch.device):
+        items, names = [value] * num_learners, ["learner_device"] * num_learners
+    elif isinstance(value, Sequence) and len(value) == num_learners:
+        items, names = list(value), [f"learner_device[{r}]" for r in range(num_learners)]
+    else:
+        raise ConfigError("learner_device", f"expected one device for every rank or a sequence "
+                                            f"of {num_learners} (one per rank), got {value!r}")
+    out = []
+    for item, name in zip(items, names, strict=True):
+        try:
+            device = torch.device(item)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(name, f"{item!r} is not a device ({exc})") from exc
+        if not _available(device):
+            raise ConfigError(name, f"{device} is not available in this process "
+                                    f"(cuda devices: {torch.cuda.device_count()}); pick one "
+                                    f"it has, or 'cpu'")
+        out.append(device)
+    return tuple(out)
 
 
 @dataclass
@@ -39,6 +87,7 @@ class Pending:
         min_leaf: Smallest priority held over all shards at planning (prioritized).
         issued: ``time.perf_counter()`` at submission.
         key: On-policy: ``(iteration, epoch, mini-batch)``.
+        probes: ``shard -> ObjectRef`` of pings to the shards the draw reads nothing from.
     """
 
     refs: dict[int, Any]
@@ -47,6 +96,7 @@ class Pending:
     min_leaf: float = 1.0
     issued: float = field(default_factory=time.perf_counter)
     key: tuple[int, int, int] | None = None
+    probes: dict[int, Any] = field(default_factory=dict)
 
 
 class LearnerPort:
@@ -60,10 +110,14 @@ class LearnerPort:
         plane: The front.
         rank: This learner's rank.
         world_size: Learner ranks of the plane.
+        device: Where this rank's batches end up.
+        node: The Ray node this rank reads on (local copies are preferred there).
     """
 
-    def __init__(self, plane: RayExperienceDataPlane, *, rank: int, world_size: int) -> None:
+    def __init__(self, plane: RayExperienceDataPlane, *, rank: int, world_size: int,
+                 device: torch.device, node: str | None) -> None:
         self._plane, self.rank, self.world_size = plane, rank, world_size
+        self.device, self.node = device, node
         self._rng = np.random.default_rng([plane.config.seed, rank, 0x5EED])
         self._next: Pending | None = None
         self._staged: list[Batch] = []  # batches of the last invocation not pulled yet
@@ -83,14 +137,15 @@ class LearnerPort:
             return None
         n = plane.batch_size * plane._g_del
         counts = sampling.split_draw(self._rng, weights, n)
-        refs = {k: shards.actors[k].sample.remote(k, int(c))
-                for k, c in enumerate(counts) if c > 0}
+        source = {k: shards.read_from(k, self.node) for k, c in enumerate(counts) if c > 0}
+        refs = {k: shards.actors[h].sample.remote(k, int(counts[k])) for k, h in source.items()}
         # Shards' rows interleave in the batch, as one buffer's draw would.
         order = self._rng.permutation(n)
         ends = np.cumsum(counts)
         where = {k: order[ends[k] - counts[k]:ends[k]] for k in refs}
         min_leaf = min((h.min_leaf for h in held if h.size), default=1.0)
-        return Pending(refs, where, plane._priority_updates, min_leaf)
+        return Pending(refs, where, plane._replicator.priority_updates, min_leaf,
+                       probes=shards.probe(set(source.values())))
 
     def _fresh(self, pending: Pending | None) -> bool:
         plane = self._plane
@@ -98,7 +153,7 @@ class LearnerPort:
             return False
         if pending.key is not None:
             return pending.key == self._position
-        lag = plane._priority_updates - pending.stamp
+        lag = plane._replicator.priority_updates - pending.stamp
         return not plane._prioritized or lag <= plane.config.max_priority_lag
 
     def _assemble(self, pending: Pending, parts: dict[int, dict[str, Any]]) -> Batch:
@@ -146,9 +201,12 @@ class LearnerPort:
                                     epoch=epoch, num_minibatches=plane.num_minibatches)[m]
         share = sampling.rank_share(part, self.rank, self.world_size)
         located = sampling.locate(share, sizes)
-        refs = {k: shards.actors[k].gather.remote(k, slots) for k, (slots, _) in located.items()}
+        source = {k: shards.read_from(k, self.node) for k in located}
+        refs = {k: shards.actors[source[k]].gather.remote(k, slots)
+                for k, (slots, _) in located.items()}
         return Pending(refs, {k: at for k, (_, at) in located.items()},
-                       plane._priority_updates, key=self._position)
+                       plane._replicator.priority_updates, key=self._position,
+                       probes=shards.probe(set(source.values())))
 
     def _advance(self) -> None:
         plane = self._plane
@@ -198,7 +256,7 @@ class LearnerPort:
         pending, self._next = self._next, None
         while True:
             if plane._shards.unrestored:  # a restore cut short by an earlier deadline
-                plane._heal(deadline)
+                plane._replicator.heal(deadline)
                 pending = None
             if not self._fresh(pending):
                 pending = self._wait_plan(deadline)
@@ -211,17 +269,19 @@ class LearnerPort:
             except Exception as exc:
                 if not plane._shards.is_death(exc):
                     raise
-                plane._heal(deadline)
+                plane._replicator.heal(deadline)
                 pending = None
                 continue
             self.remote_wait_s += time.perf_counter() - t0
             break
+        if plane._shards.any_died(pending.probes):  # a shard this draw did not need
+            with contextlib.suppress(ShardUnavailableError):  # finished by the next call
+                plane._replicator.heal(deadline)
         rows = self._assemble(pending, parts)
         on = plane.config.on_policy
         batches = 1 if on else plane._g_del
         staged = deliver(plane._ingestion.deliver_fn, rows, batches=batches,
-                         batch_size=len(rows["_index"]) // batches,
-                         device=plane.learner_device)
+                         batch_size=len(rows["_index"]) // batches, device=self.device)
         batch, self._staged, self._staged_from = staged[0], staged[1:], pending
         self.pulls += 1
         if on:
@@ -251,6 +311,11 @@ class LearnerPort:
                 # Queued units (and a failure on the ingestion thread) do not signal the
                 # front's condition; look again shortly.
                 plane._cond.wait(left if ingestion.direct else min(left, 0.05))
+
+    def bind(self, node: str) -> None:
+        """Read on ``node`` from now on (a draw already in flight is dropped)."""
+        with self._plane._cond:
+            self.node, self._next = node, None
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: this rank's share of every mini-batch of the current iteration

@@ -1,7 +1,10 @@
 """On-policy iteration gating of the sharded plane: which policy version the plane takes, how
-many of the iteration's rows are in, and which learner ranks have consumed it.
+many of the iteration's rows are pushed and stored, and which learner ranks have consumed it.
 
 Plain state guarded by the front's condition variable; every method is called with it held.
+A push is admitted (its rows counted against the iteration) before it is queued for
+ingestion, so an overlapped ingestion thread never waits on the gate; the iteration's
+mini-batches start once its rows are all stored (:attr:`IterationGate.ready`).
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ class IterationGate:
         self.capacity, self.num_learners = capacity, num_learners
         self._cond, self._check_open = cond, check_open
         self.iteration = 0
-        self.rows = 0
+        self.pushed = 0  # rows admitted to the iteration (queued for ingestion or stored)
+        self.rows = 0  # rows stored on the shards
         self._done: set[int] = set()
 
     @property
     def ready(self) -> bool:
-        """All of the current iteration's rows are in."""
+        """All of the current iteration's rows are stored."""
         return self.rows >= self.capacity
 
     def admit(self, rows: int, version: int | None, deadline: float) -> None:
-        """Wait until a rollout of ``rows`` rows from policy ``version`` may be stored.
+        """Wait until a rollout of ``rows`` rows from policy ``version`` may join the
+        iteration, then count them as pushed.
 
         Raises:
             StaleRolloutError: ``version`` is older than the current iteration.
@@ -56,14 +61,38 @@ class IterationGate:
                                           f"{self.iteration} to be consumed")
             self._cond.wait(left)
             self._check_open()
-        if self.rows + rows > self.capacity:
+        if self.pushed + rows > self.capacity:
             raise CapacityError(f"{rows} rows exceed the iteration's {self.capacity} (it holds "
-                                f"{self.rows})", needed=rows,
-                                available=self.capacity - self.rows)
+                                f"{self.pushed})", needed=rows,
+                                available=self.capacity - self.pushed)
+        self.pushed += rows
+
+    def released(self, rows: int) -> None:
+        """Admitted rows that will not be stored (their ingestion failed)."""
+        self.pushed -= rows
+        self._cond.notify_all()
+
+    def check_store(self, rows: int) -> None:
+        """Raise unless ``rows`` more stored rows fit the iteration (an ingestion operator may
+        write other rows than were pushed).
+
+        Raises:
+            CapacityError: They do not fit.
+        """
+        if self.rows + rows > self.capacity:
+            raise CapacityError(f"ingestion wrote {self.rows + rows} rows into on-policy "
+                                f"iteration {self.iteration}, which holds {self.capacity}",
+                                needed=rows, available=self.capacity - self.rows)
 
     def stored(self, rows: int) -> None:
-        """``rows`` rows of the current iteration were stored (negative: lost)."""
+        """``rows`` rows of the current iteration were stored."""
         self.rows += rows
+        self._cond.notify_all()
+
+    def lost(self, rows: int) -> None:
+        """``rows`` stored rows were lost with a shard: the iteration takes as many again."""
+        self.rows -= rows
+        self.pushed -= rows
         self._cond.notify_all()
 
     def consumed(self, rank: int, iteration: int, clear: Callable[[], None]) -> None:
@@ -76,6 +105,5 @@ class IterationGate:
             return
         clear()
         self.iteration += 1
-        self.rows, self._done = 0, set()
+        self.pushed, self.rows, self._done = 0, 0, set()
         self._cond.notify_all()
-

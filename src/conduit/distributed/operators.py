@@ -74,18 +74,18 @@ def check_schedule(space: ScheduleSpace, schedule: Schedule, *, on_policy: bool)
 
     Raises:
         ConfigError: ``schedule`` is not a :class:`Schedule`.
-        ScheduleError: Outside the feasible space, or (on-policy) overlapped or fractional
-            ingestion, which a sharded on-policy plane does not run: it ingests each pushed
-            unit inline, so the iteration's row count stays exact.
+        ScheduleError: Outside the feasible space, or (on-policy) fractional ingestion,
+            which a sharded on-policy plane does not run: it ingests each pushed unit whole
+            (inline, or on the front's thread with ``overlap_ing = 1``), so the rows of one
+            unit go to one shard.
     """
     if not isinstance(schedule, Schedule):
         raise ConfigError("schedule", f"expected a conduit.scheduling.Schedule, got "
                                       f"{type(schedule).__name__}")
     space.check(schedule)
-    if on_policy and (schedule.overlap_ing or schedule.g_ing != 1):
-        raise ScheduleError(f"overlap_ing, g_ing: a sharded on-policy plane ingests each pushed "
-                            f"unit inline; use Schedule(0, 1, ...), got "
-                            f"{schedule.label()}")
+    if on_policy and schedule.g_ing != 1:
+        raise ScheduleError(f"g_ing: a sharded on-policy plane ingests each pushed unit whole; "
+                            f"use Schedule(overlap_ing, 1, ...), got {schedule.label()}")
 
 
 def deliver(fn: DeliveryFn, rows: Batch, *, batches: int, batch_size: int,
@@ -112,12 +112,15 @@ class FrontIngestion:
     Args:
         store: Writes one operator output (called with no lock of this class held).
         timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
+        on_lost: Called (with no lock of this class held) with the units that will not be
+            stored: refused by :meth:`submit`, or taken by a failed invocation.
     """
 
     thread_name = "conduit-ingestion"
 
-    def __init__(self, *, store: StoreFn, timeout: float) -> None:
-        self._store, self._timeout = store, timeout
+    def __init__(self, *, store: StoreFn, timeout: float,
+                 on_lost: Callable[[list[QueuedUnit]], None] = lambda units: None) -> None:
+        self._store, self._timeout, self._on_lost = store, timeout, on_lost
         self.fn: IngestionFn = identity_ingestion
         self.registered = False
         self.deliver_fn: DeliveryFn = identity_delivery
@@ -185,6 +188,15 @@ class FrontIngestion:
                 not kept) or earlier on the thread (latched until ``recover``).
             PlaneClosedError: :meth:`close` began (the unit is not taken).
         """
+        try:
+            self._queue(unit, deadline)
+        except BaseException:
+            self._on_lost([unit])
+            raise
+        if not self.overlapped:
+            self._drain_inline(force=False)
+
+    def _queue(self, unit: QueuedUnit, deadline: float) -> None:
         with self._cond:
             while True:
                 if self._closed:
@@ -201,8 +213,6 @@ class FrontIngestion:
                 self._cond.wait(left)
             self._pending.append(unit)
             self._cond.notify_all()
-        if not self.overlapped:
-            self._drain_inline(force=False)
 
     def _take(self, *, force: bool) -> list[QueuedUnit] | None:
         """Up to ``g_ing`` queued units of one node (call with the lock held)."""
@@ -236,6 +246,8 @@ class FrontIngestion:
                 self.counters["lost_units"] += err.lost_units
                 self.counters["lost_rows"] += err.lost_rows
             self._cond.notify_all()
+        if err is not None:
+            self._on_lost(units)
         return err
 
     def _drain_inline(self, *, force: bool) -> None:

@@ -2,11 +2,12 @@
 nodes, with every row replicated on other nodes so that losing a shard loses nothing.
 
 The front runs in the driver. It orders every change of a shard's rows (pushes, priority
-updates, on-policy clears) and sends it to the shard and its replicas in that order, so each
-replica is the same ring as its primary, slot for slot. Payloads go into Ray's object store
-once (``ray.put``, numpy columns read without a copy) and every holder reads the same object.
-The Fig. 8 ingestion operator runs in the front, before that ordering, and the delivery
-operator on each learner rank's thread (:mod:`conduit.distributed.operators`).
+updates, on-policy clears) and sends it to the shard and its replicas in that order
+(:mod:`conduit.distributed.replication`), so each replica is the same ring as its primary,
+slot for slot. Payloads go into Ray's object store once (``ray.put``, numpy columns read
+without a copy) and every holder reads the same object. The Fig. 8 ingestion operator runs in
+the front, before that ordering, and the delivery operator on each learner rank's thread
+(:mod:`conduit.distributed.operators`, :mod:`conduit.distributed.delivery`).
 """
 
 from __future__ import annotations
@@ -14,35 +15,26 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from conduit.distributed._ray import connect
 from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
-from conduit.distributed.delivery import LearnerPort
-from conduit.distributed.errors import ShardUnavailableError
+from conduit.distributed.delivery import DeviceArg, LearnerPort, rank_devices
+from conduit.distributed.ingress import Ingress
 from conduit.distributed.iteration import IterationGate
-from conduit.distributed.operators import FrontIngestion, QueuedUnit, ScheduledOperators
+from conduit.distributed.operators import ScheduledOperators
+from conduit.distributed.replication import Replicator
 from conduit.distributed.sampling import priority_updates
-from conduit.distributed.shard import ShardSpec, to_wire
-from conduit.errors import (
-    CapacityError,
-    ConfigError,
-    PlaneClosedError,
-    PriorityError,
-    StaleRolloutError,
-)
+from conduit.distributed.shard import shard_spec_for
+from conduit.errors import ConfigError, PlaneClosedError, PriorityError
 from conduit.plane.config import PlaneConfig
-from conduit.plane.data_plane import admit_rollout
 from conduit.scheduling.space import Mode, ScheduleSpace
 from conduit.spec import Batch, ExperienceSpec
-from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
+from conduit.storage import Placement, Sampler
 
-T = TypeVar("T")
 SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
 
 
@@ -59,26 +51,6 @@ class ActorPort:
                          timeout=timeout)
 
 
-def _shard_spec(sampler: SamplerArg, cfg: PlaneConfig, capacity: int,
-                placement: Placement | None) -> ShardSpec:
-    if cfg.on_policy:
-        if sampler is not None:
-            raise ConfigError("sampler", "on-policy sharded planes deliver every row exactly "
-                                         "once per epoch; leave sampler unset")
-        return ShardSpec(spec=cfg.spec, capacity=capacity, sampler="fifo",
-                         placement=placement, seed=cfg.seed)
-    if sampler is None or sampler == "uniform" or type(sampler) is UniformSampler:
-        return ShardSpec(spec=cfg.spec, capacity=capacity, placement=placement, seed=cfg.seed)
-    if sampler == "prioritized":
-        sampler = PrioritizedSampler()
-    if type(sampler) is PrioritizedSampler:
-        return ShardSpec(spec=cfg.spec, capacity=capacity, sampler="prioritized",
-                         alpha=sampler.alpha, beta=sampler.beta, eps=sampler.eps,
-                         placement=placement, seed=cfg.seed)
-    raise ConfigError("sampler", f"a sharded plane samples 'uniform' or 'prioritized' (or a "
-                                 f"UniformSampler / PrioritizedSampler), got {sampler!r}")
-
-
 class RayExperienceDataPlane(ScheduledOperators):
     """An Experience Data Plane whose buffer is sharded over Ray actors on several nodes.
 
@@ -87,13 +59,26 @@ class RayExperienceDataPlane(ScheduledOperators):
     replay draws every row held with probability ``1/N``; prioritized replay picks a shard in
     proportion to its priority mass, then a row within it, which is exactly single-buffer
     PER. On-policy, every row of an iteration is delivered once per epoch, split into disjoint
-    shares across ``num_learners`` ranks. A dead shard is re-created and restored from a
-    replica on its next use (or :meth:`heal`); rows lost without a replica are counted in
-    :attr:`lost_rows` and warned about.
+    shares across ``num_learners`` ranks. A dead shard is found by the next call that writes
+    to it, reads from it or (every draw pings the shards it reads nothing from) pulls, or by
+    :meth:`heal`; it is re-created and restored from a replica, and rows lost without a
+    replica are counted in :attr:`lost_rows` and warned about.
+
+    Where a learner reads (the §5.1 local/remote mixture): the draw above fixes which rows a
+    rank gets; each shard's part of it is then fetched from the copy of that shard's rows on
+    the rank's node (:meth:`learner` ``node=``; by default the driver's) when one is current,
+    else from the shard's primary. A copy is current when it reported the same rows, write
+    count and priority mass as the primary after the last change; a copy whose shard is being
+    restored, or that missed a change, is stale and never read. A copy found dead on a read is
+    restored (as any dead shard) and the draw planned again. Every current copy is the same
+    ring with the same priorities, so sampling frequencies are exactly those of one buffer;
+    only where the bytes come from changes.
 
     Args:
         spec, mode, batch_size, num_minibatches, num_epochs, min_size, max_priority_lag,
-            timeout, seed, learner_device: As for :class:`~conduit.plane.ExperienceDataPlane`.
+            timeout, seed: As for :class:`~conduit.plane.ExperienceDataPlane`.
+        learner_device: Where delivered batches end up, as for the local plane: one device
+            for every rank, or a sequence with one per rank (``("cuda:0", "cuda:1")``).
         capacity: Off-policy: replay capacity in rows, split evenly over shards (each
             primary is a ring of ``ceil(capacity / num_shards)`` rows). On-policy: rows per
             iteration over all shards.
@@ -112,18 +97,20 @@ class RayExperienceDataPlane(ScheduledOperators):
         num_learners: Learner ranks (:meth:`learner`); on-policy, an iteration is consumed
             when every rank has pulled its shares.
         schedule: Overlap and granularity of the operators (:meth:`register_ingestion`,
-            :meth:`register_delivery`): ``overlap_ing = 1`` ingests on the front's thread,
-            ``g_ing`` units per invocation; ``overlap_del = 1`` keeps each rank's next
-            delivery invocation (``g_del`` batches) in flight while the learner updates.
-            Default: ``Schedule(0, 1, 1, 1)`` (on-policy ``g_del = 1/M``). On-policy, ingestion
-            is inline with ``g_ing = 1``.
+            :meth:`register_delivery`): ``overlap_ing = 1`` ingests on the front's thread
+            (``push`` returns once the unit is queued), ``g_ing`` units per invocation;
+            ``overlap_del = 1`` keeps each rank's next delivery invocation (``g_del``
+            batches) in flight while the learner updates. Default: ``Schedule(0, 1, 1, 1)``
+            (on-policy ``g_del = 1/M``). On-policy, ``g_ing = 1``: each unit is ingested
+            whole, and an iteration's mini-batches start once all its rows are stored.
         prefetch: ``overlap_del`` when no schedule is given (default True).
         rollout_spec, g_max: As for :class:`~conduit.plane.ExperienceDataPlane`.
         rollout_rows, store: Not available on a sharded plane; anything but None raises
             :class:`ConfigError`.
 
     Raises:
-        ConfigError: An argument is invalid; the message names it.
+        ConfigError: An argument is invalid (a learner device this process cannot use
+            included); the message names it.
         ScheduleError: The schedule is outside the feasible space or not available sharded.
         RayUnavailableError: Ray is not installed (``pip install 'conduit-rl[ray]'``).
         ClusterConnectionError: ``address`` names no reachable cluster.
@@ -133,18 +120,23 @@ class RayExperienceDataPlane(ScheduledOperators):
     def __init__(self, *, spec: ExperienceSpec, capacity: int, mode: Mode = "off_policy",
                  batch_size: int = 256, num_minibatches: int = 1, num_epochs: int = 1,
                  sampler: SamplerArg = None, placement: Placement | None = None,
-                 schedule: Any = None, learner_device: str | torch.device = "cpu",
+                 schedule: Any = None, learner_device: DeviceArg = "cpu",
                  min_size: int | None = None, rollout_spec: ExperienceSpec | None = None,
                  rollout_rows: int | None = None, g_max: int = 8, max_priority_lag: int = 0,
                  timeout: float = 60.0, seed: int = 0, store: Any = None, num_shards: int = 2,
                  replication: int = 2, address: str | None = None,
                  shard_resources: ShardResources | None = None, num_learners: int = 1,
                  prefetch: bool | None = None) -> None:
+        for name, value, low in (("num_shards", num_shards, 1), ("replication", replication, 1),
+                                 ("num_learners", num_learners, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+        devices = rank_devices(learner_device, num_learners)
         self.config = cfg = PlaneConfig(
             spec=spec, capacity=capacity, mode=mode, batch_size=batch_size,
             num_minibatches=num_minibatches, num_epochs=num_epochs, min_size=min_size,
             rollout_spec=rollout_spec, g_max=g_max, max_priority_lag=max_priority_lag,
-            timeout=timeout, seed=seed, learner_device=torch.device(learner_device))
+            timeout=timeout, seed=seed, learner_device=devices[0])
         for name, value in (("rollout_rows", rollout_rows), ("store", store)):
             if value is not None:
                 raise ConfigError(name, "not available on a sharded plane (each shard builds "
@@ -152,10 +144,6 @@ class RayExperienceDataPlane(ScheduledOperators):
                                         "unset")
         self.space: ScheduleSpace = cfg.schedule_space()
         schedule = self._resolve_schedule(schedule, prefetch)
-        for name, value, low in (("num_shards", num_shards, 1), ("replication", replication, 1),
-                                 ("num_learners", num_learners, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
         if replication > num_shards:
             raise ConfigError("replication", f"{replication} copies need at least as many "
                                              f"shards, got num_shards={num_shards}")
@@ -165,7 +153,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         self.mode, self.capacity, self.batch_size = cfg.mode, cfg.capacity, cfg.train_batch_size
         self.min_size, self.num_minibatches = cfg.first_batch_rows, cfg.num_minibatches
         self.num_epochs, self.timeout = cfg.num_epochs, cfg.timeout
-        self.learner_device = cfg.learner_device
+        self.learner_device, self.learner_devices = devices[0], devices
         self.prefetch, self._g_del = bool(schedule.overlap_del), max(1, int(schedule.g_del))
         self.num_shards, self.replication, self.num_learners = num_shards, replication, \
             num_learners
@@ -173,32 +161,33 @@ class RayExperienceDataPlane(ScheduledOperators):
             raise ConfigError("num_learners", f"{num_learners} ranks cannot share mini-batches "
                                               f"of {cfg.train_batch_size} rows")
         shard_rows = cfg.capacity if cfg.on_policy else math.ceil(cfg.capacity / num_shards)
-        shard_spec = _shard_spec(sampler, cfg, shard_rows, placement)
+        shard_spec = shard_spec_for(sampler, cfg, shard_rows, placement)
         self._prioritized, self._beta = shard_spec.sampler == "prioritized", shard_spec.beta
         self._ray, self._started = connect(address, timeout_s=cfg.timeout)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
-        self._route_turn = 0
-        self._priority_updates = 0
-        self._max_priority = 1.0  # prioritized: the largest priority given to any shard
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
-        self.counters = {"units": 0, "rows": 0}
-        self._ingestion = FrontIngestion(store=self._store_output, timeout=cfg.timeout)
-        self._ingestion.set_schedule(schedule)
         try:
             self._shards = ShardSet(self._ray, num_shards=num_shards, replication=replication,
                                     config=shard_spec,
                                     resources=shard_resources or ShardResources(),
                                     timeout=cfg.timeout)
         except BaseException:
-            self._ingestion.close()
             if self._started:
                 self._ray.shutdown()
             raise
-        self._ports = [LearnerPort(self, rank=r, world_size=num_learners)
-                       for r in range(num_learners)]
+        self._replicator = Replicator(shards=self._shards, cond=self._cond,
+                                      replication=replication, on_lost=self._lost)
+        here = self._ray.get_runtime_context().get_node_id()
+        self._ingress = Ingress(config=cfg, ray=self._ray, shards=self._shards,
+                                replicator=self._replicator, gate=self._gate, cond=self._cond,
+                                schedule=schedule, here=here)
+        self._ingestion = self._ingress.ingestion
+        self.counters = self._ingress.counters
+        self._ports = [LearnerPort(self, rank=r, world_size=num_learners, device=devices[r],
+                                   node=here) for r in range(num_learners)]
         self.learner_port = self._ports[0]
 
     # -- properties -------------------------------------------------------------------------
@@ -230,32 +219,34 @@ class RayExperienceDataPlane(ScheduledOperators):
     def __len__(self) -> int:
         return sum(h.size for h in self._shards.held)
 
-    def learner(self, rank: int = 0) -> LearnerPort:
+    def learner(self, rank: int = 0, *, node: str | None = None) -> LearnerPort:
         """The learner port of ``rank``.
 
+        Args:
+            rank: The rank.
+            node: The Ray node the rank runs on, from now on: its reads prefer the current
+                copies there (None keeps the port's node; the driver's at first).
+
         Raises:
-            ConfigError: ``rank`` is outside ``[0, num_learners)``.
+            ConfigError: ``rank`` is outside ``[0, num_learners)``, or ``node`` is not a
+                node of the cluster.
         """
         if not isinstance(rank, int) or not 0 <= rank < self.num_learners:
             raise ConfigError("rank", f"must lie in [0, {self.num_learners}), got {rank!r}")
-        return self._ports[rank]
+        port = self._ports[rank]
+        if node is not None:
+            known = {n["NodeID"] for n in self._ray.nodes()}
+            if node not in known:
+                raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
+                                          f"node id (ray.nodes(), plane.nodes)")
+            port.bind(node)
+        return port
 
     def actor_port(self, node: str | None = None) -> ActorPort:
         """A port whose pushes go to ``node``'s shard (None: the caller's node)."""
         return ActorPort(self, node)
 
     # -- ingestion --------------------------------------------------------------------------
-    def _route(self, node: str | None) -> int:
-        """The shard a push from ``node`` goes to: a shard on that node (round robin when it
-        runs several), else the shard holding the fewest rows (cross-node balance)."""
-        if node is None:
-            node = self._ray.get_runtime_context().get_node_id()
-        local = self._shards.shards_on(node)
-        self._route_turn += 1
-        if local:
-            return local[self._route_turn % len(local)]
-        return min(range(self.num_shards), key=lambda k: self._shards.held[k].size)
-
     def push(self, rollout: Mapping[str, Any] | Any, *, node: str | None = None,
              policy_version: int | None = None, timeout: float | None = None) -> None:
         """Hand one rollout unit to the plane for ``node``'s shard and its replicas.
@@ -267,6 +258,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         (``overlap_ing = 1``, the push returns once the unit is queued); :meth:`flush` and
         :meth:`close` ingest what is queued, and a unit that could not be stored is reported
         (:class:`~conduit.errors.OperatorError`, :class:`~conduit.errors.DataLossError`).
+        On-policy, the unit's rows count against the iteration before it is queued.
 
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows; or (off-policy)
@@ -289,101 +281,14 @@ class RayExperienceDataPlane(ScheduledOperators):
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
-        deadline = time.monotonic() + self.config.wait_for(timeout)
-        ing = self._ingestion
-        ing.raise_if_failed()
-        if isinstance(rollout, self._ray.ObjectRef):
-            if self.config.on_policy:
-                raise ConfigError("rollout", "on-policy rollouts are pushed as mappings (the "
-                                             "iteration counts their rows)")
-            if ing.direct and self.config.rollout_spec is None:
-                self._store(rollout, 0, node, None, deadline, validate=True)
-                self._acknowledged()
-                return
-            rollout = self._shards.get(rollout, deadline, shard=None)
-        if ing.registered or self.config.rollout_spec is not None:
-            data, rows = admit_rollout(rollout, spec=self.spec,
-                                       rollout_spec=self.config.rollout_spec,
-                                       capacity=self._row_limit, raw=True)
-        else:
-            data, rows = self._admit(rollout, what="rollout")
-        if self.config.on_policy and policy_version is not None \
-                and policy_version < self._gate.iteration:
-            raise StaleRolloutError(f"policy_version {policy_version} is older than the "
-                                    f"plane's {self._gate.iteration}")
-        if ing.direct:
-            self._store(data, rows, node, policy_version, deadline)
-        else:
-            ing.submit(QueuedUnit(data, rows, node, policy_version), deadline)
-        self._acknowledged()
+        self._ingress.push(rollout, node=node, policy_version=policy_version,
+                           deadline=time.monotonic() + self.config.wait_for(timeout))
 
-    @property
-    def _row_limit(self) -> int:
-        """Most rows one write may hold: the iteration on-policy, a shard off-policy."""
-        return self.capacity if self.config.on_policy else self._shards.config.capacity
-
-    def _admit(self, batch: Mapping[str, Any], *, what: str) -> tuple[Batch, int]:
-        """``batch`` checked against the spec and the row limit."""
-        data, rows = self.spec.validate(batch, what=what)
-        limit = self._row_limit
-        if rows > limit:
-            where = "an iteration's" if self.config.on_policy else "a shard's"
-            raise CapacityError(f"a {what} of {rows} rows is larger than {where} {limit} rows; "
-                                f"split it or raise capacity", needed=rows, available=limit)
-        return data, rows
-
-    def _acknowledged(self) -> None:
-        with self._cond:
-            self.counters["units"] += 1
-
-    def _store_output(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
-        """What an ingestion operator writes for ``unit``: checked, then stored."""
-        data, rows = self._admit(batch, what="write")
-        self._store(data, rows, unit.node, unit.version, deadline)
-        return rows
-
-    def _store(self, data: Any, rows: int, node: str | None, version: int | None,
-               deadline: float, *, validate: bool = False) -> None:
-        """Write checked rows (or, ``validate``, an actor's ``ObjectRef``) to the shard of
-        ``node`` and its replicas."""
-        payload = data if validate else self._ray.put(to_wire(data))
-        with self._cond:
-            if self.config.on_policy:
-                self._gate.admit(rows, version, deadline)
-            owner = self._route(node)
-            self._write(owner, payload, validate, deadline)
-            self.counters["rows"] += rows
-            if self.config.on_policy:
-                self._gate.stored(rows)
-            self._cond.notify_all()
-
-    def _write(self, owner: int, payload: Any, validate: bool, deadline: float) -> None:
-        # The owner's write count before this write: a retry after a restore that already
-        # carried the rows is then a no-op on every holder. A restore with nothing to copy
-        # from (all holders lost) starts a fresh ring, and the write goes there.
-        before = self._shards.held[owner].total_written
-
-        def attempt() -> None:
-            first = min(before, self._shards.held[owner].total_written)
-            refs = [self._shards.actors[h].write.remote(owner, payload, validate, first,
-                                                        self._max_priority)
-                    for h in self._shards.holders(owner)]
-            self._shards.held[owner] = self._shards.get(refs, deadline, shard=owner)[0]
-        self._healing(attempt, deadline)
-
-    def _healing(self, fn: Callable[[], T], deadline: float) -> T:
-        """Run ``fn`` (remote calls to shards); when a shard is found dead, heal and retry."""
-        while True:
-            if self._shards.unrestored:  # a restore cut short by an earlier deadline
-                self._heal(deadline)
-            try:
-                return fn()
-            except ShardUnavailableError:
-                raise
-            except Exception as exc:
-                if not self._shards.is_death(exc):
-                    raise
-                self._heal(deadline)
+    def _lost(self, rows: int) -> None:
+        """A heal lost ``rows`` stored rows (reported and warned about): on-policy they leave
+        the iteration, which then takes as many again."""
+        if self.config.on_policy:
+            self._gate.lost(rows)
 
     def heal(self, *, timeout: float | None = None) -> list[ShardRecovery]:
         """Find dead shards, re-create them and restore their rows from replicas.
@@ -395,20 +300,7 @@ class RayExperienceDataPlane(ScheduledOperators):
             ShardUnavailableError: A shard could not be restored within ``timeout``.
         """
         self._check_open()
-        return self._heal(time.monotonic() + self.config.wait_for(timeout))
-
-    def _heal(self, deadline: float) -> list[ShardRecovery]:
-        with self._cond:
-            done = self._shards.heal(deadline)
-            for r in done:
-                if r.lost_rows:
-                    warnings.warn(f"shard {r.shard} died on node {r.old_node} with no live "
-                                  f"replica: {r.lost_rows} rows lost (replication="
-                                  f"{self.replication})", RuntimeWarning, stacklevel=3)
-                    if self.config.on_policy:
-                        self._gate.stored(-r.lost_rows)
-            self._cond.notify_all()
-            return done
+        return self._replicator.heal(time.monotonic() + self.config.wait_for(timeout))
 
     # -- delivery ---------------------------------------------------------------------------
     def pull(self, *, timeout: float | None = None) -> Batch:
@@ -423,17 +315,9 @@ class RayExperienceDataPlane(ScheduledOperators):
         """On-policy: ``rank`` pulled its last share of ``iteration``; the last rank clears
         every holder of every shard's rows and opens the next iteration."""
         deadline = time.monotonic() + self.timeout
-
-        def clear() -> None:
-            shards = self._shards
-            refs = {(o, h): shards.actors[h].clear.remote(o)
-                    for o in range(self.num_shards) for h in shards.holders(o)}
-            got = dict(zip(refs, shards.get(list(refs.values()), deadline, shard=None),
-                           strict=True))
-            for o in range(self.num_shards):
-                shards.held[o] = got[(o, o)]
         with self._cond:
-            self._gate.consumed(rank, iteration, lambda: self._healing(clear, deadline))
+            self._gate.consumed(rank, iteration,
+                                lambda: self._replicator.clear_all(deadline))
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Give new priorities to delivered rows, on the shard that owns each row and on its
@@ -450,21 +334,12 @@ class RayExperienceDataPlane(ScheduledOperators):
         owners, rows, pr = priority_updates(indices, priorities, self.num_shards)
         deadline = time.monotonic() + self.timeout
         with self._cond:
-            def update() -> None:
-                shards = self._shards
-                for o in np.unique(owners).tolist():
-                    sel = owners == o
-                    refs = [shards.actors[h].update_priorities.remote(o, rows[sel], pr[sel])
-                            for h in shards.holders(o)]
-                    shards.held[o] = shards.get(refs, deadline, shard=o)[0]
-            self._healing(update, deadline)
-            self._priority_updates += 1
-            if pr.size:
-                self._max_priority = max(self._max_priority, float(pr.max()))
+            self._replicator.update_priorities(owners, rows, pr, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Shards (node, rows, replicas), recoveries and losses, delivery waits (JSON)."""
+        """Shards (node, rows, replicas), recoveries and losses, learner ranks (node,
+        device, delivery waits) (JSON)."""
         shards = self._shards
         return {
             "mode": self.mode, "num_shards": self.num_shards, "replication": self.replication,
@@ -473,6 +348,8 @@ class RayExperienceDataPlane(ScheduledOperators):
             "shards": [{"shard": k, "node": shards.nodes[k], "rows": shards.held[k].size,
                         "replicas_on": shards.replicas[k]} for k in range(self.num_shards)],
             "recoveries": [r.__dict__ for r in shards.recoveries],
+            "learners": [{"rank": p.rank, "node": p.node, "device": str(p.device)}
+                         for p in self._ports],
             "remote_wait_s": [p.remote_wait_s for p in self._ports],
         }
 

@@ -12,6 +12,10 @@ No Ray here: the front calls them with numbers it keeps, so they are tested on t
   priority held anywhere.
 * On-policy: one permutation of all the iteration's rows per ``(seed, iteration, epoch)``, split
   into ``M`` mini-batches, each split into ``W`` disjoint rank shares.
+* Where the bytes come from (the §5.1 local/remote mixture): what is drawn is fixed above; a
+  draw from a shard's rows is then served by the copy on the learner's node when that copy is
+  current, else by the shard's primary (:func:`nearest_copy`). Every current copy is the same
+  ring with the same priorities, so the distribution does not depend on the copy read.
 """
 
 from __future__ import annotations
@@ -79,6 +83,27 @@ def locate(positions: np.ndarray, sizes: list[int]) -> dict[int, tuple[np.ndarra
         at = np.nonzero(owner == k)[0]
         out[int(k)] = (positions[at] - bounds[k], at)
     return out
+
+
+def nearest_copy(owner: int, holders: list[int], nodes: list[str], node: str | None,
+                 current: list[int]) -> int:
+    """The shard a reader on ``node`` fetches ``owner``'s rows from.
+
+    Args:
+        owner: The shard whose rows are read (its primary).
+        holders: Shards holding those rows, the primary first.
+        nodes: The node each shard runs on.
+        node: The reader's node (None: unknown, read the primary).
+        current: Holders whose copy is current (equal to the primary's).
+
+    Returns:
+        The first current holder on ``node``, else ``owner``: a stale copy (a missed change or
+        an unfinished restore) is never read, and the primary answers for it.
+    """
+    for h in holders:
+        if nodes[h] == node and h in current:
+            return h
+    return owner
 
 
 def priority_updates(indices: Any, priorities: Any, num_shards: int

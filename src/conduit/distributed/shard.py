@@ -22,7 +22,8 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from conduit.errors import ConduitError, StateError
+from conduit.errors import ConduitError, ConfigError, StateError
+from conduit.plane.config import PlaneConfig
 from conduit.spec import ExperienceSpec
 from conduit.storage import (
     ExperienceBuffer,
@@ -50,7 +51,9 @@ class ShardSpec:
         beta: Prioritized: importance-weight exponent.
         eps: Prioritized: added to every priority.
         placement: Where the rows live on the shard's node (None: pageable CPU).
-        seed: Seed of the primary's sampler (shard ``k`` adds ``k``).
+        seed: Seed of the primary's sampler (shard ``k`` adds ``k``). Every other copy of a
+            shard's rows, and every restored copy, draws from its own stream derived from it,
+            so learners that read different copies draw independently.
     """
 
     spec: ExperienceSpec
@@ -62,11 +65,6 @@ class ShardSpec:
     placement: Placement | None = None
     seed: int = 0
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # The spec travels as its dict form: its frozen field mapping does not unpickle.
-        fields = {k: v for k, v in self.__dict__.items() if k != "spec"}
-        return (_rebuild, (self.spec.to_dict(), fields))
-
     def make_sampler(self, seed: int) -> Sampler:
         """A fresh sampler of this spec's kind."""
         if self.sampler == "prioritized":
@@ -76,8 +74,29 @@ class ShardSpec:
         return UniformSampler(seed=seed)
 
 
-def _rebuild(spec: dict[str, Any], fields: dict[str, Any]) -> ShardSpec:
-    return ShardSpec(spec=ExperienceSpec.from_dict(spec), **fields)
+def shard_spec_for(sampler: Any, cfg: PlaneConfig, capacity: int,
+                   placement: Placement | None) -> ShardSpec:
+    """What every shard of a plane with config ``cfg`` and ``sampler`` is built from.
+
+    Raises:
+        ConfigError: ``sampler`` is set on-policy, or is not uniform or prioritized.
+    """
+    if cfg.on_policy:
+        if sampler is not None:
+            raise ConfigError("sampler", "on-policy sharded planes deliver every row exactly "
+                                         "once per epoch; leave sampler unset")
+        return ShardSpec(spec=cfg.spec, capacity=capacity, sampler="fifo",
+                         placement=placement, seed=cfg.seed)
+    if sampler is None or sampler == "uniform" or type(sampler) is UniformSampler:
+        return ShardSpec(spec=cfg.spec, capacity=capacity, placement=placement, seed=cfg.seed)
+    if sampler == "prioritized":
+        sampler = PrioritizedSampler()
+    if type(sampler) is PrioritizedSampler:
+        return ShardSpec(spec=cfg.spec, capacity=capacity, sampler="prioritized",
+                         alpha=sampler.alpha, beta=sampler.beta, eps=sampler.eps,
+                         placement=placement, seed=cfg.seed)
+    raise ConfigError("sampler", f"a sharded plane samples 'uniform' or 'prioritized' (or a "
+                                 f"UniformSampler / PrioritizedSampler), got {sampler!r}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,8 @@ class BufferShard:
         self.shard_id = shard_id
         self.config = config
         self.buffers: dict[int, ExperienceBuffer] = {}
+        self.reads: dict[int, int] = {}  # owner -> rows this shard served (sample, gather)
+        self._restores = 0
         self.held(shard_id)
 
     def held(self, owner: int) -> ExperienceBuffer:
@@ -170,11 +191,17 @@ class BufferShard:
         buf = self.buffers.get(owner)
         if buf is None:
             cfg = self.config
+            seed = cfg.seed + owner if owner == self.shard_id else self._stream(owner)
             buf = ExperienceBuffer(spec=cfg.spec, capacity=cfg.capacity,
-                                   sampler=cfg.make_sampler(cfg.seed + owner),
-                                   placement=cfg.placement)
+                                   sampler=cfg.make_sampler(seed), placement=cfg.placement)
             self.buffers[owner] = buf
         return buf
+
+    def _stream(self, owner: int) -> int:
+        """Seed of this holder's draws from ``owner``'s rows: distinct per holder and per
+        restore, so no two live copies replay one sequence."""
+        key = [self.config.seed, owner, self.shard_id, self._restores]
+        return int(np.random.SeedSequence(key).generate_state(1)[0])
 
     def node_id(self) -> str:
         """The Ray node this shard runs on ("" outside Ray)."""
@@ -183,6 +210,14 @@ class BufferShard:
             return ray.get_runtime_context().get_node_id()
         except Exception:  # outside a Ray worker there is no node
             return ""
+
+    def read_counts(self) -> dict[int, int]:
+        """Rows this shard served to learners so far, per owner (its own rows and the
+        replicas it keeps)."""
+        return dict(self.reads)
+
+    def _served(self, owner: int, rows: int) -> None:
+        self.reads[owner] = self.reads.get(owner, 0) + rows
 
     def ping(self) -> int:
         """Liveness probe: the shard's id."""
@@ -232,6 +267,7 @@ class BufferShard:
         buf = self.held(owner)
         batch = buf.sample(k)
         slots = batch.pop("_index")
+        self._served(owner, len(slots))
         batch.pop("_weight", None)
         batch["_row_id"] = self._ids(buf, slots)
         if isinstance(buf.sampler, PrioritizedSampler):
@@ -244,6 +280,7 @@ class BufferShard:
         idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
         batch = buf.gather(idx)
         batch.pop("_index")
+        self._served(owner, len(idx))
         batch["_row_id"] = self._ids(buf, idx)
         return to_wire(batch)
 
@@ -276,9 +313,12 @@ class BufferShard:
 
     @_sent_back
     def restore(self, owner: int, state: StateDict) -> HeldRows:
-        """Replace ``owner``'s buffer with :meth:`export`'s state of another shard."""
+        """Replace ``owner``'s buffer with :meth:`export`'s state of another shard; its draws
+        continue from a stream of its own, not the source's."""
         buf = self.held(owner)
-        buf.load_state_dict(state, rows=True)
+        self._restores += 1
+        fresh = np.random.default_rng(self._stream(owner)).bit_generator.state
+        buf.load_state_dict({**state, "sampler": {**state["sampler"], "rng": fresh}}, rows=True)
         return self.rows(owner)
 
     def drop(self, owner: int) -> None:

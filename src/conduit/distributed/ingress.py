@@ -1,0 +1,138 @@
+"""The front's push path: check a pushed unit, admit it to the on-policy iteration, and store
+it (directly, or through the ingestion operator) on the pushing node's shard and its replicas.
+
+Routing follows the cross-node balance rule: a push goes to a shard on the pushing actor's
+node (round robin over several), and a push from a node without a shard goes to the shard
+holding the fewest rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from conduit.distributed.cluster import ShardSet
+from conduit.distributed.iteration import IterationGate
+from conduit.distributed.operators import FrontIngestion, QueuedUnit
+from conduit.distributed.replication import Replicator
+from conduit.distributed.shard import to_wire
+from conduit.errors import CapacityError, ConfigError
+from conduit.plane.config import PlaneConfig
+from conduit.plane.data_plane import admit_rollout
+from conduit.scheduling.space import Schedule
+from conduit.spec import Batch
+
+
+class Ingress:
+    """Pushed units from check to acknowledgement.
+
+    Args:
+        config: The plane's configuration.
+        ray: The ``ray`` module (connected).
+        shards: The shard actors.
+        replicator: Sends writes to every holder.
+        gate: On-policy iteration gating.
+        cond: The front's condition variable.
+        schedule: The schedule the ingestion operator starts with.
+        here: The driver's node (pushes without a node come from it).
+    """
+
+    def __init__(self, *, config: PlaneConfig, ray: Any, shards: ShardSet,
+                 replicator: Replicator, gate: IterationGate, cond: threading.Condition,
+                 schedule: Schedule, here: str) -> None:
+        self.config, self._ray, self._shards = config, ray, shards
+        self._replicator, self._gate, self._cond, self._here = replicator, gate, cond, here
+        self._route_turn = 0
+        self.counters = {"units": 0, "rows": 0}
+        self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
+                                        on_lost=self._release)
+        self.ingestion.set_schedule(schedule)
+
+    @property
+    def row_limit(self) -> int:
+        """Most rows one write may hold: the iteration on-policy, a shard off-policy."""
+        return self.config.capacity if self.config.on_policy else self._shards.config.capacity
+
+    def route(self, node: str | None) -> int:
+        """The shard a push from ``node`` goes to (call with the lock held)."""
+        local = self._shards.shards_on(self._here if node is None else node)
+        self._route_turn += 1
+        if local:
+            return local[self._route_turn % len(local)]
+        return min(range(len(self._shards)), key=lambda k: self._shards.held[k].size)
+
+    def push(self, rollout: Mapping[str, Any] | Any, *, node: str | None,
+             policy_version: int | None, deadline: float) -> None:
+        """Check, admit and store (or queue) one unit; see
+        :meth:`~conduit.distributed.RayExperienceDataPlane.push` for what it raises."""
+        ing, cfg = self.ingestion, self.config
+        ing.raise_if_failed()
+        if isinstance(rollout, self._ray.ObjectRef):
+            if cfg.on_policy:
+                raise ConfigError("rollout", "on-policy rollouts are pushed as mappings (the "
+                                             "iteration counts their rows)")
+            if ing.direct and cfg.rollout_spec is None:
+                self._store(rollout, 0, node, deadline, validate=True)
+                self._acknowledged()
+                return
+            rollout = self._shards.get(rollout, deadline, shard=None)
+        if ing.registered or cfg.rollout_spec is not None:
+            data, rows = admit_rollout(rollout, spec=cfg.spec, rollout_spec=cfg.rollout_spec,
+                                       capacity=self.row_limit, raw=True)
+        else:
+            data, rows = self._admit(rollout, what="rollout")
+        unit = QueuedUnit(data, rows, node, policy_version)
+        if cfg.on_policy:
+            with self._cond:
+                self._gate.admit(rows, policy_version, deadline)
+        if ing.direct:
+            try:
+                self._store(data, rows, node, deadline)
+            except BaseException:
+                self._release([unit])
+                raise
+        else:
+            ing.submit(unit, deadline)  # a unit it does not store, it releases
+        self._acknowledged()
+
+    def _admit(self, batch: Mapping[str, Any], *, what: str) -> tuple[Batch, int]:
+        """``batch`` checked against the spec and the row limit."""
+        data, rows = self.config.spec.validate(batch, what=what)
+        limit = self.row_limit
+        if rows > limit:
+            where = "an iteration's" if self.config.on_policy else "a shard's"
+            raise CapacityError(f"a {what} of {rows} rows is larger than {where} {limit} rows; "
+                                f"split it or raise capacity", needed=rows, available=limit)
+        return data, rows
+
+    def _acknowledged(self) -> None:
+        with self._cond:
+            self.counters["units"] += 1
+
+    def _release(self, units: list[QueuedUnit]) -> None:
+        """On-policy: admitted units that will not be stored leave the iteration."""
+        if self.config.on_policy:
+            with self._cond:
+                self._gate.released(sum(u.rows for u in units))
+
+    def _store_output(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
+        """What an ingestion operator writes for ``unit``: checked, then stored."""
+        data, rows = self._admit(batch, what="write")
+        self._store(data, rows, unit.node, deadline)
+        return rows
+
+    def _store(self, data: Any, rows: int, node: str | None, deadline: float, *,
+               validate: bool = False) -> None:
+        """Write checked rows (or, ``validate``, an actor's ``ObjectRef``) to the shard of
+        ``node`` and its replicas."""
+        payload = data if validate else self._ray.put(to_wire(data))
+        with self._cond:
+            if self.config.on_policy:
+                self._gate.check_store(rows)
+            self._replicator.write(self.route(node), payload, validate, deadline)
+            self.counters["rows"] += rows
+            if self.config.on_policy:
+                self._gate.stored(rows)
+            self._cond.notify_all()
+
