@@ -214,14 +214,16 @@ def _lowest_priority() -> None:
 class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
-    Every ``every_s`` seconds (and on :meth:`request`) a background thread holds the operators
-    that change rows only to read the small sampler, writer and iteration state and start a
-    copy-on-write snapshot of the rows and slot ids (nothing is copied; delivery goes on
-    off-policy). A worker then streams the rows into ``path`` while training goes on, a chunk
-    per hold of the buffer's lock (a write copies aside the old rows it overwrites before the
-    worker reaches them), and renames the file into place: a crash at any point leaves the
-    previous snapshot intact, and memory grows only by the rows overwritten meanwhile. The
-    file holds the plane exactly as it was at the hold.
+    Every ``every_s`` seconds (and on :meth:`request`) a background thread ingests the units
+    pushed so far, then reads the small sampler, writer and iteration state and starts a
+    copy-on-write snapshot of the rows and slot ids, copying nothing: off-policy under the
+    buffer's lock alone (no operator waits), on-policy with both operators held, since the
+    iteration state must match the rows. A worker then streams the rows into ``path`` while
+    training goes on, a chunk at a time (a write copies aside the old rows it overwrites
+    before the worker reaches them), and renames the file into place: a crash at any point
+    leaves the previous snapshot intact. Memory grows by the rows overwritten before the
+    worker reached them (kept for the next snapshot, so its writes fault in no fresh pages).
+    The file holds the plane exactly as it was at that instant.
 
     Args:
         plane: The plane to snapshot.
@@ -240,6 +242,7 @@ class Snapshotter:
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []
+        self._spare: dict[tuple[int, str], torch.Tensor] = {}  # memory for rows set aside
         self._writes: list[float] = []
         self._failures = 0
         self.last_error: BaseException | None = None
@@ -269,15 +272,15 @@ class Snapshotter:
 
     def _mark(self) -> tuple[ExperienceBuffer, RowSnapshot, dict[str, JSON],
                              dict[str, torch.Tensor]]:
-        """Hold the operators that change rows only to read the small state and start a
-        copy-on-write snapshot of the rows and ids (the pause)."""
+        """Read the small state and start a copy-on-write snapshot of the rows and ids (the
+        pause): on-policy with the operators held, off-policy under the buffer's lock alone."""
         plane = self.plane
         if plane.failed is None:
             plane.flush()
         t0 = time.perf_counter()
         with plane.frozen(rows=False, flush=False, reads=True, buffer=False) as state:
             buffer = plane.buffer
-            rows = buffer.begin_snapshot()
+            rows = buffer.begin_snapshot(spare=self._spare)
         self._pause.append(time.perf_counter() - t0)
         try:
             meta, parts = _layout(plane, {"buffer": rows.state, **state}, rows.blocks)
@@ -301,6 +304,7 @@ class Snapshotter:
             return write_checkpoint(self.path, tensors=parts, meta=meta, sources=sources).seconds
         finally:
             buffer.drop_snapshot(rows)
+            self._spare = rows.kept
 
     def _run(self) -> None:
         while not self._stop:

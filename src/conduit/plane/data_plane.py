@@ -468,11 +468,13 @@ class ExperienceDataPlane:
                buffer: bool = True) -> Iterator[dict[str, Any]]:
         """Ingest queued units (``flush``; not after a failure), hold the operators (``reads``:
         only those that change rows) and yield :meth:`state_dict`, without the buffer's entry
-        unless ``buffer`` (the caller reads it, e.g. with ``buffer.begin_snapshot()``); rows
-        stay as they are."""
+        unless ``buffer``; rows stay as they are. With ``reads`` and not ``buffer`` the caller
+        reads the buffer in one call under its lock (``buffer.begin_snapshot()``), and where
+        that alone is a consistent instant (off-policy) nothing is held."""
         if flush and self.failed is None:
             self.flush()
-        with self._engine.writes_held() if reads else self._engine.quiesced():
+        with (self._engine.writes_held(atomic_buffer=not buffer) if reads
+              else self._engine.quiesced()):
             yield self._engine.capture(rows=rows, buffer=buffer)
 
     def load_state_dict(self, state: dict[str, Any], *, rows: bool = True) -> None:

@@ -115,9 +115,16 @@ class PlaneEngine:
         workers stay alive and idle, so entering and leaving costs no thread start."""
         return self._hold("paused", until_idle="busy")
 
-    def writes_held(self) -> contextlib.AbstractContextManager[None]:
+    def writes_held(self, *, atomic_buffer: bool = False
+                    ) -> contextlib.AbstractContextManager[None]:
         """No ingestion invocation runs inside the block, so the buffer's rows do not change;
-        delivery goes on where it never changes rows (off-policy), else it is held too."""
+        delivery goes on where it never changes rows (off-policy), else it is held too.
+
+        With ``atomic_buffer`` the caller reads the buffer in one call under the buffer's own
+        lock (``begin_snapshot``); where the flow's state says nothing about the rows
+        (off-policy), that read is already a consistent instant and nothing is held."""
+        if atomic_buffer and self.flow.state_is_buffer:
+            return contextlib.nullcontext()
         if self.flow.delivery_changes_rows:
             return self.quiesced()
         return self._hold("writes_held", until_idle="ingesting")

@@ -126,6 +126,9 @@ class Flow(abc.ABC):
     #: Whether a delivery can change the buffer's rows (on-policy: the last mini-batch of an
     #: iteration clears it).
     delivery_changes_rows: ClassVar[bool] = True
+    #: Whether the flow's own state says nothing about the rows (off-policy: it is empty), so
+    #: the buffer read atomically under its lock is a consistent instant of the plane.
+    state_is_buffer: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         return None
@@ -268,6 +271,7 @@ class OffPolicyFlow(Flow):
 
     room_by_ingesting: ClassVar[bool] = True
     delivery_changes_rows: ClassVar[bool] = False
+    state_is_buffer: ClassVar[bool] = True
 
     @property
     def max_pending_units(self) -> int:

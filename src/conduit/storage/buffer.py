@@ -242,11 +242,16 @@ class ExperienceBuffer:
                     blocks.append((start, {f: shard.column(f)[:n] for f in self.spec.fields}))
             return blocks
 
-    def begin_snapshot(self) -> RowSnapshot:
+    def begin_snapshot(self, *, spare: Mapping[tuple[int, str], torch.Tensor] | None = None
+                       ) -> RowSnapshot:
         """Take a snapshot of the buffer as it is now, copying nothing: its rows and ids are
         read out later (:meth:`RowSnapshot.stream_rows`, :meth:`complete_snapshot`) while
         writes and samples go on, a write first copying aside what it would change
         (copy-on-write). Call :meth:`drop_snapshot` once it is read out.
+
+        Args:
+            spare: ``kept`` of an earlier snapshot, whose memory is reused for the rows that
+                writes set aside (see :class:`~conduit.storage.snapshot.RowSnapshot`).
 
         Returns:
             The snapshot; its ``state`` is :meth:`state_dict` ``(rows=False)`` at this
@@ -258,7 +263,8 @@ class ExperienceBuffer:
                                 "row_id": torch.from_numpy(self._row_id),
                                 "delivered_id": torch.from_numpy(self._delivered_id)}
             snap = RowSnapshot(views=self.filled_blocks(), state=state, lock=self._lock,
-                               ids={"row_id": self._row_id, "delivered_id": self._delivered_id})
+                               ids={"row_id": self._row_id, "delivered_id": self._delivered_id},
+                               spare=spare)
             self._snapshots.append(snap)
             return snap
 

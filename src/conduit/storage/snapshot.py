@@ -42,6 +42,8 @@ class RowSnapshot:
         state: The buffer's small state at that instant; its id entries are filled in by
             :meth:`stream_ids` (until then they alias the live arrays).
         lock: The buffer's lock, held by every write.
+        spare: :attr:`kept` of an earlier snapshot of the same buffer: its memory is reused
+            for the rows set aside, so a write pays for no fresh pages.
 
     Attributes:
         size: Rows in the snapshot.
@@ -49,7 +51,8 @@ class RowSnapshot:
     """
 
     def __init__(self, *, views: Blocks, ids: Mapping[str, np.ndarray], state: StateDict,
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock,
+                 spare: Mapping[tuple[int, str], torch.Tensor] | None = None) -> None:
         self._views = views
         self._lock = lock
         self.size = sum(next(iter(cols.values())).shape[0] for _, cols in views)
@@ -59,8 +62,15 @@ class RowSnapshot:
         self._read: dict[tuple[int, str], int] = {}
         self._kept_mask: dict[tuple[int, str], np.ndarray] = {}
         self._kept: dict[tuple[int, str], torch.Tensor] = {}
+        self._spare = dict(spare or {})
         self._ids_live = dict(ids)
         self._ids: dict[str, np.ndarray] = {}  # copies taken before the first change
+
+    @property
+    def kept(self) -> dict[tuple[int, str], torch.Tensor]:
+        """The memory rows were set aside in (and the unused spare), to pass as ``spare`` to
+        the next snapshot; read it once this one is read out."""
+        return {**self._spare, **self._kept}
 
     @property
     def blocks(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -86,9 +96,13 @@ class RowSnapshot:
                     continue
                 mask = self._kept_mask.get(key)
                 if mask is None:
-                    # Virtual memory only: pages of rows never overwritten are never touched.
                     mask = self._kept_mask[key] = np.zeros(n, dtype=bool)
-                    self._kept[key] = torch.empty_like(col, device="cpu")
+                    old = self._spare.pop(key, None)
+                    # Fresh memory is virtual only: pages of rows never overwritten are never
+                    # touched. Spare memory has its pages already.
+                    self._kept[key] = (old if old is not None and old.shape == col.shape
+                                       and old.dtype == col.dtype
+                                       else torch.empty_like(col, device="cpu"))
                 todo = ~mask[a:hi]
                 for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
                     self._kept[key][a + r0:a + r1].copy_(col[a + r0:a + r1])
@@ -149,8 +163,6 @@ class RowSnapshot:
                     for r0, r1 in _runs(mask[a:b]):
                         out[r0:r1].copy_(self._kept[key][a + r0:a + r1])
                 self._read[key] = b
-            if b >= n:
-                self._kept.pop(key, None)  # read out: its copies are no longer needed
             time.sleep(rest * (time.perf_counter() - t0))
             yield out
             a = b
