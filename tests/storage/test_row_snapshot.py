@@ -240,3 +240,18 @@ def test_streaming_a_snapshot_to_disk_does_not_double_memory(tmp_path):
     _, back = read_checkpoint(tmp_path / "s.ckpt")
     assert back["id"].tolist() == list(range(64_000))
     assert back["row_id"].tolist() == list(range(64_000))
+
+
+def test_a_later_snapshot_sets_rows_aside_in_the_memory_of_an_earlier_one(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=32)
+    buf.extend(make_rows(small_spec, 32))
+    first = buf.begin_snapshot()
+    buf.extend(make_rows(small_spec, 8, start=100))  # set aside into fresh memory
+    buf.complete_snapshot(first)
+    spare = first.kept
+    assert set(spare) == {(0, f) for f in small_spec.fields}
+    expected = clone_blocks(buf.filled_blocks())
+    second = buf.begin_snapshot(spare=spare)
+    buf.extend(make_rows(small_spec, 12, start=200))  # slots 8..19: the spare holds stale rows
+    assert second.kept[(0, "obs")].data_ptr() == spare[(0, "obs")].data_ptr()
+    assert_blocks_equal(buf.complete_snapshot(second), expected)
