@@ -263,7 +263,9 @@ def test_a_push_waiting_while_writes_are_held_waits_instead_of_spinning(small_sp
         assert len(plane.buffer) == 12
 
 
-def test_a_snapshot_taken_while_pushes_go_on_is_the_plane_at_one_instant(small_spec, tmp_path):
+@pytest.mark.parametrize("double_buffer", [True, False], ids=["double-buffer", "stream"])
+def test_a_snapshot_taken_while_pushes_go_on_is_the_plane_at_one_instant(small_spec, tmp_path,
+                                                                         double_buffer):
     with ExperienceDataPlane(spec=small_spec, capacity=3000, batch_size=8,
                              schedule=Schedule(1, 1, 1, 1)) as plane:
         plane.push(make_rows(small_spec, 3000))
@@ -279,7 +281,8 @@ def test_a_snapshot_taken_while_pushes_go_on_is_the_plane_at_one_instant(small_s
         t = threading.Thread(target=pusher)
         t.start()
         try:
-            with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
+            with plane.snapshots(tmp_path / "s.ckpt", every_s=3600,
+                                 double_buffer=double_buffer) as snap:
                 for _ in range(3):
                     snap.request(wait=True)
                     assert snap.stats.failures == 0, snap.last_error

@@ -132,7 +132,8 @@ def test_delivered_ids_are_those_of_the_instant_while_sampling_goes_on(small_spe
     assert np.array_equal(snap.state["delivered_id"].numpy(), delivered)
 
 
-def test_a_writer_thread_racing_the_read_out_never_reaches_the_snapshot(small_spec):
+@pytest.mark.parametrize("ahead", [False, True], ids=["stream", "copy-ahead"])
+def test_a_writer_thread_racing_the_read_out_never_reaches_the_snapshot(small_spec, ahead):
     buf = ExperienceBuffer(spec=small_spec, capacity=4000, placement=Placement.sharded(["cpu"] * 2))
     buf.extend(make_rows(small_spec, 4000))
     stop = threading.Event()
@@ -152,6 +153,8 @@ def test_a_writer_thread_racing_the_read_out_never_reaches_the_snapshot(small_sp
                 snap = buf.begin_snapshot()
             if not t.is_alive():
                 t.start()
+            if ahead:
+                snap.copy_ahead(chunk_bytes=16 * small_spec.bytes_per_sample)
             blocks = buf.complete_snapshot(snap, chunk_bytes=16 * small_spec.bytes_per_sample)
             assert_blocks_equal(blocks, expected)
             assert np.array_equal(snap.state["row_id"].numpy(), ids)
@@ -255,3 +258,31 @@ def test_a_later_snapshot_sets_rows_aside_in_the_memory_of_an_earlier_one(small_
     buf.extend(make_rows(small_spec, 12, start=200))  # slots 8..19: the spare holds stale rows
     assert second.kept[(0, "obs")].data_ptr() == spare[(0, "obs")].data_ptr()
     assert_blocks_equal(buf.complete_snapshot(second), expected)
+
+
+def test_after_copying_ahead_writes_copy_nothing_and_the_read_out_uses_the_copies(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=48, placement=Placement.sharded(["cpu"] * 2))
+    buf.extend(make_rows(small_spec, 48))
+    expected = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    buf.extend(make_rows(small_spec, 5, start=300))  # set aside by the write, kept as is
+    snap.copy_ahead(chunk_bytes=7 * small_spec.bytes_per_sample)
+    assert all(m.all() for m in snap._kept_mask.values()) and len(snap._kept_mask) == 6
+    kept = {k: v.clone() for k, v in snap._kept.items()}
+    write(buf, small_spec, 100, start=1000)  # the whole ring, twice over
+    assert all(torch.equal(kept[k], snap._kept[k]) for k in kept)  # nothing copied again
+    first = next(snap.stream_rows(0, "obs", chunk_bytes=4 * 16))
+    assert first.data_ptr() == snap._kept[(0, "obs")].data_ptr()  # the copy, not the ring
+    buf.drop_snapshot(snap)
+    for b, (_, cols) in enumerate(expected):
+        for f, col in cols.items():
+            if (b, f) != (0, "obs"):
+                assert torch.equal(torch.cat([c.clone() for c in snap.stream_rows(b, f)]), col)
+    assert torch.equal(first, expected[0][1]["obs"][:first.shape[0]])
+
+
+def test_copying_ahead_refuses_a_bad_duty(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=8)
+    buf.extend(make_rows(small_spec, 8))
+    with pytest.raises(ConfigError, match="duty"):
+        buf.begin_snapshot().copy_ahead(duty=1.5)

@@ -218,27 +218,34 @@ class Snapshotter:
     pushed so far, then reads the small sampler, writer and iteration state and starts a
     copy-on-write snapshot of the rows and slot ids, copying nothing: off-policy under the
     buffer's lock alone (no operator waits), on-policy with both operators held, since the
-    iteration state must match the rows. A worker then streams the rows into ``path`` while
-    training goes on, a chunk at a time (a write copies aside the old rows it overwrites
-    before the worker reaches them), and renames the file into place: a crash at any point
-    leaves the previous snapshot intact. Memory grows by the rows overwritten before the
-    worker reached them (kept for the next snapshot, so its writes fault in no fresh pages).
+    iteration state must match the rows. A worker then copies the rows while training goes
+    on (a write copies aside the old rows it overwrites before the worker reaches them;
+    ``double_buffer`` chooses where the worker copies to), writes them into ``path`` and
+    renames the file into place: a crash at any point leaves the previous snapshot intact.
     The file holds the plane exactly as it was at that instant.
 
     Args:
         plane: The plane to snapshot.
         path: The checkpoint file (replaced by each snapshot).
         every_s: Seconds between snapshots (``math.inf``: only on :meth:`request`).
+        double_buffer: First copy every row into a second buffer kept between snapshots,
+            racing ahead of the writes, then write from it (default): memory for one more
+            copy of the rows, and writes rarely copy anything. False streams from the live
+            rows: extra memory only for the rows overwritten before the worker reaches them,
+            each copied by the write that overwrites it (cheaper when writes are slower than
+            the disk).
 
     Example:
         >>> with Snapshotter(plane, "buffer.ckpt", every_s=60):
         ...     train(plane)
     """
 
-    def __init__(self, plane: ExperienceDataPlane, path: str | Path, *, every_s: float) -> None:
+    def __init__(self, plane: ExperienceDataPlane, path: str | Path, *, every_s: float,
+                 double_buffer: bool = True) -> None:
         if not every_s > 0:
             raise ConfigError("every_s", f"must be > 0 seconds, got {every_s!r}")
         self.plane, self.path, self.every_s = plane, Path(path), float(every_s)
+        self.double_buffer = bool(double_buffer)
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []
@@ -299,8 +306,10 @@ class Snapshotter:
         for b, (_, cols) in enumerate(rows.blocks):
             for f in cols:
                 sources[f"rows/{b}/{f}"] = (lambda b=b, f=f: rows.stream_rows(
-                    b, f, duty=COPY_DUTY))
+                    b, f, duty=1.0 if self.double_buffer else COPY_DUTY))
         try:
+            if self.double_buffer:
+                rows.copy_ahead(duty=COPY_DUTY)
             return write_checkpoint(self.path, tensors=parts, meta=meta, sources=sources).seconds
         finally:
             buffer.drop_snapshot(rows)

@@ -505,10 +505,11 @@ class ExperienceDataPlane:
         """
         return checkpoint.load(cls, path, **overrides)
 
-    def snapshots(self, path: str | Path, *, every_s: float) -> checkpoint.Snapshotter:
+    def snapshots(self, path: str | Path, *, every_s: float,
+                  double_buffer: bool = True) -> checkpoint.Snapshotter:
         """Start periodic background snapshots to ``path`` (see
         :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop."""
-        return checkpoint.Snapshotter(self, path, every_s=every_s)
+        return checkpoint.Snapshotter(self, path, every_s=every_s, double_buffer=double_buffer)
 
     def _check_open(self) -> None:
         self._engine.check_open()

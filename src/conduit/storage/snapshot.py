@@ -94,19 +94,24 @@ class RowSnapshot:
                 a = max(lo, self._read.get(key, 0))
                 if a >= hi:
                     continue
-                mask = self._kept_mask.get(key)
-                if mask is None:
-                    mask = self._kept_mask[key] = np.zeros(n, dtype=bool)
-                    old = self._spare.pop(key, None)
-                    # Fresh memory is virtual only: pages of rows never overwritten are never
-                    # touched. Spare memory has its pages already.
-                    self._kept[key] = (old if old is not None and old.shape == col.shape
-                                       and old.dtype == col.dtype
-                                       else torch.empty_like(col, device="cpu"))
+                mask = self._mask_of(key, col)
                 todo = ~mask[a:hi]
                 for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
                     self._kept[key][a + r0:a + r1].copy_(col[a + r0:a + r1])
                 mask[a:hi] = True
+
+    def _mask_of(self, key: tuple[int, str], col: torch.Tensor) -> np.ndarray:
+        """The kept-rows mask of ``key``, with its memory for kept rows made on first use."""
+        mask = self._kept_mask.get(key)
+        if mask is None:
+            mask = self._kept_mask[key] = np.zeros(col.shape[0], dtype=bool)
+            old = self._spare.pop(key, None)
+            # Fresh memory is virtual only: pages of rows never set aside are never touched.
+            # Spare memory has its pages already.
+            self._kept[key] = (old if old is not None and old.shape == col.shape
+                               and old.dtype == col.dtype
+                               else torch.empty_like(col, device="cpu"))
+        return mask
 
     def preserve_ids(self, name: str | None = None) -> None:
         """Copy aside the id array ``name`` (all when None) if it is not copied yet; call
@@ -152,20 +157,68 @@ class RowSnapshot:
         while a < n:
             t0 = time.perf_counter()
             b = min(n, a + rows)
-            out = bounce[:b - a]
-            # Copied without the lock, so a write never waits for it: a write that changes
-            # one of these rows meanwhile copies its old value aside first (this reader has
-            # not passed it), and the old values are laid over the copy under the lock.
-            out.copy_(col[a:b])
             with self._lock:
                 mask = self._kept_mask.get(key)
-                if mask is not None and mask[a:b].any():
-                    for r0, r1 in _runs(mask[a:b]):
-                        out[r0:r1].copy_(self._kept[key][a + r0:a + r1])
-                self._read[key] = b
+                whole = mask is not None and bool(mask[a:b].all())
+                if whole:
+                    self._read[key] = b
+            if whole:  # all set aside: those copies never change again
+                out = self._kept[key][a:b]
+            else:
+                out = bounce[:b - a]
+                # Copied without the lock, so a write never waits for it: a write that
+                # changes one of these rows meanwhile copies its old value aside first (this
+                # reader has not passed it), and the old values are laid over the copy under
+                # the lock.
+                out.copy_(col[a:b])
+                with self._lock:
+                    mask = self._kept_mask.get(key)
+                    if mask is not None and mask[a:b].any():
+                        for r0, r1 in _runs(mask[a:b]):
+                            out[r0:r1].copy_(self._kept[key][a + r0:a + r1])
+                    self._read[key] = b
             time.sleep(rest * (time.perf_counter() - t0))
             yield out
             a = b
+
+    def copy_ahead(self, *, chunk_bytes: int = 1 << 20, duty: float = 1.0) -> None:
+        """Set every row aside now, a chunk at a time, racing ahead of the writes (a second
+        buffer: :meth:`stream_rows` then reads only the copies). Each chunk is copied without
+        the lock and merged under it into the rows no write set aside meanwhile, so the lock
+        is held for one chunk's memory copy from a hot buffer.
+
+        Args:
+            chunk_bytes: Bytes per chunk.
+            duty: Fraction of the time spent copying, in ``(0, 1]``.
+
+        Raises:
+            ConfigError: ``duty`` is outside ``(0, 1]``.
+        """
+        if not 0 < duty <= 1:
+            raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+        rest = 1 / duty - 1
+        for b, (_, cols) in enumerate(self._views):
+            for f, col in cols.items():
+                key = (b, f)
+                n = col.shape[0]
+                row_bytes = max(1, col[:1].numel() * col.element_size())
+                rows = max(1, chunk_bytes // row_bytes)
+                bounce = torch.empty((min(rows, max(n, 1)), *col.shape[1:]), dtype=col.dtype)
+                for a in range(self._read.get(key, 0), n, rows):
+                    t0 = time.perf_counter()
+                    e = min(n, a + rows)
+                    tmp = bounce[:e - a]
+                    tmp.copy_(col[a:e])  # without the lock; rows a write changes are kept
+                    with self._lock:
+                        if self._read.get(key, 0) > a:
+                            break  # a reader passed: it needs no copies behind it
+                        mask = self._mask_of(key, col)
+                        todo = ~mask[a:e]
+                        kept = self._kept[key]
+                        for r0, r1 in ([(0, e - a)] if todo.all() else _runs(todo)):
+                            kept[a + r0:a + r1].copy_(tmp[r0:r1])
+                        mask[a:e] = True
+                    time.sleep(rest * (time.perf_counter() - t0))
 
     def stream_ids(self, name: str) -> Iterator[np.ndarray]:
         """The id array ``name`` as it was at the instant, in one chunk (copied now if no
