@@ -46,6 +46,9 @@ def test_quick_run_writes_sane_numbers_and_loads_the_same_rows(tmp_path: Path) -
     assert _positive(st["median_iteration_s"])
     assert len(st["without"]["iterations_s"]) > 10 and len(st["with"]["iterations_s"]) > 10
     assert isinstance(st["target_met"], bool)
+    assert st["stall_same_run_s"] >= 0
+    assert st["stall_same_run_s"] == pytest.approx(
+        st["stall_same_run_fraction"] * st["median_iteration_s"])
     assert not list((out).glob("persist-*"))  # the scratch folder is removed
 
 
