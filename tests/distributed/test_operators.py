@@ -85,7 +85,9 @@ def by_id(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def test_on_policy_operators_deliver_what_a_local_plane_delivers(cluster):
     kw = dict(capacity=60, mode="on_policy", num_minibatches=3, num_epochs=2, seed=3)
     local = with_operators(ExperienceDataPlane(spec=BUF, **kw))
-    plane = with_operators(sharded(cluster, **kw))
+    # a third of the iteration per invocation: each 20-row unit at its push
+    plane = with_operators(sharded(cluster, **kw,
+                                   schedule=Schedule(0, Fraction(1, 3), 1, Fraction(1, 3))))
     try:
         nodes = plane.nodes
         for i in range(3):  # one rollout of 20 rows from each node
@@ -117,8 +119,8 @@ def test_on_policy_operators_deliver_what_a_local_plane_delivers(cluster):
         plane.register_ingestion()(failing(999))
         plane.register_delivery()(flaky)
         with pytest.raises(OperatorError, match="bad row 999") as err:
-            plane.push(rows(10, 990), policy_version=1)
-        assert (err.value.lost_units, err.value.lost_rows) == (1, 10)
+            plane.push(rows(20, 980), policy_version=1)
+        assert (err.value.lost_units, err.value.lost_rows) == (1, 20)
         assert plane.failed is None
         for i in range(3):
             plane.actor_port(nodes[i]).push(rows(20, 100 + 20 * i), policy_version=1)
@@ -137,7 +139,33 @@ def test_on_policy_operators_deliver_what_a_local_plane_delivers(cluster):
         local.close()
 
 
-def test_on_policy_overlapped_ingestion_is_exactly_once_across_two_ranks(cluster):
+@pytest.mark.parametrize("g_ing", [Fraction(1, 3), 1], ids=["g=1/3", "g=1"])
+def test_on_policy_inline_ingestion_runs_per_share_of_the_iteration(cluster, g_ing):
+    taken: list[int] = []
+
+    def counted(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        taken.append(len(actor_in))
+        ingest(actor_in, exp_out)
+
+    plane = sharded(cluster, capacity=60, mode="on_policy", num_minibatches=3,
+                    schedule=Schedule(0, g_ing, 0, Fraction(1, 3)))
+    try:
+        plane.register_ingestion()(counted)
+        plane.push(rows(20, 0), policy_version=0)
+        plane.push(rows(20, 20), policy_version=0)
+        # a share of a third: each unit at its push; the whole iteration: once all is pushed
+        assert plane.counters["rows"] == (40 if g_ing < 1 else 0)
+        plane.push(rows(20, 40), policy_version=0)
+        assert plane.counters["rows"] == 60
+        assert taken == ([1, 1, 1] if g_ing < 1 else [3])  # units of one node together
+        got = torch.cat([b["id"] for b in plane.minibatches()])
+        assert sorted(got.tolist()) == list(range(60))
+    finally:
+        plane.close()
+
+
+@pytest.mark.parametrize("g_ing", [Fraction(1, 3), 1], ids=["g=1/3", "g=1"])
+def test_on_policy_overlapped_ingestion_is_exactly_once_across_two_ranks(cluster, g_ing):
     gate = threading.Event()
     taken: list[int] = []
 
@@ -147,7 +175,7 @@ def test_on_policy_overlapped_ingestion_is_exactly_once_across_two_ranks(cluster
         ingest(actor_in, exp_out)
 
     plane = sharded(cluster, capacity=60, mode="on_policy", num_minibatches=3, num_epochs=2,
-                    num_learners=2, seed=9, schedule=Schedule(1, 1, 1, Fraction(1, 3)))
+                    num_learners=2, seed=9, schedule=Schedule(1, g_ing, 1, Fraction(1, 3)))
     try:
         plane.register_ingestion()(held)
         plane.register_delivery()(deliver)
@@ -184,7 +212,7 @@ def test_on_policy_overlapped_ingestion_is_exactly_once_across_two_ranks(cluster
                 assert sorted(ids) == list(range(base, base + 60))
             assert plane.policy_version == version + 1
         assert taken == [1] * 6  # each unit ingested whole, on its own node's shard
-        assert plane.stats()["schedule"] == Schedule(1, 1, 1, Fraction(1, 3)).to_dict()
+        assert plane.stats()["schedule"] == Schedule(1, g_ing, 1, Fraction(1, 3)).to_dict()
         # A unit whose ingestion fails on the thread leaves the iteration: after recover()
         # the iteration takes as many rows again.
         plane.register_ingestion()(failing(2000))
@@ -289,7 +317,7 @@ def test_schedule_and_port_errors_are_typed(cluster, replay):
         sharded(cluster, capacity=64, batch_size=8, g_max=4, schedule=Schedule(0, 1, 1, 5))
     with pytest.raises(ScheduleError, match="g_ing"):
         sharded(cluster, capacity=30, mode="on_policy", num_minibatches=3,
-                schedule=Schedule(0, Fraction(1, 3), 0, Fraction(1, 3)))
+                schedule=Schedule(0, Fraction(1, 2), 0, Fraction(1, 3)))  # not a 1/M multiple
     with pytest.raises(ConfigError, match="schedule"):
         sharded(cluster, capacity=64, batch_size=8, schedule=(0, 1, 0, 1))
     with pytest.raises(ConfigError, match="prefetch"):

@@ -47,6 +47,8 @@ class Ingress:
         self.counters = {"units": 0, "rows": 0}
         self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
                                         on_lost=self._release)
+        if config.on_policy:
+            self.ingestion.iteration = (config.capacity, lambda: gate.pushed >= gate.capacity)
         self.ingestion.set_schedule(schedule)
 
     @property

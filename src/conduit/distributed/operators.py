@@ -39,7 +39,6 @@ from conduit.errors import (
     DataLossError,
     OperatorError,
     PlaneClosedError,
-    ScheduleError,
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
@@ -74,18 +73,12 @@ def check_schedule(space: ScheduleSpace, schedule: Schedule, *, on_policy: bool)
 
     Raises:
         ConfigError: ``schedule`` is not a :class:`Schedule`.
-        ScheduleError: Outside the feasible space, or (on-policy) fractional ingestion,
-            which a sharded on-policy plane does not run: it ingests each pushed unit whole
-            (inline, or on the front's thread with ``overlap_ing = 1``), so the rows of one
-            unit go to one shard.
+        ScheduleError: Outside the feasible space.
     """
     if not isinstance(schedule, Schedule):
         raise ConfigError("schedule", f"expected a conduit.scheduling.Schedule, got "
                                       f"{type(schedule).__name__}")
     space.check(schedule)
-    if on_policy and schedule.g_ing != 1:
-        raise ScheduleError(f"g_ing: a sharded on-policy plane ingests each pushed unit whole; "
-                            f"use Schedule(overlap_ing, 1, ...), got {schedule.label()}")
 
 
 def deliver(fn: DeliveryFn, rows: Batch, *, batches: int, batch_size: int,
@@ -136,6 +129,9 @@ class FrontIngestion:
         self.error: OperatorError | None = None
         self.error_reported = False
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
+        #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
+        #: then a share of the iteration's rows per invocation, as on a local plane.
+        self.iteration: tuple[int, Callable[[], bool]] | None = None
 
     # -- schedule ---------------------------------------------------------------------------
     @property
@@ -146,7 +142,8 @@ class FrontIngestion:
     @property
     def direct(self) -> bool:
         """No operator and one unit per inline invocation: a push writes its rows itself."""
-        return not self.registered and not self.overlapped and self.schedule.g_ing == 1
+        return not self.registered and not self.overlapped and (
+            self.iteration is not None or self.schedule.g_ing == 1)
 
     def set_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` from now on (call after :meth:`flush`), starting or stopping the
@@ -202,7 +199,8 @@ class FrontIngestion:
                 if self._closed:
                     raise PlaneClosedError("the sharded plane is closed")
                 self.raise_if_failed()
-                if len(self._pending) < 2 * self._g:
+                # On-policy the iteration gate bounds what is queued.
+                if self.iteration is not None or len(self._pending) < 2 * self._g:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -215,13 +213,30 @@ class FrontIngestion:
             self._cond.notify_all()
 
     def _take(self, *, force: bool) -> list[QueuedUnit] | None:
-        """Up to ``g_ing`` queued units of one node (call with the lock held)."""
-        if not self._pending or (len(self._pending) < self._g and not force):
+        """Up to ``g_ing`` queued units of one node (call with the lock held); on-policy, up
+        to ``g_ing`` of the iteration's rows, or everything once the iteration is pushed."""
+        if not self._pending:
             return None
+        if self.iteration is None:
+            units_cap, rows_cap = self._g, None
+            if len(self._pending) < self._g and not force:
+                return None
+        else:
+            capacity, complete = self.iteration
+            want = max(1, int(self.schedule.g_ing * capacity))
+            if force or complete():
+                units_cap, rows_cap = len(self._pending), None
+            elif sum(u.rows for u in self._pending) < want:
+                return None
+            else:
+                units_cap, rows_cap = len(self._pending), want
         node = self._pending[0].node
-        units = []
-        while self._pending and len(units) < self._g and self._pending[0].node == node:
+        units: list[QueuedUnit] = []
+        got = 0
+        while (self._pending and len(units) < units_cap and self._pending[0].node == node
+               and (rows_cap is None or got < rows_cap)):
             units.append(self._pending.popleft())
+            got += units[-1].rows
         self._inflight += len(units)
         self._cond.notify_all()  # room in the queue for a waiting push
         return units

@@ -101,8 +101,10 @@ class RayExperienceDataPlane(ScheduledOperators):
             (``push`` returns once the unit is queued), ``g_ing`` units per invocation;
             ``overlap_del = 1`` keeps each rank's next delivery invocation (``g_del``
             batches) in flight while the learner updates. Default: ``Schedule(0, 1, 1, 1)``
-            (on-policy ``g_del = 1/M``). On-policy, ``g_ing = 1``: each unit is ingested
-            whole, and an iteration's mini-batches start once all its rows are stored.
+            (on-policy ``g_del = 1/M``). On-policy, ``g_ing`` is a share of the
+            iteration's rows per invocation, as on a local plane (each invocation takes
+            whole units pushed on one node), and an iteration's mini-batches start once all
+            its rows are stored.
         prefetch: ``overlap_del`` when no schedule is given (default True).
         rollout_spec, g_max: As for :class:`~conduit.plane.ExperienceDataPlane`.
         rollout_rows, store: Not available on a sharded plane; anything but None raises
