@@ -286,3 +286,22 @@ def test_copying_ahead_refuses_a_bad_duty(small_spec):
     buf.extend(make_rows(small_spec, 8))
     with pytest.raises(ConfigError, match="duty"):
         buf.begin_snapshot().copy_ahead(duty=1.5)
+
+
+def test_copying_ahead_starts_at_the_rows_the_next_write_overwrites(small_spec, monkeypatch):
+    buf = ExperienceBuffer(spec=small_spec, capacity=40)
+    buf.extend(make_rows(small_spec, 40))
+    buf.extend(make_rows(small_spec, 13, start=100))  # the ring's cursor is at slot 13
+    expected = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    order: list[tuple[int, int]] = []
+    copy_rows = snap._copy_ahead_rows
+
+    def recorded(first, stop, bounces):
+        order.append((first, stop))
+        copy_rows(first, stop, bounces)
+
+    monkeypatch.setattr(snap, "_copy_ahead_rows", recorded)
+    snap.copy_ahead(chunk_bytes=10 * small_spec.bytes_per_sample)
+    assert order == [(13, 23), (23, 33), (33, 40), (0, 10), (10, 13)]
+    assert_blocks_equal(buf.complete_snapshot(snap), expected)

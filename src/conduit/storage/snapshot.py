@@ -182,13 +182,16 @@ class RowSnapshot:
             a = b
 
     def copy_ahead(self, *, chunk_bytes: int = 1 << 20, duty: float = 1.0) -> None:
-        """Set every row aside now, a chunk at a time, racing ahead of the writes (a second
-        buffer: :meth:`stream_rows` then reads only the copies). Each chunk is copied without
-        the lock and merged under it into the rows no write set aside meanwhile, so the lock
-        is held for one chunk's memory copy from a hot buffer.
+        """Set every row aside now, racing ahead of the writes (a second buffer:
+        :meth:`stream_rows` then reads only the copies). Rows go in ring order from the write
+        cursor, the next ones a write overwrites, all fields of a chunk of rows together, so
+        the copy stays ahead of writes slower than memory and they rarely copy anything
+        themselves. Each chunk is copied without the lock and merged under it into the rows
+        no write set aside meanwhile, so the lock is held for one chunk's memory copy from a
+        hot buffer.
 
         Args:
-            chunk_bytes: Bytes per chunk.
+            chunk_bytes: Bytes per chunk (all fields).
             duty: Fraction of the time spent copying, in ``(0, 1]``.
 
         Raises:
@@ -197,28 +200,45 @@ class RowSnapshot:
         if not 0 < duty <= 1:
             raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
         rest = 1 / duty - 1
-        for b, (_, cols) in enumerate(self._views):
+        writer = self.state.get("writer")
+        cursor = int(writer["cursor"]) if isinstance(writer, dict) else 0
+        cursor = cursor if 0 < cursor < self.size else 0
+        bounces: dict[tuple[int, str], torch.Tensor] = {}
+        row_bytes = sum(max(1, c[:1].numel() * c.element_size())
+                        for c in self._views[0][1].values()) if self._views else 1
+        rows = max(1, chunk_bytes // row_bytes)
+        for lo, hi in ((cursor, self.size), (0, cursor)):
+            for a in range(lo, hi, rows):
+                t0 = time.perf_counter()
+                self._copy_ahead_rows(a, min(hi, a + rows), bounces)
+                time.sleep(rest * (time.perf_counter() - t0))
+
+    def _copy_ahead_rows(self, first: int, stop: int,
+                         bounces: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Set aside slots ``[first, stop)`` of every field not set aside or read yet."""
+        for b, (start, cols) in enumerate(self._views):
+            n = next(iter(cols.values())).shape[0]
+            lo, hi = max(first, start) - start, min(stop, start + n) - start
+            if lo >= hi:
+                continue
             for f, col in cols.items():
                 key = (b, f)
-                n = col.shape[0]
-                row_bytes = max(1, col[:1].numel() * col.element_size())
-                rows = max(1, chunk_bytes // row_bytes)
-                bounce = torch.empty((min(rows, max(n, 1)), *col.shape[1:]), dtype=col.dtype)
-                for a in range(self._read.get(key, 0), n, rows):
-                    t0 = time.perf_counter()
-                    e = min(n, a + rows)
-                    tmp = bounce[:e - a]
-                    tmp.copy_(col[a:e])  # without the lock; rows a write changes are kept
-                    with self._lock:
-                        if self._read.get(key, 0) > a:
-                            break  # a reader passed: it needs no copies behind it
-                        mask = self._mask_of(key, col)
-                        todo = ~mask[a:e]
-                        kept = self._kept[key]
-                        for r0, r1 in ([(0, e - a)] if todo.all() else _runs(todo)):
-                            kept[a + r0:a + r1].copy_(tmp[r0:r1])
-                        mask[a:e] = True
-                    time.sleep(rest * (time.perf_counter() - t0))
+                bounce = bounces.get(key)
+                if bounce is None or bounce.shape[0] < hi - lo:
+                    bounce = bounces[key] = torch.empty((hi - lo, *col.shape[1:]),
+                                                        dtype=col.dtype)
+                tmp = bounce[:hi - lo]
+                tmp.copy_(col[lo:hi])  # without the lock; rows a write changes are kept
+                with self._lock:
+                    a = max(lo, self._read.get(key, 0))  # a reader needs no rows behind it
+                    if a >= hi:
+                        continue
+                    mask = self._mask_of(key, col)
+                    todo = ~mask[a:hi]
+                    kept = self._kept[key]
+                    for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
+                        kept[a + r0:a + r1].copy_(tmp[a - lo + r0:a - lo + r1])
+                    mask[a:hi] = True
 
     def stream_ids(self, name: str) -> Iterator[np.ndarray]:
         """The id array ``name`` as it was at the instant, in one chunk (copied now if no
