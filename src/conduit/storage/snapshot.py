@@ -83,12 +83,7 @@ class RowSnapshot:
     def preserve(self, first: int, stop: int) -> None:
         """Copy aside the rows of slots ``[first, stop)`` the reader has not reached; call
         under the buffer's lock before they change."""
-        stop = min(stop, self.size)
-        for b, (start, cols) in enumerate(self._views):
-            n = next(iter(cols.values())).shape[0]
-            lo, hi = max(first, start) - start, min(stop, start + n) - start
-            if lo >= hi:
-                continue
+        for b, cols, lo, hi in self._block_ranges(first, min(stop, self.size)):
             for f, col in cols.items():
                 key = (b, f)
                 a = max(lo, self._read.get(key, 0))
@@ -99,6 +94,16 @@ class RowSnapshot:
                 for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
                     self._kept[key][a + r0:a + r1].copy_(col[a + r0:a + r1])
                 mask[a:hi] = True
+
+    def _block_ranges(self, first: int, stop: int
+                      ) -> Iterator[tuple[int, dict[str, torch.Tensor], int, int]]:
+        """``(block, columns, lo, hi)``: the block-local rows ``[lo, hi)`` of each block that
+        slots ``[first, stop)`` cover."""
+        for b, (start, cols) in enumerate(self._views):
+            n = next(iter(cols.values())).shape[0]
+            lo, hi = max(first, start) - start, min(stop, start + n) - start
+            if lo < hi:
+                yield b, cols, lo, hi
 
     def _mask_of(self, key: tuple[int, str], col: torch.Tensor) -> np.ndarray:
         """The kept-rows mask of ``key``, with its memory for kept rows made on first use."""
@@ -216,11 +221,7 @@ class RowSnapshot:
     def _copy_ahead_rows(self, first: int, stop: int,
                          bounces: dict[tuple[int, str], torch.Tensor]) -> None:
         """Set aside slots ``[first, stop)`` of every field not set aside or read yet."""
-        for b, (start, cols) in enumerate(self._views):
-            n = next(iter(cols.values())).shape[0]
-            lo, hi = max(first, start) - start, min(stop, start + n) - start
-            if lo >= hi:
-                continue
+        for b, cols, lo, hi in self._block_ranges(first, stop):
             for f, col in cols.items():
                 key = (b, f)
                 bounce = bounces.get(key)
