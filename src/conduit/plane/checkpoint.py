@@ -103,7 +103,7 @@ def _layout(plane: ExperienceDataPlane, state: StateDict,
             "spec": plane.spec.to_dict(),
             "rollout_spec": cfg.rollout_spec.to_dict() if cfg.rollout_spec else None,
             "sampler": {"kind": type(sampler).__name__, "config": sampler.config()},
-            "schedule": state.get("schedule", plane.schedule.to_dict()),
+            "schedule": state["schedule"],
             "placement": plane.buffer.placement.to_dict(),
             "rows": rows, "state": _to_parts(state, "state", parts)}
     return meta, parts

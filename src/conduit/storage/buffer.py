@@ -15,7 +15,7 @@ from conduit.storage import compiled
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
-from conduit.storage.snapshot import Blocks, RowSnapshot
+from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
@@ -287,8 +287,7 @@ class ExperienceBuffer:
             ConfigError: ``duty`` is outside ``(0, 1]``.
         """
         try:
-            if not 0 < duty <= 1:
-                raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+            sleep_share(duty)  # checked here too: an empty snapshot reads no column
             blocks = snap.materialize(chunk_bytes=chunk_bytes, duty=duty)
             for name in ("row_id", "delivered_id"):
                 snap.state[name] = torch.from_numpy(snap.ids(name))

@@ -17,6 +17,17 @@ Blocks = list[tuple[int, dict[str, torch.Tensor]]]
 """``(first slot, field -> column)`` per part of a store (one per shard)."""
 
 
+def sleep_share(duty: float) -> float:
+    """Seconds to sleep per second of work so that work takes ``duty`` of the time.
+
+    Raises:
+        ConfigError: ``duty`` is outside ``(0, 1]``.
+    """
+    if not 0 < duty <= 1:
+        raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+    return 1 / duty - 1
+
+
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """``[start, stop)`` of every run of True in ``mask``."""
     edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
@@ -144,20 +155,18 @@ class RowSnapshot:
             ConfigError: ``duty`` is outside ``(0, 1]``, or the column was read out already
                 (each is read once: rows behind a reader are no longer kept).
         """
-        if not 0 < duty <= 1:
-            raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
+        rest = sleep_share(duty)
         key = (block, field)
         with self._lock:
             if key in self._read:
                 raise ConfigError("field", f"rows/{block}/{field} of this snapshot is read out "
                                            f"already; each column is read once")
             self._read[key] = 0
-        rest = 1 / duty - 1
         col = self._views[block][1][field]
         n = col.shape[0]
         row_bytes = max(1, col[:1].numel() * col.element_size())
         rows = max(1, chunk_bytes // row_bytes)
-        bounce = torch.empty((min(rows, max(n, 1)), *col.shape[1:]), dtype=col.dtype)
+        bounce: torch.Tensor | None = None  # made at the first chunk not all set aside
         a = 0
         while a < n:
             t0 = time.perf_counter()
@@ -170,6 +179,8 @@ class RowSnapshot:
             if whole:  # all set aside: those copies never change again
                 out = self._kept[key][a:b]
             else:
+                if bounce is None:
+                    bounce = torch.empty((min(rows, n), *col.shape[1:]), dtype=col.dtype)
                 out = bounce[:b - a]
                 # Copied without the lock, so a write never waits for it: a write that
                 # changes one of these rows meanwhile copies its old value aside first (this
@@ -202,9 +213,7 @@ class RowSnapshot:
         Raises:
             ConfigError: ``duty`` is outside ``(0, 1]``.
         """
-        if not 0 < duty <= 1:
-            raise ConfigError("duty", f"must be in (0, 1], got {duty!r}")
-        rest = 1 / duty - 1
+        rest = sleep_share(duty)
         writer = self.state.get("writer")
         cursor = int(writer["cursor"]) if isinstance(writer, dict) else 0
         cursor = cursor if 0 < cursor < self.size else 0
