@@ -1,6 +1,8 @@
 """GRPO's experience path on an on-policy plane, without any trainer library."""
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -136,12 +138,98 @@ def test_logprob_sources_run_in_delivery_except_the_skipped_first(epochs):
     assert len(seen) == M * epochs - skipped
 
 
+def _gated(seen, **kw):
+    def logps(pids, pmask, cids, cmask):
+        seen.append(threading.current_thread().name)
+        return cids.to(torch.float32) * 0.5
+
+    src = LogProbSource("old_per_token_logps", logps, skip_first=1)
+    return _path(**{"num_epochs": 1, "logprobs": [src], "gate_prefetch": True, **kw})
+
+
+def _push_iteration(path, it=0):
+    groups = _groups(it)
+    order = torch.randperm(G * GROUPS, generator=torch.Generator().manual_seed(it))
+    path.begin_iteration(order, prompt_width=max(len(p[0]) for p, _ in groups))
+    for prompts, comps in groups:
+        path.push_group(prompt_ids=prompts, completion_ids=comps)
+
+
+def test_gated_prefetch_starts_only_once_the_update_begins():
+    seen = []
+    with _gated(seen) as path:
+        _push_iteration(path)
+        first = path.pull()  # assembled by the learner's own pull: needs no log-probs
+        time.sleep(0.3)  # the learner's own work between pull and update
+        assert seen == [] and "old_per_token_logps" not in first
+        path.update_started()
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["conduit-delivery"]  # prefetched on the worker during the update
+        second = path.pull()
+        assert torch.equal(second["old_per_token_logps"], second["completion_ids"].float() * 0.5)
+
+
+def test_gated_pulls_without_update_started_get_the_same_minibatches():
+    seen = []
+    with _gated(seen) as gated, _gated([], gate_prefetch=False) as plain:
+        for it in range(2):
+            _push_iteration(gated, it)
+            _push_iteration(plain, it)
+            for _ in range(M):  # no update_started: a pull that finds nothing lets it go
+                x, y = gated.pull(), plain.pull()
+                assert x.keys() == y.keys()
+                assert all(torch.equal(x[k], y[k]) for k in x)
+        assert len(seen) == 2 * (M - 1)
+
+
+def test_close_lets_a_gated_delivery_go():
+    seen = []
+    path = _gated(seen)
+    _push_iteration(path)
+    path.pull()
+    time.sleep(0.1)  # the worker holds the next mini-batch and waits for update_started
+    t0 = time.monotonic()
+    path.close()
+    assert time.monotonic() - t0 < 10
+    assert path.plane.closed
+
+
+def test_groups_pushed_together_are_scored_once_and_delivered_as_if_pushed_one_by_one():
+    calls = []
+
+    def score(payload, prompt_ids, completion_ids):
+        calls.append(len(completion_ids))
+        return _score(payload, prompt_ids, completion_ids)
+
+    with _path() as one, _path(score=score) as together:
+        want = _run(one)
+        for it in range(2):
+            order = torch.randperm(G * GROUPS, generator=torch.Generator().manual_seed(it))
+            groups = _groups(it)
+            together.begin_iteration(order, prompt_width=max(len(p[0]) for p, _ in groups))
+            together.push_groups(prompt_ids=[p for ps, _ in groups for p in ps],
+                                 completion_ids=[c for _, cs in groups for c in cs])
+            got = [together.pull() for _ in range(M * 2)]
+            for a, b in zip(want[it][2], got):
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[k], b[k]) for k in a)
+        assert calls == [G * GROUPS, G * GROUPS]  # one scorer call per push
+
+
 def test_bad_groups_get_typed_errors():
     with _path() as path:
         path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
-        with pytest.raises(SpecError, match="expected group_size=4") as err:
+        with pytest.raises(SpecError, match="multiple of group_size=4") as err:
             path.push_group(prompt_ids=[[1]] * 3, completion_ids=[[2]] * 3)
+        assert err.value.field == "completion_ids"
+        with pytest.raises(SpecError, match="3 prompts for 4 completions") as err:
+            path.push_group(prompt_ids=[[1]] * 3, completion_ids=[[2]] * G)
         assert err.value.field == "prompt_ids"
+        with pytest.raises(SpecError, match="dtype") as err:
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2.5]] * G)
+        assert err.value.field == "completion_ids"
         with pytest.raises(SpecError, match="length 0") as err:
             path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2], [], [2], [2]])
         assert err.value.field == "completion_ids"

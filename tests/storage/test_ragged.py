@@ -54,6 +54,24 @@ def test_padded_to_the_longest_row_of_the_read():
         store.padded("tokens", slots, side="middle")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_with_mask_marks_the_values(dtype, side):
+    store = RaggedStore(fields={"x": RaggedFieldSpec(dtype, max_length=8)}, capacity=8)
+    rows = [torch.arange(1, n + 1).to(dtype) for n in (3, 1, 5, 2)]
+    store.extend({"x": rows})
+    slots = torch.tensor([2, 0, 1])
+    out, mask = store.padded_with_mask("x", slots, pad_value=0, side=side, width=6)
+    assert out.dtype == dtype and out.shape == mask.shape == (3, 6) and mask.dtype == torch.bool
+    for i, s in enumerate(slots.tolist()):
+        n = rows[s].numel()
+        got, pad = (out[i, 6 - n:], out[i, :6 - n]) if side == "left" else (out[i, :n],
+                                                                            out[i, n:])
+        assert torch.equal(got, rows[s]) and not bool(pad.any())
+        assert int(mask[i].sum()) == n and bool(mask[i, 6 - n:].all() if side == "left"
+                                                 else mask[i, :n].all())
+
+
 def test_pools_grow_and_clear_keeps_capacity():
     store = _store(capacity=4, max_length=64)
     store.extend(_rows([64, 64, 64, 64]))  # beyond the initial pool of 4 x 4 elements

@@ -5,8 +5,9 @@ group-normalized advantage of GRPO (TRL's ``sum_then_normalize``, verl's
 ``compute_grpo_outcome_advantage`` with ``norm_adv_by_std_in_grpo``), so a trainer computes
 them on one group as it arrives. :class:`GroupExperiencePath` then runs the path:
 
-* ingestion, once per arriving group: score it, compute its advantages, and pack its prompt and
-  completion tokens into a :class:`~conduit.storage.ragged.RaggedStore` (no padding);
+* ingestion, once per arrival (one group, or the groups a generator returns together): score
+  them in one call, compute their advantages, and pack their prompt and completion tokens into
+  a :class:`~conduit.storage.ragged.RaggedStore` (no padding);
 * delivery, once per mini-batch: slice the iteration in the trainer's order, pad to the
   mini-batch's longest completion, compute the log-probs it needs (old policy, reference), and
   move it to the learner's device; with overlapped delivery it runs during the previous update.
@@ -17,15 +18,17 @@ lengths); the tokens stay ragged. Framework code (TRL, verl) lives in the integr
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
-from conduit.errors import ConfigError, SpecError, StateError
+from conduit.errors import ConfigError, EmptyBufferError, SpecError, StateError
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule
 from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec
@@ -58,6 +61,14 @@ def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     return rewards
 
 
+@functools.lru_cache(maxsize=16)
+def _bessel(n: int) -> torch.Tensor:
+    """Bessel's correction ``n / (n - 1)`` for ``n`` values, as nanstd's int64 division gives
+    it (float32)."""
+    count = torch.tensor([n], dtype=torch.int64)
+    return count / (count - 1)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, *,
                      scale: ScaleRewards = "group") -> torch.Tensor:
     """Group-normalized advantages: each reward minus its group's mean, divided by the group's
@@ -77,13 +88,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
         raise SpecError("rewards", f"{tuple(rewards.shape)} does not split into groups of "
                                    f"{group_size} completions")
     grouped = rewards.view(-1, group_size)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size, dim=0)
-    adv = rewards - mean
-    if scale == "group":
-        std = (nanstd(grouped, dim=1) if group_size > 1
-               else torch.zeros(grouped.shape[0], dtype=rewards.dtype, device=rewards.device))
-        adv = adv / (std.repeat_interleave(group_size, dim=0) + ADV_EPS)
-    return torch.nan_to_num(adv, nan=0.0)
+    adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    if scale == "group" and group_size > 1:  # nanstd's steps, sharing the mean
+        var = torch.nanmean(adv ** 2, dim=1, keepdim=True)
+        if bool(torch.isnan(grouped).any()):
+            count = torch.sum(~torch.isnan(grouped), dim=1, keepdim=True)
+            corr = torch.where(count > 1, count / (count - 1),
+                               torch.full_like(count / 1.0, float("nan")))
+        else:  # every group full: one correction, computed as nanstd computes it
+            corr = _bessel(group_size).to(rewards.device)
+        adv = adv / (torch.sqrt(var * corr) + ADV_EPS)
+    elif scale == "group":  # one completion per group: a standard deviation of zero
+        adv = adv / ADV_EPS
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
 class OrderedFifoSampler(FifoSampler):
@@ -125,9 +142,13 @@ class LogProbSource:
 
 
 @dataclass
-class _Group:
-    prompt_ids: list[Sequence[int]]
-    completion_ids: list[Sequence[int]]
+class _Unit:
+    """Groups pushed together: the sequences as given (for the scorer) and packed."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    completion_ids: Sequence[Sequence[int]]
+    prompts: tuple[torch.Tensor, torch.Tensor]
+    completions: tuple[torch.Tensor, torch.Tensor]
     payload: Any
 
 
@@ -142,8 +163,9 @@ class GroupExperiencePath:
         max_prompt_length: Longest prompt, in tokens.
         max_completion_length: Longest completion, in tokens.
         pad_token_id: Token that pads ids.
-        score: ``score(payload, prompt_ids, completion_ids)`` -> rewards of one group, shape
-            (G,), NaN for unscorable completions. Runs in ingestion.
+        score: ``score(payload, prompt_ids, completion_ids)`` -> rewards of the groups of one
+            push, shape (k × G,), NaN for unscorable completions. Runs in ingestion, once per
+            push (:meth:`push_group` or :meth:`push_groups`).
         scale_rewards: ``"group"`` or ``"none"`` (see :func:`group_advantages`).
         logprobs: Log-probs computed per mini-batch in delivery.
         pad_completions_to: ``"minibatch"`` (its longest completion) or ``"iteration"``.
@@ -152,6 +174,12 @@ class GroupExperiencePath:
             delivery overlapped, one mini-batch per invocation, so the next mini-batch is
             prepared during the update).
         timeout: Seconds a push or pull may wait.
+        gate_prefetch: A prefetched mini-batch's delivery (gather, padding, log-prob passes)
+            starts only once the learner has begun the update before it
+            (:meth:`update_started`), or when a :meth:`pull` finds nothing staged; never
+            while the learner does its own work between two updates, where it would only
+            compete with it for the cores and the interpreter. The trainer calls
+            :meth:`update_started` as each update begins.
 
     Raises:
         ConfigError: An argument is invalid.
@@ -164,7 +192,7 @@ class GroupExperiencePath:
                  logprobs: Sequence[LogProbSource] = (),
                  pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
                  learner_device: str | torch.device = "cpu", schedule: Schedule | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, gate_prefetch: bool = False) -> None:
         for name, v in (("group_size", group_size), ("groups", groups),
                         ("num_minibatches", num_minibatches), ("num_epochs", num_epochs)):
             if not isinstance(v, int) or v < 1:
@@ -189,8 +217,11 @@ class GroupExperiencePath:
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
             capacity=rows)
         self._ragged_lock = threading.Lock()
+        self._permit = threading.Event()  # set: the next prefetched delivery may start
+        self._pulling = threading.local()  # set on the learner's thread inside pull()
+        self._gated, self._closing, self._timeout = bool(gate_prefetch), False, float(timeout)
         spec = ExperienceSpec.of(row=((), torch.int64), slot=((), torch.int64),
-                                 advantage=((), torch.float32), reward=((), torch.float32))
+                                 advantage=((), torch.float32))
         self._sampler = OrderedFifoSampler(num_minibatches=num_minibatches)
         m = num_minibatches
         self.plane = ExperienceDataPlane(
@@ -201,8 +232,9 @@ class GroupExperiencePath:
         self.plane.register_ingestion()(self._ingest)
         self.plane.register_delivery()(self._deliver)
         self.iteration = -1
-        self._groups: dict[int, _Group] = {}
+        self._units: dict[int, _Unit] = {}
         self._part_of = torch.zeros(rows, dtype=torch.int64)
+        self._position_part = torch.arange(rows) // (rows // num_minibatches)
         self._prompt_width = 0
         self._pushed = 0
         self._rewards = torch.full((rows,), float("nan"))
@@ -220,53 +252,99 @@ class GroupExperiencePath:
             SpecError: ``order`` is not a permutation of the iteration's rows.
         """
         order = torch.as_tensor(order, dtype=torch.int64).reshape(-1).cpu()
-        if order.numel() != self.rows or not torch.equal(order.sort().values,
-                                                         torch.arange(self.rows)):
+        try:  # a permutation: every row counted once (bincount refuses negative rows)
+            counts = np.bincount(order.numpy(), minlength=self.rows)
+        except ValueError:
+            counts = np.zeros(0)
+        if order.numel() != self.rows or counts.size != self.rows or not counts.all():
             raise SpecError("order", f"expected a permutation of {self.rows} rows")
         if self.iteration >= 0 and self.plane.policy_version <= self.iteration:
             raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
                                           f"to pull")
         self.iteration += 1
+        if not self._closing:  # generation is over and the learner is not updating
+            self._permit.clear()
         self._sampler.set_order(self.iteration, order)
-        for k, part in enumerate(torch.tensor_split(order, self.num_minibatches)):
-            self._part_of[part] = k
+        self._part_of[order] = self._position_part  # equal parts, in delivery order
         with self._ragged_lock:
             self.ragged.clear()
-        self._groups, self._pushed, self._prompt_width = {}, 0, int(prompt_width)
+        self._units, self._pushed, self._prompt_width = {}, 0, int(prompt_width)
         self._rewards = torch.full((self.rows,), float("nan"))
         self._advantages = torch.zeros(self.rows)
 
     def push_group(self, *, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], payload: Any = None) -> None:
-        """Hand one group (G completions of one prompt, in generation order) to ingestion.
+        """Hand one group (G completions of one prompt, in generation order) to ingestion;
+        :meth:`push_groups` with one group.
 
         Raises:
-            SpecError: The group does not hold ``group_size`` completions, a completion is
-                empty or longer than ``max_completion_length``, or the iteration is full.
+            SpecError: See :meth:`push_groups`.
         """
-        g = self._pushed // self.group_size
-        for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
-            if len(seqs) != self.group_size:
-                raise SpecError(name, f"group {g} has {len(seqs)} sequences, expected "
-                                      f"group_size={self.group_size}")
-        if self._pushed + self.group_size > self.rows:
-            raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups; "
-                                  f"call begin_iteration for the next one")
-        for name, seqs in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
-            self.ragged.fields[name].validate(seqs, field=name, what=f"group {g}")
-        if any(len(p) > self._prompt_width for p in prompt_ids):
-            raise SpecError("prompt_ids", f"group {g} has a prompt longer than the iteration's "
+        self.push_groups(prompt_ids=prompt_ids, completion_ids=completion_ids, payload=payload)
+
+    def push_groups(self, *, prompt_ids: Sequence[Sequence[int]],
+                    completion_ids: Sequence[Sequence[int]], payload: Any = None) -> None:
+        """Hand whole groups that arrived together (k × G completions, group after group, in
+        generation order) to ingestion as one unit: one ``score`` call covers them all.
+
+        Raises:
+            SpecError: The completions do not split into whole groups, the prompts do not
+                match them one to one, a sequence is empty or longer than its maximum, a
+                prompt is wider than the iteration's ``prompt_width``, or the iteration is
+                full.
+        """
+        first = self._pushed // self.group_size
+        n = len(completion_ids)
+        if n == 0 or n % self.group_size:
+            raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
+                                              f"expected a multiple of group_size="
+                                              f"{self.group_size}")
+        if len(prompt_ids) != n:
+            raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} prompts "
+                                          f"for {n} completions")
+        if self._pushed + n > self.rows:
+            raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups and "
+                                  f"{self._pushed // self.group_size} are pushed; call "
+                                  f"begin_iteration for the next one")
+        what = f"groups {first}..{first + n // self.group_size - 1}"
+        prompts = self.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
+                                                            what=what)
+        completions = self.ragged.fields["completion_ids"].validate(
+            completion_ids, field="completion_ids", what=what)
+        if int(prompts[1].max()) > self._prompt_width:
+            raise SpecError("prompt_ids", f"{what} hold a prompt longer than the iteration's "
                                           f"prompt_width {self._prompt_width}")
-        self._groups[g] = _Group(list(prompt_ids), list(completion_ids), payload)
-        rows = torch.arange(self._pushed, self._pushed + self.group_size)
-        self._pushed += self.group_size
+        self._units[self._pushed] = _Unit(prompt_ids, completion_ids, prompts, completions,
+                                          payload)
+        rows = torch.arange(self._pushed, self._pushed + n)
+        self._pushed += n
         self.plane.push({"row": rows}, policy_version=self.iteration)
 
     def pull(self) -> Batch:
         """The next mini-batch: ``prompt_ids``/``prompt_mask`` (left-padded),
         ``completion_ids``/``completion_mask`` (right-padded), ``advantages``, the
-        :class:`LogProbSource` keys it needs, and ``row`` (its rows in generation order)."""
-        return self.plane.pull()
+        :class:`LogProbSource` keys it needs, and ``row`` (its rows in generation order).
+
+        Raises:
+            EmptyBufferError, OperatorError, PlaneClosedError: As
+                :meth:`ExperienceDataPlane.pull`.
+        """
+        if not self._gated:
+            return self.plane.pull()
+        self._pulling.active = True  # a delivery this thread runs itself never waits
+        try:
+            try:
+                return self.plane.pull(timeout=0)
+            except EmptyBufferError:
+                self._permit.set()  # the learner waits: the next delivery costs it nothing
+                return self.plane.pull()
+        finally:
+            self._pulling.active = False
+
+    def update_started(self) -> None:
+        """The learner began its update on the mini-batch it pulled last: with
+        ``gate_prefetch``, the next mini-batch's delivery may start now."""
+        self._permit.set()
 
     def flush(self) -> None:
         """Ingest every pushed group now."""
@@ -288,49 +366,69 @@ class GroupExperiencePath:
             return self.ragged.tokens("completion_ids")
 
     def close(self) -> None:
-        """Stop the plane's workers."""
+        """Stop the plane's workers (a delivery waiting for :meth:`update_started` is let
+        go)."""
+        self._closing = True
+        self._permit.set()
         self.plane.close()
 
     # -- operators ----------------------------------------------------------------------------
 
     def _ingest(self, actor_in: Any, exp_out: Any) -> None:
-        for unit in actor_in.read_units():
-            rows = unit["row"]
-            g = int(rows[0]) // self.group_size
-            grp = self._groups[g]
-            rewards = torch.as_tensor(self._score(grp.payload, grp.prompt_ids,
-                                                  grp.completion_ids), dtype=torch.float32)
-            if rewards.shape != (self.group_size,):
-                raise SpecError("rewards", f"group {g}: the scorer returned shape "
-                                           f"{tuple(rewards.shape)}, expected "
-                                           f"({self.group_size},)")
-            adv = group_advantages(rewards, self.group_size, scale=self.scale_rewards)
-            with self._ragged_lock:
-                slots = self.ragged.extend({"prompt_ids": grp.prompt_ids,
-                                            "completion_ids": grp.completion_ids})
-            self._rewards[rows], self._advantages[rows] = rewards, adv
-            exp_out.write({"row": rows, "slot": slots, "advantage": adv, "reward": rewards})
+        units = [(int(u["row"][0]), u["row"]) for u in actor_in.read_units()]
+        if not units:
+            return
+        rewards = []
+        for first, rows in units:
+            unit = self._units[first]
+            r = torch.as_tensor(self._score(unit.payload, unit.prompt_ids, unit.completion_ids),
+                                dtype=torch.float32)
+            if r.shape != (rows.numel(),):
+                raise SpecError("rewards", f"groups from {first // self.group_size}: the scorer "
+                                           f"returned shape {tuple(r.shape)}, expected "
+                                           f"({rows.numel()},)")
+            rewards.append(r)
+        rows = torch.cat([r for _, r in units]) if len(units) > 1 else units[0][1]
+        reward = torch.cat(rewards) if len(rewards) > 1 else rewards[0]
+        adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
+        packed = {name: tuple(torch.cat(parts) for parts in zip(
+            *(getattr(self._units[first], attr) for first, _ in units)))
+            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
+        with self._ragged_lock:
+            slots = self.ragged.extend_packed(packed)
+        self._rewards[rows], self._advantages[rows] = reward, adv
+        exp_out.write({"row": rows, "slot": slots, "advantage": adv})
+
+    def _wait_for_permit(self) -> None:
+        """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
+        (or waits in :meth:`pull`), and takes that permission."""
+        if not self._gated or getattr(self._pulling, "active", False):
+            return
+        if not self._permit.wait(self._timeout):
+            raise StateError("update_started", f"the learner neither began an update nor "
+                                               f"waited in pull() within {self._timeout}s; "
+                                               f"with gate_prefetch, call update_started() as "
+                                               f"each update begins")
+        if not self._closing:
+            self._permit.clear()
 
     def _deliver(self, exp_in: Any, learn_out: Any) -> None:
+        self._wait_for_permit()
         rows = exp_in.read()
         if not torch.equal(rows["row"], rows["_index"]):
             raise StateError("row", "buffer slots and generation rows disagree (groups were "
                                     "ingested out of order)")
         slots = rows["slot"]
         with self._ragged_lock:
-            prompt_ids = self.ragged.padded("prompt_ids", slots, pad_value=self.pad_token_id,
-                                            side="left", width=self._prompt_width)
-            plen = self.ragged.lengths("prompt_ids", slots)
+            prompt_ids, prompt_mask = self.ragged.padded_with_mask(
+                "prompt_ids", slots, pad_value=self.pad_token_id, side="left",
+                width=self._prompt_width)
             width = None
             if self.pad_completions_to == "iteration":
                 width = int(self.ragged.lengths("completion_ids").max())
-            completion_ids = self.ragged.padded("completion_ids", slots,
-                                                pad_value=self.pad_token_id, width=width)
-            clen = self.ragged.lengths("completion_ids", slots)
-        cols = torch.arange(completion_ids.shape[1])
-        completion_mask = (cols.unsqueeze(0) < clen.unsqueeze(1)).long()
-        pcols = torch.arange(prompt_ids.shape[1])
-        prompt_mask = (pcols.unsqueeze(0) >= (prompt_ids.shape[1] - plen).unsqueeze(1)).long()
+            completion_ids, completion_mask = self.ragged.padded_with_mask(
+                "completion_ids", slots, pad_value=self.pad_token_id, width=width)
+        prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                "completion_ids": completion_ids, "completion_mask": completion_mask,
                "advantages": rows["advantage"], "row": rows["row"]}

@@ -219,6 +219,15 @@ class Flow(abc.ABC):
     def delivery_units(self, job: DeliveryJob) -> float:
         """The granularity a delivery invocation processed, for the timings."""
 
+    def caller_delivers_locked(self) -> bool:
+        """Whether, under overlapped delivery, a waiting ``pull`` runs the next delivery
+        invocation itself instead of waiting for the worker."""
+        return False
+
+    def worker_delivers_locked(self) -> bool:
+        """Whether the delivery worker may take the next invocation."""
+        return True
+
     def stage_locked(self, batches: list[Batch], generation: int, event: Any) -> None:
         """Put a finished invocation's training batches on the stage."""
         self.staged.extend(Staged(b, generation, event) for b in batches)
@@ -404,7 +413,8 @@ class OnPolicyFlow(Flow):
                         needed=self.iter_written_rows + n, available=cap)
                 start = self.iter_written_rows
                 self.iter_written_rows += n
-                plan = start == 0 and self._wants_early()
+                # one write that lands the whole iteration leaves nothing to assemble early
+                plan = start == 0 and n < cap and self._wants_early()
                 version = self.policy_version
             # Planned outside the lock (a permutation of the iteration's rows); the iteration
             # cannot end meanwhile, since its last batch needs this write.
@@ -431,13 +441,31 @@ class OnPolicyFlow(Flow):
             with self.signals.lock:
                 self.iter_landed_rows += n
                 self.counters["ingested_rows"] += n
-                self.signals.wake(callers=True, delivery=True)
+                # the worker takes nothing before the caller's first mini-batch is drawn
+                self.signals.wake(callers=True,
+                                  delivery=not (self.first_by_caller and self.drawn_in_iter == 0))
 
     def _wants_early(self) -> bool:
         """Assemble the first mini-batches while rows arrive only when delivery is overlapped
         (it stages them first) and the rows live in host memory."""
         return bool(self.schedule.overlap_del) and all(
             torch.device(d).type == "cpu" for d in self.buffer.placement.devices)
+
+    @property
+    def first_by_caller(self) -> bool:
+        """With inline ingestion and overlapped delivery, the learner's own ``pull`` assembles
+        each iteration's first mini-batch, and the worker prefetches from the second on, once
+        the first is staged (docs/design.md §2)."""
+        return bool(self.schedule.overlap_del) and not self.schedule.overlap_ing
+
+    def caller_delivers_locked(self) -> bool:
+        return self.first_by_caller and self.drawn_in_iter == 0
+
+    def worker_delivers_locked(self) -> bool:
+        if not self.first_by_caller:
+            return True
+        first_pending = self.drawn_in_iter == 1 and not (self.delivered_in_iter or self.staged)
+        return self.drawn_in_iter > 0 and not first_pending
 
     @property
     def prefetch_bound(self) -> int:

@@ -197,11 +197,13 @@ class ThreadedDelivery(InlineDelivery):
     thread_name = "conduit-delivery"
 
     def take_locked(self) -> DeliveryJob | None:
-        """None: the worker stages batches; the caller waits for them."""
-        return None
+        """A job for the caller only where the flow hands it one (an on-policy iteration's
+        first mini-batch under inline ingestion); otherwise None: the worker stages batches
+        and the caller waits for them."""
+        return self.rt.take_delivery_locked() if self.rt.flow.caller_delivers_locked() else None
 
     def _take_locked(self) -> DeliveryJob | None:
-        return self.rt.take_delivery_locked()
+        return self.rt.take_delivery_locked() if self.rt.flow.worker_delivers_locked() else None
 
     def _wait_locked(self) -> None:
         self.rt.signals.delivery.wait(1.0)  # wake-ups drive progress; the timeout is a backstop

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigError, SpecError, StateError
@@ -89,6 +90,35 @@ class RaggedStore:
             elif lens.numel() != n:
                 raise SpecError(name, f"has {lens.numel()} rows but the other fields have {n}")
             packed[name] = (values, lens)
+        return self.extend_packed(packed)
+
+    def extend_packed(self, packed: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor:
+        """Append rows already checked and packed by
+        :meth:`~conduit.spec.RaggedFieldSpec.validate`: per field, the values end to end and
+        the int64 lengths.
+
+        Returns:
+            The rows' slots.
+
+        Raises:
+            SpecError: A field is missing or unknown, lengths and values disagree, or the
+                values have another dtype.
+            CapacityError: More rows than ``capacity`` since the last :meth:`clear`.
+        """
+        if set(packed) != set(self.fields):
+            raise SpecError(None, f"packed rows have fields {sorted(packed)}, the store has "
+                                  f"{sorted(self.fields)}")
+        n: int | None = None
+        for name, (values, lens) in packed.items():
+            if n is None:
+                n = int(lens.numel())
+            if lens.numel() != n or values.dim() != 1 or int(lens.sum()) != values.numel():
+                raise SpecError(name, "packed lengths and values disagree, or fields disagree "
+                                      "on rows")
+            if values.dtype != self.fields[name].dtype:
+                raise SpecError(name, f"packed values have dtype {values.dtype}, expected "
+                                      f"{self.fields[name].dtype}")
         assert n is not None
         if self._rows + n > self.capacity:
             raise CapacityError(f"the ragged store holds {self.capacity} rows, {self._rows} are "
@@ -126,26 +156,45 @@ class RaggedStore:
             SpecError: ``width`` is shorter than one of the rows.
             ConfigError: ``side`` is neither "left" nor "right".
         """
+        return self.padded_with_mask(name, slots, pad_value=pad_value, side=side,
+                                     width=width)[0]
+
+    def padded_with_mask(self, name: str, slots: torch.Tensor, *, pad_value: float | int = 0,
+                         side: Side = "right", width: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`padded`, and its boolean mask (True where a value is, False on padding).
+
+        Raises:
+            SpecError: ``width`` is shorter than one of the rows.
+            ConfigError: ``side`` is neither "left" nor "right".
+        """
         if side not in ("left", "right"):
             raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
-        slots = self._slots(slots)
-        off, pool = self._offsets[self._field(name)], self._pools[name]
-        starts, lens = off[slots], off[slots + 1] - off[slots]
-        longest = int(lens.max()) if lens.numel() else 0
+        # numpy: a mini-batch is a few hundred values, where torch's per-op overhead dominates
+        s = self._slots(slots).numpy()
+        off = self._offsets[self._field(name)].numpy()
+        pool = self._pools[name]
+        starts = off[s]
+        lens = off[s + 1] - starts
+        longest = int(lens.max()) if lens.size else 0
         w = longest if width is None else width
         if w < longest:
             raise SpecError(name, f"a row of length {longest} does not fit width {w}")
-        col = torch.arange(w, dtype=torch.int64)
-        if side == "right":
-            pos = col.unsqueeze(0)
-            valid = pos < lens.unsqueeze(1)
-        else:
-            pos = col.unsqueeze(0) - (w - lens).unsqueeze(1)
-            valid = pos >= 0
-        src = torch.where(valid, starts.unsqueeze(1) + pos, 0)
+        col = np.arange(w, dtype=np.int64)[None, :]
+        pos = col if side == "right" else col - (w - lens)[:, None]
+        valid = (pos < lens[:, None]) if side == "right" else (pos >= 0)
+        src = np.where(valid, starts[:, None] + pos, 0)
+        mask = torch.from_numpy(valid)
         if not pool.numel():
-            return torch.full(src.shape, pad_value, dtype=pool.dtype)
-        return pool[src].masked_fill(~valid, pad_value)
+            return torch.full(src.shape, pad_value, dtype=pool.dtype), mask
+        try:
+            values = pool.numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+            idx = torch.from_numpy(src)
+            return pool[idx].masked_fill_(~mask, pad_value), mask
+        out = values[src]
+        out[~valid] = pad_value
+        return torch.from_numpy(out), mask
 
     def clear(self) -> None:
         """Drop every row (the pools keep their memory)."""
@@ -191,10 +240,11 @@ class RaggedStore:
         return name
 
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
-        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self._rows):
+        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        s = slots.numpy()
+        if s.size and (s.min() < 0 or s.max() >= self._rows):
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
-                                     f"{int(slots.min())}..{int(slots.max())}")
+                                     f"{int(s.min())}..{int(s.max())}")
         return slots
 
 

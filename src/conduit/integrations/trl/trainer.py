@@ -4,14 +4,14 @@ path.
 TRL prepares a whole generation batch at once: after generation it pads every sequence to the
 batch's longest, computes old (and reference) log-probs over the batch, scores it, normalizes
 advantages, shuffles and splits it, and only then starts the first update. This subclass keeps
-generation as it is and hands each group of ``num_generations`` completions to a
-:class:`~conduit.integrations.grpo.GroupExperiencePath`: ingestion scores the group, computes
-its advantages and packs its tokens without padding; delivery builds each mini-batch (padded to
-its own longest completion, with the log-probs it needs) on a background worker while the
-previous update runs. The first ``gradient_accumulation_steps`` mini-batches of a single-epoch
-iteration are trained under the policy that generated them, so their old log-probs are the
-learner's own, detached (as TRL does when generation and optimizer steps align), and need no
-forward pass.
+generation as it is and hands the groups generation returned to a
+:class:`~conduit.integrations.grpo.GroupExperiencePath`: ingestion scores them, computes each
+group's advantages and packs the tokens without padding; the learner's own pull builds the
+first mini-batch, and a background worker builds each later one (padded to its own longest
+completion, with the log-probs it needs) while the previous update runs. The first
+``gradient_accumulation_steps`` mini-batches of a single-epoch iteration are trained under the
+policy that generated them, so their old log-probs are the learner's own, detached (as TRL does
+when generation and optimizer steps align), and need no forward pass.
 
 The order of the mini-batches, the advantages and the loss are TRL's: the shuffle draws the same
 permutation from torch's RNG, right after generation (reward functions must not draw from
@@ -21,6 +21,7 @@ torch's global RNG for the two paths to match draw for draw).
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,7 @@ from trl.trainer.utils import nanstd as trl_nanstd
 from conduit.errors import ConfigError
 from conduit.integrations.grpo import GroupExperiencePath, LogProbSource, combine_rewards
 from conduit.scheduling.space import Schedule
+from conduit.storage import data_path_threads
 
 
 class ConduitGRPOTrainer(GRPOTrainer):
@@ -37,8 +39,8 @@ class ConduitGRPOTrainer(GRPOTrainer):
 
     Args:
         *args: Those of ``trl.GRPOTrainer``.
-        conduit_schedule: Schedule of the plane (default: ingestion inline once per group,
-            delivery overlapped once per mini-batch).
+        conduit_schedule: Schedule of the plane (default: ingestion inline once per arrival
+            of groups, delivery overlapped once per mini-batch).
         pad_completions_to: ``"minibatch"`` (default: each mini-batch's longest completion) or
             ``"iteration"`` (the generation batch's longest, as TRL pads).
         **kwargs: Those of ``trl.GRPOTrainer``.
@@ -61,6 +63,10 @@ class ConduitGRPOTrainer(GRPOTrainer):
         self._conduit_items: torch.Tensor | None = None
         self._conduit_per_func: torch.Tensor | None = None
         self._old_policy: torch.nn.Module | None = None
+        self._old_params: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._log_job: tuple[Any, ...] | None = None
+        self._log_future: Future[None] | None = None
+        self._log_pool: ThreadPoolExecutor | None = None
 
     def _check_supported(self) -> None:
         a = self.args
@@ -98,6 +104,8 @@ class ConduitGRPOTrainer(GRPOTrainer):
             self._old_policy = copy.deepcopy(self.model).eval()
             for p in self._old_policy.parameters():
                 p.requires_grad_(False)
+            self._old_params = (list(self._old_policy.parameters()),
+                                list(self.model.parameters()))
             skip = ga if self.num_iterations == 1 else 0
             sources.append(LogProbSource("old_per_token_logps",
                                          self._logps_of(self._old_policy), skip_first=skip))
@@ -108,10 +116,10 @@ class ConduitGRPOTrainer(GRPOTrainer):
             group_size=self.num_generations, groups=a.generation_batch_size // self.num_generations,
             num_minibatches=a.steps_per_generation, num_epochs=self.num_iterations,
             max_prompt_length=max_prompt, max_completion_length=self.max_completion_length,
-            pad_token_id=self._tokenizer.pad_token_id, score=self._score_group,
+            pad_token_id=self._tokenizer.pad_token_id, score=self._score,
             scale_rewards=self.scale_rewards, logprobs=sources,
             pad_completions_to=self._pad_completions_to, learner_device=self.accelerator.device,
-            schedule=self._conduit_schedule)
+            schedule=self._conduit_schedule, gate_prefetch=True)
 
     def _logps_of(self, model: torch.nn.Module) -> Any:
         def logps(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -126,11 +134,10 @@ class ConduitGRPOTrainer(GRPOTrainer):
             return out
         return logps
 
-    def _score_group(self, payload: Any, prompt_ids: Any, completion_ids: Any) -> torch.Tensor:
-        rows, inputs, prompts, completions = payload
+    def _score(self, payload: Any, prompt_ids: Any, completion_ids: Any) -> torch.Tensor:
+        inputs, prompts, completions = payload
         per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
-        assert self._conduit_per_func is not None
-        self._conduit_per_func[rows] = per_func.to(self._conduit_per_func.device)
+        self._conduit_per_func = per_func.cpu()
         return combine_rewards(per_func, self.reward_weights).cpu()
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
@@ -141,6 +148,7 @@ class ConduitGRPOTrainer(GRPOTrainer):
         if self._conduit is None:
             self._conduit = self._build_path()
         if self._conduit_left == 0:
+            self._wait_logs()
             self._generate_iteration(generation_batch)
         batch = self._conduit.pull()
         self._conduit_left -= 1
@@ -161,57 +169,97 @@ class ConduitGRPOTrainer(GRPOTrainer):
         order = torch.randperm(len(prompts))  # TRL's shuffle, drawn at the same point
         if self._old_policy is not None:
             with torch.no_grad():
-                for old, new in zip(self._old_policy.parameters(), self.model.parameters()):
-                    old.copy_(new)
-        n = len(prompts)
-        self._conduit_per_func = torch.zeros(n, len(self.reward_funcs))
+                torch._foreach_copy_(*self._old_params)
+        self._conduit_per_func = None
         self._conduit_items = torch.tensor(sum(len(c) for c in completion_ids),
                                            device=self.accelerator.device)
         path.begin_iteration(order, prompt_width=max(len(p) for p in prompt_ids))
-        g = self.num_generations
-        for start in range(0, n, g):
-            sl = slice(start, start + g)
-            path.push_group(prompt_ids=prompt_ids[sl], completion_ids=completion_ids[sl],
-                            payload=(torch.arange(start, start + g), inputs[sl], prompts[sl],
-                                     completions[sl]))
+        # generate() returns every group of the batch at once: they arrive, and are scored,
+        # together
+        path.push_groups(prompt_ids=prompt_ids, completion_ids=completion_ids,
+                         payload=(inputs, prompts, completions))
         path.flush()
         self._conduit_left = path.num_minibatches * path.num_epochs
         self._log_iteration(prompts, completions)
 
     def _log_iteration(self, prompts: list[Any], completions: list[Any]) -> None:
-        """The reward metrics and completion logs TRL records per generation batch."""
-        path, mode = self._conduit, "train"
+        """Set aside what TRL records per generation batch; :meth:`compute_loss` hands it to a
+        background thread as the first update begins, and :meth:`log` waits for it."""
+        path = self._conduit
         assert path is not None and self._conduit_per_func is not None
-        per_func, rewards = self._conduit_per_func, path.rewards.clone()
+        self._log_job = (prompts, completions, self._conduit_per_func, path.rewards,
+                         path.advantages, dict(self._pending_extra_logs),
+                         dict(self._pending_metrics))
+        self._pending_extra_logs.clear()
+        self._pending_metrics.clear()
+
+    def _write_logs(self, prompts: list[Any], completions: list[Any], per_func: torch.Tensor,
+                    rewards: torch.Tensor, advantages: torch.Tensor,
+                    extra_logs: dict[str, list[Any]], extra_metrics: dict[str, list[float]]
+                    ) -> None:
+        """The reward metrics and completion logs TRL records per generation batch, each
+        statistic computed as TRL computes it."""
+        mode, g = "train", self.num_generations
+        with data_path_threads(1):
+            stats = [s for i in range(per_func.shape[1])
+                     for s in (torch.nanmean(per_func[:, i]), trl_nanstd(per_func[:, i]))]
+            std = (trl_nanstd(rewards.view(-1, g), dim=1) if g > 1
+                   else torch.zeros(rewards.numel() // g))
+            zero_std = torch.isclose(std, torch.zeros_like(std))  # per group (TRL: per row)
+            stats += [torch.nanmean(rewards), trl_nanstd(rewards), zero_std.float().mean()]
+            values = torch.stack(stats).tolist()
+        metrics = self._metrics[mode]
         for i, name in enumerate(self.reward_func_names):
-            self._metrics[mode][f"rewards/{name}/mean"].append(
-                torch.nanmean(per_func[:, i]).item())
-            self._metrics[mode][f"rewards/{name}/std"].append(trl_nanstd(per_func[:, i]).item())
-        g = self.num_generations
-        std = (trl_nanstd(rewards.view(-1, g), dim=1) if g > 1
-               else torch.zeros(rewards.numel() // g)).repeat_interleave(g)
-        self._metrics[mode]["reward"].append(torch.nanmean(rewards).item())
-        self._metrics[mode]["reward_std"].append(trl_nanstd(rewards).item())
-        self._metrics[mode]["frac_reward_zero_std"].append(
-            torch.isclose(std, torch.zeros_like(std)).float().mean().item())
+            metrics[f"rewards/{name}/mean"].append(values[2 * i])
+            metrics[f"rewards/{name}/std"].append(values[2 * i + 1])
+        metrics["reward"].append(values[-3])
+        metrics["reward_std"].append(values[-2])
+        metrics["frac_reward_zero_std"].append(values[-1])
         self._logs["prompt"].extend(prompts)
         self._logs["completion"].extend(completions)
         for i, name in enumerate(self.reward_func_names):
             self._logs["rewards"][name].extend(per_func[:, i].tolist())
-        self._logs["advantages"].extend(path.advantages.tolist())
-        for column in sorted(self._pending_extra_logs):  # user-logged columns and metrics
-            self._logs["extra"][column].extend(self._pending_extra_logs[column])
-        self._pending_extra_logs.clear()
-        for name in sorted(self._pending_metrics):
-            values = self._pending_metrics[name]
-            self._metrics[mode][name].append(sum(values) / len(values))
-        self._pending_metrics.clear()
+        self._logs["advantages"].extend(advantages.tolist())
+        for column in sorted(extra_logs):  # user-logged columns and metrics
+            self._logs["extra"][column].extend(extra_logs[column])
+        for name in sorted(extra_metrics):
+            metrics[name].append(sum(extra_metrics[name]) / len(extra_metrics[name]))
+
+    def _wait_logs(self) -> None:
+        """Wait for the background log writer; re-raise what it raised."""
+        future, self._log_future = self._log_future, None
+        if future is not None:
+            future.result()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``GRPOTrainer.log``, once the generation batch's metrics are written."""
+        self._wait_logs()
+        super().log(logs, start_time)
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        """``GRPOTrainer.compute_loss``; the plane's prefetch of the next mini-batch runs
+        during it."""
+        if self._conduit is not None:
+            self._conduit.update_started()
+        if self._log_job is not None:
+            if self._log_pool is None:
+                self._log_pool = ThreadPoolExecutor(1, thread_name_prefix="conduit-grpo-logs")
+            job, self._log_job = self._log_job, None
+            self._log_future = self._log_pool.submit(self._write_logs, *job)
+        return super().compute_loss(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``GRPOTrainer.train``; the plane's workers stop when it returns."""
         try:
             return super().train(*args, **kwargs)
         finally:
+            self._log_job = None
+            try:
+                self._wait_logs()
+            finally:
+                if self._log_pool is not None:
+                    self._log_pool.shutdown()
+                    self._log_pool = None
             if self._conduit is not None:
                 self._conduit.close()
                 self._conduit, self._conduit_left = None, 0
