@@ -128,7 +128,8 @@ def test_bad_configuration_and_slots():
         _store(capacity=0)
     store = _store()
     store.extend(_rows([2]))
-    with pytest.raises(SpecError, match="slots must lie in"):
-        store.padded("tokens", torch.tensor([1]))
+    for bad in ([1], [-1], [0, -5], [0, 1 << 62]):
+        with pytest.raises(SpecError, match="slots must lie in"):
+            store.padded("tokens", torch.tensor(bad))
     with pytest.raises(SpecError, match="unknown ragged field"):
         store.lengths("nope")

@@ -242,7 +242,8 @@ class RaggedStore:
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
         slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
         s = slots.numpy()
-        if s.size and (s.min() < 0 or s.max() >= self._rows):
+        # one reduction: a negative slot, read unsigned, is larger than any row count
+        if s.size and int(s.view(np.uint64).max()) >= self._rows:
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
                                      f"{int(s.min())}..{int(s.max())}")
         return slots

@@ -163,13 +163,13 @@ class ConduitGRPOTrainer(GRPOTrainer):
         if "images" in inputs[0] or "image" in inputs[0]:
             raise ConfigError("train_dataset", "image inputs are not carried by "
                                                "ConduitGRPOTrainer")
+        if self._old_policy is not None:  # the weights that generate this iteration
+            with torch.no_grad():
+                torch._foreach_copy_(*self._old_params)
         prompt_ids, completion_ids, _, completions, _, extra, _, _ = self._generate(prompts)
         if extra:
             raise ConfigError("rollout_func", "extra fields are not carried")
         order = torch.randperm(len(prompts))  # TRL's shuffle, drawn at the same point
-        if self._old_policy is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(*self._old_params)
         self._conduit_per_func = None
         self._conduit_items = torch.tensor(sum(len(c) for c in completion_ids),
                                            device=self.accelerator.device)
