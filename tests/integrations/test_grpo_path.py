@@ -144,7 +144,7 @@ def _gated(seen, **kw):
         return cids.to(torch.float32) * 0.5
 
     src = LogProbSource("old_per_token_logps", logps, skip_first=1)
-    return _path(**{"num_epochs": 1, "logprobs": [src], "gate_prefetch": True, **kw})
+    return _path(**{"num_epochs": 1, "logprobs": [src], "gate_prefetch": 30.0, **kw})
 
 
 def _push_iteration(path, it=0):
@@ -173,7 +173,7 @@ def test_gated_prefetch_starts_only_once_the_update_begins():
 
 def test_gated_pulls_without_update_started_get_the_same_minibatches():
     seen = []
-    with _gated(seen) as gated, _gated([], gate_prefetch=False) as plain:
+    with _gated(seen) as gated, _gated([], gate_prefetch=0.0) as plain:
         for it in range(2):
             _push_iteration(gated, it)
             _push_iteration(plain, it)
@@ -182,6 +182,22 @@ def test_gated_pulls_without_update_started_get_the_same_minibatches():
                 assert x.keys() == y.keys()
                 assert all(torch.equal(x[k], y[k]) for k in x)
         assert len(seen) == 2 * (M - 1)
+
+
+def test_a_gated_delivery_waits_no_longer_than_the_gate(tmp_path):
+    seen = []
+    with _gated(seen, gate_prefetch=0.2) as path:
+        _push_iteration(path)
+        path.pull()
+        # The learner saves between pull and update: the worker holding the next mini-batch
+        # goes on after the gate's bound, so the save's quiesce does not wait for an update.
+        info = path.plane.save(tmp_path / "mid.ckpt")
+        assert info.path.exists() and info.nbytes > 0
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["conduit-delivery"]  # no update_started was ever called
+        assert all("old_per_token_logps" in path.pull() for _ in range(M - 1))
 
 
 def test_close_lets_a_gated_delivery_go():
@@ -257,7 +273,9 @@ def test_a_scorer_of_the_wrong_shape_fails_ingestion():
 
 @pytest.mark.parametrize(("kw", "field"), [
     ({"num_minibatches": 5}, "num_minibatches"), ({"scale_rewards": "batch"}, "scale_rewards"),
-    ({"group_size": 0}, "group_size"), ({"pad_completions_to": "max"}, "pad_completions_to")])
+    ({"group_size": 0}, "group_size"), ({"pad_completions_to": "max"}, "pad_completions_to"),
+    ({"gate_prefetch": -1.0}, "gate_prefetch"), ({"gate_prefetch": True}, "gate_prefetch"),
+    ({"gate_prefetch": math.nan}, "gate_prefetch")])
 def test_bad_configuration(kw, field):
     with pytest.raises(ConfigError) as err:
         _path(**kw)

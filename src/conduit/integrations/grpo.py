@@ -19,6 +19,7 @@ lengths); the tokens stay ragged. Framework code (TRL, verl) lives in the integr
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -174,12 +175,14 @@ class GroupExperiencePath:
             delivery overlapped, one mini-batch per invocation, so the next mini-batch is
             prepared during the update).
         timeout: Seconds a push or pull may wait.
-        gate_prefetch: A prefetched mini-batch's delivery (gather, padding, log-prob passes)
-            starts only once the learner has begun the update before it
-            (:meth:`update_started`), or when a :meth:`pull` finds nothing staged; never
-            while the learner does its own work between two updates, where it would only
-            compete with it for the cores and the interpreter. The trainer calls
-            :meth:`update_started` as each update begins.
+        gate_prefetch: Seconds a prefetched mini-batch's delivery (gather, padding, log-prob
+            passes) waits, at most, for the learner to begin the update before it
+            (:meth:`update_started`) or to wait in a :meth:`pull` that finds nothing staged;
+            0 (default) never waits. While the learner does its own work between two updates
+            a worker would only compete with it for the cores and the interpreter; the bound
+            keeps a learner that does something else there (saving, evaluating) from holding
+            the worker longer. The trainer calls :meth:`update_started` as each update
+            begins.
 
     Raises:
         ConfigError: An argument is invalid.
@@ -192,7 +195,7 @@ class GroupExperiencePath:
                  logprobs: Sequence[LogProbSource] = (),
                  pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
                  learner_device: str | torch.device = "cpu", schedule: Schedule | None = None,
-                 timeout: float = 600.0, gate_prefetch: bool = False) -> None:
+                 timeout: float = 600.0, gate_prefetch: float = 0.0) -> None:
         for name, v in (("group_size", group_size), ("groups", groups),
                         ("num_minibatches", num_minibatches), ("num_epochs", num_epochs)):
             if not isinstance(v, int) or v < 1:
@@ -204,6 +207,10 @@ class GroupExperiencePath:
         if scale_rewards not in ("group", "none"):
             raise ConfigError("scale_rewards", f"per-group ingestion supports 'group' or "
                                                f"'none', got {scale_rewards!r}")
+        if (isinstance(gate_prefetch, bool) or not isinstance(gate_prefetch, (int, float))
+                or not 0 <= gate_prefetch < math.inf):
+            raise ConfigError("gate_prefetch", f"must be a finite number of seconds >= 0, got "
+                                               f"{gate_prefetch!r}")
         if pad_completions_to not in ("minibatch", "iteration"):
             raise ConfigError("pad_completions_to", f"must be 'minibatch' or 'iteration', got "
                                                     f"{pad_completions_to!r}")
@@ -219,7 +226,7 @@ class GroupExperiencePath:
         self._ragged_lock = threading.Lock()
         self._permit = threading.Event()  # set: the next prefetched delivery may start
         self._pulling = threading.local()  # set on the learner's thread inside pull()
-        self._gated, self._closing, self._timeout = bool(gate_prefetch), False, float(timeout)
+        self._gate_s, self._closing = float(gate_prefetch), False
         spec = ExperienceSpec.of(row=((), torch.int64), slot=((), torch.int64),
                                  advantage=((), torch.float32))
         self._sampler = OrderedFifoSampler(num_minibatches=num_minibatches)
@@ -329,7 +336,7 @@ class GroupExperiencePath:
             EmptyBufferError, OperatorError, PlaneClosedError: As
                 :meth:`ExperienceDataPlane.pull`.
         """
-        if not self._gated:
+        if not self._gate_s:
             return self.plane.pull()
         self._pulling.active = True  # a delivery this thread runs itself never waits
         try:
@@ -401,14 +408,11 @@ class GroupExperiencePath:
 
     def _wait_for_permit(self) -> None:
         """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
-        (or waits in :meth:`pull`), and takes that permission."""
-        if not self._gated or getattr(self._pulling, "active", False):
+        (or waits in :meth:`pull`), at the latest after ``gate_prefetch`` seconds, and takes
+        that permission."""
+        if not self._gate_s or getattr(self._pulling, "active", False):
             return
-        if not self._permit.wait(self._timeout):
-            raise StateError("update_started", f"the learner neither began an update nor "
-                                               f"waited in pull() within {self._timeout}s; "
-                                               f"with gate_prefetch, call update_started() as "
-                                               f"each update begins")
+        self._permit.wait(self._gate_s)
         if not self._closing:
             self._permit.clear()
 

@@ -33,6 +33,10 @@ from conduit.integrations.grpo import GroupExperiencePath, LogProbSource, combin
 from conduit.scheduling.space import Schedule
 from conduit.storage import data_path_threads
 
+PREFETCH_GATE_S = 1.0
+"""Seconds a prefetched mini-batch waits, at most, for the next update to begin (see
+:class:`~conduit.integrations.grpo.GroupExperiencePath`'s ``gate_prefetch``)."""
+
 
 class ConduitGRPOTrainer(GRPOTrainer):
     """A ``trl.GRPOTrainer`` whose experience path runs through Conduit; a drop-in replacement.
@@ -119,7 +123,7 @@ class ConduitGRPOTrainer(GRPOTrainer):
             pad_token_id=self._tokenizer.pad_token_id, score=self._score,
             scale_rewards=self.scale_rewards, logprobs=sources,
             pad_completions_to=self._pad_completions_to, learner_device=self.accelerator.device,
-            schedule=self._conduit_schedule, gate_prefetch=True)
+            schedule=self._conduit_schedule, gate_prefetch=PREFETCH_GATE_S)
 
     def _logps_of(self, model: torch.nn.Module) -> Any:
         def logps(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
