@@ -19,4 +19,7 @@ def test_quick_bench_writes_the_comparison(tmp_path, capsys):
     assert {r["buffer"] for r in data["runs"]} == {"trl", "conduit"}
     for r in data["runs"]:
         assert r["exposed_s"] > 0 and r["generation_s"] > 0 and len(r["losses"]) == 8
-    assert "exposed lower" in capsys.readouterr().out
+        # one generation batch per steps_per_generation steps: some steps, not all, generate
+        assert 0 < r["exposed_generation_steps_s"] < r["exposed_s"]
+    out = capsys.readouterr().out
+    assert "exposed lower" in out and "share of the exposed path on generation steps" in out

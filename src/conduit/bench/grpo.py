@@ -8,6 +8,7 @@ every optimizer step the benchmark times:
 * exposed experience path: on a generation step, from the end of generation to the start of
   the update (``compute_loss``); on the other steps, from the start of ``_prepare_inputs`` to
   the start of the update (the time between mini-batches);
+* how much of the exposed path falls on the generation steps;
 * the reward curve (one point per generation batch), and whether per-step losses, rewards and
   final parameters are identical between the two trainers.
 
@@ -57,6 +58,7 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.exposed: list[float] = []
+        self.on_generation_step: list[bool] = []  # per entry of ``exposed``
         self.generation: list[float] = []
         self._gen_end: float | None = None
         self._prep_start = 0.0
@@ -80,6 +82,7 @@ class StepTimer:
             if trainer.model.training:
                 since = self._gen_end if self._gen_end is not None else self._prep_start
                 self.exposed.append(time.perf_counter() - since)
+                self.on_generation_step.append(self._gen_end is not None)
             return loss(*a, **k)
 
         trainer._generate, trainer._prepare_inputs = timed_generate, timed_prepare
@@ -95,6 +98,8 @@ def one_run(args: grpo.Args, *, pad: str = "minibatch") -> dict[str, Any]:
     return {"buffer": args.buffer, "max_completion_length": args.max_completion_length,
             "wall_s": res.wall_s, "step_s": res.wall_s / args.steps,
             "exposed_s": sum(timer.exposed), "exposed_per_step_s": sum(timer.exposed) / args.steps,
+            "exposed_generation_steps_s": sum(
+                t for t, g in zip(timer.exposed, timer.on_generation_step) if g),
             "generation_s": sum(timer.generation), "losses": res.losses,
             "rewards": res.rewards, "params": res.params}
 
@@ -127,8 +132,8 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
     for length in a.lengths:
         by = {b: [x for x in runs if x["max_completion_length"] == length and x["buffer"] == b]
               for b in ("trl", "conduit")}
-        med = {b: {k: statistics.median(x[k] for x in rs) for k in ("step_s",
-                                                                   "exposed_per_step_s")}
+        med = {b: {k: statistics.median(x[k] for x in rs) for k in (
+            "step_s", "exposed_per_step_s", "exposed_generation_steps_s", "exposed_s")}
                for b, rs in by.items()}
         ref, got = by["trl"][0], by["conduit"][0]
         same_losses = ref["losses"] == got["losses"]
@@ -158,6 +163,11 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
     print(table(["max len", "TRL ms/step", "Conduit ms/step", "step time lower",
                  "TRL exposed ms/step", "Conduit exposed ms/step", "exposed lower",
                  "same rewards", "same losses", "same params"], rows))
+    for sm in summary:
+        share = {b: m["exposed_generation_steps_s"] / m["exposed_s"] if m["exposed_s"] else 0.0
+                 for b, m in sm["median"].items()}
+        print(f"length {sm['max_completion_length']}: share of the exposed path on generation "
+              f"steps: TRL {100 * share['trl']:.0f} %, Conduit {100 * share['conduit']:.0f} %")
     out = Path(a.out)
     for x in runs:
         x.pop("params")
