@@ -72,6 +72,35 @@ def test_padded_with_mask_marks_the_values(dtype, side):
                                                  else mask[i, :n].all())
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rows_of_one_length_read_as_rows_of_many(side):
+    uniform = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)}, capacity=8)
+    mixed = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)}, capacity=8)
+    rows = [[10 * i + j for j in range(3)] for i in range(6)]
+    uniform.extend({"x": rows[:4]})
+    uniform.extend({"x": rows[4:]})  # still one length
+    mixed.extend({"x": [*rows, [7]]})
+    slots = torch.tensor([5, 0, 3, 3])
+    for width in (None, 3, 5):
+        got = uniform.padded_with_mask("x", slots, pad_value=-1, side=side, width=width)
+        want = mixed.padded_with_mask("x", slots, pad_value=-1, side=side, width=width)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    uniform.extend({"x": [[1, 2]]})  # another length: reads pad again
+    out, mask = uniform.padded_with_mask("x", torch.tensor([6, 1]), pad_value=0, side=side)
+    assert out.tolist() == ([[1, 2, 0], [10, 11, 12]] if side == "right"
+                            else [[0, 1, 2], [10, 11, 12]])
+    assert mask.sum().item() == 5
+    restored = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)}, capacity=8)
+    restored.load_state_dict(uniform.state_dict())
+    assert torch.equal(restored.padded("x", torch.arange(7), side=side),
+                       uniform.padded("x", torch.arange(7), side=side))
+    with pytest.raises(SpecError, match="slots must lie in"):
+        uniform.padded("x", torch.tensor([7]))
+    uniform.clear()
+    uniform.extend({"x": [[4, 4], [5, 5]]})
+    assert uniform.padded("x", torch.tensor([1, 0])).tolist() == [[5, 5], [4, 4]]
+
+
 def test_pools_grow_and_clear_keeps_capacity():
     store = _store(capacity=4, max_length=64)
     store.extend(_rows([64, 64, 64, 64]))  # beyond the initial pool of 4 x 4 elements

@@ -51,6 +51,9 @@ class RaggedStore:
         self._offsets = {n: torch.zeros(capacity + 1, dtype=torch.int64) for n in fields}
         # Pools grow geometrically; a full buffer of max-length rows is the upper bound.
         self._pools = {n: torch.empty(capacity * 4, dtype=fs.dtype) for n, fs in fields.items()}
+        # The one length of every row of a field since the last clear (None: they differ), so
+        # a read of rows that need no padding is one gather from a 2-D view of the pool.
+        self._uniform: dict[str, int | None] = dict.fromkeys(fields)
 
     def __len__(self) -> int:
         return self._rows
@@ -131,6 +134,11 @@ class RaggedStore:
         return torch.arange(start, start + n, dtype=torch.int64)
 
     def _append(self, name: str, values: torch.Tensor, lens: torch.Tensor) -> None:
+        if lens.numel():
+            ln = lens.numpy()
+            lo, hi = int(ln.min()), int(ln.max())
+            same = lo == hi and (self._rows == 0 or self._uniform[name] == lo)
+            self._uniform[name] = lo if same else None
         off = self._offsets[name]
         end = int(off[self._rows])
         need = end + int(values.numel())
@@ -170,6 +178,12 @@ class RaggedStore:
         """
         if side not in ("left", "right"):
             raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
+        common = self._uniform[self._field(name)]
+        if common is not None and self._rows and (width is None or width == common):
+            # every row has the same length: nothing to pad
+            rows = self._pools[name][:self._rows * common].view(self._rows, common)
+            out = rows.index_select(0, self._slots(slots))
+            return out, torch.ones(out.shape, dtype=torch.bool)
         # numpy: a mini-batch is a few hundred values, where torch's per-op overhead dominates
         s = self._slots(slots).numpy()
         off = self._offsets[self._field(name)].numpy()
@@ -199,6 +213,7 @@ class RaggedStore:
     def clear(self) -> None:
         """Drop every row (the pools keep their memory)."""
         self._rows = 0
+        self._uniform = dict.fromkeys(self.fields)
 
     def state_dict(self) -> dict[str, Any]:
         """Rows, and per field the packed values and offsets (copies)."""
@@ -232,6 +247,9 @@ class RaggedStore:
             values, off = fields[name]["values"], fields[name]["offsets"]
             self._pools[name] = values.to(self.fields[name].dtype).clone()
             self._offsets[name][:rows + 1] = off
+            lens = off[1:] - off[:-1]
+            self._uniform[name] = (int(lens[0]) if rows and bool((lens == lens[0]).all())
+                                   else None)
         self._rows = rows
 
     def _field(self, name: str) -> str:
