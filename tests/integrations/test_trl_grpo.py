@@ -70,6 +70,23 @@ def test_advantages_equal_trls_own_on_the_same_groups(scale):
     assert (ours.view(-1, 8) == 0).all(dim=1).any()  # and a zero-std group
 
 
+@pytest.mark.parametrize("group_size", [2, 3, 8, 16, 64])
+def test_advantages_of_full_groups_are_bit_equal_to_trls_formula(group_size):
+    from trl.trainer.utils import nanstd as trl_nanstd
+
+    gen = torch.Generator().manual_seed(group_size)
+    for trial in range(50):
+        scale = 10.0 ** torch.randint(-3, 4, (1,), generator=gen).item()
+        rewards = torch.randn(group_size * 7, generator=gen) * scale
+        if trial % 3 == 0:
+            rewards = torch.rand(group_size * 7, generator=gen).round()  # ties, zero-std groups
+        grouped = rewards.view(-1, group_size)  # TRL's steps for scale_rewards="group"
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size, dim=0)
+        std = trl_nanstd(grouped, dim=1).repeat_interleave(group_size, dim=0)
+        want = torch.nan_to_num((rewards - mean) / (std + 1e-4), nan=0.0)
+        assert torch.equal(group_advantages(rewards, group_size), want)
+
+
 def _both(args, **conduit_kwargs):
     with tempfile.TemporaryDirectory() as tmp:
         ref = build_trainer(dataclasses.replace(args, buffer="trl"), output_dir=tmp)

@@ -89,15 +89,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
         raise SpecError("rewards", f"{tuple(rewards.shape)} does not split into groups of "
                                    f"{group_size} completions")
     grouped = rewards.view(-1, group_size)
+    if scale == "group" and group_size > 1 and not bool(torch.isnan(grouped).any()):
+        # Every group full: ATen's NaN-skipping means add in the order plain means do, so
+        # these are nanmean's and nanstd's values, with one correction for all groups.
+        adv = grouped - grouped.mean(dim=1, keepdim=True)
+        var = (adv ** 2).mean(dim=1, keepdim=True)
+        adv = adv / (torch.sqrt(var * _bessel(group_size).to(rewards.device)) + ADV_EPS)
+        return torch.nan_to_num(adv.reshape(-1), nan=0.0)
     adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group" and group_size > 1:  # nanstd's steps, sharing the mean
         var = torch.nanmean(adv ** 2, dim=1, keepdim=True)
-        if bool(torch.isnan(grouped).any()):
-            count = torch.sum(~torch.isnan(grouped), dim=1, keepdim=True)
-            corr = torch.where(count > 1, count / (count - 1),
-                               torch.full_like(count / 1.0, float("nan")))
-        else:  # every group full: one correction, computed as nanstd computes it
-            corr = _bessel(group_size).to(rewards.device)
+        count = torch.sum(~torch.isnan(grouped), dim=1, keepdim=True)
+        corr = torch.where(count > 1, count / (count - 1),
+                           torch.full_like(count / 1.0, float("nan")))
         adv = adv / (torch.sqrt(var * corr) + ADV_EPS)
     elif scale == "group":  # one completion per group: a standard deviation of zero
         adv = adv / ADV_EPS
