@@ -402,9 +402,14 @@ class GroupExperiencePath:
         rows = torch.cat([r for _, r in units]) if len(units) > 1 else units[0][1]
         reward = torch.cat(rewards) if len(rewards) > 1 else rewards[0]
         adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
-        packed = {name: tuple(torch.cat(parts) for parts in zip(
-            *(getattr(self._units[first], attr) for first, _ in units)))
-            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
+        fields = (("prompt_ids", "prompts"), ("completion_ids", "completions"))
+        if len(units) == 1:  # one arrival: its packed rows as they are
+            unit = self._units[units[0][0]]
+            packed = {name: getattr(unit, attr) for name, attr in fields}
+        else:
+            packed = {name: tuple(torch.cat(parts) for parts in zip(
+                *(getattr(self._units[first], attr) for first, _ in units)))
+                for name, attr in fields}
         with self._ragged_lock:
             slots = self.ragged.extend_packed(packed)
         self._rewards[rows], self._advantages[rows] = reward, adv
