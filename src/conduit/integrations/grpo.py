@@ -108,6 +108,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` end to end; a single part as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
 class OrderedFifoSampler(FifoSampler):
     """Consume-once sampling in an order the trainer gives per iteration (its shuffle), split
     into ``num_minibatches`` equal parts; every epoch repeats the iteration's order."""
@@ -399,17 +404,12 @@ class GroupExperiencePath:
                                            f"returned shape {tuple(r.shape)}, expected "
                                            f"({rows.numel()},)")
             rewards.append(r)
-        rows = torch.cat([r for _, r in units]) if len(units) > 1 else units[0][1]
-        reward = torch.cat(rewards) if len(rewards) > 1 else rewards[0]
+        rows = _joined([r for _, r in units])
+        reward = _joined(rewards)
         adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
-        fields = (("prompt_ids", "prompts"), ("completion_ids", "completions"))
-        if len(units) == 1:  # one arrival: its packed rows as they are
-            unit = self._units[units[0][0]]
-            packed = {name: getattr(unit, attr) for name, attr in fields}
-        else:
-            packed = {name: tuple(torch.cat(parts) for parts in zip(
-                *(getattr(self._units[first], attr) for first, _ in units)))
-                for name, attr in fields}
+        packed = {name: tuple(_joined(parts) for parts in zip(
+            *(getattr(self._units[first], attr) for first, _ in units)))
+            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
         with self._ragged_lock:
             slots = self.ragged.extend_packed(packed)
         self._rewards[rows], self._advantages[rows] = reward, adv

@@ -441,9 +441,8 @@ class OnPolicyFlow(Flow):
             with self.signals.lock:
                 self.iter_landed_rows += n
                 self.counters["ingested_rows"] += n
-                # the worker takes nothing before the caller's first mini-batch is drawn
-                self.signals.wake(callers=True,
-                                  delivery=not (self.first_by_caller and self.drawn_in_iter == 0))
+                # the worker takes nothing while the caller's first mini-batch is still due
+                self.signals.wake(callers=True, delivery=not self.caller_delivers_locked())
 
     def _wants_early(self) -> bool:
         """Assemble the first mini-batches while rows arrive only when delivery is overlapped

@@ -20,6 +20,13 @@ from conduit.spec import RaggedFieldSpec
 Side = Literal["left", "right"]
 
 
+def _one_length(lens: torch.Tensor) -> int | None:
+    """The length every row in ``lens`` (non-empty) has, or None when they differ."""
+    ln = lens.numpy()
+    lo = int(ln.min())
+    return lo if lo == int(ln.max()) else None
+
+
 class RaggedStore:
     """Ragged fields of up to ``capacity`` rows, packed end to end.
 
@@ -93,7 +100,8 @@ class RaggedStore:
             elif lens.numel() != n:
                 raise SpecError(name, f"has {lens.numel()} rows but the other fields have {n}")
             packed[name] = (values, lens)
-        return self.extend_packed(packed)
+        assert n is not None
+        return self._append_rows(packed, n)
 
     def extend_packed(self, packed: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
                       ) -> torch.Tensor:
@@ -123,6 +131,11 @@ class RaggedStore:
                 raise SpecError(name, f"packed values have dtype {values.dtype}, expected "
                                       f"{self.fields[name].dtype}")
         assert n is not None
+        return self._append_rows(packed, n)
+
+    def _append_rows(self, packed: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                     n: int) -> torch.Tensor:
+        """Append ``n`` checked rows of every field; their slots."""
         if self._rows + n > self.capacity:
             raise CapacityError(f"the ragged store holds {self.capacity} rows, {self._rows} are "
                                 f"stored and {n} more arrived; clear it or raise capacity",
@@ -135,10 +148,8 @@ class RaggedStore:
 
     def _append(self, name: str, values: torch.Tensor, lens: torch.Tensor) -> None:
         if lens.numel():
-            ln = lens.numpy()
-            lo, hi = int(ln.min()), int(ln.max())
-            same = lo == hi and (self._rows == 0 or self._uniform[name] == lo)
-            self._uniform[name] = lo if same else None
+            one = _one_length(lens)
+            self._uniform[name] = one if self._rows == 0 or self._uniform[name] == one else None
         off = self._offsets[name]
         end = int(off[self._rows])
         need = end + int(values.numel())
@@ -178,7 +189,8 @@ class RaggedStore:
         """
         if side not in ("left", "right"):
             raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
-        common = self._uniform[self._field(name)]
+        name = self._field(name)
+        common = self._uniform[name]
         if common is not None and self._rows and (width is None or width == common):
             # every row has the same length: nothing to pad
             rows = self._pools[name][:self._rows * common].view(self._rows, common)
@@ -186,7 +198,7 @@ class RaggedStore:
             return out, torch.ones(out.shape, dtype=torch.bool)
         # numpy: a mini-batch is a few hundred values, where torch's per-op overhead dominates
         s = self._slots(slots).numpy()
-        off = self._offsets[self._field(name)].numpy()
+        off = self._offsets[name].numpy()
         pool = self._pools[name]
         starts = off[s]
         lens = off[s + 1] - starts
@@ -247,9 +259,7 @@ class RaggedStore:
             values, off = fields[name]["values"], fields[name]["offsets"]
             self._pools[name] = values.to(self.fields[name].dtype).clone()
             self._offsets[name][:rows + 1] = off
-            lens = off[1:] - off[:-1]
-            self._uniform[name] = (int(lens[0]) if rows and bool((lens == lens[0]).all())
-                                   else None)
+            self._uniform[name] = _one_length(off[1:] - off[:-1]) if rows else None
         self._rows = rows
 
     def _field(self, name: str) -> str:
