@@ -271,6 +271,15 @@ def test_a_scorer_of_the_wrong_shape_fails_ingestion():
         path.plane.recover()  # the failed group is lost; closing is clean
 
 
+def test_tokens_out_of_step_with_the_buffer_fail_ingestion():
+    with _path() as path:
+        path.begin_iteration(torch.arange(G * GROUPS), prompt_width=4)
+        path.ragged.extend({"prompt_ids": [[1]], "completion_ids": [[2]]})  # a stray row
+        with pytest.raises(OperatorError, match="out of order"):
+            path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2]] * G)
+        path.plane.recover()
+
+
 @pytest.mark.parametrize(("kw", "field"), [
     ({"num_minibatches": 5}, "num_minibatches"), ({"scale_rewards": "batch"}, "scale_rewards"),
     ({"group_size": 0}, "group_size"), ({"pad_completions_to": "max"}, "pad_completions_to"),

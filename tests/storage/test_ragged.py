@@ -72,6 +72,39 @@ def test_padded_with_mask_marks_the_values(dtype, side):
                                                  else mask[i, :n].all())
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.int16])
+@pytest.mark.parametrize("lengths", [(3, 1, 5, 2), (2, 2, 2, 2)])
+def test_the_mask_comes_in_the_dtype_asked_for(mask_dtype, lengths):
+    store = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)}, capacity=8)
+    store.extend({"x": [list(range(1, n + 1)) for n in lengths]})
+    slots = torch.tensor([2, 0, 1])
+    _, want = store.padded_with_mask("x", slots, side="left", width=6)
+    _, got = store.padded_with_mask("x", slots, side="left", width=6, mask_dtype=mask_dtype)
+    assert got.dtype == mask_dtype and torch.equal(got, want.to(mask_dtype))
+    _, got = store.padded_with_mask("x", slots, mask_dtype=mask_dtype)  # width: the longest
+    assert got.dtype == mask_dtype and int(got.sum()) == sum(lengths[s] for s in (2, 0, 1))
+
+
+@pytest.mark.parametrize(("tokens", "match"), [
+    ([[1, 2], [3, 2.5]], "sample 1.*dtype"),
+    ([[1, 2], [3, "4"]], "sample 1"),
+    ([[1, 2], [3, 2 ** 70]], "sample 1"),
+    ([[1, [2]]], "sample 0"),
+])
+def test_int_lists_that_are_not_int64_are_refused_naming_the_sample(tokens, match):
+    store = _store()
+    with pytest.raises(SpecError, match=match) as err:
+        store.extend({"tokens": tokens, "logps": [[0.0] * len(t) for t in tokens]})
+    assert err.value.field == "tokens"
+    assert len(store) == 0
+
+
+def test_int_lists_pack_as_int64_values():
+    store = _store()
+    slots = store.extend({"tokens": [[5, -3, 2 ** 40], [7]], "logps": [[0.0] * 3, [1.0]]})
+    assert store.padded("tokens", slots, pad_value=0).tolist() == [[5, -3, 2 ** 40], [7, 0, 0]]
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_rows_of_one_length_read_as_rows_of_many(side):
     uniform = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)}, capacity=8)
@@ -162,3 +195,28 @@ def test_bad_configuration_and_slots():
             store.padded("tokens", torch.tensor(bad))
     with pytest.raises(SpecError, match="unknown ragged field"):
         store.lengths("nope")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=12), st.data())
+def test_small_reads_equal_the_numpy_path(lengths, data):
+    """An int64 read of few values is built with Python lists; it must equal the numpy path."""
+    import conduit.storage.ragged as ragged
+
+    store = RaggedStore(fields={"x": RaggedFieldSpec(torch.int64, max_length=8)},
+                        capacity=len(lengths))
+    store.extend({"x": [[7 * i + j for j in range(n)] for i, n in enumerate(lengths)]})
+    slots = torch.tensor(data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=6)),
+                         dtype=torch.int64)
+    side = data.draw(st.sampled_from(["left", "right"]))
+    width = data.draw(st.sampled_from([None, 8, 11]))
+    mask_dtype = data.draw(st.sampled_from([torch.bool, torch.int64, torch.float32]))
+    kw = {"pad_value": -3, "side": side, "width": width, "mask_dtype": mask_dtype}
+    small = store.padded_with_mask("x", slots, **kw)
+    saved, ragged.SMALL_READ = ragged.SMALL_READ, 0
+    try:
+        large = store.padded_with_mask("x", slots, **kw)
+    finally:
+        ragged.SMALL_READ = saved
+    for a, b in zip(small, large):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, SpecError, StateError
@@ -39,6 +38,8 @@ from conduit.storage.ragged import RaggedStore
 ScaleRewards = Literal["group", "none"]
 ADV_EPS = 1e-4
 """Added to the group's standard deviation before dividing (TRL's and verl's epsilon)."""
+_SMALL = 4096
+"""Elements up to which a CPU check runs in Python (see :func:`_has_nan`)."""
 
 
 def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -51,6 +52,17 @@ def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.sqrt(var * corr).squeeze(dim)
 
 
+def _has_nan(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds a NaN."""
+    if not x.is_floating_point():
+        return False
+    if x.device.type == "cpu" and x.numel() <= _SMALL:
+        # a few rewards, right after generation: a Python loop costs less than a first
+        # (cold) numpy or torch reduction
+        return any(map(math.isnan, x.reshape(-1).tolist()))
+    return bool(torch.isnan(x).any())
+
+
 def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One reward per completion from ``per_func`` (completions × reward functions): the
     weighted sum ignoring NaN; NaN where every function returned None (unscorable)."""
@@ -58,7 +70,8 @@ def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tens
         raise SpecError("rewards", f"expected shape (completions, {weights.numel()}), got "
                                    f"{tuple(per_func.shape)}")
     rewards = (per_func * weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    if _has_nan(per_func):
+        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
     return rewards
 
 
@@ -89,13 +102,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
         raise SpecError("rewards", f"{tuple(rewards.shape)} does not split into groups of "
                                    f"{group_size} completions")
     grouped = rewards.view(-1, group_size)
-    if scale == "group" and group_size > 1 and not bool(torch.isnan(grouped).any()):
+    if scale == "group" and group_size > 1 and not _has_nan(rewards):
         # Every group full: ATen's NaN-skipping means add in the order plain means do, so
-        # these are nanmean's and nanstd's values, with one correction for all groups.
+        # these are nanmean's and nanstd's values, with one correction for all groups (in
+        # place: the same operations, fewer allocations).
         adv = grouped - grouped.mean(dim=1, keepdim=True)
-        var = (adv ** 2).mean(dim=1, keepdim=True)
-        adv = adv / (torch.sqrt(var * _bessel(group_size).to(rewards.device)) + ADV_EPS)
-        return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+        var = (adv * adv).mean(dim=1, keepdim=True)
+        adv.div_(var.mul_(_bessel(group_size).to(rewards.device)).sqrt_().add_(ADV_EPS))
+        return adv.view(-1).nan_to_num_(nan=0.0)
     adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group" and group_size > 1:  # nanstd's steps, sharing the mean
         var = torch.nanmean(adv ** 2, dim=1, keepdim=True)
@@ -106,6 +120,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     elif scale == "group":  # one completion per group: a standard deviation of zero
         adv = adv / ADV_EPS
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+def _int64_rows(x: Any) -> torch.Tensor:
+    """``x`` as a 1-D int64 CPU tensor (as it is when it already is one)."""
+    if (isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 1
+            and x.device.type == "cpu"):
+        return x
+    return torch.as_tensor(x, dtype=torch.int64).reshape(-1).cpu()
 
 
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -123,7 +145,7 @@ class OrderedFifoSampler(FifoSampler):
 
     def set_order(self, iteration: int, order: torch.Tensor) -> None:
         """Rows of ``iteration`` in delivery order (a permutation of its rows)."""
-        self._orders = {iteration: order.to(torch.int64).cpu().clone()}
+        self._orders = {iteration: _int64_rows(order).clone()}
 
     def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
         order = self._orders.get(iteration)
@@ -236,8 +258,10 @@ class GroupExperiencePath:
         self._permit = threading.Event()  # set: the next prefetched delivery may start
         self._pulling = threading.local()  # set on the learner's thread inside pull()
         self._gate_s, self._closing = float(gate_prefetch), False
-        spec = ExperienceSpec.of(row=((), torch.int64), slot=((), torch.int64),
-                                 advantage=((), torch.float32))
+        # A completion's buffer slot is its row in generation order and its ragged slot
+        # (both are filled in push order from 0 each iteration), so a row holds only its
+        # advantage; delivery reads the rest through ``_index``.
+        spec = ExperienceSpec.of(advantage=((), torch.float32))
         self._sampler = OrderedFifoSampler(num_minibatches=num_minibatches)
         m = num_minibatches
         self.plane = ExperienceDataPlane(
@@ -249,8 +273,9 @@ class GroupExperiencePath:
         self.plane.register_delivery()(self._deliver)
         self.iteration = -1
         self._units: dict[int, _Unit] = {}
-        self._part_of = torch.zeros(rows, dtype=torch.int64)
-        self._position_part = torch.arange(rows) // (rows // num_minibatches)
+        self._part_of = [0] * rows  # row -> its mini-batch within the epoch
+        self._all_rows = set(range(rows))
+        self._spent: list[dict[int, _Unit]] = []
         self._prompt_width = 0
         self._pushed = 0
         self._rewards = torch.full((rows,), float("nan"))
@@ -267,12 +292,11 @@ class GroupExperiencePath:
             StateError: The previous iteration has not been consumed.
             SpecError: ``order`` is not a permutation of the iteration's rows.
         """
-        order = torch.as_tensor(order, dtype=torch.int64).reshape(-1).cpu()
-        try:  # a permutation: every row counted once (bincount refuses negative rows)
-            counts = np.bincount(order.numpy(), minlength=self.rows)
-        except ValueError:
-            counts = np.zeros(0)
-        if order.numel() != self.rows or counts.size != self.rows or not counts.all():
+        order = _int64_rows(order)
+        # Python on the ints: this runs right after generation, where a first numpy or torch
+        # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
+        in_order = order.tolist()
+        if len(in_order) != self.rows or set(in_order) != self._all_rows:
             raise SpecError("order", f"expected a permutation of {self.rows} rows")
         if self.iteration >= 0 and self.plane.policy_version <= self.iteration:
             raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
@@ -281,9 +305,13 @@ class GroupExperiencePath:
         if not self._closing:  # generation is over and the learner is not updating
             self._permit.clear()
         self._sampler.set_order(self.iteration, order)
-        self._part_of[order] = self._position_part  # equal parts, in delivery order
+        per_part = self.rows // self.num_minibatches  # equal parts, in delivery order
+        for position, row in enumerate(in_order):
+            self._part_of[row] = position // per_part
         with self._ragged_lock:
             self.ragged.clear()
+            # the last iteration's arrivals are freed by the next delivery on the worker
+            self._spent.append(self._units)
         self._units, self._pushed, self._prompt_width = {}, 0, int(prompt_width)
         self._rewards = torch.full((self.rows,), float("nan"))
         self._advantages = torch.zeros(self.rows)
@@ -410,10 +438,15 @@ class GroupExperiencePath:
         packed = {name: tuple(_joined(parts) for parts in zip(
             *(getattr(self._units[first], attr) for first, _ in units)))
             for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
+        start, n = units[0][0], rows.numel()  # consecutive rows, in push order
         with self._ragged_lock:
-            slots = self.ragged.extend_packed(packed)
-        self._rewards[rows], self._advantages[rows] = reward, adv
-        exp_out.write({"row": rows, "slot": slots, "advantage": adv})
+            if len(self.ragged) != start:
+                raise StateError("row", f"groups from {start // self.group_size} were "
+                                        f"ingested out of order")
+            self.ragged.extend_packed(packed)
+        self._rewards[start:start + n] = reward
+        self._advantages[start:start + n] = adv
+        exp_out.write({"advantage": adv})
 
     def _wait_for_permit(self) -> None:
         """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
@@ -427,25 +460,26 @@ class GroupExperiencePath:
 
     def _deliver(self, exp_in: Any, learn_out: Any) -> None:
         self._wait_for_permit()
+        if self._spent and (len(self._spent) > 1 or not getattr(self._pulling, "active", False)):
+            with self._ragged_lock:  # on the worker, or when a second iteration's wait
+                spent, self._spent = self._spent, []
+            del spent
         rows = exp_in.read()
-        if not torch.equal(rows["row"], rows["_index"]):
-            raise StateError("row", "buffer slots and generation rows disagree (groups were "
-                                    "ingested out of order)")
-        slots = rows["slot"]
+        slots = rows["_index"]  # generation rows, and ragged slots (see the spec)
         with self._ragged_lock:
             prompt_ids, prompt_mask = self.ragged.padded_with_mask(
                 "prompt_ids", slots, pad_value=self.pad_token_id, side="left",
-                width=self._prompt_width)
+                width=self._prompt_width, mask_dtype=torch.int64)
             width = None
             if self.pad_completions_to == "iteration":
                 width = int(self.ragged.lengths("completion_ids").max())
             completion_ids, completion_mask = self.ragged.padded_with_mask(
-                "completion_ids", slots, pad_value=self.pad_token_id, width=width)
-        prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
+                "completion_ids", slots, pad_value=self.pad_token_id, width=width,
+                mask_dtype=torch.int64)
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                "completion_ids": completion_ids, "completion_mask": completion_mask,
-               "advantages": rows["advantage"], "row": rows["row"]}
-        part = int(self._part_of[int(rows["row"][0])]) if slots.numel() else 0
+               "advantages": rows["advantage"], "row": slots}
+        part = self._part_of[int(slots[0])] if slots.numel() else 0
         for src in self._logprobs:
             if self.num_epochs == 1 and part < src.skip_first:
                 continue

@@ -8,6 +8,8 @@ fixed-shape buffer row can refer to its ragged fields with one integer column.
 
 from __future__ import annotations
 
+import array
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,13 +20,28 @@ from conduit.errors import CapacityError, ConfigError, SpecError, StateError
 from conduit.spec import RaggedFieldSpec
 
 Side = Literal["left", "right"]
+SMALL_READ = 16384
+"""Values up to which a read of an int64 field is padded with Python lists."""
+_MASK_TYPECODES = {torch.bool: "b", torch.int64: "q", torch.int32: "i", torch.int16: "h",
+                   torch.uint8: "B", torch.float32: "f", torch.float64: "d"}
+_MASK_DTYPES = {"b": torch.bool, "q": torch.int64, "i": torch.int32, "h": torch.int16,
+                "B": torch.uint8, "f": torch.float32, "d": torch.float64}
+_NUMPY_MASK = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8,
+               torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _one_length(lens: torch.Tensor) -> int | None:
+def _one_length(lens: np.ndarray) -> int | None:
     """The length every row in ``lens`` (non-empty) has, or None when they differ."""
-    ln = lens.numpy()
-    lo = int(ln.min())
-    return lo if lo == int(ln.max()) else None
+    lo = int(lens.min())
+    return lo if lo == int(lens.max()) else None
+
+
+def _host(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of the CPU tensor ``t``, or None for a dtype numpy lacks (bfloat16)."""
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return None
 
 
 class RaggedStore:
@@ -121,45 +138,56 @@ class RaggedStore:
             raise SpecError(None, f"packed rows have fields {sorted(packed)}, the store has "
                                   f"{sorted(self.fields)}")
         n: int | None = None
+        lengths: dict[str, list[int]] = {}
         for name, (values, lens) in packed.items():
+            ln = lengths[name] = lens.tolist()
             if n is None:
-                n = int(lens.numel())
-            if lens.numel() != n or values.dim() != 1 or int(lens.sum()) != values.numel():
+                n = len(ln)
+            if len(ln) != n or values.dim() != 1 or sum(ln) != values.numel():
                 raise SpecError(name, "packed lengths and values disagree, or fields disagree "
                                       "on rows")
             if values.dtype != self.fields[name].dtype:
                 raise SpecError(name, f"packed values have dtype {values.dtype}, expected "
                                       f"{self.fields[name].dtype}")
         assert n is not None
-        return self._append_rows(packed, n)
+        return self._append_rows(packed, n, lengths)
 
-    def _append_rows(self, packed: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-                     n: int) -> torch.Tensor:
-        """Append ``n`` checked rows of every field; their slots."""
+    def _append_rows(self, packed: Mapping[str, tuple[torch.Tensor, torch.Tensor]], n: int,
+                     lengths: Mapping[str, list[int]] | None = None) -> torch.Tensor:
+        """Append ``n`` checked rows of every field (``lengths``: their lengths as lists,
+        when the caller has them); their slots."""
         if self._rows + n > self.capacity:
             raise CapacityError(f"the ragged store holds {self.capacity} rows, {self._rows} are "
                                 f"stored and {n} more arrived; clear it or raise capacity",
                                 needed=self._rows + n, available=self.capacity)
         for name, (values, lens) in packed.items():
-            self._append(name, values, lens)
+            self._append(name, values, lengths[name] if lengths else lens.tolist())
         start = self._rows
         self._rows += n
         return torch.arange(start, start + n, dtype=torch.int64)
 
-    def _append(self, name: str, values: torch.Tensor, lens: torch.Tensor) -> None:
-        if lens.numel():
-            one = _one_length(lens)
-            self._uniform[name] = one if self._rows == 0 or self._uniform[name] == one else None
-        off = self._offsets[name]
-        end = int(off[self._rows])
+    def _append(self, name: str, values: torch.Tensor, lens: list[int]) -> None:
+        # Python and numpy slices: an arrival is a few hundred values, right after generation,
+        # where a first (cold) torch or numpy reduction costs more than a loop over the rows
+        r, k = self._rows, len(lens)
+        if k:
+            one = lens[0] if min(lens) == max(lens) else None
+            self._uniform[name] = one if r == 0 or self._uniform[name] == one else None
+        off = self._offsets[name].numpy()
+        end = int(off[r])
         need = end + int(values.numel())
         pool = self._pools[name]
         if need > pool.numel():
             grown = torch.empty(max(need, 2 * pool.numel()), dtype=pool.dtype)
             grown[:end] = pool[:end]
             self._pools[name] = pool = grown
-        pool[end:need] = values
-        off[self._rows + 1:self._rows + 1 + lens.numel()] = end + torch.cumsum(lens, 0)
+        dst, src = _host(pool), _host(values)
+        if dst is not None and src is not None:
+            dst[end:need] = src
+        else:
+            pool[end:need] = values
+        ends = array.array("q", itertools.accumulate(lens, initial=end))
+        off[r:r + 1 + k] = np.frombuffer(ends, dtype=np.int64)
 
     def rows(self, name: str, slots: torch.Tensor) -> list[torch.Tensor]:
         """The unpadded sequences of ``name`` in ``slots`` (views of the pool)."""
@@ -179,9 +207,11 @@ class RaggedStore:
                                      width=width)[0]
 
     def padded_with_mask(self, name: str, slots: torch.Tensor, *, pad_value: float | int = 0,
-                         side: Side = "right", width: int | None = None
+                         side: Side = "right", width: int | None = None,
+                         mask_dtype: torch.dtype = torch.bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`padded`, and its boolean mask (True where a value is, False on padding).
+        """:meth:`padded`, and its mask: 1 (True) where a value is, 0 on padding, of
+        ``mask_dtype``.
 
         Raises:
             SpecError: ``width`` is shorter than one of the rows.
@@ -195,7 +225,11 @@ class RaggedStore:
             # every row has the same length: nothing to pad
             rows = self._pools[name][:self._rows * common].view(self._rows, common)
             out = rows.index_select(0, self._slots(slots))
-            return out, torch.ones(out.shape, dtype=torch.bool)
+            return out, torch.ones(out.shape, dtype=mask_dtype)
+        if self._pools[name].dtype == torch.int64:
+            small = self._padded_small(name, slots, pad_value, side, width, mask_dtype)
+            if small is not None:
+                return small
         # numpy: a mini-batch is a few hundred values, where torch's per-op overhead dominates
         s = self._slots(slots).numpy()
         off = self._offsets[name].numpy()
@@ -210,17 +244,63 @@ class RaggedStore:
         pos = col if side == "right" else col - (w - lens)[:, None]
         valid = (pos < lens[:, None]) if side == "right" else (pos >= 0)
         src = np.where(valid, starts[:, None] + pos, 0)
-        mask = torch.from_numpy(valid)
+        mask = torch.from_numpy(valid if mask_dtype == torch.bool else
+                                valid.astype(_NUMPY_MASK.get(mask_dtype, np.int64)))
+        if mask.dtype != mask_dtype:
+            mask = mask.to(mask_dtype)
         if not pool.numel():
             return torch.full(src.shape, pad_value, dtype=pool.dtype), mask
-        try:
-            values = pool.numpy()
-        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+        values = _host(pool)
+        if values is None:  # a dtype numpy lacks (bfloat16)
             idx = torch.from_numpy(src)
-            return pool[idx].masked_fill_(~mask, pad_value), mask
+            return pool[idx].masked_fill_(torch.from_numpy(~valid), pad_value), mask
         out = values[src]
         out[~valid] = pad_value
         return torch.from_numpy(out), mask
+
+    def _padded_small(self, name: str, slots: torch.Tensor, pad_value: float | int, side: Side,
+                      width: int | None, mask_dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`padded_with_mask` of an int64 field built with Python lists, for a read that
+        holds at most :data:`SMALL_READ` values whatever its rows' lengths (None otherwise, or
+        for a pad value that is no int).
+        Delivery reads right after generation, when a first (cold) numpy or torch operation
+        costs more than a loop over a mini-batch's tokens."""
+        slots = self._slots(slots)
+        bound = width if width is not None else self.fields[name].max_length
+        if (slots.numel() * bound > SMALL_READ or isinstance(pad_value, bool)
+                or not isinstance(pad_value, int)):
+            return None
+        s = slots.tolist()
+        off = self._offsets[name].numpy()
+        starts = [int(off[i]) for i in s]
+        lens = [int(off[i + 1]) - a for i, a in zip(s, starts)]
+        longest = max(lens, default=0)
+        w = longest if width is None else width
+        if w < longest:
+            raise SpecError(name, f"a row of length {longest} does not fit width {w}")
+        values = self._pools[name].numpy()
+        flat: list[int] = []
+        marks: list[int] = []
+        for a, n in zip(starts, lens):
+            pad = w - n
+            if side == "right":
+                flat += values[a:a + n].tolist()
+                flat += [pad_value] * pad
+                marks += [1] * n
+                marks += [0] * pad
+            else:
+                flat += [pad_value] * pad
+                flat += values[a:a + n].tolist()
+                marks += [0] * pad
+                marks += [1] * n
+        shape = (len(s), w)
+        if not flat:
+            return (torch.empty(shape, dtype=torch.int64), torch.empty(shape, dtype=mask_dtype))
+        out = torch.frombuffer(array.array("q", flat), dtype=torch.int64).view(shape)
+        code = _MASK_TYPECODES.get(mask_dtype, "q")
+        mask = torch.frombuffer(array.array(code, marks), dtype=_MASK_DTYPES[code]).view(shape)
+        return out, (mask if mask.dtype == mask_dtype else mask.to(mask_dtype))
 
     def clear(self) -> None:
         """Drop every row (the pools keep their memory)."""
@@ -259,7 +339,8 @@ class RaggedStore:
             values, off = fields[name]["values"], fields[name]["offsets"]
             self._pools[name] = values.to(self.fields[name].dtype).clone()
             self._offsets[name][:rows + 1] = off
-            self._uniform[name] = _one_length(off[1:] - off[:-1]) if rows else None
+            o = self._offsets[name][:rows + 1].numpy()
+            self._uniform[name] = _one_length(o[1:] - o[:-1]) if rows else None
         self._rows = rows
 
     def _field(self, name: str) -> str:
@@ -268,12 +349,13 @@ class RaggedStore:
         return name
 
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
-        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
-        s = slots.numpy()
-        # one reduction: a negative slot, read unsigned, is larger than any row count
-        if s.size and int(s.view(np.uint64).max()) >= self._rows:
+        if not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64
+                and slots.dim() == 1 and slots.device.type == "cpu"):
+            slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        s = slots.tolist()  # a mini-batch's slots: Python, where a cold reduction costs more
+        if s and (min(s) < 0 or max(s) >= self._rows):
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
-                                     f"{int(s.min())}..{int(s.max())}")
+                                     f"{min(s)}..{max(s)}")
         return slots
 
 
