@@ -419,7 +419,7 @@ class GroupExperiencePath:
     # -- operators ----------------------------------------------------------------------------
 
     def _ingest(self, actor_in: Any, exp_out: Any) -> None:
-        units = [(int(u["row"][0]), u["row"]) for u in actor_in.read_units()]
+        units = [(int(u["row"].numpy()[0]), u["row"]) for u in actor_in.read_units()]
         if not units:
             return
         rewards = []

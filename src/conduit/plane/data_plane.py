@@ -48,7 +48,7 @@ from conduit.storage import (
     Store,
     UniformSampler,
 )
-from conduit.timing import Timings
+from conduit.timing import TimingRecord, Timings
 
 SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
 
@@ -344,9 +344,7 @@ class ExperienceDataPlane:
         waited = self.config.wait_for(timeout)
         self._engine.submit(Unit(data, rows, policy_version), deadline=t0 + waited,
                             waited=waited)
-        if self._engine.ingestion.overlapped:
-            self.timings.record("sync_ing", time.perf_counter() - t0, start=t0)
-        self.timings.record("push", time.perf_counter() - t0, start=t0)
+        self._record("push", "sync_ing" if self._engine.ingestion.overlapped else None, t0)
 
     def flush(self, *, timeout: float | None = None) -> None:
         """Ingest every pending unit now (even if fewer than ``g_ing`` are queued).
@@ -379,10 +377,17 @@ class ExperienceDataPlane:
         staged = self._engine.next_batch(deadline=t0 + waited, waited=waited)
         if staged.event is not None:
             torch.cuda.current_stream(self.learner_device).wait_event(staged.event)
-        if self._engine.delivery.overlapped:
-            self.timings.record("sync_del", time.perf_counter() - t0, start=t0)
-        self.timings.record("pull", time.perf_counter() - t0, start=t0)
+        self._record("pull", "sync_del" if self._engine.delivery.overlapped else None, t0)
         return staged.batch
+
+    def _record(self, name: str, sync: str | None, t0: float) -> None:
+        """Record a call that began at ``t0`` as ``name``, and as ``sync`` (the wait on a
+        worker) when the operator is overlapped; one clock read and one lock for both."""
+        seconds = time.perf_counter() - t0
+        recs = [TimingRecord(name, seconds, 1.0, t0)]
+        if sync is not None:
+            recs.append(TimingRecord(sync, seconds, 1.0, t0))
+        self.timings.add(recs)
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: every mini-batch of the current iteration (M × epochs), in order.
