@@ -104,12 +104,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     grouped = rewards.view(-1, group_size)
     if scale == "group" and group_size > 1 and not _has_nan(rewards):
         # Every group full: ATen's NaN-skipping means add in the order plain means do, so
-        # these are nanmean's and nanstd's values, with one correction for all groups (in
-        # place: the same operations, fewer allocations).
+        # these are nanmean's and nanstd's values, with one correction for all groups.
         adv = grouped - grouped.mean(dim=1, keepdim=True)
-        var = (adv * adv).mean(dim=1, keepdim=True)
-        adv.div_(var.mul_(_bessel(group_size).to(rewards.device)).sqrt_().add_(ADV_EPS))
-        return adv.view(-1).nan_to_num_(nan=0.0)
+        var = (adv ** 2).mean(dim=1, keepdim=True)
+        adv = adv / (torch.sqrt(var * _bessel(group_size).to(rewards.device)) + ADV_EPS)
+        return torch.nan_to_num(adv.reshape(-1), nan=0.0)
     adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group" and group_size > 1:  # nanstd's steps, sharing the mean
         var = torch.nanmean(adv ** 2, dim=1, keepdim=True)
@@ -479,7 +478,7 @@ class GroupExperiencePath:
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                "completion_ids": completion_ids, "completion_mask": completion_mask,
                "advantages": rows["advantage"], "row": slots}
-        part = self._part_of[int(slots[0])] if slots.numel() else 0
+        part = self._part_of[int(slots.numpy()[0])] if slots.numel() else 0
         for src in self._logprobs:
             if self.num_epochs == 1 and part < src.skip_first:
                 continue

@@ -262,14 +262,15 @@ class RaggedStore:
                       width: int | None, mask_dtype: torch.dtype
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`padded_with_mask` of an int64 field built with Python lists, for a read that
-        holds at most :data:`SMALL_READ` values whatever its rows' lengths (None otherwise, or
-        for a pad value that is no int).
+        holds at most :data:`SMALL_READ` values whatever its rows' lengths; None otherwise, or
+        for a pad value that is not an int64.
+
         Delivery reads right after generation, when a first (cold) numpy or torch operation
         costs more than a loop over a mini-batch's tokens."""
         slots = self._slots(slots)
         bound = width if width is not None else self.fields[name].max_length
         if (slots.numel() * bound > SMALL_READ or isinstance(pad_value, bool)
-                or not isinstance(pad_value, int)):
+                or not isinstance(pad_value, int) or not -(1 << 63) <= pad_value < 1 << 63):
             return None
         s = slots.tolist()
         off = self._offsets[name].numpy()
