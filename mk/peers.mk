@@ -1,7 +1,7 @@
 # Peer benchmark (`conduit bench peers`): builds the optional peer environments.
 #
 # Included by the top-level Makefile. Targets:
-#   make peers       install cpprb / TorchRL into the main venv (torch stays pinned) and build
+#   make peers       install cpprb / TorchRL into .venv-demo (torch stays pinned) and build
 #                    .venv-reverb, a separate virtualenv for DeepMind Reverb, whose pins
 #                    (TensorFlow 2.15, numpy<2, protobuf<5) conflict with Ray's.
 #   make bench-peers run the side-by-side benchmark; BENCH_PEERS_ARGS=--quick for a short run.
@@ -9,7 +9,7 @@
 # Reverb runs as a subprocess of the harness (src/conduit/bench/peers/reverb_worker.py) inside
 # .venv-reverb; without that venv the harness reports Reverb as skipped, with the reason.
 
-PEERS_VENV        ?= .venv
+PEERS_VENV        ?= $(DEMO_VENV)
 PEERS_PY          ?= $(PEERS_VENV)/bin/python
 REVERB_VENV       ?= .venv-reverb
 # Python for the Reverb venv: dm-reverb 0.14.0 ships wheels for CPython 3.9-3.11 only.
@@ -28,7 +28,8 @@ peers: peers-main peers-reverb
 # TorchRL is installed with --no-deps so pip can never replace the pinned torch; its own
 # runtime dependencies are listed explicitly, and every install that resolves dependencies
 # names the torch pin so pip keeps it.
-peers-main:
+# The default venv is the demo's (conduit with [rl,plots]); it is built first when missing.
+peers-main: $(if $(filter $(DEMO_VENV),$(PEERS_VENV)),$(DEMO_VENV)/.installed)
 	$(PEERS_PY) -m pip install cpprb '$(TORCH_PIN)'
 	$(PEERS_PY) -m pip install --no-deps torchrl==0.14.1 'tensordict>=0.14.3,<0.15' \
 		pyvers hoptorch
