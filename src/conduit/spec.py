@@ -275,6 +275,14 @@ class RaggedFieldSpec:
         return values, torch.frombuffer(array.array("q", lens), dtype=torch.int64)
 
 
+def as_indices(value: Any) -> torch.Tensor:
+    """``value`` as a 1-D int64 CPU tensor of row indices (as it is when it already is one)."""
+    if (isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 1
+            and value.device.type == "cpu"):
+        return value
+    return torch.as_tensor(value, dtype=torch.int64).reshape(-1).cpu()
+
+
 def as_tensor(value: Any, *, field: str) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 

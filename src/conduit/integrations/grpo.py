@@ -31,7 +31,7 @@ import torch
 from conduit.errors import ConfigError, EmptyBufferError, SpecError, StateError
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule
-from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec
+from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices
 from conduit.storage import FifoSampler, data_path_threads
 from conduit.storage.ragged import RaggedStore
 
@@ -121,14 +121,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-def _int64_rows(x: Any) -> torch.Tensor:
-    """``x`` as a 1-D int64 CPU tensor (as it is when it already is one)."""
-    if (isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 1
-            and x.device.type == "cpu"):
-        return x
-    return torch.as_tensor(x, dtype=torch.int64).reshape(-1).cpu()
-
-
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``parts`` end to end; a single part as it is (no copy)."""
     return parts[0] if len(parts) == 1 else torch.cat(list(parts))
@@ -144,7 +136,7 @@ class OrderedFifoSampler(FifoSampler):
 
     def set_order(self, iteration: int, order: torch.Tensor) -> None:
         """Rows of ``iteration`` in delivery order (a permutation of its rows)."""
-        self._orders = {iteration: _int64_rows(order).clone()}
+        self._orders = {iteration: as_indices(order).clone()}
 
     def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
         order = self._orders.get(iteration)
@@ -291,7 +283,7 @@ class GroupExperiencePath:
             StateError: The previous iteration has not been consumed.
             SpecError: ``order`` is not a permutation of the iteration's rows.
         """
-        order = _int64_rows(order)
+        order = as_indices(order)
         # Python on the ints: this runs right after generation, where a first numpy or torch
         # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
         in_order = order.tolist()
@@ -460,7 +452,8 @@ class GroupExperiencePath:
     def _deliver(self, exp_in: Any, learn_out: Any) -> None:
         self._wait_for_permit()
         if self._spent and (len(self._spent) > 1 or not getattr(self._pulling, "active", False)):
-            with self._ragged_lock:  # on the worker, or when a second iteration's wait
+            # on the worker; on the learner only once two iterations' arrivals wait
+            with self._ragged_lock:
                 spent, self._spent = self._spent, []
             del spent
         rows = exp_in.read()

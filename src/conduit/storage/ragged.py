@@ -17,23 +17,22 @@ import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigError, SpecError, StateError
-from conduit.spec import RaggedFieldSpec
+from conduit.spec import RaggedFieldSpec, as_indices
 
 Side = Literal["left", "right"]
 SMALL_READ = 16384
 """Values up to which a read of an int64 field is padded with Python lists."""
 _MASK_TYPECODES = {torch.bool: "b", torch.int64: "q", torch.int32: "i", torch.int16: "h",
                    torch.uint8: "B", torch.float32: "f", torch.float64: "d"}
-_MASK_DTYPES = {"b": torch.bool, "q": torch.int64, "i": torch.int32, "h": torch.int16,
-                "B": torch.uint8, "f": torch.float32, "d": torch.float64}
+_MASK_DTYPES = {code: dtype for dtype, code in _MASK_TYPECODES.items()}
 _NUMPY_MASK = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8,
                torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _one_length(lens: np.ndarray) -> int | None:
+def _one_length(lens: Sequence[int]) -> int | None:
     """The length every row in ``lens`` (non-empty) has, or None when they differ."""
-    lo = int(lens.min())
-    return lo if lo == int(lens.max()) else None
+    lo = min(lens)
+    return lo if lo == max(lens) else None
 
 
 def _host(t: torch.Tensor) -> np.ndarray | None:
@@ -171,7 +170,7 @@ class RaggedStore:
         # where a first (cold) torch or numpy reduction costs more than a loop over the rows
         r, k = self._rows, len(lens)
         if k:
-            one = lens[0] if min(lens) == max(lens) else None
+            one = _one_length(lens)
             self._uniform[name] = one if r == 0 or self._uniform[name] == one else None
         off = self._offsets[name].numpy()
         end = int(off[r])
@@ -220,18 +219,19 @@ class RaggedStore:
         if side not in ("left", "right"):
             raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
         name = self._field(name)
+        slots = self._slots(slots)
         common = self._uniform[name]
         if common is not None and self._rows and (width is None or width == common):
             # every row has the same length: nothing to pad
             rows = self._pools[name][:self._rows * common].view(self._rows, common)
-            out = rows.index_select(0, self._slots(slots))
+            out = rows.index_select(0, slots)
             return out, torch.ones(out.shape, dtype=mask_dtype)
         if self._pools[name].dtype == torch.int64:
             small = self._padded_small(name, slots, pad_value, side, width, mask_dtype)
             if small is not None:
                 return small
         # numpy: a mini-batch is a few hundred values, where torch's per-op overhead dominates
-        s = self._slots(slots).numpy()
+        s = slots.numpy()
         off = self._offsets[name].numpy()
         pool = self._pools[name]
         starts = off[s]
@@ -266,8 +266,7 @@ class RaggedStore:
         for a pad value that is not an int64.
 
         Delivery reads right after generation, when a first (cold) numpy or torch operation
-        costs more than a loop over a mini-batch's tokens."""
-        slots = self._slots(slots)
+        costs more than a loop over a mini-batch's tokens. ``slots`` are checked."""
         bound = width if width is not None else self.fields[name].max_length
         if (slots.numel() * bound > SMALL_READ or isinstance(pad_value, bool)
                 or not isinstance(pad_value, int) or not -(1 << 63) <= pad_value < 1 << 63):
@@ -341,7 +340,7 @@ class RaggedStore:
             self._pools[name] = values.to(self.fields[name].dtype).clone()
             self._offsets[name][:rows + 1] = off
             o = self._offsets[name][:rows + 1].numpy()
-            self._uniform[name] = _one_length(o[1:] - o[:-1]) if rows else None
+            self._uniform[name] = _one_length((o[1:] - o[:-1]).tolist()) if rows else None
         self._rows = rows
 
     def _field(self, name: str) -> str:
@@ -350,9 +349,7 @@ class RaggedStore:
         return name
 
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
-        if not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64
-                and slots.dim() == 1 and slots.device.type == "cpu"):
-            slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        slots = as_indices(slots)
         s = slots.tolist()  # a mini-batch's slots: Python, where a cold reduction costs more
         if s and (min(s) < 0 or max(s) >= self._rows):
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
