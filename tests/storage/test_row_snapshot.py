@@ -305,3 +305,63 @@ def test_copying_ahead_starts_at_the_rows_the_next_write_overwrites(small_spec, 
     snap.copy_ahead(chunk_bytes=10 * small_spec.bytes_per_sample)
     assert order == [(13, 23), (23, 33), (33, 40), (0, 10), (10, 13)]
     assert_blocks_equal(buf.complete_snapshot(snap), expected)
+
+
+def test_a_snapshot_leads_the_writes_by_twice_the_largest_write(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=64)
+    buf.extend(make_rows(small_spec, 5))
+    buf.extend(make_rows(small_spec, 13, start=5))
+    buf.extend(make_rows(small_spec, 2, start=18))
+    snap = buf.begin_snapshot()
+    assert snap.lead_rows == 26 and snap.rows_written == 0
+    buf.extend(make_rows(small_spec, 4, start=20))  # past the snapshot's 20 rows: no threat
+    assert snap.rows_written == 0
+    buf.drop_snapshot(snap)
+
+
+def test_copying_ahead_keeps_to_its_duty_only_once_it_leads_the_writes(small_spec, monkeypatch):
+    """No pause while the copy is fewer than ``lead_rows`` rows ahead of the writes; a write
+    that closes in on it sends it back to full speed, and what it sets aside is what the
+    copy had not reached."""
+    buf = ExperienceBuffer(spec=small_spec, capacity=60)
+    buf.extend(make_rows(small_spec, 60))
+    buf.extend(make_rows(small_spec, 10, start=100))  # cursor at slot 10; largest write 60
+    expected = clone_blocks(buf.filled_blocks())
+    snap = buf.begin_snapshot()
+    snap.lead_rows = 15
+    progress: list[int] = []
+    copy_rows = snap._copy_ahead_rows
+
+    def recorded(first, stop, bounces):
+        copy_rows(first, stop, bounces)
+        progress.append((stop - 10) % 60 or 60)  # rows done, in ring order from the cursor
+
+    paused_at: list[tuple[int, int]] = []
+
+    def fake_sleep(seconds):
+        paused_at.append((progress[-1], snap.rows_written))
+        if len(paused_at) == 1:  # a write of 12 rows lands during the first pause
+            buf.extend(make_rows(small_spec, 12, start=200))
+
+    monkeypatch.setattr(snap, "_copy_ahead_rows", recorded)
+    monkeypatch.setattr("conduit.storage.snapshot.time.sleep", fake_sleep)
+    snap.copy_ahead(chunk_bytes=5 * small_spec.bytes_per_sample, duty=0.5)
+    assert progress == list(range(5, 65, 5))
+    assert all(done - written >= 15 for done, written in paused_at)
+    # 15 rows ahead, one pause; the write of 12 leaves it 3 ahead: full speed to 15 ahead again
+    assert paused_at[:3] == [(15, 0), (30, 12), (35, 12)]
+    assert snap.rows_written == 12
+    assert_blocks_equal(buf.complete_snapshot(snap), expected)
+
+
+def test_copying_ahead_takes_the_ids_before_the_next_write_would(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=16)
+    buf.extend(make_rows(small_spec, 16))
+    ids = buf.state_dict(rows=False)["row_id"].clone()
+    snap = buf.begin_snapshot()
+    snap.copy_ahead()
+    assert set(snap._ids) == {"row_id", "delivered_id"}  # copied by the worker, not a write
+    buf.extend(make_rows(small_spec, 4, start=50))
+    assert torch.equal(torch.from_numpy(snap.ids("row_id")), ids)
+    assert not np.array_equal(snap.ids("row_id"), buf.state_dict(rows=False)["row_id"].numpy())
+    buf.drop_snapshot(snap)

@@ -71,6 +71,7 @@ class ExperienceBuffer:
         self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
         self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
         self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
+        self._largest_write = 0  # rows of the largest extend so far (a snapshot's lead)
 
     @property
     def placement(self) -> Placement:
@@ -105,6 +106,8 @@ class ExperienceBuffer:
             data = dict(batch)
             n = next(iter(data.values())).shape[0]
         with self._lock, data_path_threads(1):
+            if n > self._largest_write:
+                self._largest_write = n
             first_id = self.writer.total_written
             pieces = self.writer.reserve(n)
             for store_start, b0, length in pieces:
@@ -264,7 +267,7 @@ class ExperienceBuffer:
                                 "delivered_id": torch.from_numpy(self._delivered_id)}
             snap = RowSnapshot(views=self.filled_blocks(), state=state, lock=self._lock,
                                ids={"row_id": self._row_id, "delivered_id": self._delivered_id},
-                               spare=spare)
+                               spare=spare, lead_rows=2 * self._largest_write)
             self._snapshots.append(snap)
             return snap
 

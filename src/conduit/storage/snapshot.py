@@ -55,19 +55,26 @@ class RowSnapshot:
         lock: The buffer's lock, held by every write.
         spare: :attr:`kept` of an earlier snapshot of the same buffer: its memory is reused
             for the rows set aside, so a write pays for no fresh pages.
+        lead_rows: How far :meth:`copy_ahead` gets ahead of the writes before it paces
+            itself.
 
     Attributes:
         size: Rows in the snapshot.
         state: See ``state`` above.
+        lead_rows: See ``lead_rows`` above.
+        rows_written: Rows of the snapshot that writes have reached since it was taken.
     """
 
     def __init__(self, *, views: Blocks, ids: Mapping[str, np.ndarray], state: StateDict,
                  lock: threading.RLock,
-                 spare: Mapping[tuple[int, str], torch.Tensor] | None = None) -> None:
+                 spare: Mapping[tuple[int, str], torch.Tensor] | None = None,
+                 lead_rows: int = 0) -> None:
         self._views = views
         self._lock = lock
         self.size = sum(next(iter(cols.values())).shape[0] for _, cols in views)
         self.state = state
+        self.lead_rows = max(0, int(lead_rows))
+        self.rows_written = 0
         # Per (block, field): rows [0, read) are read out; kept rows were copied aside by a
         # write before the reader reached them (their copies live in ``_kept``).
         self._read: dict[tuple[int, str], int] = {}
@@ -94,6 +101,7 @@ class RowSnapshot:
     def preserve(self, first: int, stop: int) -> None:
         """Copy aside the rows of slots ``[first, stop)`` the reader has not reached; call
         under the buffer's lock before they change."""
+        self.rows_written += max(0, min(stop, self.size) - first)
         for b, cols, lo, hi in self._block_ranges(first, min(stop, self.size)):
             for f, col in cols.items():
                 key = (b, f)
@@ -204,7 +212,10 @@ class RowSnapshot:
         the copy stays ahead of writes slower than memory and they rarely copy anything
         themselves. Each chunk is copied without the lock and merged under it into the rows
         no write set aside meanwhile, so the lock is held for one chunk's memory copy from a
-        hot buffer.
+        hot buffer. It copies at full speed until it is :attr:`lead_rows` rows ahead of the
+        writes, and again whenever they close in on it, and keeps to ``duty`` only beyond
+        that lead: a write that reaches rows not copied yet copies them itself, under the
+        buffer's lock, on the writer's thread.
 
         Args:
             chunk_bytes: Bytes per chunk (all fields).
@@ -214,6 +225,8 @@ class RowSnapshot:
             ConfigError: ``duty`` is outside ``(0, 1]``.
         """
         rest = sleep_share(duty)
+        with self._lock:  # the ids first: or the next write copies them, on its own thread
+            self.preserve_ids()
         writer = self.state.get("writer")
         cursor = int(writer["cursor"]) if isinstance(writer, dict) else 0
         cursor = cursor if 0 < cursor < self.size else 0
@@ -221,11 +234,15 @@ class RowSnapshot:
         row_bytes = sum(max(1, c[:1].numel() * c.element_size())
                         for c in self._views[0][1].values()) if self._views else 1
         rows = max(1, chunk_bytes // row_bytes)
+        copied = 0  # rows done, in ring order from the cursor, the order writes take
         for lo, hi in ((cursor, self.size), (0, cursor)):
             for a in range(lo, hi, rows):
                 t0 = time.perf_counter()
-                self._copy_ahead_rows(a, min(hi, a + rows), bounces)
-                time.sleep(rest * (time.perf_counter() - t0))
+                b = min(hi, a + rows)
+                self._copy_ahead_rows(a, b, bounces)
+                copied += b - a
+                if rest and copied - self.rows_written >= self.lead_rows:
+                    time.sleep(rest * (time.perf_counter() - t0))
 
     def _copy_ahead_rows(self, first: int, stop: int,
                          bounces: dict[tuple[int, str], torch.Tensor]) -> None:
