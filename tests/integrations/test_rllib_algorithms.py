@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from conduit.integrations.rllib import (
     ConduitPrioritizedEpisodeReplayBuffer,
     ConduitSACConfig,
 )
-from conduit.integrations.rllib.ppo import ConduitMiniBatchIterator
+from conduit.integrations.rllib.ppo import ConduitMiniBatchIterator, delivery_overlaps
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -97,11 +98,12 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize(("size", "minibatch_size", "epochs", "shuffle"),
                          [(64, 16, 3, True), (50, 16, 2, True), (40, 8, 1, False)])
 def test_ppo_minibatches_match_rllib(size: int, minibatch_size: int, epochs: int,
-                                     shuffle: bool, device: str) -> None:
+                                     shuffle: bool, device: str, overlap: bool) -> None:
     gen = torch.Generator().manual_seed(size)
     columns = {"obs": torch.randn(size, 4, generator=gen),
                "actions": torch.randint(0, 2, (size,), generator=gen),
@@ -122,13 +124,30 @@ def test_ppo_minibatches_match_rllib(size: int, minibatch_size: int, epochs: int
     theirs = run(MiniBatchCyclicIterator(batch(), shuffle_batch_per_epoch=shuffle, **kwargs))
     np.random.seed(3)
     ours = run(ConduitMiniBatchIterator(batch(), shuffle=shuffle, device=torch.device(device),
-                                        **kwargs))
+                                        overlap=overlap, **kwargs))
     assert len(ours[0]) == len(theirs[0]) and ours[1] == theirs[1]
     for a, b in zip(ours[0], theirs[0]):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].dtype == b[k].dtype and a[k].device == b[k].device, k
             assert torch.equal(a[k], b[k]), k
+
+
+def test_ppo_delivers_on_a_worker_only_where_the_worker_has_a_core(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # the update computes on every core
+        assert not delivery_overlaps(None, torch.device("cpu"))
+        assert delivery_overlaps(None, torch.device("cuda", 0))  # it computes on the device
+        assert delivery_overlaps(True, torch.device("cpu"))  # a setting is kept
+        torch.set_num_threads(3)
+        assert delivery_overlaps(None, torch.device("cpu"))
+        assert not delivery_overlaps(False, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert ConduitPPOTorchLearner.overlap is None  # the default decides per machine
 
 
 def _ppo_weights(learner_class: type | None

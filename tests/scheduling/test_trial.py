@@ -17,6 +17,7 @@ from conduit.scheduling import (
     feasible_space,
     judge_trial,
     learner_delivery,
+    spare_core,
     start_schedule,
     warmup_schedule,
 )
@@ -107,3 +108,11 @@ def test_judge_trial_needs_margin_and_few_inversions(threadless, keep):
 def test_judge_trial_needs_scores():
     with pytest.raises(ValueError):
         judge_trial([], [0.1], policy=TrialPolicy())
+
+
+@pytest.mark.parametrize(("cores", "threads", "accelerator", "spare"), [
+    (2, 2, False, False), (2, 4, False, False), (4, 2, False, True), (2, 1, False, True),
+    (2, 2, True, True), (1, 1, True, True)])
+def test_a_worker_has_a_core_only_beside_an_update_that_leaves_one(cores, threads,
+                                                                  accelerator, spare):
+    assert spare_core(cores=cores, compute_threads=threads, accelerator=accelerator) is spare

@@ -10,7 +10,8 @@ Pure functions and immutable values, no I/O:
 * :func:`choose` enumerates the ``4·|G_ing|·|G_del|`` candidates and returns a :class:`Plan`;
 * :func:`copy_bound` caps what overlap hides for interpreter-bound operators (:class:`CopyTimes`);
 * :class:`TrialPolicy`, :class:`TrialPair` and :func:`judge_trial` decide threads or no threads
-  from the model's pick and a measured warm-up trial;
+  from the model's pick and a measured warm-up trial; :func:`spare_core` says whether a
+  worker has a core the update does not compute on;
 * :class:`DriftDetector` / :class:`ReplanPolicy` decide when to re-plan;
 * :func:`fidelity` reports the model's accuracy like Tab. 4.
 
@@ -64,6 +65,7 @@ from conduit.scheduling.trial import (
     Verdict,
     judge_trial,
     learner_delivery,
+    spare_core,
     start_schedule,
     warmup_schedule,
 )
@@ -106,6 +108,7 @@ __all__ = [
     "predict",
     "profile_from_timings",
     "rank_candidates",
+    "spare_core",
     "start_schedule",
     "tie_key",
     "top_k_order",

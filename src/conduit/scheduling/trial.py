@@ -70,6 +70,24 @@ class TrialPolicy:
         return tuple(i for k in range(self.trial) for i in (pair if k % 2 == 0 else pair[::-1]))
 
 
+def spare_core(*, cores: int, compute_threads: int, accelerator: bool) -> bool:
+    """Whether a data-path worker thread can run beside the learner's update without taking
+    a core the update computes on.
+
+    On an accelerator the update runs on the device and leaves the host's cores to the
+    workers. On the CPU the update's intra-op threads use ``compute_threads`` of ``cores``;
+    where they use all of them, a worker only takes CPU time from the update, and an
+    intra-op region waits for its slowest thread, so what the overlap hides the slower
+    update gives back (docs/design.md §6).
+
+    Args:
+        cores: Cores of the machine.
+        compute_threads: Intra-op threads the update computes with.
+        accelerator: Whether the update runs on an accelerator.
+    """
+    return accelerator or cores > compute_threads
+
+
 def start_schedule(space: ScheduleSpace, *, prioritized: bool = False) -> Schedule:
     """The hand-set overlap schedule a run starts on, before the model has timings.
 

@@ -4,7 +4,8 @@ After the learner connector (GAE), RLlib's ``Learner.update`` cuts the train bat
 mini-batches with ``MiniBatchCyclicIterator`` and runs one update per mini-batch.
 :class:`ConduitPPOTorchLearner` hands the post-GAE batch to an on-policy plane instead; the
 plane delivers the mini-batches one delivery invocation each (``g_del = 1/M``), on a
-background worker while the learner updates on the previous one.
+background worker while the learner updates on the previous one where that worker has a core
+the update does not compute on (:func:`delivery_overlaps`), else on the learner's thread.
 
 Which rows form each mini-batch is RLlib's: :func:`cyclic_minibatches` replays the cyclic
 iterator's slicing and its per-epoch shuffles (drawn from NumPy's global generator, as
@@ -15,6 +16,7 @@ element for element.
 from __future__ import annotations
 
 import keyword
+import os
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -27,6 +29,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit.errors import ConfigError, EmptyBufferError
+from conduit.scheduling import spare_core
 from conduit.storage import Placement, SampleInfo, Sampler
 
 
@@ -159,6 +162,17 @@ def _take(column: object, index: torch.Tensor, size: int) -> object:
     return array[index.numpy()] if array.ndim and len(array) == size else column
 
 
+def delivery_overlaps(setting: bool | None, device: torch.device) -> bool:
+    """Whether the plane delivers mini-batches on a background worker: ``setting``, or for
+    None, where the worker has a core the update does not compute on
+    (:func:`~conduit.scheduling.spare_core`: an update on an accelerator, or fewer torch
+    threads than cores)."""
+    if setting is not None:
+        return bool(setting)
+    return spare_core(cores=os.cpu_count() or 1, compute_threads=torch.get_num_threads(),
+                      accelerator=device.type != "cpu")
+
+
 class ConduitPPOTorchLearner(PPOTorchLearner):
     """RLlib's ``PPOTorchLearner`` with Conduit delivering its mini-batches.
 
@@ -168,8 +182,10 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
     iterators take RLlib's own path.
     """
 
-    #: Deliver mini-batches on a background worker, ahead of the update.
-    overlap: ClassVar[bool] = True
+    #: Deliver mini-batches on a background worker, ahead of the update (True), on the
+    #: learner's thread (False), or, with None, where :func:`delivery_overlaps` finds the
+    #: worker a core of its own.
+    overlap: ClassVar[bool | None] = None
 
     def _create_iterator_if_necessary(self, *, training_data: TrainingData,
                                       num_total_minibatches: int = 0, num_epochs: int = 1,
@@ -191,7 +207,7 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
                 return ConduitMiniBatchIterator(
                     batch, num_epochs=num_epochs, minibatch_size=minibatch_size or len(rows),
                     shuffle=shuffle_batch_per_epoch and num_epochs > 1, device=self.device,
-                    overlap=self.overlap)
+                    overlap=delivery_overlaps(self.overlap, torch.device(self.device)))
             training_data = TrainingData(batch=batch)
         return super()._create_iterator_if_necessary(
             training_data=training_data, num_total_minibatches=num_total_minibatches,
