@@ -26,7 +26,11 @@ from conduit.integrations.rllib import (
     ConduitPrioritizedEpisodeReplayBuffer,
     ConduitSACConfig,
 )
-from conduit.integrations.rllib.ppo import ConduitMiniBatchIterator, delivery_overlaps
+from conduit.integrations.rllib.ppo import (
+    ColumnCache,
+    ConduitMiniBatchIterator,
+    delivery_overlaps,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -131,6 +135,76 @@ def test_ppo_minibatches_match_rllib(size: int, minibatch_size: int, epochs: int
         for k in a:
             assert a[k].dtype == b[k].dtype and a[k].device == b[k].device, k
             assert torch.equal(a[k], b[k]), k
+
+
+def _train_batch(size: int, seed: int, obs_dim: int = 4) -> MultiAgentBatch:
+    gen = torch.Generator().manual_seed(seed)
+    return MultiAgentBatch({"p": SampleBatch({
+        "obs": torch.randn(size, obs_dim, generator=gen),
+        "actions": torch.randint(0, 2, (size,), generator=gen),
+        "advantages": torch.randn(size, generator=gen)})}, size)
+
+
+def _minibatches(iterator: object, *, stop: int | None = None) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for k, mb in enumerate(iterator):
+        if stop is not None and k == stop:
+            break
+        out.append({key: v.clone() for key, v in mb.policy_batches["p"].items()})
+    return out
+
+
+def _same(ours: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]]) -> bool:
+    return len(ours) == len(theirs) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(ours, theirs))
+
+
+def _rllib_minibatches(batch: MultiAgentBatch, seed: int, **kwargs: object
+                       ) -> list[dict[str, torch.Tensor]]:
+    np.random.seed(seed)
+    return _minibatches(MiniBatchCyclicIterator(batch, **kwargs))
+
+
+def _column_ptrs(cache: ColumnCache) -> set[int]:
+    assert cache._kept is not None
+    return {t.data_ptr() for t in cache._kept.tensors.values()}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_updates_share_their_planes_columns_and_keep_rllibs_minibatches(overlap: bool) -> None:
+    cache = ColumnCache()
+    ptrs = []
+    for update, size in enumerate((32, 30, 35)):  # RLlib's batches differ by a few rows
+        kwargs = {"num_epochs": 2, "minibatch_size": 8}
+        theirs = _rllib_minibatches(_train_batch(size, update), update,
+                                    shuffle_batch_per_epoch=True, **kwargs)
+        np.random.seed(update)
+        ours = ConduitMiniBatchIterator(_train_batch(size, update), shuffle=True,
+                                        device=torch.device("cpu"), overlap=overlap,
+                                        columns=cache, **kwargs)
+        assert _same(_minibatches(ours), theirs)
+        ptrs.append(_column_ptrs(cache))
+    assert ptrs[0] == ptrs[1] == ptrs[2]  # 35 rows fit the 32 + 4 kept
+
+
+def test_columns_are_made_anew_for_more_rows_or_other_fields_and_survive_a_cut() -> None:
+    cache = ColumnCache()
+    kwargs = {"num_epochs": 1, "minibatch_size": 8, "shuffle": False,
+              "device": torch.device("cpu")}
+    _minibatches(ConduitMiniBatchIterator(_train_batch(32, 0), columns=cache, **kwargs))
+    first = _column_ptrs(cache)
+    cut = ConduitMiniBatchIterator(_train_batch(32, 1), columns=cache, **kwargs)
+    assert len(_minibatches(cut, stop=2)) == 2  # the learner stops after two mini-batches
+    assert _column_ptrs(cache) == first  # given back once that plane was closed
+    theirs = _rllib_minibatches(_train_batch(32, 2), 0, num_epochs=1, minibatch_size=8)
+    ours = ConduitMiniBatchIterator(_train_batch(32, 2), columns=cache, **kwargs)
+    assert _same(_minibatches(ours), theirs)
+    _minibatches(ConduitMiniBatchIterator(_train_batch(40, 3), columns=cache, **kwargs))
+    assert _column_ptrs(cache) != first  # 40 rows do not fit 32 + 4
+    _minibatches(ConduitMiniBatchIterator(_train_batch(40, 4, obs_dim=6), columns=cache,
+                                          **kwargs))
+    assert cache._kept is not None and cache._kept.spec.fields["obs"].shape == (6,)
 
 
 def test_ppo_delivers_on_a_worker_only_where_the_worker_has_a_core(

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conduit import CapacityError, PlacementError, SpecError
-from conduit.storage import ExperienceBuffer, Placement, UniformSampler, make_store
+from conduit.storage import ColumnStore, ExperienceBuffer, Placement, UniformSampler, make_store
 from tests.conftest import make_rows
 
 PLACEMENTS = [Placement.pageable(), Placement.pinned(), Placement.device("cpu"),
@@ -109,3 +109,38 @@ def test_buffer_state_round_trip(small_spec):
         x, y = a.sample(8), b.sample(8)
         assert torch.equal(x["_index"], y["_index"]) and torch.equal(x["obs"], y["obs"])
         assert torch.allclose(x["_weight"], y["_weight"])
+
+
+def test_a_store_over_given_columns_writes_and_reads_them(small_spec):
+    blocks = {n: torch.zeros((30, *fs.shape), dtype=fs.dtype)
+              for n, fs in small_spec.fields.items()}
+    store = ColumnStore.over(spec=small_spec, columns={k: v[:20] for k, v in blocks.items()})
+    assert store.capacity == 20 and store.placement == Placement.pageable()
+    buf = ExperienceBuffer(spec=small_spec, capacity=20, store=store,
+                           sampler=UniformSampler(seed=0))
+    rows = make_rows(small_spec, 25)
+    buf.extend({k: v[:15] for k, v in rows.items()})
+    buf.extend({k: v[15:] for k, v in rows.items()})  # wraps: slots 0..4 hold rows 20..24
+    for k, v in rows.items():
+        assert torch.equal(blocks[k][5:20], v[5:20]) and torch.equal(blocks[k][:5], v[20:])
+        assert not blocks[k][20:].any()  # past the store's rows: untouched
+    got = buf.sample(8)
+    for k in rows:
+        assert torch.equal(got[k], blocks[k][got["_index"]])
+
+
+def test_a_store_over_columns_refuses_columns_that_do_not_fit_the_spec(small_spec):
+    good = {n: torch.zeros((6, *fs.shape), dtype=fs.dtype) for n, fs in small_spec.fields.items()}
+    name = next(iter(small_spec.fields))
+    cases = [({k: v for k, v in good.items() if k != name}, "has no column"),
+             ({**good, "extra": torch.zeros(6)}, "not a field"),
+             ({**good, name: good[name].to(torch.float64)}, "expected a contiguous"),
+             ({**good, name: good[name][:5]}, "expected a contiguous"),
+             ({**good, name: torch.zeros((*good[name].shape[1:], 6)).T}, "not contiguous")]
+    for columns, match in cases:
+        with pytest.raises(SpecError, match=match):
+            ColumnStore.over(spec=small_spec, columns=columns)
+    with pytest.raises(PlacementError, match="one device"):
+        ColumnStore.over(spec=small_spec, columns={**good, name: good[name].to("meta")})
+    with pytest.raises(PlacementError, match="the CPU or a GPU"):
+        ColumnStore.over(spec=small_spec, columns={k: v.to("meta") for k, v in good.items()})

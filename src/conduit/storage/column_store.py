@@ -207,12 +207,62 @@ class ColumnStore:
             need = self.capacity * spec.bytes_per_sample
             raise CapacityError(f"cannot allocate {need} bytes for {self.capacity} rows on "
                                 f"{self.placement.label()}: {exc}", needed=need) from exc
-        # numpy views of host columns whose dtype numpy has (not bfloat16 etc.), for writes.
-        self._host_views: dict[str, np.ndarray] = {}
+        self._host_views = self._numpy_views()
+
+    def _numpy_views(self) -> dict[str, np.ndarray]:
+        """numpy views of host columns whose dtype numpy has (not bfloat16 etc.), for writes."""
+        views: dict[str, np.ndarray] = {}
         if self.device.type == "cpu":
             for name, col in self._cols.items():
                 with contextlib.suppress(TypeError):
-                    self._host_views[name] = col.numpy()
+                    views[name] = col.numpy()
+        return views
+
+    @classmethod
+    def over(cls, *, spec: ExperienceSpec, columns: Mapping[str, torch.Tensor]) -> ColumnStore:
+        """A store whose columns are ``columns``, used as they are (rows written land in
+        them): memory its caller reuses, such as the first rows of larger blocks kept from
+        one store to the next. Their contents are the store's rows; the caller must not
+        change them while the store is in use.
+
+        Args:
+            spec: Fields to store.
+            columns: One tensor per field of ``spec``, each ``[rows, *shape]`` of the field's
+                dtype and contiguous, all with the same rows, on the CPU or on one GPU.
+
+        Raises:
+            SpecError: A column is missing, extra, or does not match its field (named).
+            ConfigError: The columns hold no rows.
+            PlacementError: The columns live on more than one device.
+        """
+        for name in columns:
+            if name not in spec.fields:
+                raise SpecError(name, "is not a field of the spec")
+        first = columns.get(next(iter(spec.fields)))
+        capacity = int(first.shape[0]) if first is not None and first.dim() else -1
+        for name, fs in spec.fields.items():
+            col = columns.get(name)
+            if col is None:
+                raise SpecError(name, "has no column")
+            if (col.dtype != fs.dtype or tuple(col.shape) != (capacity, *fs.shape)
+                    or not col.is_contiguous()):
+                raise SpecError(name, f"column is {col.dtype} {tuple(col.shape)}"
+                                      f"{'' if col.is_contiguous() else ', not contiguous'}; "
+                                      f"expected a contiguous {fs.dtype} column of shape "
+                                      f"{(capacity, *fs.shape)}")
+        devices = {col.device for col in columns.values()}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise PlacementError(f"columns: on {sorted(map(str, devices))}; a ColumnStore lives "
+                                 f"on one device, the CPU or a GPU")
+        device = devices.pop()
+        store = cls.__new__(cls)
+        store.spec, store.capacity = spec, _check_capacity(capacity)
+        store.placement = Placement.pageable() if device.type == "cpu" else Placement.device(
+            device)
+        store.device, store.pinned = device, False
+        store._cols = {name: columns[name] for name in spec.fields}
+        store._host_views = store._numpy_views()
+        return store
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu" and not self.pinned:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import keyword
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit.errors import ConfigError, EmptyBufferError
 from conduit.scheduling import spare_core
-from conduit.storage import Placement, SampleInfo, Sampler
+from conduit.storage import ColumnStore, Placement, SampleInfo, Sampler
 
 
 def cyclic_minibatches(size: int, *, num_epochs: int, minibatch_size: int,
@@ -99,6 +100,55 @@ def _spec(columns: dict[str, torch.Tensor]) -> ExperienceSpec:
                                   for k, v in columns.items()})
 
 
+@dataclass
+class _Columns:
+    """Kept column memory: one ``[rows, *shape]`` tensor per field of ``spec``."""
+
+    spec: ExperienceSpec
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return int(next(iter(self.tensors.values())).shape[0])
+
+
+class ColumnCache:
+    """Column memory for an update's plane, kept for the next update with the same fields.
+
+    An update's plane holds the whole train batch; allocating its columns, and faulting their
+    pages in, costs tens of milliseconds per update for image batches. RLlib's train batches
+    differ by a few rows from one update to the next, so the columns are kept (with an eighth
+    more rows than asked for, and made anew when a batch has more) and each plane's store is
+    the first rows of them (:meth:`~conduit.storage.ColumnStore.over`). One plane uses them at
+    a time: an iterator takes a store, and gives it back once its plane is closed.
+    """
+
+    def __init__(self) -> None:
+        self._kept: _Columns | None = None
+        self._lent: dict[int, _Columns] = {}  # id(store) -> the columns under it
+
+    def take(self, spec: ExperienceSpec, rows: int, device: torch.device) -> ColumnStore:
+        """A store of ``rows`` rows of ``spec`` on ``device``: over the kept columns where
+        they fit (no longer kept until :meth:`give_back`), else over new ones."""
+        kept, self._kept = self._kept, None
+        if kept is None or kept.spec != spec or kept.device != device or kept.rows < rows:
+            kept = None  # the old memory goes before the new is made
+            kept = _Columns(spec, device, {
+                name: torch.empty((rows + rows // 8, *fs.shape), dtype=fs.dtype, device=device)
+                for name, fs in spec.fields.items()})
+        store = ColumnStore.over(spec=spec,
+                                 columns={k: v[:rows] for k, v in kept.tensors.items()})
+        self._lent[id(store)] = kept
+        return store
+
+    def give_back(self, store: ColumnStore) -> None:
+        """Keep the columns under ``store``, whose plane is closed, for the next update."""
+        kept = self._lent.pop(id(store), None)
+        if kept is not None:
+            self._kept = kept
+
+
 class ConduitMiniBatchIterator:
     """Mini-batches of one module's train batch, delivered by a Conduit on-policy plane in
     the order :func:`cyclic_minibatches` gives.
@@ -114,10 +164,13 @@ class ConduitMiniBatchIterator:
         shuffle: RLlib's ``shuffle_batch_per_epoch`` (with ``num_epochs > 1``).
         device: Where the learner trains (the plane's rows and batches live there).
         overlap: Deliver on a background worker, ahead of the learner.
+        columns: Where the plane's columns come from and go back to, so that updates
+            share their memory (default: columns of its own).
     """
 
     def __init__(self, batch: MultiAgentBatch, *, num_epochs: int, minibatch_size: int,
-                 shuffle: bool, device: torch.device, overlap: bool = True) -> None:
+                 shuffle: bool, device: torch.device, overlap: bool = True,
+                 columns: ColumnCache | None = None) -> None:
         ((self.module_id, self.rows),) = batch.policy_batches.items()
         self.env_steps = len(batch)
         size = len(self.rows)
@@ -126,24 +179,33 @@ class ConduitMiniBatchIterator:
         per_epoch = size // minibatch_size if size % minibatch_size == 0 else len(self.parts)
         self.num_minibatches = per_epoch
         self.device, self.overlap = torch.device(device), overlap
+        self.columns = columns
 
     def __iter__(self) -> Iterator[MultiAgentBatch]:
         size = len(self.rows)
         cols = {k: v for k, v in self.rows.items() if _plane_column(k, v, size)}
         rest = {k: v for k, v in self.rows.items() if k not in cols}
         m = self.num_minibatches
-        plane = ExperienceDataPlane(
-            spec=_spec(cols), capacity=len(self.rows), mode="on_policy", num_minibatches=m,
-            num_epochs=len(self.parts) // m, learner_device=self.device,
-            sampler=PlannedSampler(self.parts, num_minibatches=m),
-            placement=Placement.device(self.device) if self.device.type == "cuda" else None,
-            schedule=Schedule(0, 1, int(self.overlap), Fraction(1, m)))
-        with plane:
-            plane.push(cols)
-            for minibatch in plane.minibatches():
-                index = minibatch.pop("_index")
-                out = {**minibatch, **{k: _take(v, index, size) for k, v in rest.items()}}
-                yield MultiAgentBatch({self.module_id: SampleBatch(out)}, self.env_steps)
+        spec = _spec(cols)
+        store = self.columns.take(spec, size, self.device) if self.columns is not None else None
+        try:
+            plane = ExperienceDataPlane(
+                spec=spec, capacity=size, mode="on_policy", num_minibatches=m,
+                num_epochs=len(self.parts) // m, learner_device=self.device,
+                sampler=PlannedSampler(self.parts, num_minibatches=m), store=store,
+                placement=(store.placement if store is not None else
+                           Placement.device(self.device) if self.device.type == "cuda"
+                           else None),
+                schedule=Schedule(0, 1, int(self.overlap), Fraction(1, m)))
+            with plane:
+                plane.push(cols)
+                for minibatch in plane.minibatches():
+                    index = minibatch.pop("_index")
+                    out = {**minibatch, **{k: _take(v, index, size) for k, v in rest.items()}}
+                    yield MultiAgentBatch({self.module_id: SampleBatch(out)}, self.env_steps)
+        finally:
+            if store is not None:
+                self.columns.give_back(store)  # the plane is closed: nothing writes them
 
 
 def _plane_column(name: str, column: object, size: int) -> bool:
@@ -179,13 +241,21 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
     Usage: ``config.learners(learner_class=ConduitPPOTorchLearner)``. Epochs, shuffling and
     mini-batch sizes are RLlib's. Batches RLlib itself would not cut into mini-batches (one
     epoch without ``minibatch_size``), multi-module batches, recurrent modules and data
-    iterators take RLlib's own path.
+    iterators take RLlib's own path. Updates share their planes' column memory
+    (:class:`ColumnCache`).
     """
 
     #: Deliver mini-batches on a background worker, ahead of the update (True), on the
     #: learner's thread (False), or, with None, where :func:`delivery_overlaps` finds the
     #: worker a core of its own.
     overlap: ClassVar[bool | None] = None
+
+    def _column_cache(self) -> ColumnCache:
+        """This learner's :class:`ColumnCache` (plane memory kept between updates)."""
+        cache = self.__dict__.get("_conduit_columns")
+        if cache is None:
+            cache = self.__dict__["_conduit_columns"] = ColumnCache()
+        return cache
 
     def _create_iterator_if_necessary(self, *, training_data: TrainingData,
                                       num_total_minibatches: int = 0, num_epochs: int = 1,
@@ -207,7 +277,8 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
                 return ConduitMiniBatchIterator(
                     batch, num_epochs=num_epochs, minibatch_size=minibatch_size or len(rows),
                     shuffle=shuffle_batch_per_epoch and num_epochs > 1, device=self.device,
-                    overlap=delivery_overlaps(self.overlap, torch.device(self.device)))
+                    overlap=delivery_overlaps(self.overlap, torch.device(self.device)),
+                    columns=self._column_cache())
             training_data = TrainingData(batch=batch)
         return super()._create_iterator_if_necessary(
             training_data=training_data, num_total_minibatches=num_total_minibatches,
