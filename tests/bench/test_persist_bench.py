@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conduit.bench.persist import PEERS_HINT, main, rows_checksum, torchrl_buffer
+from conduit.errors import ConfigError
 
 
 def _positive(x: object) -> bool:
@@ -67,3 +68,9 @@ def test_the_row_checksum_sees_one_changed_element() -> None:
     assert rows_checksum({k: v.clone() for k, v in cols.items()}) == before
     cols["done"][3] = True
     assert rows_checksum(cols) != before
+
+
+def test_the_loop_segments_must_be_an_even_number(tmp_path: Path) -> None:
+    for bad in ("3", "0"):
+        with pytest.raises(ConfigError, match="segments"):
+            main(["--quick", "--segments", bad, "--out", str(tmp_path)])

@@ -11,11 +11,13 @@ Three measurements in one run, all in one folder:
    (``posix_fadvise(POSIX_FADV_DONTNEED)``) where the OS allows it; otherwise the table says
    the reads were cached.
 2. The synthetic training loop (push a rollout, pull a batch, a small MLP update) over the same
-   full buffer, without and then with a :class:`~conduit.plane.checkpoint.Snapshotter`.
-   The stall is the median time an iteration that overlapped a snapshot's pause took beyond
-   the median iteration without snapshots, as a percentage of the latter (target < 5 %); it
-   is also given against the other iterations of the run with snapshots, which is free of
-   drift between the two runs.
+   full buffer, in segments that alternate without and with a
+   :class:`~conduit.plane.checkpoint.Snapshotter` (without, with, with, without, ...), so
+   that the host's drift lands on both alike. The stall is the median time an iteration that
+   overlapped a snapshot's pause took beyond the median iteration without snapshots, as a
+   percentage of the latter (target < 5 %); it is also given against the other iterations
+   with snapshots, which tells a pause's own cost from the copy and write running beside the
+   loop.
 3. TorchRL's ``ReplayBuffer(storage=LazyTensorStorage(n))``: ``dumps`` and ``loads`` of the same
    rows, when the optional ``torchrl`` peer is installed.
 
@@ -44,6 +46,7 @@ import torch
 
 from conduit.bench.common import progress
 from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
 from conduit.report import pyplot, save_figure, table, write_json
@@ -69,6 +72,8 @@ class PersistBenchArgs:
     compute_threads: int = arg(1, "torch threads for the loop's rollout and update compute")
     repeats: int = arg(3, "repetitions of every save and load (medians are reported)")
     loop_s: float = arg(20.0, "seconds of training without snapshots, and again with them")
+    segments: int = arg(6, "segments the 2 x loop_s are cut into, alternating without and "
+                           "with snapshots (an even number >= 2)")
     every_s: float = arg(1.0, "seconds between snapshots")
     scratch: str = arg("", "folder for every checkpoint and dd file (default: a temporary "
                            "folder under --out, removed afterwards)")
@@ -376,17 +381,45 @@ def training_loop(plane: ExperienceDataPlane, step: Callable[[ExperienceDataPlan
     return out
 
 
+def _check_segments(segments: object) -> None:
+    if isinstance(segments, bool) or not isinstance(segments, int) or (
+            segments < 2 or segments % 2):
+        raise ConfigError("segments", f"must be an even number >= 2, got {segments!r}")
+
+
 def stall(plane: ExperienceDataPlane, args: PersistBenchArgs, folder: Path) -> dict[str, Any]:
-    """The training loop without, then with, periodic snapshots; the learner's stall."""
+    """The training loop in segments alternating without and with periodic snapshots; the
+    learner's stall.
+
+    Raises:
+        ConfigError: ``segments`` is not an even number >= 2.
+    """
+    _check_segments(args.segments)
     step = make_step(Workload(args.dim, args.hidden), rollout_rows=args.rollout_rows)
+    seconds = args.loop_s / (args.segments // 2)
+    plain: dict[str, Any] = {"iterations_s": [], "overlapped": []}
+    snap: dict[str, Any] = {"iterations_s": [], "overlapped": [], "snapshots": 0,
+                            "pause_s": [], "write_s": [], "failures": 0}
     before = torch.get_num_threads()
     torch.set_num_threads(args.compute_threads)
     try:
-        progress(f"training loop without snapshots ({args.loop_s:g} s)")
-        plain = training_loop(plane, step, seconds=args.loop_s)
-        progress(f"training loop with a snapshot every {args.every_s:g} s ({args.loop_s:g} s)")
-        snap = training_loop(plane, step, seconds=args.loop_s, snapshot=folder / "snap.ckpt",
-                             every_s=args.every_s)
+        for k in range(args.segments):
+            with_snapshots = k % 4 in (1, 2)
+            progress(f"segment {k + 1}/{args.segments}: training loop "
+                     + (f"with a snapshot every {args.every_s:g} s" if with_snapshots
+                        else "without snapshots") + f" ({seconds:g} s)")
+            got = training_loop(plane, step, seconds=seconds,
+                                snapshot=folder / "snap.ckpt" if with_snapshots else None,
+                                every_s=args.every_s)
+            into = snap if with_snapshots else plain
+            offset = len(into["iterations_s"])
+            into["iterations_s"] += got["iterations_s"]
+            into["overlapped"] += [offset + i for i in got["overlapped"]]
+            if with_snapshots:
+                for key in ("snapshots", "failures"):
+                    snap[key] += got[key]
+                for key in ("pause_s", "write_s"):
+                    snap[key] += got[key]
     finally:
         torch.set_num_threads(before)
     base = statistics.median(plain["iterations_s"])
@@ -394,7 +427,8 @@ def stall(plane: ExperienceDataPlane, args: PersistBenchArgs, folder: Path) -> d
     stalled = max(0.0, statistics.median(over) - base) if over else math.nan
     hit = set(snap["overlapped"])
     rest = [t for i, t in enumerate(snap["iterations_s"]) if i not in hit]
-    # The same, against the other iterations of the same run: free of drift between the runs.
+    # Against the other iterations with snapshots: a pause's own cost, without the copy's and
+    # the write's beside the loop.
     same_run = (max(0.0, statistics.median(over) - statistics.median(rest))
                 if over and rest else math.nan)
     return {
@@ -434,11 +468,13 @@ def print_tables(result: dict[str, Any]) -> None:
                  "how"], rows))
     st = result["stall"]
     w = st["with"]
-    print(f"\nTraining loop over the same buffer, {result['args']['loop_s']:g} s each; "
-          f"{w['snapshots']} snapshots, every {result['args']['every_s']:g} s "
-          f"({w['failures']} failed)")
+    print(f"\nTraining loop over the same buffer, {result['args']['loop_s']:g} s without and "
+          f"{result['args']['loop_s']:g} s with snapshots, in "
+          f"{result['args']['segments']} alternating segments; {w['snapshots']} snapshots, "
+          f"every {result['args']['every_s']:g} s ({w['failures']} failed)")
     print(table(["iterations", "median iter (ms)", "overlapped iters", "overlapped median (ms)",
-                 "pause median (ms)", "stall (ms)", "stall / iter", "vs same run", "mean slowdown"],
+                 "pause median (ms)", "stall (ms)", "stall / iter", "vs other snapshot iters",
+                 "mean slowdown"],
                 [[len(st["without"]["iterations_s"]) + len(w["iterations_s"]),
                   1e3 * st["median_iteration_s"], len(w["overlapped"]),
                   1e3 * st["median_overlapped_s"], 1e3 * st["median_pause_s"],
@@ -483,11 +519,17 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def run(args: PersistBenchArgs) -> dict[str, Any]:
-    """Run the whole benchmark; prints tables, writes JSON and PNG."""
+    """Run the whole benchmark; prints tables, writes JSON and PNG.
+
+    Raises:
+        ConfigError: ``segments`` is not an even number >= 2.
+    """
+    _check_segments(args.segments)
     if args.quick:
         args = PersistBenchArgs(**{**asdict(args), "dim": 64, "capacity": 8000,
                                    "rollout_rows": 100, "batch_size": 64, "hidden": 32,
-                                   "repeats": 2, "loop_s": 1.5, "every_s": 0.2, "quick": True})
+                                   "repeats": 2, "loop_s": 1.5, "every_s": 0.2,
+                                   "segments": 4, "quick": True})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plane = ExperienceDataPlane(spec=synthetic_spec(args.dim), capacity=args.capacity,
