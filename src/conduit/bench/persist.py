@@ -62,7 +62,11 @@ _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 
 @dataclass(frozen=True)
 class PersistBenchArgs:
-    """Arguments of ``conduit bench persist``."""
+    """Arguments of ``conduit bench persist``.
+
+    Raises:
+        ConfigError: ``segments`` is not an even number >= 2.
+    """
 
     dim: int = arg(1000, "observation dimension (a row holds obs and next_obs: 2 x dim float32)")
     capacity: int = arg(125_000, "buffer rows, all filled (the default is about 1 GB)")
@@ -79,6 +83,11 @@ class PersistBenchArgs:
                            "folder under --out, removed afterwards)")
     out: str = arg("runs/bench/persist", "output directory for JSON and PNG")
     quick: bool = arg(False, "a few MB and a few seconds, for a smoke run")
+
+    def __post_init__(self) -> None:
+        s = self.segments
+        if isinstance(s, bool) or not isinstance(s, int) or s < 2 or s % 2:
+            raise ConfigError("segments", f"must be an even number >= 2, got {s!r}")
 
 
 # -- rows and files ----------------------------------------------------------------------------
@@ -381,20 +390,9 @@ def training_loop(plane: ExperienceDataPlane, step: Callable[[ExperienceDataPlan
     return out
 
 
-def _check_segments(segments: object) -> None:
-    if isinstance(segments, bool) or not isinstance(segments, int) or (
-            segments < 2 or segments % 2):
-        raise ConfigError("segments", f"must be an even number >= 2, got {segments!r}")
-
-
 def stall(plane: ExperienceDataPlane, args: PersistBenchArgs, folder: Path) -> dict[str, Any]:
     """The training loop in segments alternating without and with periodic snapshots; the
-    learner's stall.
-
-    Raises:
-        ConfigError: ``segments`` is not an even number >= 2.
-    """
-    _check_segments(args.segments)
+    learner's stall."""
     step = make_step(Workload(args.dim, args.hidden), rollout_rows=args.rollout_rows)
     seconds = args.loop_s / (args.segments // 2)
     plain: dict[str, Any] = {"iterations_s": [], "overlapped": []}
@@ -416,9 +414,7 @@ def stall(plane: ExperienceDataPlane, args: PersistBenchArgs, folder: Path) -> d
             into["iterations_s"] += got["iterations_s"]
             into["overlapped"] += [offset + i for i in got["overlapped"]]
             if with_snapshots:
-                for key in ("snapshots", "failures"):
-                    snap[key] += got[key]
-                for key in ("pause_s", "write_s"):
+                for key in ("snapshots", "failures", "pause_s", "write_s"):
                     snap[key] += got[key]
     finally:
         torch.set_num_threads(before)
@@ -519,12 +515,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def run(args: PersistBenchArgs) -> dict[str, Any]:
-    """Run the whole benchmark; prints tables, writes JSON and PNG.
-
-    Raises:
-        ConfigError: ``segments`` is not an even number >= 2.
-    """
-    _check_segments(args.segments)
+    """Run the whole benchmark; prints tables, writes JSON and PNG."""
     if args.quick:
         args = PersistBenchArgs(**{**asdict(args), "dim": 64, "capacity": 8000,
                                    "rollout_rows": 100, "batch_size": 64, "hidden": 32,
