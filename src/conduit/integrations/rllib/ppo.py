@@ -112,6 +112,11 @@ class _Columns:
     def rows(self) -> int:
         return int(next(iter(self.tensors.values())).shape[0])
 
+    def store(self, rows: int) -> ColumnStore:
+        """A store over the first ``rows`` rows."""
+        return ColumnStore.over(spec=self.spec,
+                                columns={k: v[:rows] for k, v in self.tensors.items()})
+
 
 class ColumnCache:
     """Column memory for an update's plane, kept for the next update with the same fields.
@@ -121,32 +126,26 @@ class ColumnCache:
     differ by a few rows from one update to the next, so the columns are kept (with an eighth
     more rows than asked for, and made anew when a batch has more) and each plane's store is
     the first rows of them (:meth:`~conduit.storage.ColumnStore.over`). One plane uses them at
-    a time: an iterator takes a store, and gives it back once its plane is closed.
+    a time: an iterator takes them, and gives them back once its plane is closed.
     """
 
     def __init__(self) -> None:
         self._kept: _Columns | None = None
-        self._lent: dict[int, _Columns] = {}  # id(store) -> the columns under it
 
-    def take(self, spec: ExperienceSpec, rows: int, device: torch.device) -> ColumnStore:
-        """A store of ``rows`` rows of ``spec`` on ``device``: over the kept columns where
-        they fit (no longer kept until :meth:`give_back`), else over new ones."""
+    def take(self, spec: ExperienceSpec, rows: int, device: torch.device) -> _Columns:
+        """Columns for ``rows`` rows of ``spec`` on ``device``: the kept ones where they fit
+        (no longer kept until :meth:`give_back`), else new ones."""
         kept, self._kept = self._kept, None
         if kept is None or kept.spec != spec or kept.device != device or kept.rows < rows:
             kept = None  # the old memory goes before the new is made
             kept = _Columns(spec, device, {
                 name: torch.empty((rows + rows // 8, *fs.shape), dtype=fs.dtype, device=device)
                 for name, fs in spec.fields.items()})
-        store = ColumnStore.over(spec=spec,
-                                 columns={k: v[:rows] for k, v in kept.tensors.items()})
-        self._lent[id(store)] = kept
-        return store
+        return kept
 
-    def give_back(self, store: ColumnStore) -> None:
-        """Keep the columns under ``store``, whose plane is closed, for the next update."""
-        kept = self._lent.pop(id(store), None)
-        if kept is not None:
-            self._kept = kept
+    def give_back(self, columns: _Columns) -> None:
+        """Keep ``columns``, whose plane is closed, for the next update."""
+        self._kept = columns
 
 
 class ConduitMiniBatchIterator:
@@ -187,7 +186,8 @@ class ConduitMiniBatchIterator:
         rest = {k: v for k, v in self.rows.items() if k not in cols}
         m = self.num_minibatches
         spec = _spec(cols)
-        store = self.columns.take(spec, size, self.device) if self.columns is not None else None
+        kept = self.columns.take(spec, size, self.device) if self.columns is not None else None
+        store = kept.store(size) if kept is not None else None
         try:
             plane = ExperienceDataPlane(
                 spec=spec, capacity=size, mode="on_policy", num_minibatches=m,
@@ -204,8 +204,8 @@ class ConduitMiniBatchIterator:
                     out = {**minibatch, **{k: _take(v, index, size) for k, v in rest.items()}}
                     yield MultiAgentBatch({self.module_id: SampleBatch(out)}, self.env_steps)
         finally:
-            if store is not None:
-                self.columns.give_back(store)  # the plane is closed: nothing writes them
+            if kept is not None:
+                self.columns.give_back(kept)  # the plane is closed: nothing writes them
 
 
 def _plane_column(name: str, column: object, size: int) -> bool:
