@@ -121,8 +121,8 @@ class _Columns:
 class ColumnCache:
     """Column memory for an update's plane, kept for the next update with the same fields.
 
-    An update's plane holds the whole train batch; allocating its columns, and faulting their
-    pages in, costs tens of milliseconds per update for image batches. RLlib's train batches
+    An update's plane holds the whole train batch; for image batches, allocating its columns
+    and faulting their pages in is a large part of the plane's cost. RLlib's train batches
     differ by a few rows from one update to the next, so the columns are kept (with an eighth
     more rows than asked for, and made anew when a batch has more) and each plane's store is
     the first rows of them (:meth:`~conduit.storage.ColumnStore.over`). One plane uses them at
