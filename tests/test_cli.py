@@ -39,3 +39,55 @@ def test_the_cli_leaves_ray_authentication_alone(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     main(["--help"])
     assert "RAY_AUTH_MODE" not in os.environ
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["bench", "plane", "--iters", "0"], "--iters", "must be >= 1, got 0"),
+    (["bench", "peers", "--dims", "128", "-5"], "--dims", "must be >= 1, got -5"),
+    (["train", "--seed", "-1"], "--seed", "must be >= 0, got -1"),
+    (["bench", "persist", "--loop-s", "nan"], "--loop-s", "expected a number, got NaN"),
+    (["bench", "rllib", "--iters", "three"], "--iters", "expected int, got 'three'"),
+])
+def test_a_bad_number_is_a_usage_error_naming_the_flag(argv: list[str], flag: str, says: str,
+                                                       capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {says}" in err
+
+
+def test_bounds_come_from_the_field_metadata() -> None:
+    import argparse
+    from dataclasses import dataclass
+
+    from conduit.cli_args import add_dataclass_args, arg
+
+    @dataclass(frozen=True)
+    class Args:
+        n: int = arg(3, "rows", min=2)
+        k: int = arg(0, "any count")
+        x: float = arg(-1.5, "unbounded")
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, Args)
+    ns = parser.parse_args(["--n", "2", "--k", "0", "--x", "-7"])
+    assert (ns.n, ns.k, ns.x) == (2, 0, -7.0)
+    for bad in (["--n", "1"], ["--k", "-1"], ["--x", "nan"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_a_conduit_error_is_one_line_and_exit_status_2(capsys) -> None:
+    assert main(["bench", "persist", "--segments", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conduit bench persist: error: ConfigError: segments:")
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_conduit_traceback_lets_the_error_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.errors import ConfigError
+
+    monkeypatch.setenv("CONDUIT_TRACEBACK", "1")
+    with pytest.raises(ConfigError, match="segments"):
+        main(["bench", "persist", "--segments", "3"])

@@ -14,9 +14,11 @@ Subcommands:
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from conduit.cli_args import command_parser
+from conduit.errors import ConduitError, ConfigError, SpecError
 
 _BENCHES = {
     "plane": ("conduit.bench.plane", "exposed latency inline vs overlap; gather vs copy"),
@@ -45,13 +47,26 @@ _COMMANDS = {
 }
 
 
-def _call(module: str, func: str, argv: list[str]) -> int:
+def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
+    """Run one command; a :class:`~conduit.errors.ConduitError` becomes one line on stderr.
+
+    Exit status 2 for bad input (:class:`~conduit.errors.ConfigError`,
+    :class:`~conduit.errors.SpecError`), 1 for any other Conduit error. ``CONDUIT_TRACEBACK=1``
+    lets the error propagate with its traceback instead.
+    """
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        print(f"conduit: {module} is unavailable: {exc}", file=sys.stderr)
+        print(f"{prog}: {module} is unavailable: {exc}", file=sys.stderr)
         return 2
-    return int(getattr(mod, func)(argv) or 0)
+    try:
+        return int(getattr(mod, func)(argv) or 0)
+    except ConduitError as exc:
+        if os.environ.get("CONDUIT_TRACEBACK") == "1":
+            raise
+        print(f"{prog}: error: {type(exc).__name__}: {exc} "
+              "(CONDUIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 2 if isinstance(exc, (ConfigError, SpecError)) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd in _COMMANDS:
         module, func, _ = _COMMANDS[cmd]
-        return _call(module, func, rest)
+        return _call(f"conduit {cmd}", module, func, rest)
     if cmd == "bench":
         if not rest or rest[0] in ("-h", "--help") or rest[0] not in _BENCHES:
             bench.print_help()
             return 0 if rest and rest[0] in ("-h", "--help") else 2
-        return _call(_BENCHES[rest[0]][0], "main", rest[1:])
+        return _call(f"conduit bench {rest[0]}", _BENCHES[rest[0]][0], "main", rest[1:])
     parser.print_help()
     return 2
 

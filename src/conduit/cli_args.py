@@ -2,7 +2,10 @@
 
 Each dataclass field becomes ``--field-name``; its help text comes from
 ``field(metadata={"help": ...})``; ``Literal`` types become ``choices``; ``bool`` fields become
-``--flag/--no-flag``. Docstrings used as help are turned into plain text (:func:`plain_text`).
+``--flag/--no-flag``. Numeric flags are checked as they are parsed: an ``int`` is at least
+``metadata["min"]`` (0 when unset), a ``float`` is a number (not NaN) and at least
+``metadata["min"]`` when set, so a bad value is a usage error naming the flag. Docstrings
+used as help are turned into plain text (:func:`plain_text`).
 """
 
 from __future__ import annotations
@@ -51,10 +54,31 @@ def command_parser(prog: str, doc: str | None, cls: type | None = None
 
 
 def arg(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``."""
+    """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``.
+
+    Keyword arguments go into the field's metadata; ``min=`` is the smallest value the flag
+    accepts (see :func:`add_dataclass_args`).
+    """
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
     return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def _number(tp: type, low: float | None) -> Any:
+    """An argparse ``type`` that parses ``tp`` and refuses NaN and values below ``low``."""
+    def parse(text: str) -> Any:
+        try:
+            value = tp(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {tp.__name__}, got {text!r}") from None
+        if value != value:
+            raise argparse.ArgumentTypeError("expected a number, got NaN")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    parse.__name__ = tp.__name__
+    return parse
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -83,8 +107,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["type"] = type(args[0])
         elif origin in (list, tuple):
             kw["nargs"] = "+"
-            kw["type"] = args[0] if args else str
-        elif tp in (int, float, str):
+            item = args[0] if args else str
+            kw["type"] = _number(item, f.metadata.get("min", 0 if item is int else None)) \
+                if item in (int, float) else item
+        elif tp in (int, float):
+            kw["type"] = _number(tp, f.metadata.get("min", 0 if tp is int else None))
+        elif tp is str:
             kw["type"] = tp
         else:
             kw["type"] = str

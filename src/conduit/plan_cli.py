@@ -54,13 +54,13 @@ class PlanArgs:
     """Arguments of ``conduit plan``."""
 
     mode: Literal["off_policy", "on_policy"] = arg("off_policy", "RL mode")
-    dim: int = arg(1000, "transition dimension (float32 obs and next_obs of this size)")
+    dim: int = arg(1000, "transition dimension (float32 obs and next_obs of this size)", min=1)
     bytes_per_sample: int | None = arg(None, "bytes per buffer sample (overrides --dim)")
-    capacity: int = arg(1_000_000, "buffer capacity in rows (on-policy: rows per iteration)")
-    batch_size: int = arg(512, "off-policy training batch size")
+    capacity: int = arg(1_000_000, "buffer capacity in rows (on-policy: rows per iteration)", min=1)
+    batch_size: int = arg(512, "off-policy training batch size", min=1)
     rollout_rows: int | None = arg(None, "rows per rollout unit (default: --batch-size)")
-    minibatches: int = arg(8, "on-policy mini-batches per epoch (M)")
-    g_max: int = arg(8, "off-policy granularity cap (bounds staleness and staging memory)")
+    minibatches: int = arg(8, "on-policy mini-batches per epoch (M)", min=1)
+    g_max: int = arg(8, "off-policy granularity cap (bounds staleness and staging memory)", min=1)
     topology: str = arg("", "preset name (" + ", ".join(preset_names()) + "), a JSON file, "
                             "'ray' or 'ray:ADDRESS' (every node of a running Ray cluster); "
                             "empty: detect this machine")
@@ -71,7 +71,7 @@ class PlanArgs:
     profile: bool = arg(False, "measure operator costs with a short synthetic warm-up here")
     op_overhead_us: float = arg(100.0, "per-invocation operator overhead for the estimate (us)")
     sync_us: float = arg(50.0, "sync cost of an overlapped operator for the estimate (us)")
-    top_k: int = arg(5, "schedule candidates to show")
+    top_k: int = arg(5, "schedule candidates to show", min=1)
     json_out: str = arg("", "also write the decision as JSON to this path")
 
 

@@ -36,11 +36,11 @@ class ConvergenceArgs:
     """Arguments of ``conduit bench convergence``."""
 
     algos: tuple[str, ...] = arg(("ppo", "dqn"), "algorithms to run on CartPole-v1 (ppo, dqn)")
-    seeds: tuple[int, ...] = arg((1, 2, 3), "seeds; each runs inline and with Conduit")
-    ppo_iters: int = arg(120, "PPO iterations per run (1,024 env steps each)")
-    dqn_iters: int = arg(250, "DQN iterations per run (128 env steps each)")
-    window: int = arg(20, "episodes in the moving mean of the return")
-    actors: int = arg(2, "Ray rollout actors")
+    seeds: tuple[int, ...] = arg((1, 2, 3), "seeds; each runs inline and with Conduit", min=1)
+    ppo_iters: int = arg(120, "PPO iterations per run (1,024 env steps each)", min=1)
+    dqn_iters: int = arg(250, "DQN iterations per run (128 env steps each)", min=1)
+    window: int = arg(20, "episodes in the moving mean of the return", min=1)
+    actors: int = arg(2, "Ray rollout actors", min=1)
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
     out: str = arg("runs/bench/convergence", "folder for convergence.json / convergence.png")

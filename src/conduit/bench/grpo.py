@@ -38,11 +38,11 @@ from conduit.workloads import grpo
 class GRPOBenchArgs:
     """Arguments of ``conduit bench grpo``."""
 
-    lengths: tuple[int, ...] = arg((16, 64), "max completion lengths (tokens) to compare")
-    steps: int = arg(48, "optimizer steps per run")
-    rounds: int = arg(2, "runs per trainer and length, alternating which goes first")
-    steps_per_generation: int = arg(4, "mini-batches per generation batch")
-    batch_size: int = arg(16, "completions per mini-batch")
+    lengths: tuple[int, ...] = arg((16, 64), "max completion lengths (tokens) to compare", min=1)
+    steps: int = arg(48, "optimizer steps per run", min=1)
+    rounds: int = arg(2, "runs per trainer and length, alternating which goes first", min=1)
+    steps_per_generation: int = arg(4, "mini-batches per generation batch", min=1)
+    batch_size: int = arg(16, "completions per mini-batch", min=1)
     task: str = arg("target", "digit task (target or copy)")
     seed: int = arg(0, "seed (the same for both trainers)")
     pad: str = arg("minibatch", "Conduit pads completions to each mini-batch's longest "

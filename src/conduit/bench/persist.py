@@ -68,16 +68,17 @@ class PersistBenchArgs:
         ConfigError: ``segments`` is not an even number >= 2.
     """
 
-    dim: int = arg(1000, "observation dimension (a row holds obs and next_obs: 2 x dim float32)")
-    capacity: int = arg(125_000, "buffer rows, all filled (the default is about 1 GB)")
-    rollout_rows: int = arg(500, "rows per pushed rollout unit")
-    batch_size: int = arg(256, "training batch size of the loop")
-    hidden: int = arg(256, "hidden width of the loop's policy and learner MLPs")
-    compute_threads: int = arg(1, "torch threads for the loop's rollout and update compute")
-    repeats: int = arg(3, "repetitions of every save and load (medians are reported)")
+    dim: int = arg(1000, "observation dimension (a row holds obs and next_obs: 2 x dim float32)",
+                   min=1)
+    capacity: int = arg(125_000, "buffer rows, all filled (the default is about 1 GB)", min=1)
+    rollout_rows: int = arg(500, "rows per pushed rollout unit", min=1)
+    batch_size: int = arg(256, "training batch size of the loop", min=1)
+    hidden: int = arg(256, "hidden width of the loop's policy and learner MLPs", min=1)
+    compute_threads: int = arg(1, "torch threads for the loop's rollout and update compute", min=1)
+    repeats: int = arg(3, "repetitions of every save and load (medians are reported)", min=1)
     loop_s: float = arg(20.0, "seconds of training without snapshots, and again with them")
     segments: int = arg(6, "segments the 2 x loop_s are cut into, alternating without and "
-                           "with snapshots (an even number >= 2)")
+                           "with snapshots (an even number >= 2)", min=2)
     every_s: float = arg(1.0, "seconds between snapshots")
     scratch: str = arg("", "folder for every checkpoint and dd file (default: a temporary "
                            "folder under --out, removed afterwards)")

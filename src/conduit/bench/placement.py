@@ -58,15 +58,15 @@ PAPER_CAPACITY = 1_000_000
 class PlacementBenchArgs:
     """Arguments of ``conduit bench placement``."""
 
-    dims: tuple[int, ...] = arg((128, 1000, 2000, 5000, 10000), "transition dimensions d")
-    capacity: int = arg(100_000, "buffer capacity in rows (reduced per d to fit memory)")
-    batch_size: int = arg(512, "training batch size pulled by the learner")
-    repeats: int = arg(30, "timed pulls per placement and d (the median is reported)")
+    dims: tuple[int, ...] = arg((128, 1000, 2000, 5000, 10000), "transition dimensions d", min=1)
+    capacity: int = arg(100_000, "buffer capacity in rows (reduced per d to fit memory)", min=1)
+    batch_size: int = arg(512, "training batch size pulled by the learner", min=1)
+    repeats: int = arg(30, "timed pulls per placement and d (the median is reported)", min=1)
     warmup: int = arg(3, "untimed pulls before timing")
     max_buffer_gb: float = arg(2.0, "largest buffer allocated for one placement (GB)")
     mem_fraction: float = arg(0.3, "largest fraction of free host (or GPU) memory one buffer "
                                    "may take")
-    shards: tuple[int, ...] = arg((2, 4), "shard counts for CPU-sharded storage")
+    shards: tuple[int, ...] = arg((2, 4), "shard counts for CPU-sharded storage", min=1)
     overlap: bool = arg(True, "also time pull() under overlapped delivery with a stand-in "
                               "learner update between pulls")
     learner_device: str = arg("auto", "learner device: 'auto' (cuda:0 when available, else "

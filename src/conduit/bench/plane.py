@@ -44,18 +44,18 @@ from conduit.timing import repeat_times
 class PlaneBenchArgs:
     """Arguments of ``conduit bench plane``."""
 
-    dim: int = arg(1000, "transition (observation) dimension")
-    rollout_rows: int = arg(512, "rows per rollout unit (one actor push)")
-    batch_size: int = arg(512, "off-policy training batch size")
-    capacity: int = arg(100_000, "off-policy buffer capacity (rows)")
-    iters: int = arg(40, "measured iterations per configuration")
+    dim: int = arg(1000, "transition (observation) dimension", min=1)
+    rollout_rows: int = arg(512, "rows per rollout unit (one actor push)", min=1)
+    batch_size: int = arg(512, "off-policy training batch size", min=1)
+    capacity: int = arg(100_000, "off-policy buffer capacity (rows)", min=1)
+    iters: int = arg(40, "measured iterations per configuration", min=1)
     warmup: int = arg(5, "unmeasured iterations per configuration")
-    hidden: int = arg(512, "hidden width of the synthetic policy / learner MLPs")
-    onpolicy_units: int = arg(8, "rollout units per on-policy iteration")
-    minibatches: int = arg(8, "on-policy mini-batches per epoch (M)")
+    hidden: int = arg(512, "hidden width of the synthetic policy / learner MLPs", min=1)
+    onpolicy_units: int = arg(8, "rollout units per on-policy iteration", min=1)
+    minibatches: int = arg(8, "on-policy mini-batches per epoch (M)", min=1)
     compute_threads: int = arg(1, "torch threads for rollout/update compute (the data path "
-                                  "always uses its own single thread)")
-    repeats: int = arg(50, "repetitions for the gather-vs-copy measurement")
+                                  "always uses its own single thread)", min=1)
+    repeats: int = arg(50, "repetitions for the gather-vs-copy measurement", min=1)
     lead_first: bool = arg(True, "on-policy: draw each iteration's first mini-batch from every "
                                  "unit but the last (FifoSampler first_within = 1 - 1/units), "
                                  "the same layout under both schedules")

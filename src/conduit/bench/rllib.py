@@ -60,14 +60,15 @@ class RllibBenchArgs:
     quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, the "
                              "CartPole workloads unless --only, "
                              "capacities 1e3 and 1e4")
-    seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)")
+    seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)", min=1)
     iters: int = arg(0, "measured training iterations per run (0: per-workload defaults)")
     only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)")
     schedule: str = arg("auto", "replay_buffer_config['schedule'] of Conduit's buffers: auto, "
                                 "inline or prefetch")
-    capacities: tuple[int, ...] = arg((10_000, 1_000_000), "microbenchmark capacities (rows)")
-    repeats: int = arg(30, "microbenchmark calls per buffer and capacity")
-    num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)")
+    capacities: tuple[int, ...] = arg((10_000, 1_000_000), "microbenchmark capacities (rows)",
+                                      min=1)
+    repeats: int = arg(30, "microbenchmark calls per buffer and capacity", min=1)
+    num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)", min=1)
     out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png")
 
 

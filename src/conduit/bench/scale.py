@@ -55,16 +55,17 @@ PROJECTED_NODES = (8, 16, 32, 64, 128)
 class ScaleBenchArgs:
     """Arguments of ``conduit bench scale``."""
 
-    shards: tuple[int, ...] = arg((1, 2, 4), "shard counts compared, one shard per Ray node")
-    dim: int = arg(256, "observation dimension (a row holds obs and next_obs: 2 x dim float32)")
-    rollout_rows: int = arg(256, "rows per pushed rollout")
-    batch_size: int = arg(256, "training batch size")
-    fill_rows: int = arg(20_000, "rows in the buffer before sampling and the shard kill")
-    pushes: int = arg(40, "pushes timed per round")
-    pulls: int = arg(40, "pulls timed per round")
+    shards: tuple[int, ...] = arg((1, 2, 4), "shard counts compared, one shard per Ray node", min=1)
+    dim: int = arg(256, "observation dimension (a row holds obs and next_obs: 2 x dim float32)",
+                   min=1)
+    rollout_rows: int = arg(256, "rows per pushed rollout", min=1)
+    batch_size: int = arg(256, "training batch size", min=1)
+    fill_rows: int = arg(20_000, "rows in the buffer before sampling and the shard kill", min=1)
+    pushes: int = arg(40, "pushes timed per round", min=1)
+    pulls: int = arg(40, "pulls timed per round", min=1)
     update_ms: float = arg(20.0, "the learner's update time in the prefetch loop (a sleep)")
-    rounds: int = arg(3, "rounds; each alternates every shard count (medians are reported)")
-    node_cpus: int = arg(1, "CPUs per local Ray node")
+    rounds: int = arg(3, "rounds; each alternates every shard count (medians are reported)", min=1)
+    node_cpus: int = arg(1, "CPUs per local Ray node", min=1)
     address: str = arg("", "an existing Ray cluster with enough nodes (default: start a "
                             "local one with max(--shards) nodes)")
     out: str = arg("runs/bench/scale", "output directory for JSON and PNG")

@@ -54,26 +54,30 @@ PLACEMENTS = ("pageable", "pinned", "sharded-cpu")
 class ScheduleBenchArgs:
     """Arguments of ``conduit bench schedule``."""
 
-    batch_sizes: tuple[int, ...] = arg((32, 128, 512, 1024), "batch sizes swept at --base-dim")
+    batch_sizes: tuple[int, ...] = arg((32, 128, 512, 1024), "batch sizes swept at --base-dim",
+                                       min=1)
     dims: tuple[int, ...] = arg((128, 1000, 10000), "transition dimensions swept at "
-                                                    "--base-batch")
-    base_dim: int = arg(1000, "transition dimension of the batch-size sweep")
-    base_batch: int = arg(512, "batch size of the dimension sweep")
-    granularities: tuple[int, ...] = arg((1, 2, 4, 8), "g of the manual configs (g_ing = g_del)")
+                                                    "--base-batch", min=1)
+    base_dim: int = arg(1000, "transition dimension of the batch-size sweep", min=1)
+    base_batch: int = arg(512, "batch size of the dimension sweep", min=1)
+    granularities: tuple[int, ...] = arg((1, 2, 4, 8), "g of the manual configs (g_ing = g_del)",
+                                         min=1)
     placements: tuple[str, ...] = arg((), "manual placements among pageable, pinned, "
                                           "sharded-cpu (default: all with CUDA; without it "
                                           "pinned is pageable memory, so it is left out)")
-    g_max: int = arg(8, "granularity cap of the auto-optimizer's space")
-    iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)")
-    rounds: int = arg(3, "measurement rounds per configuration; the median round is reported")
+    g_max: int = arg(8, "granularity cap of the auto-optimizer's space", min=1)
+    iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)", min=1)
+    rounds: int = arg(3, "measurement rounds per configuration; the median round is reported",
+                      min=1)
     warmup: int = arg(2, "unmeasured iterations after each switch (at least g)")
-    profile_iters: int = arg(3, "measured operator invocations per g in the fidelity profile")
-    hidden: int = arg(32, "hidden width of the synthetic policy / learner MLPs")
-    capacity: int = arg(20_000, "buffer capacity (rows), capped by --buffer-mb")
-    buffer_mb: int = arg(512, "memory budget of one buffer (MB)")
-    fill_units: int = arg(8, "rollout units pushed before measuring")
-    compute_threads: int = arg(1, "torch threads for rollout/update compute")
-    top_k: int = arg(8, "size of the ranking compared (Tab. 4 uses 8)")
+    profile_iters: int = arg(3, "measured operator invocations per g in the fidelity profile",
+                             min=1)
+    hidden: int = arg(32, "hidden width of the synthetic policy / learner MLPs", min=1)
+    capacity: int = arg(20_000, "buffer capacity (rows), capped by --buffer-mb", min=1)
+    buffer_mb: int = arg(512, "memory budget of one buffer (MB)", min=1)
+    fill_units: int = arg(8, "rollout units pushed before measuring", min=1)
+    compute_threads: int = arg(1, "torch threads for rollout/update compute", min=1)
+    top_k: int = arg(8, "size of the ranking compared (Tab. 4 uses 8)", min=1)
     out: str = arg("runs/bench/schedule", "output directory for JSON and PNG")
     quick: bool = arg(False, "tiny sweep for a smoke run (under a minute)")
 

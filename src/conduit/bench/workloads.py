@@ -101,12 +101,12 @@ class WorkloadBenchArgs:
 
     only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)")
     iters: int = arg(0, "iterations per run (0: per-algorithm defaults)")
-    actors: int = arg(2, "Ray rollout actors")
+    actors: int = arg(2, "Ray rollout actors", min=1)
     seed: int = arg(1, "random seed (the same for both modes)")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
     rounds: int = arg(1, "runs per mode and workload, alternating the order (inline first, "
-                         "then Conduit first, ...); medians pool every run's iterations")
+                         "then Conduit first, ...); medians pool every run's iterations", min=1)
     out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png")
 
 

@@ -23,10 +23,10 @@ class TrainerArgs:
     env: str = arg("CartPole-v1", "environment id")
     image_size: int = arg(0, "attach a size x size x 3 uint8 image to every observation "
                           "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
-    actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)")
-    envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step")
-    steps_per_rollout: int = arg(16, "lock-steps per actor per iteration (one rollout unit)")
-    iters: int = arg(300, "training iterations")
+    actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)", min=1)
+    envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step", min=1)
+    steps_per_rollout: int = arg(16, "lock-steps per actor per iteration (one rollout unit)", min=1)
+    iters: int = arg(300, "training iterations", min=1)
     buffer: Literal["inline", "conduit"] = arg("conduit", "experience path: 'inline' runs "
                                                "every operator on the caller's thread; "
                                                "'conduit' places and schedules it")

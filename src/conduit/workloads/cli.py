@@ -98,8 +98,8 @@ class DemoArgs:
     iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total)")
     rounds: int = arg(2, "runs per mode, alternating the order (inline, Conduit, Conduit, "
                       "inline, ...); the medians pool every run's iterations, so the shared "
-                      "machine's drift does not land on one mode")
-    actors: int = arg(2, "Ray rollout actors")
+                      "machine's drift does not land on one mode", min=1)
+    actors: int = arg(2, "Ray rollout actors", min=1)
     seed: int = arg(1, "random seed")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")

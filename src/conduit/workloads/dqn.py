@@ -35,13 +35,13 @@ class Args(TrainerArgs):
 
     env: str = arg("CartPole-v1", "environment id: a Gymnasium id (CartPole-v1, "
                    "MountainCar-v0) or MultiAgentCartPole")
-    num_agents: int = arg(4, "agents (CartPoles) of MultiAgentCartPole")
-    buffer_size: int = arg(50_000, "replay capacity in transitions")
-    batch_size: int = arg(128, "transitions per training batch")
+    num_agents: int = arg(4, "agents (CartPoles) of MultiAgentCartPole", min=1)
+    buffer_size: int = arg(50_000, "replay capacity in transitions", min=1)
+    batch_size: int = arg(128, "transitions per training batch", min=1)
     learning_rate: float = arg(5e-4, "Adam learning rate")
     gamma: float = arg(0.99, "discount factor")
-    updates_per_iter: int = arg(16, "gradient steps per iteration")
-    target_update_every: int = arg(250, "gradient steps between target-network copies")
+    updates_per_iter: int = arg(16, "gradient steps per iteration", min=1)
+    target_update_every: int = arg(250, "gradient steps between target-network copies", min=1)
     learning_starts: int = arg(1_000, "transitions stored before learning starts")
     start_e: float = arg(1.0, "initial exploration epsilon")
     end_e: float = arg(0.05, "final exploration epsilon")

@@ -40,16 +40,16 @@ class Args(TrainerArgs):
 
     env: str = arg("CartPole-v1", "environment id (CartPole-v1; continuous ids also work)")
     steps_per_rollout: int = arg(32, "lock-steps per rollout fragment (one rollout unit; GAE "
-                                 "bootstraps at its end, as with RLlib's rollout fragments)")
-    iters: int = arg(150, "training iterations (one policy version each)")
+                                 "bootstraps at its end, as with RLlib's rollout fragments)", min=1)
+    iters: int = arg(150, "training iterations (one policy version each)", min=1)
     rollout_fragments: int = arg(4, "fragments each actor produces per iteration; the plane "
-                                 "ingests one while the actors step the next")
+                                 "ingests one while the actors step the next", min=1)
     learning_rate: float = arg(1e-3, "Adam learning rate (annealed linearly to 0)")
     anneal_lr: bool = arg(True, "anneal the learning rate over the run")
     gamma: float = arg(0.98, "discount factor")
     gae_lambda: float = arg(0.8, "GAE lambda")
-    num_minibatches: int = arg(4, "M: mini-batches per epoch")
-    update_epochs: int = arg(10, "epochs over each iteration's samples")
+    num_minibatches: int = arg(4, "M: mini-batches per epoch", min=1)
+    update_epochs: int = arg(10, "epochs over each iteration's samples", min=1)
     clip_coef: float = arg(0.2, "surrogate clipping coefficient")
     ent_coef: float = arg(0.0, "entropy bonus coefficient")
     vf_coef: float = arg(0.5, "value loss coefficient")

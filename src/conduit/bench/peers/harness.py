@@ -219,26 +219,26 @@ class PeersConfig:
     """Options of ``conduit bench peers`` (each field is a ``--flag``)."""
 
     dims: tuple[int, ...] = arg((128, 1000, 3000, 5000, 10_000),
-                                "observation dimensions d to run")
+                                "observation dimensions d to run", min=1)
     capacity: int = arg(100_000, "replay capacity in rows; lowered automatically (and "
-                                 "reported) when the machine's free memory cannot hold it")
+                                 "reported) when the machine's free memory cannot hold it", min=1)
     batches: tuple[int, ...] = arg((256, 1024), "rows per uniform / prioritized sample; "
                                                 "every size is a workload of its own")
-    epoch_rows: int = arg(8192, "rows of one on-policy rollout")
-    minibatches: int = arg(8, "shuffled mini-batches per on-policy epoch (M)")
+    epoch_rows: int = arg(8192, "rows of one on-policy rollout", min=1)
+    minibatches: int = arg(8, "shuffled mini-batches per on-policy epoch (M)", min=1)
     warmup: int = arg(5, "untimed repetitions before each metric")
-    repeats: int = arg(50, "timed repetitions per sampling metric (the median is reported)")
+    repeats: int = arg(50, "timed repetitions per sampling metric (the median is reported)", min=1)
     insert_64_repeats: int = arg(200, "timed inserts of 64-row chunks")
-    epoch_repeats: int = arg(10, "timed on-policy epochs")
+    epoch_repeats: int = arg(10, "timed on-policy epochs", min=1)
     rounds: int = arg(1, "measure every in-process peer this many times, alternating the "
                          "order each round, and report the median of the round medians (a "
-                         "shared machine drifts; rounds spread the drift over all peers)")
+                         "shared machine drifts; rounds spread the drift over all peers)", min=1)
     peers: tuple[str, ...] = arg(ALL_PEERS, f"peers to run, from {', '.join(ALL_PEERS)}")
     quick: bool = arg(False, "short development run: d in (128, 1000), batch 256, capacity "
                              "16384, few repetitions, Reverb in-process only (flags given "
                              "explicitly win)")
     out: str = arg("runs/bench/peers", "output directory for peers.json and peers.png")
-    torch_threads: int = arg(1, "torch intra-op threads for every in-process peer")
+    torch_threads: int = arg(1, "torch intra-op threads for every in-process peer", min=1)
     memory_fraction: float = arg(0.5, "share of available memory one buffer (with the peers' "
                                       "overheads) may take when sizing the capacity")
     reverb_python: str = arg("", "Python of the Reverb virtualenv (default: .venv-reverb/bin/"
