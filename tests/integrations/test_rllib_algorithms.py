@@ -188,6 +188,19 @@ def test_updates_share_their_planes_columns_and_keep_rllibs_minibatches(overlap:
     assert ptrs[0] == ptrs[1] == ptrs[2]  # 35 rows fit the 32 + 4 kept
 
 
+def test_updates_gather_their_minibatches_into_the_same_memory() -> None:
+    cache = ColumnCache()
+    kwargs = {"num_epochs": 1, "minibatch_size": 8, "shuffle": True,
+              "device": torch.device("cpu"), "overlap": False, "columns": cache}
+    seen = []
+    for update in range(2):
+        ptrs = set()
+        for mb in ConduitMiniBatchIterator(_train_batch(32, update), **kwargs):
+            ptrs.add(mb.policy_batches["p"]["obs"].data_ptr())  # then dropped, as RLlib does
+        seen.append(ptrs)
+    assert seen[0] & seen[1]  # the second update reused the first one's batch memory
+
+
 def test_columns_are_made_anew_for_more_rows_or_other_fields_and_survive_a_cut() -> None:
     cache = ColumnCache()
     kwargs = {"num_epochs": 1, "minibatch_size": 8, "shuffle": False,

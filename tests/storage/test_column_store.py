@@ -1,8 +1,15 @@
 import pytest
 import torch
 
-from conduit import CapacityError, PlacementError, SpecError
-from conduit.storage import ColumnStore, ExperienceBuffer, Placement, UniformSampler, make_store
+from conduit import CapacityError, ConfigError, PlacementError, SpecError
+from conduit.storage import (
+    ColumnStore,
+    ExperienceBuffer,
+    GatherOutputs,
+    Placement,
+    UniformSampler,
+    make_store,
+)
 from tests.conftest import make_rows
 
 PLACEMENTS = [Placement.pageable(), Placement.pinned(), Placement.device("cpu"),
@@ -144,3 +151,32 @@ def test_a_store_over_columns_refuses_columns_that_do_not_fit_the_spec(small_spe
         ColumnStore.over(spec=small_spec, columns={**good, name: good[name].to("meta")})
     with pytest.raises(PlacementError, match="the CPU or a GPU"):
         ColumnStore.over(spec=small_spec, columns={k: v.to("meta") for k, v in good.items()})
+
+
+def test_stores_over_the_same_outputs_gather_into_the_same_memory(small_spec):
+    outputs = GatherOutputs(small_spec.fields)
+    rows = make_rows(small_spec, 20)
+    ptrs, held = [], []
+    for _ in range(2):  # two stores in turn, as one update's plane after another's
+        store = ColumnStore.over(spec=small_spec, outputs=outputs,
+                                 columns={k: v.clone() for k, v in rows.items()})
+        idx = torch.arange(6)
+        got = store.get(idx)
+        ptrs.append(got["obs"].data_ptr())
+        assert all(torch.equal(got[k], rows[k][:6]) for k in rows)
+        del got
+    assert ptrs[0] == ptrs[1]  # the second store reused the first one's batch memory
+    store = ColumnStore.over(spec=small_spec, outputs=outputs,
+                             columns={k: v.clone() for k, v in rows.items()})
+    held = store.get(torch.arange(6))
+    again = store.get(torch.arange(6, 12))
+    assert again["obs"].data_ptr() != held["obs"].data_ptr()  # a held batch is never reused
+    assert all(torch.equal(held[k], rows[k][:6]) for k in rows)
+
+
+def test_a_store_over_columns_refuses_outputs_of_other_fields(small_spec):
+    good = {n: torch.zeros((6, *fs.shape), dtype=fs.dtype) for n, fs in small_spec.fields.items()}
+    name = next(iter(small_spec.fields))
+    other = GatherOutputs({k: v for k, v in small_spec.fields.items() if k != name})
+    with pytest.raises(ConfigError, match="outputs"):
+        ColumnStore.over(spec=small_spec, columns=good, outputs=other)

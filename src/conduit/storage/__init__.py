@@ -10,7 +10,13 @@ from conduit.storage.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from conduit.storage.column_store import ColumnStore, ShardedStore, Store, make_store
+from conduit.storage.column_store import (
+    ColumnStore,
+    GatherOutputs,
+    ShardedStore,
+    Store,
+    make_store,
+)
 from conduit.storage.layout import Placement
 from conduit.storage.memmap_store import MemmapColumnStore
 from conduit.storage.samplers import (
@@ -33,6 +39,7 @@ __all__ = [
     "ColumnStore",
     "ExperienceBuffer",
     "FifoSampler",
+    "GatherOutputs",
     "MemmapColumnStore",
     "Placement",
     "PrioritizedSampler",

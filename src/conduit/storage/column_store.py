@@ -126,6 +126,11 @@ class GatherOutputs:
         self._sets: list[tuple[int, dict[str, torch.Tensor], torch.Tensor, int, int]] = []
         self._lock = threading.Lock()
 
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        """Field specs of a set."""
+        return dict(self._fields)
+
     def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One block for every field of a ``rows``-row set, and the fields' views of it."""
         spans, total = [], 0
@@ -219,7 +224,8 @@ class ColumnStore:
         return views
 
     @classmethod
-    def over(cls, *, spec: ExperienceSpec, columns: Mapping[str, torch.Tensor]) -> ColumnStore:
+    def over(cls, *, spec: ExperienceSpec, columns: Mapping[str, torch.Tensor],
+             outputs: GatherOutputs | None = None) -> ColumnStore:
         """A store whose columns are ``columns``, used as they are (rows written land in
         them): memory its caller reuses, such as the first rows of larger blocks kept from
         one store to the next. Their contents are the store's rows; the caller must not
@@ -229,12 +235,19 @@ class ColumnStore:
             spec: Fields to store.
             columns: One tensor per field of ``spec``, each ``[rows, *shape]`` of the field's
                 dtype and contiguous, all with the same rows, on the CPU or on one GPU.
+            outputs: Where host gathers land, shared with the other stores made over the
+                same memory, so that their batches reuse each other's (default: the store's
+                own). A set is still handed out only when nothing refers to it.
 
         Raises:
             SpecError: A column is missing, extra, or does not match its field (named).
-            ConfigError: The columns hold no rows.
+            ConfigError: The columns hold no rows, or ``outputs`` has other fields.
             PlacementError: The columns live on more than one device.
         """
+        if outputs is not None and outputs.fields != dict(spec.fields):
+            raise ConfigError("outputs", f"gathers fields {outputs.fields}, the spec has "
+                                         f"{dict(spec.fields)}; pass GatherOutputs made for "
+                                         f"this spec's fields")
         for name in columns:
             if name not in spec.fields:
                 raise SpecError(name, "is not a field of the spec")
@@ -262,6 +275,8 @@ class ColumnStore:
         store.device, store.pinned = device, False
         store._cols = {name: columns[name] for name in spec.fields}
         store._host_views = store._numpy_views()
+        if outputs is not None:
+            store._outputs = outputs
         return store
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit.errors import ConfigError, EmptyBufferError
 from conduit.scheduling import spare_core
-from conduit.storage import ColumnStore, Placement, SampleInfo, Sampler
+from conduit.storage import ColumnStore, GatherOutputs, Placement, SampleInfo, Sampler
 
 
 def cyclic_minibatches(size: int, *, num_epochs: int, minibatch_size: int,
@@ -102,11 +102,13 @@ def _spec(columns: dict[str, torch.Tensor]) -> ExperienceSpec:
 
 @dataclass
 class _Columns:
-    """Kept column memory: one ``[rows, *shape]`` tensor per field of ``spec``."""
+    """Kept column memory: one ``[rows, *shape]`` tensor per field of ``spec``, and the
+    memory its stores' host gathers land in."""
 
     spec: ExperienceSpec
     device: torch.device
     tensors: dict[str, torch.Tensor]
+    outputs: GatherOutputs
 
     @property
     def rows(self) -> int:
@@ -115,7 +117,8 @@ class _Columns:
     def store(self, rows: int) -> ColumnStore:
         """A store over the first ``rows`` rows."""
         return ColumnStore.over(spec=self.spec,
-                                columns={k: v[:rows] for k, v in self.tensors.items()})
+                                columns={k: v[:rows] for k, v in self.tensors.items()},
+                                outputs=self.outputs)
 
 
 class ColumnCache:
@@ -125,8 +128,10 @@ class ColumnCache:
     and faulting their pages in is a large part of the plane's cost. RLlib's train batches
     differ by a few rows from one update to the next, so the columns are kept (with an eighth
     more rows than asked for, and made anew when a batch has more) and each plane's store is
-    the first rows of them (:meth:`~conduit.storage.ColumnStore.over`). One plane uses them at
-    a time: an iterator takes them, and gives them back once its plane is closed.
+    the first rows of them (:meth:`~conduit.storage.ColumnStore.over`). So is the memory its
+    mini-batches are gathered into, a set at a time once the learner holds none of its
+    tensors. One plane uses them at a time: an iterator takes them, and gives them back once
+    its plane is closed.
     """
 
     def __init__(self) -> None:
@@ -140,7 +145,7 @@ class ColumnCache:
             kept = None  # the old memory goes before the new is made
             kept = _Columns(spec, device, {
                 name: torch.empty((rows + rows // 8, *fs.shape), dtype=fs.dtype, device=device)
-                for name, fs in spec.fields.items()})
+                for name, fs in spec.fields.items()}, GatherOutputs(spec.fields))
         return kept
 
     def give_back(self, columns: _Columns) -> None:
