@@ -92,8 +92,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = plain_text(f.metadata.get("help", ""))
+        least = f"; at least {f.metadata['min']}" if "min" in f.metadata else ""
         kw: dict[str, Any] = {"dest": f.name, "default": default,
-                              "help": f"{help_text} (default: {default!r})"}
+                              "help": f"{help_text} (default: {default!r}{least})"}
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
         if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":

@@ -158,6 +158,59 @@ def test_mmap_tensors_are_private_and_outlive_a_replacement(tmp_path):
     assert mapped["x"][1] == 1.0 and mapped["x"][1999] == 1999.0
 
 
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+def test_parts_are_read_into_the_tensors_into_gives(tmp_path, mmap):
+    path = tmp_path / "ck"
+    tensors = _three()
+    write_checkpoint(path, tensors=tensors, meta={"rows": 50})
+    seen = {}
+
+    def into(meta, layout):
+        seen.update(meta=meta, layout=layout)
+        return {"obs": dst, "mask": mask[10:]}
+
+    dst, mask = torch.zeros(50, 8), torch.zeros(60, 3, dtype=torch.bool)
+    meta, got = read_checkpoint(path, mmap=mmap, into=into)
+    assert seen["meta"] == meta == {"rows": 50}
+    assert seen["layout"] == {"obs": (torch.float32, (50, 8)), "act": (torch.int64, (50,)),
+                              "mask": (torch.bool, (50, 3))}
+    assert list(got) == ["obs", "act", "mask"]  # file order
+    assert got["obs"] is dst and got["mask"].data_ptr() == mask[10:].data_ptr()
+    def bits(t):  # the random floats include NaNs
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    assert torch.equal(bits(dst), bits(tensors["obs"]))
+    assert torch.equal(mask[10:], tensors["mask"]) and not mask[:10].any()
+    assert torch.equal(got["act"], tensors["act"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"nope": torch.zeros(3)}, "'nope' is not a part"),
+    ({"obs": torch.zeros(50, 9)}, r"'obs'.*float32 \(50, 8\)"),
+    ({"obs": torch.zeros(50, 8, dtype=torch.float64)}, "'obs'"),
+    ({"obs": torch.zeros(8, 50).T}, "'obs'"),
+])
+def test_into_refuses_tensors_that_do_not_fit_their_part(tmp_path, bad, match):
+    path = tmp_path / "ck"
+    write_checkpoint(path, tensors=_three(), meta={})
+    with pytest.raises(ConfigError, match=match) as err:
+        read_checkpoint(path, into=lambda meta, layout: bad)
+    assert err.value.field == "into"
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+def test_a_flipped_byte_in_a_part_read_into_a_tensor_names_that_part(tmp_path, mmap):
+    path = tmp_path / "ck"
+    write_checkpoint(path, tensors=_three(), meta={})
+    header = json.loads(path.read_bytes()[20:_header_end(path)])
+    obs = next(p for p in header["parts"] if p["name"] == "obs")
+    data = bytearray(path.read_bytes())
+    data[obs["offset"] + 7] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"part 'obs'.*checksum"):
+        read_checkpoint(path, mmap=mmap, into=lambda meta, layout: {"obs": torch.zeros(50, 8)})
+
+
 # Corruption -------------------------------------------------------------------------------
 
 

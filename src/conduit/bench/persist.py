@@ -75,7 +75,8 @@ class PersistBenchArgs:
     batch_size: int = arg(256, "training batch size of the loop", min=1)
     hidden: int = arg(256, "hidden width of the loop's policy and learner MLPs", min=1)
     compute_threads: int = arg(1, "torch threads for the loop's rollout and update compute", min=1)
-    repeats: int = arg(3, "repetitions of every save and load (medians are reported)", min=1)
+    repeats: int = arg(5, "repetitions of every save and load, each starting with the next "
+                          "system (medians are reported)", min=1)
     loop_s: float = arg(20.0, "seconds of training without snapshots, and again with them")
     segments: int = arg(6, "segments the 2 x loop_s are cut into, alternating without and "
                            "with snapshots (an even number >= 2)", min=2)
@@ -316,7 +317,8 @@ def _summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
 
 
 def throughput(plane: ExperienceDataPlane, folder: Path, *, repeats: int) -> dict[str, Any]:
-    """Save and load GB/s of Conduit, dd and TorchRL, alternating, with row checks."""
+    """Save and load GB/s of Conduit, dd and TorchRL, alternating (each repetition starts
+    with the next system), with row checks."""
     rows = plane_rows(plane)
     payload, expected = nbytes(rows), rows_checksum(rows)
     systems: list[Persister] = [ConduitPlane(plane, folder / "plane.ckpt")]
@@ -332,13 +334,15 @@ def throughput(plane: ExperienceDataPlane, folder: Path, *, repeats: int) -> dic
     match: dict[str, bool] = {}
     dropped = True
     for r in range(repeats):
+        # Each repetition starts with another system, so that none always writes first.
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
         progress(f"save and load, repetition {r + 1}/{repeats}: "
-                 + ", ".join(s.name for s in systems))
-        for s in systems:
+                 + ", ".join(s.name for s in order))
+        for s in order:
             times[s.name]["save"].append(s.save())
-        for s in systems:
+        for s in order:
             dropped = drop_page_cache(s.path) and dropped
-        for s in systems:
+        for s in order:
             seconds, crc = s.load(check=r == 0)
             times[s.name]["load"].append(seconds)
             if crc is not None:

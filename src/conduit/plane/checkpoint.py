@@ -39,12 +39,14 @@ from conduit.spec import ExperienceSpec
 from conduit.storage import (
     CheckpointError,
     CheckpointInfo,
+    ColumnStore,
     ExperienceBuffer,
     Placement,
     read_checkpoint,
     sampler_from_config,
     write_checkpoint,
 )
+from conduit.storage.checkpoint import Layout
 from conduit.storage.snapshot import RowSnapshot, SnapshotSource
 from conduit.storage.state import JSON, StateDict, StateValue
 
@@ -116,6 +118,15 @@ def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
         return write_checkpoint(path, tensors=parts, meta=meta)
 
 
+def _is_column_of(plane: ExperienceDataPlane, field: str, t: torch.Tensor) -> bool:
+    """Whether ``t`` is a slice of the plane's own column ``field`` (read in place)."""
+    store = plane.buffer.store
+    if not isinstance(store, ColumnStore) or t.device != store.device:
+        return False
+    col = store.column(field)
+    return t.untyped_storage().data_ptr() == col.untyped_storage().data_ptr()
+
+
 def _schedule(d: Mapping[str, JSON]) -> Schedule:
     return Schedule(int(d["overlap_ing"]), Fraction(d["g_ing"]), int(d["overlap_del"]),
                     Fraction(d["g_del"]))
@@ -123,9 +134,31 @@ def _schedule(d: Mapping[str, JSON]) -> Schedule:
 
 def load(cls: type[ExperienceDataPlane], path: str | Path,
          **overrides: Any) -> ExperienceDataPlane:
-    """Build a ``cls`` plane from a checkpoint (see :meth:`ExperienceDataPlane.load`)."""
+    """Build a ``cls`` plane from a checkpoint (see :meth:`ExperienceDataPlane.load`).
+
+    The plane is built from the header before any row is read, so that the rows are read
+    straight into its columns where they are host memory (no mapping, no second copy).
+    """
     path = Path(path)
-    meta, parts = read_checkpoint(path, mmap=True)
+    made: list[ExperienceDataPlane] = []
+
+    def destinations(meta: dict[str, Any], layout: Layout) -> dict[str, torch.Tensor]:
+        made.append(_build(cls, meta, path, overrides))
+        return _row_destinations(made[0], meta, layout)
+
+    try:
+        meta, parts = read_checkpoint(path, mmap=True, into=destinations)
+        _restore(made[0], meta, parts, path)
+    except BaseException:
+        if made:
+            made[0].close()
+        raise
+    return made[0]
+
+
+def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
+           overrides: Mapping[str, Any]) -> ExperienceDataPlane:
+    """The plane a checkpoint's header describes, with ``overrides``, holding no rows yet."""
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(path, f"not a {FORMAT} checkpoint of version {VERSION} "
                                     f"(format {meta.get('format')!r}, version "
@@ -140,15 +173,32 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
         if "sampler" not in overrides:
             kwargs["sampler"] = sampler_from_config(meta["sampler"]["kind"],
                                                     meta["sampler"]["config"])
-        plane = cls(**{**kwargs, **overrides})
+        return cls(**{**kwargs, **overrides})
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(path, f"the header does not describe a plane: {exc}") from exc
-    try:
-        _restore(plane, meta, parts, path)
-    except BaseException:
-        plane.close()
-        raise
-    return plane
+
+
+def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],
+                      layout: Layout) -> dict[str, torch.Tensor]:
+    """The slices of ``plane``'s host columns that the saved row blocks fill, for the parts
+    that fit them exactly; the others are read as usual and checked by :func:`_restore`."""
+    store = plane.buffer.store
+    if not isinstance(store, ColumnStore) or store.device.type != "cpu":
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    blocks = meta.get("rows")
+    for b, block in enumerate(blocks if isinstance(blocks, list) else []):
+        try:
+            start, rows = int(block["start"]), int(block["rows"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not 0 <= start <= start + rows <= store.capacity:
+            continue
+        for f, fs in plane.spec.fields.items():
+            name = f"rows/{b}/{f}"
+            if layout.get(name) == (fs.dtype, (rows, *fs.shape)):
+                out[name] = store.column(f)[start:start + rows]
+    return out
 
 
 def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
@@ -166,7 +216,8 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
                 cols = {f: parts[f"rows/{b}/{f}"] for f in plane.spec.fields}
                 if any(c.shape[0] != block["rows"] for c in cols.values()):
                     raise StateError(f"rows.{b}", "blocks disagree on their row count")
-                plane.buffer.store.set_range(int(block["start"]), cols)
+                if not all(_is_column_of(plane, f, c) for f, c in cols.items()):
+                    plane.buffer.store.set_range(int(block["start"]), cols)
         filled = sum(int(b["rows"]) for b in meta["rows"])
         writer = state["buffer"]["writer"]
         if not isinstance(writer, dict) or writer.get("size") != filled:

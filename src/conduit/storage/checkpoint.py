@@ -194,8 +194,16 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
                           seconds=time.perf_counter() - t0)
 
 
-def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False,
-                    verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""Part name -> ``(dtype, shape)``, in file order."""
+
+Destinations = Callable[[dict[str, Any], Layout], Mapping[str, torch.Tensor]]
+"""Given a checkpoint's metadata and layout, the tensors some of its parts are read into."""
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = True,
+                    into: Destinations | None = None
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a file written by :func:`write_checkpoint`.
 
     Args:
@@ -206,6 +214,12 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False,
             replaced by a new checkpoint.
         verify: Check every part's checksum (with ``mmap=True`` this reads every page once).
             The header and padding are always checked.
+        into: Called once with the header's metadata and layout (part name -> dtype and
+            shape), before any part is read; returns tensors (CPU, contiguous, of the part's
+            dtype and shape) that the parts of those names are read straight into, in large
+            sequential reads, instead of into new memory or a mapping. The returned dict
+            holds those same tensors. A part that fails its checksum may have been written
+            into its tensor already.
 
     Returns:
         ``(meta, tensors)``: the header's metadata and part name -> CPU tensor, in file order.
@@ -215,17 +229,40 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False,
         CheckpointError: The file is truncated or extended, has a bad magic number, an
             unknown version, a header that fails its checksum or does not describe a valid
             layout, non-zero padding, or a part whose bytes fail their checksum.
+        ConfigError: A tensor from ``into`` names no part, or does not fit its part (named).
     """
     path = Path(path)
     _require_little_endian(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         meta, parts, header_end = _read_header(f, path, size)
+        layout = {p.name: (p.dtype, p.shape) for p in parts}
+        dest = dict(into(meta, layout)) if into is not None else {}
+        _check_destinations(parts, dest)
         if mmap:
-            tensors = _map_parts(f, path, parts, header_end, size, verify)
+            tensors = _map_parts(f, path, parts, header_end, size, verify, skip=set(dest))
+            for p in parts:
+                if p.name in dest:  # read, not mapped
+                    f.seek(p.offset)
+                    tensors[p.name] = _read_into(f, path, p, dest[p.name], verify)
+            tensors = {p.name: tensors[p.name] for p in parts}  # file order
         else:
-            tensors = _read_parts(f, path, parts, header_end, size, verify)
+            tensors = _read_parts(f, path, parts, header_end, size, verify, dest)
     return meta, tensors
+
+
+def _check_destinations(parts: list[_Part], dest: Mapping[str, torch.Tensor]) -> None:
+    """Raise ConfigError for a destination that names no part or does not fit it."""
+    by_name = {p.name: p for p in parts}
+    for name, t in dest.items():
+        p = by_name.get(name)
+        if p is None:
+            raise ConfigError("into", f"{name!r} is not a part of this checkpoint")
+        if (t.device.type != "cpu" or t.dtype != p.dtype or tuple(t.shape) != p.shape
+                or not t.is_contiguous()):
+            raise ConfigError("into", f"{name!r}: a {t.dtype} {tuple(t.shape)} tensor on "
+                                      f"{t.device}; the part is a contiguous CPU {p.dtype} "
+                                      f"{p.shape}")
 
 
 @contextlib.contextmanager
@@ -411,33 +448,43 @@ def _read_header(f: IO[bytes], path: Path,
 
 
 def _read_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int,
-                verify: bool) -> dict[str, torch.Tensor]:
+                verify: bool, dest: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for p in parts:
         _check_padding(path, f.read(p.offset - pos))
-        t = torch.empty(p.shape, dtype=p.dtype)
-        view, crc = _bytes_of(t), 0
-        for i in range(0, p.nbytes, _CHUNK):
-            chunk = view[i:i + _CHUNK]
-            if f.readinto(chunk) != len(chunk):
-                raise CheckpointError(path, "file shrank while it was read", part=p.name)
-            if verify:  # while the chunk is still in cache
-                crc = crc32(chunk, crc)
-        if verify:
-            _check_crc(path, p, crc)
-        out[p.name] = t
+        out[p.name] = _read_into(f, path, p, dest.get(p.name), verify)
         pos = p.offset + p.nbytes
     _check_padding(path, f.read(size - pos))
     return out
 
 
+def _read_into(f: IO[bytes], path: Path, p: _Part, t: torch.Tensor | None,
+               verify: bool) -> torch.Tensor:
+    """Read part ``p`` (``f`` is at its offset) into ``t``, or into a new tensor."""
+    t = torch.empty(p.shape, dtype=p.dtype) if t is None else t
+    view, crc = _bytes_of(t), 0
+    for i in range(0, p.nbytes, _CHUNK):
+        chunk = view[i:i + _CHUNK]
+        if f.readinto(chunk) != len(chunk):
+            raise CheckpointError(path, "file shrank while it was read", part=p.name)
+        if verify:  # while the chunk is still in cache
+            crc = crc32(chunk, crc)
+    if verify:
+        _check_crc(path, p, crc)
+    return t
+
+
 def _map_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int,
-               verify: bool) -> dict[str, torch.Tensor]:
+               verify: bool, skip: set[str]) -> dict[str, torch.Tensor]:
+    """Map every part but those in ``skip`` (whose bytes are not touched here)."""
     region = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
     out = {}
     with memoryview(region) as view:
         for p in parts:
             _check_padding(path, view[pos:p.offset])
+            pos = p.offset + p.nbytes
+            if p.name in skip:
+                continue
             if verify:
                 _check_crc(path, p, crc32(view[p.offset:p.offset + p.nbytes]))
             if p.nbytes:
@@ -446,7 +493,6 @@ def _map_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int
                 out[p.name] = t.view(p.shape)
             else:  # frombuffer refuses zero elements
                 out[p.name] = torch.empty(p.shape, dtype=p.dtype)
-            pos = p.offset + p.nbytes
         _check_padding(path, view[pos:size])
     return out
 
