@@ -331,6 +331,29 @@ def test_checkpoint_error_is_a_conduit_error():
 # Atomicity --------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_a_save_drops_the_file_it_replaces_from_the_cache_first(tmp_path, monkeypatch):
+    path = tmp_path / "ck"
+    write_checkpoint(path, tensors=_three(0), meta={"n": 0})
+    before = path.stat().st_ino
+    calls = []
+    real = os.posix_fadvise
+
+    def advise(fd, offset, length, advice):
+        calls.append((os.fstat(fd).st_ino, advice, [p.name for p in tmp_path.iterdir()]))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    write_checkpoint(path, tensors=_three(1), meta={"n": 1})
+    # the old file, before any temporary file was made beside it
+    assert calls == [(before, os.POSIX_FADV_DONTNEED, ["ck"])]
+    meta, got = read_checkpoint(path)
+    assert meta == {"n": 1} and _same(got["obs"], _three(1)["obs"])
+    calls.clear()
+    write_checkpoint(tmp_path / "new", tensors=_three(), meta={})
+    assert calls == []  # nothing to drop
+
+
 @pytest.mark.parametrize("fail", ["replace", "fsync", "tensor"])
 def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail):
     path = tmp_path / "ck"

@@ -270,12 +270,15 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     """Open a temporary file that replaces ``path`` only once it is complete and synced.
 
     On normal exit the file is flushed, ``fsync``-ed, renamed onto ``path`` and the folder is
-    synced; on an exception it is removed and ``path`` is left as it was.
+    synced; on an exception it is removed and ``path`` is left as it was. The file ``path``
+    holds already keeps its bytes on disk but leaves the page cache first (where the OS can
+    say so), so that its memory serves the new file.
 
     Yields:
         The temporary file, open for binary writing (seekable).
     """
     path = Path(path)
+    _drop_cached(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
@@ -291,6 +294,26 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     _sync_folder(path.parent)
+
+
+def _drop_cached(path: Path) -> None:
+    """Drop the clean cached pages of an existing ``path`` (``posix_fadvise(DONTNEED)``),
+    a file about to be replaced, so that their memory serves its successor
+    (``docs/design.md §8``). Its bytes on disk are untouched; dirty or mapped pages stay.
+    Does nothing where the OS has no ``posix_fadvise`` or the file does not exist."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no file yet (or unreadable): nothing to drop
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _sync_folder(folder: Path) -> None:
