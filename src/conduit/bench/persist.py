@@ -334,8 +334,8 @@ def throughput(plane: ExperienceDataPlane, folder: Path, *, repeats: int) -> dic
     match: dict[str, bool] = {}
     dropped = True
     # One unmeasured save each first (and a second for Conduit, whose file is written beside
-    # the previous one before it replaces it): a virtual disk's first write to a block can
-    # cost several times a rewrite, which would time the disk's history, not the system.
+    # the previous one before it replaces it): the first writes of a run can cost several
+    # times the later ones, which would time the machine's state, not the system.
     progress("save warm-up: " + ", ".join(s.name for s in systems))
     for s in systems:
         for _ in range(2 if s.name == "conduit" else 1):
