@@ -70,6 +70,20 @@ def test_load_reads_host_rows_straight_into_the_planes_columns(small_spec, tmp_p
             assert same(back.buffer.store.get(rows), plane.buffer.store.get(rows))
 
 
+def test_a_capacity_override_other_than_the_saved_one_is_refused(small_spec, tmp_path):
+    from conduit.errors import ConfigError
+
+    with ExperienceDataPlane(spec=small_spec, capacity=48, batch_size=8, seed=1) as plane:
+        plane.push(make_rows(small_spec, 30))
+        plane.save(tmp_path / "p.ckpt")
+    for capacity in (20, 64):
+        with pytest.raises(ConfigError, match="saved with \\(48 rows\\)") as err:
+            ExperienceDataPlane.load(tmp_path / "p.ckpt", capacity=capacity)
+        assert err.value.field == "capacity"
+    with ExperienceDataPlane.load(tmp_path / "p.ckpt", capacity=48) as back:
+        assert len(back.buffer) == 30
+
+
 @pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 0.25), Schedule(1, 0.25, 1, 0.25)],
                          ids=lambda s: s.label())
 def test_on_policy_mid_iteration_round_trip_delivers_the_rest_once(small_spec, tmp_path,

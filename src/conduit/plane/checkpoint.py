@@ -156,6 +156,23 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
     return made[0]
 
 
+def _check_capacity(meta: Mapping[str, Any], capacity: Any) -> None:
+    """Refuse a ``capacity`` override: slot ids, priorities and the ring's cursor are laid out
+    for the saved capacity.
+
+    Raises:
+        ConfigError: ``capacity`` differs from the checkpoint's.
+    """
+    try:
+        saved = int(meta["config"]["capacity"])
+    except (KeyError, TypeError, ValueError):
+        return  # a malformed header is reported as such when the plane is built
+    if capacity != saved:
+        raise ConfigError("capacity", f"a checkpoint loads with the capacity it was saved "
+                                      f"with ({saved} rows), got {capacity!r}; drop the "
+                                      f"override or pass capacity={saved}")
+
+
 def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
            overrides: Mapping[str, Any]) -> ExperienceDataPlane:
     """The plane a checkpoint's header describes, with ``overrides``, holding no rows yet."""
@@ -163,6 +180,8 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
         raise CheckpointError(path, f"not a {FORMAT} checkpoint of version {VERSION} "
                                     f"(format {meta.get('format')!r}, version "
                                     f"{meta.get('version')!r})")
+    if "capacity" in overrides:
+        _check_capacity(meta, overrides["capacity"])
     try:
         kwargs: dict[str, Any] = {
             **meta["config"], "spec": ExperienceSpec.from_dict(meta["spec"]),

@@ -502,11 +502,13 @@ class ExperienceDataPlane:
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> ExperienceDataPlane:
         """A plane rebuilt from :meth:`save`'s file; ``overrides`` replace constructor
-        arguments (``placement``, ``schedule``, ``learner_device``, a custom ``sampler``).
+        arguments (``placement``, ``schedule``, ``learner_device``, a custom ``sampler``; not
+        ``capacity``, which the saved slots fix).
 
         Raises:
             CheckpointError: The file is corrupt, of another version, or holds a value out of
                 range; the message names the part.
+            ConfigError: A ``capacity`` override other than the saved capacity.
         """
         return checkpoint.load(cls, path, **overrides)
 
