@@ -19,11 +19,25 @@ def _plane(spec, schedule):
                                num_epochs=EPOCHS, schedule=schedule, seed=3, timeout=20)
 
 
+def _push_unit_by_unit(plane, spec, it):
+    """Push iteration ``it``'s rollout; with overlapped ingestion, each unit after the one
+    before was ingested, so that every unit is one buffer write whatever the threads'
+    timing (a worker that falls behind ingests the units it finds pending in one write, and
+    one write that lands the whole iteration leaves nothing to assemble early)."""
+    for start in range(0, N, UNIT):
+        plane.push(make_rows(spec, UNIT, start=it * 1000 + start), policy_version=it)
+        if start + UNIT == N or not plane.schedule.overlap_ing:
+            continue  # the last unit, or units ingested as the schedule's granularity says
+        deadline = time.monotonic() + 20
+        while plane.counters["ingested_rows"] < it * N + start + UNIT:
+            assert time.monotonic() < deadline, "a unit was not ingested within 20 s"
+            time.sleep(0.001)
+
+
 def _run(plane, spec, iters=2):
     out = []
     for it in range(iters):
-        for start in range(0, N, UNIT):
-            plane.push(make_rows(spec, UNIT, start=it * 1000 + start), policy_version=it)
+        _push_unit_by_unit(plane, spec, it)
         out.append(list(plane.minibatches()))
     return out
 
@@ -33,7 +47,26 @@ def test_early_minibatches_are_the_same_batches(small_spec):
         ref = _run(ref_plane, small_spec)
         assert ref_plane.counters["early_batches"] == 0  # the inline baseline gathers
     with _plane(small_spec, Schedule(1, 0.25, 1, 0.25)) as plane:
-        got = _run(plane, small_spec)
+        # The first iteration's completing buffer write is held until the learner has its
+        # first two mini-batches: they can only have been assembled early.
+        gate, written, extend = threading.Event(), [0], plane.buffer.extend
+
+        def held_extend(data, validate=True):
+            written[0] += int(data["id"].shape[0])
+            if written[0] == N:
+                assert gate.wait(20)
+            return extend(data, validate=validate)
+
+        plane.buffer.extend = held_extend
+        got = []
+        for it in range(2):
+            _push_unit_by_unit(plane, small_spec, it)
+            batches = []
+            for mb in plane.minibatches():
+                batches.append(mb)
+                if len(batches) == 2:
+                    gate.set()
+            got.append(batches)
         # Two per iteration: the overlapped delivery's prefetch depth.
         assert plane.counters["early_batches"] == 2 * 2
     for it_ref, it_got in zip(ref, got):
@@ -58,8 +91,7 @@ def test_first_minibatch_does_not_wait_for_the_buffer_write(small_spec):
             return extend(data, validate=validate)
 
         plane.buffer.extend = held_extend
-        for start in range(0, N, UNIT):
-            plane.push(make_rows(small_spec, UNIT, start=start), policy_version=0)
+        _push_unit_by_unit(plane, small_spec, 0)
         first = [plane.pull(timeout=10) for _ in range(2)]
         with pytest.raises(EmptyBufferError):
             plane.pull(timeout=0.3)  # the third needs every row in the buffer
