@@ -118,15 +118,6 @@ def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
         return write_checkpoint(path, tensors=parts, meta=meta)
 
 
-def _is_column_of(plane: ExperienceDataPlane, field: str, t: torch.Tensor) -> bool:
-    """Whether ``t`` is a slice of the plane's own column ``field`` (read in place)."""
-    store = plane.buffer.store
-    if not isinstance(store, ColumnStore) or t.device != store.device:
-        return False
-    col = store.column(field)
-    return t.untyped_storage().data_ptr() == col.untyped_storage().data_ptr()
-
-
 def _schedule(d: Mapping[str, JSON]) -> Schedule:
     return Schedule(int(d["overlap_ing"]), Fraction(d["g_ing"]), int(d["overlap_del"]),
                     Fraction(d["g_del"]))
@@ -141,14 +132,17 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
     """
     path = Path(path)
     made: list[ExperienceDataPlane] = []
+    in_place: set[str] = set()
 
     def destinations(meta: dict[str, Any], layout: Layout) -> dict[str, torch.Tensor]:
         made.append(_build(cls, meta, path, overrides))
-        return _row_destinations(made[0], meta, layout)
+        dest = _row_destinations(made[0], meta, layout)
+        in_place.update(dest)
+        return dest
 
     try:
         meta, parts = read_checkpoint(path, mmap=True, into=destinations)
-        _restore(made[0], meta, parts, path)
+        _restore(made[0], meta, parts, path, in_place=in_place)
     except BaseException:
         if made:
             made[0].close()
@@ -221,8 +215,9 @@ def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],
 
 
 def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
-             parts: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Put a checkpoint's rows and state into a freshly built ``plane``.
+             parts: Mapping[str, torch.Tensor], path: Path, *, in_place: set[str]) -> None:
+    """Put a checkpoint's rows and state into a freshly built ``plane``; the row parts named
+    in ``in_place`` were read into its columns already.
 
     Raises:
         CheckpointError: A part or a state value is missing or out of range (the message
@@ -232,10 +227,11 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
         state = _from_parts(meta["state"], parts, path)
         with plane.paused():
             for b, block in enumerate(meta["rows"]):
-                cols = {f: parts[f"rows/{b}/{f}"] for f in plane.spec.fields}
+                names = {f: f"rows/{b}/{f}" for f in plane.spec.fields}
+                cols = {f: parts[name] for f, name in names.items()}
                 if any(c.shape[0] != block["rows"] for c in cols.values()):
                     raise StateError(f"rows.{b}", "blocks disagree on their row count")
-                if not all(_is_column_of(plane, f, c) for f, c in cols.items()):
+                if not in_place.issuperset(names.values()):
                     plane.buffer.store.set_range(int(block["start"]), cols)
         filled = sum(int(b["rows"]) for b in meta["rows"])
         writer = state["buffer"]["writer"]
