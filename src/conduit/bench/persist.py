@@ -173,6 +173,8 @@ class Persister(Protocol):
         path: The file or folder written (dropped from the page cache before reads).
         nbytes: Bytes moved per save or load, for GB/s.
         file_bytes: Bytes on disk after the latest save.
+        warmup_saves: Unmeasured saves before the timed ones, so that every file the timed
+            saves write over has been written before.
     """
 
     name: str
@@ -180,6 +182,7 @@ class Persister(Protocol):
     path: Path
     nbytes: int
     file_bytes: int
+    warmup_saves: int
 
     def save(self) -> float:
         """Seconds to write, synced to disk."""
@@ -194,6 +197,7 @@ class DiskDD:
 
     name = "dd"
     how = "dd bs=1M conv=fdatasync / dd of=/dev/null"
+    warmup_saves = 1
 
     def __init__(self, path: Path, mib: int) -> None:
         self.path = path
@@ -231,6 +235,7 @@ class ConduitPlane:
 
     name = "conduit"
     how = "plane.save / ExperienceDataPlane.load"
+    warmup_saves = 2  # each save writes beside the previous file: two files' worth of blocks
 
     def __init__(self, plane: ExperienceDataPlane, path: Path) -> None:
         self.plane, self.path = plane, path
@@ -261,6 +266,7 @@ class TorchRLBuffer:
 
     name = "torchrl"
     how = "ReplayBuffer(LazyTensorStorage).dumps + fsync / .loads"
+    warmup_saves = 1
 
     def __init__(self, columns: Mapping[str, torch.Tensor], folder: Path) -> None:
         from tensordict import TensorDict
@@ -333,12 +339,11 @@ def throughput(plane: ExperienceDataPlane, folder: Path, *, repeats: int) -> dic
                                                 for s in systems}
     match: dict[str, bool] = {}
     dropped = True
-    # One unmeasured save each first (and a second for Conduit, whose file is written beside
-    # the previous one before it replaces it): the first writes of a run can cost several
-    # times the later ones, which would time the machine's state, not the system.
+    # Unmeasured saves first: the first writes of a run can cost several times the later
+    # ones, which would time the machine's state, not the system.
     progress("save warm-up: " + ", ".join(s.name for s in systems))
     for s in systems:
-        for _ in range(2 if s.name == "conduit" else 1):
+        for _ in range(s.warmup_saves):
             s.save()
     for r in range(repeats):
         # Each repetition starts with another system, so that none always writes first.
