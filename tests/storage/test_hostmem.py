@@ -50,3 +50,71 @@ def test_buffer_on_huge_page_columns_matches_plain_columns(monkeypatch, small_sp
     restored.load_state_dict(state["store"])
     assert torch.equal(restored.get(torch.arange(32))["id"],
                        plain_buf.store.get(torch.arange(32))["id"])
+
+
+# Each probe runs in a fresh interpreter: the allocator policy is process-wide and set once.
+_MALLOC_PROBE = r"""
+import ctypes, json, sys, torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+how = sys.argv[1]
+if how == "plane":
+    from conduit import ExperienceDataPlane, ExperienceSpec
+    ExperienceDataPlane(spec=ExperienceSpec.of(x=((2,), torch.float32)), capacity=8,
+                        batch_size=4).close()
+    applied = None
+else:
+    from conduit.storage.hostmem import retain_freed_memory
+    applied = retain_freed_memory()
+mapped = libc.mallinfo2().hblkhd
+t = torch.ones(24 << 18)  # 24 MiB, one block
+served_by_mapping = libc.mallinfo2().hblkhd - mapped >= 24 << 20
+del t
+kept_free = libc.mallinfo2().fordblks >= 24 << 20
+print(json.dumps({"applied": applied, "mapped": served_by_mapping, "kept": kept_free}))
+"""
+
+
+def _malloc_probe(how: str, **env: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "CONDUIT_HOST_MALLOC")}
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, how], env={**clean, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+glibc_only = pytest.mark.skipif(
+    not __import__("sys").platform.startswith("linux")
+    or not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33")
+
+
+@glibc_only
+def test_freed_batch_memory_stays_with_the_process():
+    # A 24 MiB block comes from the heap and stays there once freed, instead of being mapped
+    # for itself and unmapped on free (which the next batch pays for in page faults).
+    assert _malloc_probe("direct") == {"applied": True, "mapped": False, "kept": True}
+
+
+@glibc_only
+def test_building_a_plane_sets_the_policy():
+    assert _malloc_probe("plane") == {"applied": None, "mapped": False, "kept": True}
+
+
+@glibc_only
+@pytest.mark.parametrize("env", [{"CONDUIT_HOST_MALLOC": "system"},
+                                 {"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+def test_the_allocator_is_left_alone_when_asked_or_already_set(env):
+    got = _malloc_probe("direct", **env)
+    assert got["applied"] is False and got["mapped"] is True and got["kept"] is False

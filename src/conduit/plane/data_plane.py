@@ -48,6 +48,7 @@ from conduit.storage import (
     Store,
     UniformSampler,
 )
+from conduit.storage.hostmem import retain_freed_memory
 from conduit.timing import TimingRecord, Timings
 
 SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
@@ -189,6 +190,10 @@ class ExperienceDataPlane:
         store: Rows in this store instead of one made for ``placement``, e.g. a
             :class:`~conduit.storage.MemmapColumnStore` for a buffer larger than RAM.
 
+    The first plane of a process makes glibc keep freed batch memory for reuse
+    (:func:`~conduit.storage.hostmem.retain_freed_memory`; ``CONDUIT_HOST_MALLOC=system``
+    leaves the allocator alone).
+
     Raises:
         ConfigError: An argument is invalid; the message names it.
     """
@@ -214,6 +219,7 @@ class ExperienceDataPlane:
         self.learner_device, self.rollout_spec = cfg.learner_device, rollout_spec
         self.space: ScheduleSpace = cfg.schedule_space()
         self.timings = Timings()
+        retain_freed_memory()
         where = initial_placement(placement, cfg)
         self.placement_decision: PlacementDecision | None = where.decision  # "auto": Alg. 1's
         self.placement_map: PlacementMap | None = where.placement_map  # what grow() follows
