@@ -198,3 +198,31 @@ def test_on_policy_prefetch_depth_is_bounded(small_spec):
         assert plane.stats()["staged_batches"] <= plane.prefetch_bound == 2
         rest = [plane.pull() for _ in range(7)]
         assert plane.policy_version == 1 and len(rest) == 7
+
+
+def test_pulls_that_leave_staged_batches_do_not_wake_the_delivery_worker(small_spec):
+    """Off-policy, a delivery invocation stages g_del batches and the next runs only once the
+    stage is empty: only the pull that empties it wakes the worker, which then refills it."""
+    import time
+    with ExperienceDataPlane(spec=small_spec, capacity=256, batch_size=8,
+                             schedule=Schedule(0, 1, 1, 4), timeout=20) as plane:
+        plane.push(make_rows(small_spec, 64))
+        deadline = time.monotonic() + 20
+        while plane.stats()["staged_batches"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert plane.stats()["staged_batches"] == 4
+        wakes = []
+        cond = plane._signals.delivery
+        real = cond.notify_all
+        cond.notify_all = lambda: (wakes.append(plane.stats()["staged_batches"]), real())[1]
+        try:
+            for _ in range(3):
+                plane.pull()
+            assert wakes == [] and plane.stats()["staged_batches"] == 1
+            plane.pull()  # empties the stage: the worker is told there is room
+            assert len(wakes) == 1
+            while plane.stats()["staged_batches"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert plane.stats()["staged_batches"] == 4  # refilled after that one wake-up
+        finally:
+            cond.notify_all = real

@@ -244,7 +244,11 @@ class Flow(abc.ABC):
                 continue
             self.counters["delivered_batches"] += 1
             self._delivered_locked()
-            self.signals.wake(delivery=True)  # room on the stage
+            if len(self.staged) < self.stage_room:
+                # Room for an invocation. Off-policy a whole g_del is staged at once, so the
+                # pulls that leave some staged do not wake the worker: a wake-up is a thread
+                # hand-off the learner pays for, and the worker could do nothing with it.
+                self.signals.wake(delivery=True)
             return s
         return None
 
