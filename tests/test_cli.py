@@ -91,3 +91,18 @@ def test_conduit_traceback_lets_the_error_propagate(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CONDUIT_TRACEBACK", "1")
     with pytest.raises(ConfigError, match="segments"):
         main(["bench", "persist", "--segments", "3"])
+
+
+def test_a_benchmark_sets_the_allocator_policy_before_it_runs(monkeypatch) -> None:
+    """Every system a benchmark compares runs under the same malloc settings: the policy the
+    first plane would set is in force before the benchmark's own code runs."""
+    import conduit.cli as cli
+    from conduit.storage import hostmem
+    order: list[str] = []
+    monkeypatch.setattr(hostmem, "retain_freed_memory", lambda: order.append("policy"))
+    monkeypatch.setattr(cli, "_call", lambda name, module, func, rest: order.append(name) or 0)
+    assert main(["bench", "plane", "--quick"]) == 0
+    assert order == ["policy", "conduit bench plane"]
+    order.clear()
+    assert main(["plan", "--dim", "8"]) == 0
+    assert order == ["conduit plan"]  # other commands leave it to the first plane

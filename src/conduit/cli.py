@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] in ("-h", "--help") or rest[0] not in _BENCHES:
             bench.print_help()
             return 0 if rest and rest[0] in ("-h", "--help") else 2
+        # The first plane would set it part-way through a run: every system a benchmark
+        # compares runs under the same allocator policy instead (docs/design.md §9).
+        from conduit.storage.hostmem import retain_freed_memory
+        retain_freed_memory()
         return _call(f"conduit bench {rest[0]}", _BENCHES[rest[0]][0], "main", rest[1:])
     parser.print_help()
     return 2
