@@ -1,4 +1,9 @@
+import ctypes
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,22 +96,18 @@ print(json.dumps({"applied": applied, "mapped": served_by_mapping, "kept": kept_
 """
 
 
-def _malloc_probe(how: str, **env: str) -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
+def _malloc_probe(how: str) -> dict:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "CONDUIT_HOST_MALLOC")}
-    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, how], env={**clean, **env},
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE, how], env=clean,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 glibc_only = pytest.mark.skipif(
-    not __import__("sys").platform.startswith("linux")
-    or not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33")
+    not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "mallinfo2"),
+    reason="needs glibc >= 2.33")
 
 
 @glibc_only
