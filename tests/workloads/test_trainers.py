@@ -89,6 +89,24 @@ def test_ppo_trains_in_both_modes(ray_session, buffer: str) -> None:
     # Advantages are normalized per mini-batch in delivery.
     for b in batches:
         assert abs(b["advantage"].mean().item()) < 1e-4
+    # Every slot once per epoch; each iteration's first mini-batch holds no row of its last
+    # rollout unit (slots 48..63: 4 units of 16 rows land in push order), so it can be
+    # assembled while that unit is ingested.
+    for it in range(3):
+        epochs = [batches[it * 8 + 4 * e: it * 8 + 4 * e + 4] for e in range(2)]
+        for epoch in epochs:
+            assert sorted(torch.cat([b["_index"] for b in epoch]).tolist()) == list(range(64))
+        assert int(epochs[0][0]["_index"].max()) < 48
+
+
+def test_ppo_sampler_leads_with_every_unit_but_the_last() -> None:
+    args = _tiny(ppo, actors=3, rollout_fragments=4)
+    sampler = ppo.minibatch_sampler(args)
+    assert (sampler.num_minibatches, sampler.seed) == (4, 3)
+    assert sampler.first_within == pytest.approx(1 - 1 / 12)
+    assert ppo.minibatch_sampler(_tiny(ppo, lead_first=False)).first_within == 1.0
+    # One unit per iteration: nothing to lead with.
+    assert ppo.minibatch_sampler(_tiny(ppo, actors=1, rollout_fragments=1)).first_within == 1.0
 
 
 def test_ppo_first_batches_identical_inline_and_conduit(ray_session) -> None:

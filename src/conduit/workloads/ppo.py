@@ -20,6 +20,7 @@ from torch import nn
 
 from conduit import ExperienceSpec
 from conduit.cli_args import arg
+from conduit.storage import FifoSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
 from conduit.workloads.args import TrainerArgs
@@ -55,6 +56,10 @@ class Args(TrainerArgs):
     vf_coef: float = arg(0.5, "value loss coefficient")
     max_grad_norm: float = arg(0.5, "gradient clipping norm")
     norm_adv: bool = arg(True, "normalize advantages per mini-batch (in delivery)")
+    lead_first: bool = arg(True, "draw each iteration's first mini-batch from every rollout "
+                           "unit but the last (FifoSampler first_within = 1 - 1/units), so the "
+                           "first update need not wait for the last unit's ingestion; the "
+                           "same mini-batches under every buffer and schedule")
 
 
 def rollout_spec(info: EnvInfo) -> ExperienceSpec:
@@ -122,6 +127,21 @@ def compute_gae(unit: dict[str, torch.Tensor], *, num_envs: int, gamma: float,
     return out
 
 
+def minibatch_sampler(args: Args) -> FifoSampler:
+    """The consume-once sampler of a run: M shuffled mini-batches per epoch, the first of an
+    iteration drawn from every rollout unit but the last when ``args.lead_first`` is set.
+
+    Units land in (fragment, actor) order, so ``first_within = 1 - 1/units`` names the rows of
+    every unit but the last whatever the schedule: the first mini-batch can be assembled while
+    the last unit is still ingested (docs/design.md §2), and the mini-batches of a seed are the
+    same inline and through Conduit.
+    """
+    units = args.actors * args.rollout_fragments
+    within = 1 - 1 / units if args.lead_first and units > 1 else 1.0
+    return FifoSampler(num_minibatches=args.num_minibatches, seed=args.seed,
+                       first_within=within)
+
+
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch."""
@@ -138,7 +158,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
         args, learner_device=device, mode="on_policy", num_minibatches=args.num_minibatches,
         spec=buffer_spec(info), rollout_spec=rollout_spec(info), capacity=rows_per_iter,
         batch_size=rows_per_iter // args.num_minibatches, num_epochs=args.update_epochs,
-        rollout_rows=args.envs_per_actor * args.steps_per_rollout, seed=args.seed)
+        rollout_rows=args.envs_per_actor * args.steps_per_rollout, seed=args.seed,
+        sampler=minibatch_sampler(args))
 
     # Ingestion: GAE per actor rollout, as soon as it is pushed.
     @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
