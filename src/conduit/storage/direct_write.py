@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+
 BLOCK = 4096
 """Alignment of every direct write's offset, length and memory (a page: at least the logical
 block size of the devices Linux supports for ``O_DIRECT``)."""
@@ -33,7 +35,7 @@ class DirectRangeWriter:
     written with zeros after the range's bytes: ranges must therefore start at least that far
     apart (checkpoint parts start on a multiple of :data:`BLOCK` and their padding is zero), and
     the caller truncates the file to its length afterwards. Where ``O_DIRECT`` is missing, or
-    the file system refuses it (at open or at the first write), the same bytes go through
+    the file system refuses it (at open or at any write), the rest of the bytes go through
     ``file`` instead, unpadded.
 
     Args:
@@ -55,6 +57,7 @@ class DirectRangeWriter:
         self._fd = _open_direct(Path(path)) if direct else None
         self._staging = mmap.mmap(-1, staging_bytes)
         self._view = memoryview(self._staging)
+        self._bytes = np.frombuffer(self._staging, dtype=np.uint8)
         self._filled = 0
         self._pos = -1  # file offset of the staging buffer's first byte; -1: no range open
 
@@ -78,12 +81,14 @@ class DirectRangeWriter:
         """Append ``data`` (a C-contiguous buffer) to the open range."""
         if self._pos < 0:
             raise ValueError("write: no range is open; call start_range first")
-        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        size = len(self._view)
+        src = np.frombuffer(data, dtype=np.uint8)
+        size = self._bytes.size
         at = 0
-        while at < len(data):
-            k = min(size - self._filled, len(data) - at)
-            self._view[self._filled:self._filled + k] = data[at:at + k]
+        while at < src.size:
+            k = min(size - self._filled, src.size - at)
+            # numpy copies without the GIL (a memoryview slice assignment holds it), so the
+            # learner's thread runs on while a background save stages its bytes.
+            np.copyto(self._bytes[self._filled:self._filled + k], src[at:at + k])
             self._filled += k
             at += k
             if self._filled == size:
@@ -103,6 +108,7 @@ class DirectRangeWriter:
             self._close_direct()
             # A slice still referenced (by an exception's traceback) keeps the mapping
             # exported; it is then unmapped when that last reference goes.
+            del self._bytes
             with contextlib.suppress(BufferError):
                 self._view.release()
                 self._staging.close()
