@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from conduit.errors import ConduitError, ConfigError
-from conduit.storage.direct_write import DirectRangeWriter
 
 try:  # ISA-L's CRC-32 (the same polynomial and values as zlib's), several times faster
     from isal.isal_zlib import crc32
@@ -131,17 +130,13 @@ class _Part:
 def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torch.Tensor],
                      meta: Mapping[str, Any],
                      sources: Mapping[str, Callable[[], Iterable[torch.Tensor | np.ndarray]]]
-                     | None = None, direct: bool = True) -> CheckpointInfo:
+                     | None = None) -> CheckpointInfo:
     """Write ``tensors`` and ``meta`` to ``path`` atomically.
 
-    Each tensor is streamed from its own memory in chunks of 8 MiB (other devices are copied
-    to the host a chunk at a time) through one staging buffer of that size, so a save needs
-    at most two chunks beyond the tensors themselves. The parts are written with ``O_DIRECT``
-    where the file system allows it (:class:`~conduit.storage.direct_write.DirectRangeWriter`),
-    so a save neither fills the page cache nor spends the saving thread's CPU copying into it;
-    elsewhere they go through the page cache, with the same bytes in the file. Until the
-    final rename, a file already at ``path`` is left untouched; if the write fails, the
-    temporary file is removed.
+    Each tensor is streamed from its own memory in chunks of 8 MiB (CPU tensors are not
+    copied; other devices are copied to the host a chunk at a time), so a save needs at most
+    one chunk beyond the tensors themselves. Until the final rename, a file already at
+    ``path`` is left untouched; if the write fails, the temporary file is removed.
 
     Args:
         path: Target file; its folder must exist.
@@ -154,8 +149,6 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
             (CPU tensors or numpy arrays, C order), used instead of reading ``tensors[name]``,
             which then gives only the part's dtype and shape (a copy-on-write snapshot reads
             its rows out this way, see :class:`~conduit.storage.snapshot.RowSnapshot`).
-        direct: Write the parts with ``O_DIRECT`` where possible (False: through the page
-            cache).
 
     Returns:
         What was written.
@@ -179,24 +172,19 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
     header = _header(meta, parts, file_bytes)
     with atomic_write(path) as f:
         done = []
-        # Parts bypass the page cache where the file system allows (docs/design.md §8).
-        out = DirectRangeWriter(f.name, f, staging_bytes=_CHUNK, direct=direct)
-        try:
-            for p in parts:
-                out.start_range(p.offset)
-                crc = written = 0
-                chunks = (map(_bytes_of_chunk, sources[p.name]()) if p.name in sources
-                          else _byte_chunks(tensors[p.name]))
-                for chunk in chunks:
-                    crc = crc32(chunk, crc)
-                    out.write(chunk)
-                    written += chunk.nbytes
-                if written != p.nbytes:
-                    raise CheckpointError(path, f"its source made {written} bytes, the part "
-                                                f"holds {p.nbytes}", part=p.name)
-                done.append(_Part(p.name, p.dtype, p.shape, p.offset, p.nbytes, crc))
-        finally:
-            out.close()
+        for p in parts:
+            f.seek(p.offset)
+            crc = written = 0
+            chunks = (map(_bytes_of_chunk, sources[p.name]()) if p.name in sources
+                      else _byte_chunks(tensors[p.name]))
+            for chunk in chunks:
+                crc = crc32(chunk, crc)
+                f.write(chunk)
+                written += chunk.nbytes
+            if written != p.nbytes:
+                raise CheckpointError(path, f"its source made {written} bytes, the part holds "
+                                            f"{p.nbytes}", part=p.name)
+            done.append(_Part(p.name, p.dtype, p.shape, p.offset, p.nbytes, crc))
         f.truncate(file_bytes)
         final = _header(meta, done, file_bytes)
         assert len(final) == len(header), "checksums are fixed-width, so the header size is"
@@ -287,14 +275,16 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     say so), so that its memory serves the new file.
 
     Yields:
-        The temporary file, open for binary writing (seekable); its ``name`` is its path.
+        The temporary file, open for binary writing (seekable).
     """
     path = Path(path)
     _drop_cached(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    f = open(tmp, "xb")  # noqa: SIM115 - "x": O_EXCL, never share a temporary file
+    # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                 0o666)
     try:
-        with f:
+        with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
