@@ -341,16 +341,42 @@ def test_a_snapshot_taken_while_pushes_go_on_is_the_plane_at_one_instant(small_s
         assert plane.buffer.total_written > 3000
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities need Linux")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="per-thread policies need Linux")
 def test_snapshots_copy_and_write_at_the_lowest_priority(small_spec, tmp_path):
+    """The copy and the write run under SCHED_IDLE (a waking normal thread preempts them);
+    the calling thread keeps its policy."""
+    me = threading.get_native_id()
+    policy = os.sched_getscheduler(me)
     with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4) as plane:
         plane.push(make_rows(small_spec, 16))
         with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
             worker = snap._io.submit(threading.get_native_id).result()
-            assert os.getpriority(os.PRIO_PROCESS, worker) == 19
-            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+            assert worker != me
+            assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+            assert os.sched_getscheduler(me) == policy != os.SCHED_IDLE
             snap.request(wait=True)
             assert snap.stats.snapshots == 1 and snap.stats.failures == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities need Linux")
+def test_lowest_priority_falls_back_to_nice_19_where_sched_idle_is_refused(monkeypatch):
+    from conduit.plane import checkpoint
+
+    def refused(*_):
+        raise PermissionError("sched_setscheduler refused")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    got = {}
+
+    def probe():
+        checkpoint._lowest_priority()
+        tid = threading.get_native_id()
+        got.update(nice=os.getpriority(os.PRIO_PROCESS, tid), policy=os.sched_getscheduler(tid))
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert got == {"nice": 19, "policy": os.sched_getscheduler(threading.get_native_id())}
 
 
 def test_a_snapshot_that_fails_to_start_is_not_left_tracked(small_spec, tmp_path, monkeypatch):

@@ -271,10 +271,15 @@ COPY_DUTY = 0.25
 
 
 def _lowest_priority() -> None:
-    """Give the calling OS thread the lowest scheduling priority where the OS allows it
-    (Linux nice values are per thread)."""
+    """Give the calling OS thread the lowest scheduling priority the OS allows: Linux's
+    ``SCHED_IDLE`` (per thread), where a waking thread of normal priority always preempts it,
+    else nice 19 (docs/design.md §8)."""
+    tid = threading.get_native_id()
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 class Snapshotter:

@@ -390,10 +390,8 @@ class ExperienceDataPlane:
         """Record a call that began at ``t0`` as ``name``, and as ``sync`` (the wait on a
         worker) when the operator is overlapped; one clock read and one lock for both."""
         seconds = time.perf_counter() - t0
-        recs = [TimingRecord(name, seconds, 1.0, t0)]
-        if sync is not None:
-            recs.append(TimingRecord(sync, seconds, 1.0, t0))
-        self.timings.add(recs)
+        rec = TimingRecord(name, seconds, 1.0, t0)
+        self.timings.add((rec,) if sync is None else (rec, TimingRecord(sync, seconds, 1.0, t0)))
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: every mini-batch of the current iteration (M × epochs), in order.
