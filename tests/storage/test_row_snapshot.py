@@ -73,13 +73,19 @@ def test_taking_a_snapshot_copies_nothing_and_writes_copy_only_what_they_overwri
     buf = ExperienceBuffer(spec=small_spec, capacity=64)
     buf.extend(make_rows(small_spec, 64))
     expected = clone_blocks(buf.filled_blocks())
+    expected_ids = buf._row_id.copy()
     snap = buf.begin_snapshot()
-    assert not snap._kept and not snap._ids  # nothing copied at the instant
+    assert not snap._kept and not snap._ids and not snap._ids_kept  # nothing copied yet
     buf.extend(make_rows(small_spec, 5, start=700))  # slots 0..4
     assert {k: int(m.sum()) for k, m in snap._kept_mask.items()} == {
         (0, f): 5 for f in small_spec.fields}
-    assert set(snap._ids) == {"row_id"}  # the ids it changed, copied once
+    # The ids it changed, only at its own slots: not a copy of the whole array.
+    assert not snap._ids and set(snap._ids_kept) == {"row_id"}
+    mask, old = snap._ids_kept["row_id"]
+    assert np.flatnonzero(mask).tolist() == [0, 1, 2, 3, 4]
+    assert np.array_equal(old[:5], expected_ids[:5])
     assert_blocks_equal(buf.complete_snapshot(snap), expected)
+    assert np.array_equal(snap.state["row_id"].numpy(), expected_ids)
 
 
 def test_rows_written_after_the_snapshot_completes_do_not_reach_it(small_spec):
@@ -116,6 +122,19 @@ def test_a_restore_during_a_snapshot_keeps_the_snapshot(small_spec):
     assert_blocks_equal(buf.complete_snapshot(snap), expected)
     assert np.array_equal(snap.state["row_id"].numpy(), ids)
     assert_blocks_equal(buf.filled_blocks(), other.filled_blocks())
+
+
+def test_ids_of_slots_past_the_filled_rows_stay_those_of_the_instant(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=32)
+    buf.extend(make_rows(small_spec, 10))
+    ids = buf._row_id.copy()
+    snap = buf.begin_snapshot()
+    for k in range(3):  # fills the empty slots, then wraps over the snapshot's rows
+        buf.extend(make_rows(small_spec, 10, start=100 + 10 * k))
+    buf.complete_snapshot(snap)
+    assert np.array_equal(snap.state["row_id"].numpy(), ids)
+    assert (snap.state["row_id"].numpy()[10:] == -1).all()
+    assert not np.array_equal(buf._row_id, ids)
 
 
 def test_delivered_ids_are_those_of_the_instant_while_sampling_goes_on(small_spec):

@@ -114,7 +114,7 @@ class ExperienceBuffer:
                 part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
                 for snap in self._snapshots:
                     snap.preserve(store_start, store_start + length)
-                    snap.preserve_ids("row_id")
+                    snap.preserve_ids("row_id", slice(store_start, store_start + length))
                 self.store.set_range(store_start, part)
                 self._row_id[store_start:store_start + length] = np.arange(
                     first_id + b0, first_id + b0 + length)
@@ -165,7 +165,7 @@ class ExperienceBuffer:
             # Only a priority update reads which row a slot delivered (see update_priorities).
             slots = indices.numpy()
             for snap in self._snapshots:
-                snap.preserve_ids("delivered_id")
+                snap.preserve_ids("delivered_id", slots)
             self._delivered_id[slots] = self._row_id[slots]
         out["_index"] = indices
         if info.weights is not None:

@@ -82,7 +82,10 @@ class RowSnapshot:
         self._kept: dict[tuple[int, str], torch.Tensor] = {}
         self._spare = dict(spare or {})
         self._ids_live = dict(ids)
-        self._ids: dict[str, np.ndarray] = {}  # copies taken before the first change
+        # Per id array: the old values of the slots changed since the instant (set aside by
+        # preserve_ids, the mask marks which), and the whole array once read out.
+        self._ids_kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._ids: dict[str, np.ndarray] = {}
 
     @property
     def kept(self) -> dict[tuple[int, str], torch.Tensor]:
@@ -110,6 +113,8 @@ class RowSnapshot:
                     continue
                 mask = self._mask_of(key, col)
                 todo = ~mask[a:hi]
+                if not todo.any():  # copied ahead already: the usual case once a copy leads
+                    continue
                 for r0, r1 in ([(0, hi - a)] if todo.all() else _runs(todo)):
                     self._kept[key][a + r0:a + r1].copy_(col[a + r0:a + r1])
                 mask[a:hi] = True
@@ -137,12 +142,35 @@ class RowSnapshot:
                                else torch.empty_like(col, device="cpu"))
         return mask
 
-    def preserve_ids(self, name: str | None = None) -> None:
-        """Copy aside the id array ``name`` (all when None) if it is not copied yet; call
-        under the buffer's lock before it changes."""
+    def preserve_ids(self, name: str | None = None,
+                     where: slice | np.ndarray | None = None) -> None:
+        """Copy aside the old values of the id array ``name`` (all arrays when None) at
+        ``where`` (a slice or an array of slots; None: every slot) that are not set aside or
+        read out yet; call under the buffer's lock before they change. A write's cost is its
+        own slots, not the array's length."""
         for key in ([name] if name is not None else list(self._ids_live)):
-            if key not in self._ids and key in self._ids_live:
-                self._ids[key] = self._ids_live[key].copy()
+            live = self._ids_live.get(key)
+            if live is None or key in self._ids:
+                continue
+            kept = self._ids_kept.get(key)
+            if kept is None:
+                kept = self._ids_kept[key] = (np.zeros(live.shape[0], dtype=bool),
+                                              np.empty_like(live))
+            mask, old = kept
+            if isinstance(where, np.ndarray):
+                slots = where[~mask[where]]
+                old[slots] = live[slots]
+                mask[slots] = True
+                continue
+            at = slice(None) if where is None else where
+            todo = ~mask[at]
+            if todo.all():
+                old[at] = live[at]
+            elif todo.any():
+                np.copyto(old[at], live[at], where=todo)
+            else:
+                continue
+            mask[at] = True
 
     # -- reading out -------------------------------------------------------------------------
 
@@ -225,8 +253,8 @@ class RowSnapshot:
             ConfigError: ``duty`` is outside ``(0, 1]``.
         """
         rest = sleep_share(duty)
-        with self._lock:  # the ids first: or the next write copies them, on its own thread
-            self.preserve_ids()
+        for name in self._ids_live:  # the ids first: then no write sets any aside
+            next(self.stream_ids(name))
         writer = self.state.get("writer")
         cursor = int(writer["cursor"]) if isinstance(writer, dict) else 0
         cursor = cursor if 0 < cursor < self.size else 0
@@ -268,12 +296,22 @@ class RowSnapshot:
                     mask[a:hi] = True
 
     def stream_ids(self, name: str) -> Iterator[np.ndarray]:
-        """The id array ``name`` as it was at the instant, in one chunk (copied now if no
-        write has changed it yet); also fills :attr:`state`'s entry."""
+        """The id array ``name`` as it was at the instant, in one chunk (read out now, if not
+        yet, without holding the lock for the copy)."""
         with self._lock:
-            self.preserve_ids(name)
-            ids = self._ids[name]
-        yield ids
+            done = self._ids.get(name)
+        if done is None:
+            # Like stream_rows: a write that changes a slot meanwhile sets its old value
+            # aside first, and the old values are laid over the copy under the lock.
+            out = self._ids_live[name].copy()
+            with self._lock:
+                done = self._ids.get(name)
+                if done is None:
+                    kept = self._ids_kept.pop(name, None)
+                    if kept is not None:
+                        np.copyto(out, kept[1], where=kept[0])
+                    done = self._ids[name] = out
+        yield done
 
     def materialize(self, *, chunk_bytes: int = 2 << 20, duty: float = 1.0) -> Blocks:
         """Read every row out into new CPU tensors, laid out as :attr:`blocks`."""
