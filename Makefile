@@ -29,8 +29,10 @@ $(VERL_VENV)/.installed: pyproject.toml
 	touch $@
 
 ## test: install into .venv-test, lint, and run the whole test suite; then tests/verl in
-## .venv-verl (verl pins transformers < 5.11, which TRL's environment cannot share)
-test: $(TEST_VENV)/.installed $(VERL_VENV)/.installed
+## .venv-verl (verl pins transformers < 5.11, which TRL's environment cannot share). The two
+## environments install side by side (each pip is mostly one core waiting on unpacking).
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(TEST_VENV)/.installed $(VERL_VENV)/.installed
 	$(TEST_VENV)/bin/ruff check src tests
 	$(TEST_VENV)/bin/python -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q tests/verl
