@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from conduit import report
-from conduit.bench.plane import main
+from conduit.bench.plane import PlaneBenchArgs, main, run_loop
+from conduit.scheduling.space import Schedule
 
 
 def test_quick_run_writes_json_and_png(tmp_path: Path, capsys) -> None:
@@ -34,3 +36,11 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_note(
     assert (out / "plane.json").exists()
     assert not (out / "plane.png").exists()
     assert "plane.png" not in printed.out
+
+
+def test_an_on_policy_loop_of_one_unit_runs_with_lead_first() -> None:
+    # Lead-first with one unit is the plain shuffle (there is no earlier unit to lead from).
+    args = PlaneBenchArgs(dim=16, rollout_rows=32, iters=2, warmup=1, hidden=8,
+                          onpolicy_units=1, minibatches=4, lead_first=True)
+    got = run_loop(args, on_policy=True, schedule=Schedule(1, Fraction(1, 4), 1, Fraction(1, 4)))
+    assert got["median_ms"]["wall"] > 0 and got["operator_median_ms"]

@@ -247,3 +247,14 @@ def test_fifo_first_within_one_is_the_plain_shuffle():
 def test_fifo_first_within_is_validated(bad):
     with pytest.raises(ConfigError, match="first_within"):
         FifoSampler(num_minibatches=4, first_within=bad)
+
+
+def test_fifo_leading_draws_the_first_minibatch_from_every_unit_but_the_last():
+    assert FifoSampler.leading(units=4, num_minibatches=2, seed=3).first_within == 0.75
+    assert FifoSampler.leading(units=1, num_minibatches=2).first_within == 1.0  # plain shuffle
+    first = FifoSampler.leading(units=4, num_minibatches=4, seed=5).layout(
+        64, iteration=0, epoch=0)[0]
+    assert int(first.max()) < 48  # none of the last unit's 16 rows
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="units"):
+            FifoSampler.leading(units=bad)

@@ -57,7 +57,7 @@ class PlaneBenchArgs:
                                   "always uses its own single thread)", min=1)
     repeats: int = arg(50, "repetitions for the gather-vs-copy measurement", min=1)
     lead_first: bool = arg(True, "on-policy: draw each iteration's first mini-batch from every "
-                                 "unit but the last (FifoSampler first_within = 1 - 1/units), "
+                                 "unit but the last (FifoSampler.leading), "
                                  "the same layout under both schedules")
     out: str = arg("runs/bench/plane", "output directory for JSON and PNG")
     quick: bool = arg(False, "tiny sizes, for a smoke run")
@@ -69,11 +69,11 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
     spec = synthetic_spec(args.dim)
     if on_policy:
         n = args.onpolicy_units * args.rollout_rows
-        within = 1 - 1 / args.onpolicy_units if args.lead_first else 1.0
+        sampler = FifoSampler.leading(units=args.onpolicy_units if args.lead_first else 1,
+                                      num_minibatches=args.minibatches)
         plane = ExperienceDataPlane(spec=spec, capacity=n, mode="on_policy",
                                     num_minibatches=args.minibatches, schedule=schedule,
-                                    sampler=FifoSampler(num_minibatches=args.minibatches,
-                                                        first_within=within))
+                                    sampler=sampler)
     else:
         plane = ExperienceDataPlane(spec=spec, capacity=args.capacity, batch_size=args.batch_size,
                                     schedule=schedule)

@@ -136,10 +136,9 @@ def minibatch_sampler(args: Args) -> FifoSampler:
     the last unit is still ingested (docs/design.md §2), and the mini-batches of a seed are the
     same inline and through Conduit.
     """
-    units = args.actors * args.rollout_fragments
-    within = 1 - 1 / units if args.lead_first and units > 1 else 1.0
-    return FifoSampler(num_minibatches=args.num_minibatches, seed=args.seed,
-                       first_within=within)
+    units = args.actors * args.rollout_fragments if args.lead_first else 1
+    return FifoSampler.leading(units=units, num_minibatches=args.num_minibatches,
+                               seed=args.seed)
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None

@@ -48,9 +48,9 @@ class FifoSampler(Sampler):
             raise ConfigError("num_minibatches", f"must be a positive integer, got "
                                                  f"{num_minibatches!r}")
         if not 0 < first_within <= 1:
-            raise ConfigError("first_within", f"must lie in (0, 1], got {first_within!r}; use "
-                                              f"1 - 1/units for an iteration of that many "
-                                              f"rollout units")
+            raise ConfigError("first_within", f"must lie in (0, 1], got {first_within!r}; "
+                                              f"FifoSampler.leading(units=U) sets it for "
+                                              f"an iteration of U rollout units")
         self.num_minibatches = num_minibatches
         self.shuffle = shuffle
         self.first_within = float(first_within)
@@ -58,6 +58,22 @@ class FifoSampler(Sampler):
         self.epoch = 0
         self.cursor = 0
         self._parts: list[torch.Tensor] = []
+
+    @classmethod
+    def leading(cls, *, units: int, num_minibatches: int = 1, seed: int = 0) -> FifoSampler:
+        """The sampler of an iteration of ``units`` equal rollout units pushed in order, whose
+        first mini-batch is drawn from every unit but the last (``first_within = 1 - 1/units``;
+        the plain shuffle when ``units`` is 1), so it can be assembled while the last unit is
+        still being ingested.
+
+        Raises:
+            ConfigError: ``units`` is not a positive integer (or as the constructor).
+        """
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ConfigError("units", f"must be a positive integer (rollout units per "
+                                       f"iteration), got {units!r}")
+        return cls(num_minibatches=num_minibatches, seed=seed,
+                   first_within=1 - 1 / units if units > 1 else 1.0)
 
     def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
         """Lay out the mini-batches of one epoch over ``size`` rows."""
