@@ -164,13 +164,9 @@ class RowSnapshot:
                 continue
             at = slice(None) if where is None else where
             todo = ~mask[at]
-            if todo.all():
-                old[at] = live[at]
-            elif todo.any():
+            if todo.any():
                 np.copyto(old[at], live[at], where=todo)
-            else:
-                continue
-            mask[at] = True
+                mask[at] = True
 
     # -- reading out -------------------------------------------------------------------------
 
@@ -254,7 +250,7 @@ class RowSnapshot:
         """
         rest = sleep_share(duty)
         for name in self._ids_live:  # the ids first: then no write sets any aside
-            next(self.stream_ids(name))
+            self.ids(name)
         writer = self.state.get("writer")
         cursor = int(writer["cursor"]) if isinstance(writer, dict) else 0
         cursor = cursor if 0 < cursor < self.size else 0
