@@ -132,6 +132,84 @@ def test_ratios_and_the_floor_pair_rows_of_the_same_batch_size() -> None:
     assert {t["batch"] for t in targets} == {32, 64}
 
 
+def test_side_by_side_medians_make_the_ratio_and_the_floor_row_divides_the_rest() -> None:
+    rows = [row("conduit", sample_uniform=0.3), row("cpprb", sample_uniform=0.4),
+            row("conduit-prefetch", sample_uniform=0.02),
+            row("gather-floor", sample_uniform=0.1)]
+    # In the side-by-side loop: conduit 0.3 against the floor's 0.25, cpprb 0.2 against 0.25.
+    rows[0].side_ms, rows[0].floor_ms = 0.3, 0.25
+    rows[1].side_ms, rows[1].floor_ms = 0.2, 0.25
+    got = {r["peer"]: (r["over_floor"], r["paired"]) for r in harness.over_floor(rows)}
+    assert got == {"conduit": (pytest.approx(1.2), True), "cpprb": (pytest.approx(0.8), True),
+                   "conduit-prefetch": (pytest.approx(0.2), False)}
+    lines = harness.format_over_floor(rows).splitlines()
+    assert "1.20" in lines[2] and "0.20*" in lines[2] and "0.80" in lines[2]
+
+
+def test_fast_path_targets_read_the_side_by_side_loop() -> None:
+    def rows_with(side: tuple[float, float, float], per: tuple[float, float],
+                  prefetch: float) -> list[RowResult]:
+        conduit_ms, cpprb_ms, floor_ms = side
+        # The phases' own medians point the other way: only the loop must count.
+        rows = [row("conduit", sample_uniform=1.0, sample_per_update=per[0]),
+                row("cpprb", sample_uniform=0.5, sample_per_update=per[1]),
+                row("conduit-prefetch", sample_uniform=prefetch),
+                row("gather-floor", sample_uniform=0.1)]
+        rows[0].side_ms, rows[1].side_ms = conduit_ms, cpprb_ms
+        rows[0].floor_ms = rows[1].floor_ms = floor_ms
+        return rows
+
+    def verdicts(rows: list[RowResult]) -> dict[str, bool | None]:
+        return {t["target"]: t["met"] for t in harness.fast_path_targets(rows)}
+
+    met = verdicts(rows_with((0.21, 0.22, 0.2), per=(0.2, 0.31), prefetch=0.01))
+    assert met == {"uniform over floor": True, "uniform vs cpprb's": True,
+                   "PER sample+update speed-up vs cpprb": True, "prefetched pull ms": True}
+    missed = verdicts(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29), prefetch=0.06))
+    assert missed == {"uniform over floor": False, "uniform vs cpprb's": False,
+                      "PER sample+update speed-up vs cpprb": False, "prefetched pull ms": False}
+    alone = [row("conduit", sample_uniform=0.2)]  # nothing to compare with: unmeasured
+    assert set(verdicts(alone).values()) == {None}
+    text = harness.format_fast_path(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29),
+                                              prefetch=0.06))
+    assert "1.2 NOT met" in text and "<= 1.1" in text.splitlines()[0]
+
+
+def test_interleaved_calls_take_turns_and_the_first_moves_on() -> None:
+    calls: list[str] = []
+    times = harness.interleaved_times({k: (lambda k=k: calls.append(k)) for k in "abc"},
+                                      repeats=3, warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"
+
+
+def test_side_by_side_fills_every_buffer_and_skips_peers_that_cannot_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    filled: dict[str, int] = {}
+
+    class Counting(NumpyPeer):
+        def insert(self, chunk: Any) -> None:
+            filled[self.name] = filled.get(self.name, 0) + len(chunk["obs"])
+            super().insert(chunk)
+
+    class Floor(Counting):
+        name = "gather-floor"
+
+    class Broken(NumpyPeer):
+        name = "cpprb"
+
+        def check(self) -> None:
+            raise PeerUnavailable("not installed")
+
+    made = {"gather-floor": Floor, "conduit": Counting, "cpprb": Broken}
+    monkeypatch.setattr(harness, "_make", lambda name: made[name]())
+    got = harness.measure_side_by_side(TINY, ["conduit", "cpprb"], TINY_CFG, quiet)
+    assert set(got) == {"gather-floor", "conduit"} and all(v > 0 for v in got.values())
+    assert filled == {"gather-floor": TINY.capacity, "numpy": TINY.capacity}
+    made["gather-floor"] = Broken  # no floor: nothing to compare with
+    assert harness.measure_side_by_side(TINY, ["conduit"], TINY_CFG, quiet) == {}
+
+
 def test_busy_threads_counts_threads_whose_cpu_time_grew() -> None:
     assert harness.busy_threads({1: 0.5, 2: 1.0}, {1: 0.5, 2: 1.25, 3: 0.01}) == 2
     assert harness.busy_threads({}, harness.thread_times()) >= 1

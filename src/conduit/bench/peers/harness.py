@@ -11,10 +11,15 @@ the harness measures, as medians over repeated runs after a warm-up:
 * ``onpolicy_epoch``: time of one on-policy epoch of M=8 shuffled mini-batches over 8192 rows.
 
 Inserts and epochs do not depend on the batch size, so they are measured with the first one.
+Each peer runs in a phase of its own. The synchronous uniform samples the delivery fast path is
+judged by (Conduit's buffer, its inline ``pull()``, cpprb, and the gather floor) are then also
+timed side by side: all four buffers filled at once, their samples called in turn in one loop
+(:func:`measure_side_by_side`).
 It prints one table, a line per (d, batch, peer), whose cells carry the ratio Conduit/peer
 expressed as a speed-up (``×3.0`` means Conduit is three times faster at that operation,
 whether the metric is a throughput or a latency), and the threads each peer ran on while it
-sampled; it writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups) under
+sampled; then each peer's uniform sample over the floor, and the delivery fast path's targets
+(:data:`FAST_PATH`); it writes ``peers.json`` and ``peers.png`` (bar chart of the speed-ups) under
 ``--out``. A peer that is not installed, or breaks, is reported as skipped or unavailable with
 the reason; the benchmark itself never fails because of a peer.
 
@@ -31,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -139,6 +144,9 @@ class RowResult:
         notes: Caveats shown next to the numbers.
         threads: Threads of this process that used CPU time while the peer sampled
             uniformly (``None``: not measured, e.g. out of process).
+        side_ms: This peer's median uniform sample in the side-by-side loop
+            (:func:`measure_side_by_side`; ``None``: not in it).
+        floor_ms: The gather floor's median uniform sample in that loop.
     """
 
     peer: str
@@ -152,6 +160,8 @@ class RowResult:
     metrics: dict[str, MetricResult] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     threads: int | None = None
+    side_ms: float | None = None
+    floor_ms: float | None = None
 
 
 def speedup(metric: str, conduit: float, peer: float) -> float:
@@ -288,26 +298,29 @@ PEER_OVERHEAD = 3.0
 
 
 def fit_capacity(requested: int, bytes_per_row: int, available_bytes: int, *,
-                 fraction: float, minimum: int) -> tuple[int, str | None]:
+                 fraction: float, minimum: int,
+                 overhead: float = PEER_OVERHEAD) -> tuple[int, str | None]:
     """The capacity to use: ``requested`` if it fits in memory, else the largest that does.
 
     Args:
         requested: Rows asked for.
         bytes_per_row: Bytes of one stored row.
         available_bytes: Memory free on the machine.
-        fraction: Share of ``available_bytes`` one buffer (times :data:`PEER_OVERHEAD`) may use.
+        fraction: Share of ``available_bytes`` one buffer (times ``overhead``) may use.
         minimum: Smallest acceptable capacity (at least one sampled batch).
+        overhead: Bytes held per stored byte while one peer runs (default
+            :data:`PEER_OVERHEAD`).
 
     Returns:
         ``(capacity, note)``; ``note`` says why and how much it was lowered, else ``None``.
     """
-    budget = available_bytes * fraction / PEER_OVERHEAD
+    budget = available_bytes * fraction / overhead
     if requested * bytes_per_row <= budget:
         return requested, None
     fit = int(budget // bytes_per_row)
     fit = max(minimum, fit - fit % 1024 if fit >= 2048 else fit)
     return fit, (f"capacity lowered from {requested} to {fit} rows: {requested} rows of "
-                 f"{bytes_per_row} B (x{PEER_OVERHEAD:g} peer overhead) exceed "
+                 f"{bytes_per_row} B (x{overhead:g} peer overhead) exceed "
                  f"{fraction:.0%} of the {available_bytes / 2**30:.1f} GiB available")
 
 
@@ -338,6 +351,33 @@ def thread_times() -> dict[int, float]:
             with contextlib.suppress(OSError, ValueError):
                 out[int(tid)] = time.clock_gettime((~int(tid) << 3) | 6)
     return out or {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
+def interleaved_times(fns: Mapping[str, Callable[[], object]], *, repeats: int,
+                      warmup: int) -> dict[str, list[float]]:
+    """Wall seconds of ``repeats`` calls of each of ``fns``, called in turn in one loop (the
+    one that goes first moves on by one each round), after ``warmup`` untimed rounds.
+
+    A shared machine's speed drifts within seconds, so operations timed in phases of their own
+    are timed on different machines, in effect; called in turn, all see the same drift, and
+    each evicts the others' data from the caches, as a training step would (docs/design.md
+    §9).
+
+    Returns:
+        Name -> its times, in call order.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(repeats):
+        for j in range(len(names)):
+            name = names[(k + j) % len(names)]
+            t0 = time.perf_counter()
+            fns[name]()
+            out[name].append(time.perf_counter() - t0)
+    return out
 
 
 def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
@@ -475,6 +515,54 @@ def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> lis
     return out
 
 
+SIDE_BY_SIDE = ("conduit", "conduit-pull", "cpprb")
+"""The synchronous uniform samples timed side by side with the gather floor (and each other)."""
+
+
+def measure_side_by_side(w: Workload, names: Sequence[str], cfg: PeersConfig,
+                         progress: Callable[[str], None]) -> dict[str, float]:
+    """Median uniform sample (ms) of each of ``names`` and of the gather floor, timed in turn
+    in one loop (:func:`interleaved_times`) with every buffer filled to ``w.capacity`` rows.
+
+    A peer that cannot run here is left out (its own phase reports why); with none left, the
+    result is empty. Never raises.
+    """
+    made: dict[str, PeerAdapter] = {}
+    try:
+        for name in (FLOOR, *names):
+            adapter = _make(name)
+            try:
+                adapter.check()
+                adapter.setup(w)
+            except Exception:
+                continue
+            made[name] = adapter
+        if FLOOR not in made or len(made) < 2:
+            return {}
+        progress(f"d={w.dim} batch={w.batch}: side by side ({', '.join(made)}): filling "
+                 f"{w.capacity} rows each")
+        big = make_chunk(1024, w.dim, seed=w.seed)
+        for adapter in made.values():
+            filled = 0
+            while filled < w.capacity:
+                n = min(1024, w.capacity - filled)
+                adapter.insert(adapter.prepare(
+                    big if n == 1024 else {k: v[:n] for k, v in big.items()}))
+                filled += n
+        progress(f"d={w.dim} batch={w.batch}: side by side: {cfg.repeats} rounds")
+        times = interleaved_times({k: a.sample_uniform for k, a in made.items()},
+                                  repeats=cfg.repeats * cfg.rounds, warmup=cfg.warmup)
+        return {k: statistics.median(t) * 1e3 for k, t in times.items()}
+    except Exception as exc:
+        progress(f"d={w.dim} batch={w.batch}: side by side failed: {exc!r}")
+        return {}
+    finally:
+        for adapter in made.values():
+            with contextlib.suppress(Exception):
+                adapter.close()
+        gc.collect()
+
+
 def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, str | None]]:
     """``(name, adapter or None, reason)`` for each in-process peer in ``names``.
 
@@ -609,10 +697,72 @@ def check_targets(rows: Sequence[RowResult], dim: int = 1000) -> list[dict[str, 
 
 FLOOR = "gather-floor"
 
+FAST_PATH = {"over_floor": 1.10, "per_vs_cpprb": 1.5, "prefetch_ms": 0.05}
+"""The delivery fast path's targets: a synchronous uniform sample within this factor of the
+gather floor and no slower than cpprb's (side by side); a prioritized sample and update this
+many times faster than cpprb's; a prefetched pull of at most this many ms."""
+
+
+def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
+    """The :data:`FAST_PATH` targets per (d, batch): the measured value, the bound, and
+    whether it is met (``None``: a side was not measured).
+
+    The uniform sample's targets read the side-by-side loop (:func:`measure_side_by_side`).
+    """
+    floor = {(g["dim"], g["batch"], g["peer"]): g for g in over_floor(rows)}
+    rat = {(r["dim"], r["batch"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)}
+    by = {(r.dim, r.batch, r.peer): r for r in rows if r.status == "ok"}
+    out = []
+    for d, b in sorted({(r.dim, r.batch) for r in rows}):
+        mine = floor.get((d, b, REFERENCE))
+        mine = mine if mine and mine["paired"] else None
+        side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
+        pre = by.get((d, b, "conduit-prefetch"))
+        pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
+        checks = [
+            ("uniform over floor", mine and mine["over_floor"], FAST_PATH["over_floor"],
+             "<="),
+            ("uniform vs cpprb's", side.get(REFERENCE) and side.get("cpprb")
+             and side[REFERENCE] / side["cpprb"], 1.0, "<="),
+            ("PER sample+update speed-up vs cpprb", rat.get((d, b, "cpprb",
+                                                             "sample_per_update")),
+             FAST_PATH["per_vs_cpprb"], ">="),
+            ("prefetched pull ms", pre_res.value if pre_res is not None
+             and pre_res.status == "ok" else None, FAST_PATH["prefetch_ms"], "<="),
+        ]
+        for name, got, bound, rule in checks:
+            met = None if not got else (got <= bound if rule == "<=" else got >= bound)
+            out.append({"dim": d, "batch": b, "target": name, "value": got or None,
+                        "bound": bound, "rule": rule, "met": met})
+    return out
+
+
+def format_fast_path(rows: Sequence[RowResult]) -> str:
+    """:func:`fast_path_targets` as a table: a line per (d, batch), a column per target."""
+    got = fast_path_targets(rows)
+    names = list(dict.fromkeys(g["target"] for g in got))
+    cells = {(g["dim"], g["batch"], g["target"]): g for g in got}
+    keys = sorted({(g["dim"], g["batch"]) for g in got})
+
+    def cell(g: dict[str, Any]) -> str:
+        if g["met"] is None:
+            return "-"
+        return f"{g['value']:.3g} {'met' if g['met'] else 'NOT met'}"
+
+    head = [f"{n} ({r} {b:g})" for n, r, b in dict.fromkeys(
+        (g["target"], g["rule"], g["bound"]) for g in got)]
+    return table(["d", "batch", *head], [[d, b, *(cell(cells[d, b, n]) for n in names)]
+                                         for d, b in keys])
+
 
 def over_floor(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     """Every peer's uniform sample latency over the gather floor's, per (d, batch): 1.0 is
-    the least work a uniform sample can do on the machine."""
+    the least work a uniform sample can do on the machine.
+
+    A peer timed side by side with the floor (``side_ms`` set) is its median there over the
+    floor's there (``"paired": True``); any other, its own phase's median over the
+    ``gather-floor`` row's.
+    """
     def uniform(r: RowResult) -> float | None:
         res = r.metrics.get("sample_uniform")
         return res.value if r.status == "ok" and res is not None and res.status == "ok" else None
@@ -620,22 +770,27 @@ def over_floor(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     floor = {(r.dim, r.batch): uniform(r) for r in rows if r.peer == FLOOR}
     out = []
     for r in rows:
-        base, value = floor.get((r.dim, r.batch)), uniform(r)
+        paired = bool(r.side_ms and r.floor_ms)
+        value, base = (r.side_ms, r.floor_ms) if paired else (uniform(r),
+                                                              floor.get((r.dim, r.batch)))
         if r.peer != FLOOR and base and value is not None:
             out.append({"dim": r.dim, "batch": r.batch, "peer": r.peer,
-                        "over_floor": value / base})
+                        "over_floor": value / base, "paired": paired})
     return out
 
 
 def format_over_floor(rows: Sequence[RowResult]) -> str:
-    """:func:`over_floor` as a table: a line per (d, batch), a column per peer."""
+    """:func:`over_floor` as a table: a line per (d, batch), a column per peer; ``*`` marks a
+    ratio between two phases instead of one side-by-side loop."""
     got = over_floor(rows)
     peers = sorted({g["peer"] for g in got}, key=lambda p: (p != REFERENCE, p))
     cells = {(g["dim"], g["batch"], g["peer"]): g["over_floor"] for g in got}
     keys = sorted({(g["dim"], g["batch"]) for g in got})
+    paired = {(g["dim"], g["batch"], g["peer"]) for g in got if g["paired"]}
     return table(["d", "batch", *peers],
-                 [[d, b, *(f"{cells[d, b, p]:.2f}" if (d, b, p) in cells else "-"
-                           for p in peers)] for d, b in keys])
+                 [[d, b, *(f"{cells[d, b, p]:.2f}" + ("" if (d, b, p) in paired else "*")
+                           if (d, b, p) in cells else "-" for p in peers)]
+                  for d, b in keys])
 
 
 def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
@@ -705,7 +860,8 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
             cap, note = fit_capacity(cfg.capacity, w0.bytes_per_row,
                                      psutil.virtual_memory().available,
                                      fraction=cfg.memory_fraction,
-                                     minimum=max(*cfg.batches, 1024))
+                                     minimum=max(*cfg.batches, 1024),
+                                     overhead=PEER_OVERHEAD + (FLOOR in cfg.peers))
             if note:
                 log(f"d={d}: {note}")
                 capacity_notes[d] = note
@@ -726,12 +882,16 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                         + (f" (round {r + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
                     measured.setdefault(name, []).append(
                         measure_adapter(adapter, w, cfg, log, only=only))
+            side = (measure_side_by_side(w, [p for p in SIDE_BY_SIDE if p in cfg.peers], cfg,
+                                         log) if FLOOR in cfg.peers else {})
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
                                           batch=w.batch, status="skipped", reason=reason))
                 else:
                     rows.append(merge_rounds(measured[name]))
+                    if name in side:
+                        rows[-1].side_ms, rows[-1].floor_ms = side[name], side[FLOOR]
 
         versions: dict[str, Any] = {}
         if "reverb" in cfg.peers:
@@ -769,6 +929,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
             "ratios": ratios(rows),
             "over_floor": over_floor(rows),
             "targets_d1000": check_targets(rows),
+            "targets_fast_path": fast_path_targets(rows),
         }
         return report, rows
     finally:
@@ -819,8 +980,11 @@ def main(argv: list[str] | None = None) -> int:
     print("cells: peer value ×(Conduit speed-up; >1 = Conduit faster)\n")
     print(format_table(rows))
     if report["over_floor"]:
-        print("\nuniform sample over the gather floor (1.00 = the floor)\n"
+        print("\nuniform sample over the gather floor (1.00 = the floor; side by side in one "
+              "loop, * = over the gather-floor row's phase)\n"
               + format_over_floor(rows))
+    if any(t["met"] is not None for t in report["targets_fast_path"]):
+        print("\nfast-path targets\n" + format_fast_path(rows))
     reasons = format_reasons(rows)
     if reasons:
         print("\nnot measured, and caveats:\n" + reasons)
