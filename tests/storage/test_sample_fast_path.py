@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conduit import PriorityError
+from conduit import PriorityError, StateError
 from conduit.storage import (
     ExperienceBuffer,
     FifoSampler,
@@ -26,19 +26,38 @@ from conduit.storage.threads import GatherWorkers
 from tests.conftest import make_rows
 
 
-class _AlmostOne:
-    """A generator whose every uniform double is the largest one below 1."""
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 2**20, 2**31 - 1, 2**32 + 5, 10**12 + 7])
+def test_uniform_draw_stays_inside_the_filled_slots(size):
+    s = UniformSampler(seed=1)
+    idx = s.sample(size, 4096).indices
+    assert idx.dtype == torch.int64 and idx.shape == (4096,)
+    assert int(idx.min()) >= 0 and int(idx.max()) < size
+    if size >= 2**20:  # a draw that ignored the top of the range would show here
+        assert int(idx.max()) > size // 2
 
-    def random(self, n: int) -> np.ndarray:
-        return np.full(n, np.nextafter(1.0, 0.0))
+
+def test_a_state_without_the_torch_draws_continues_from_its_numpy_generator():
+    a = UniformSampler(seed=5)
+    a.sample(100, 8)
+    numpy_only = {k: v for k, v in a.state_dict().items() if k != "draws"}
+    b, c = UniformSampler(seed=1), UniformSampler(seed=2)
+    b.load_state_dict(numpy_only)
+    c.load_state_dict(numpy_only)
+    assert torch.equal(b.sample(100, 8).indices, c.sample(100, 8).indices)
+    other = UniformSampler(seed=5)  # another numpy state: another stream
+    other.sample(100, 16)
+    d = UniformSampler(seed=1)
+    d.load_state_dict({k: v for k, v in other.state_dict().items() if k != "draws"})
+    assert not torch.equal(d.sample(100, 64).indices, UniformSampler(seed=1).sample(100, 64)
+                           .indices)
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 2**20, 2**31 - 1, 10**12 + 7])
-def test_uniform_draw_never_reaches_size(size):
-    s = UniformSampler()
-    s._rng = _AlmostOne()
-    idx = s.sample(size, 5).indices
-    assert idx.dtype == torch.int64 and idx.tolist() == [size - 1] * 5
+@pytest.mark.parametrize("bad", [torch.zeros(3, dtype=torch.uint8), "x",
+                                 torch.zeros(5056, dtype=torch.float32)])
+def test_a_malformed_draws_state_is_refused_by_name(bad):
+    state = UniformSampler(seed=5).state_dict()
+    with pytest.raises(StateError, match="sampler.draws"):
+        UniformSampler().load_state_dict({**state, "draws": bad})
 
 
 def test_uniform_draw_is_uniform():

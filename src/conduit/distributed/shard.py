@@ -318,7 +318,9 @@ class BufferShard:
         buf = self.held(owner)
         self._restores += 1
         fresh = np.random.default_rng(self._stream(owner)).bit_generator.state
-        buf.load_state_dict({**state, "sampler": {**state["sampler"], "rng": fresh}}, rows=True)
+        # Without the source's torch draws state, a uniform sampler seeds it from ``fresh``.
+        sampler = {k: v for k, v in state["sampler"].items() if k != "draws"}
+        buf.load_state_dict({**state, "sampler": {**sampler, "rng": fresh}}, rows=True)
         return self.rows(owner)
 
     def drop(self, owner: int) -> None:
