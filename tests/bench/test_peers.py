@@ -154,19 +154,22 @@ def test_fast_path_targets_read_the_side_by_side_loop() -> None:
         rows = [row("conduit", sample_uniform=1.0, sample_per_update=per[0]),
                 row("cpprb", sample_uniform=0.5, sample_per_update=per[1]),
                 row("conduit-prefetch", sample_uniform=prefetch),
+                row("conduit-pull", sample_uniform=1.0),
                 row("gather-floor", sample_uniform=0.1)]
-        rows[0].side_ms, rows[1].side_ms = conduit_ms, cpprb_ms
-        rows[0].floor_ms = rows[1].floor_ms = floor_ms
+        rows[0].side_ms, rows[1].side_ms, rows[3].side_ms = conduit_ms, cpprb_ms, conduit_ms
+        rows[0].floor_ms = rows[1].floor_ms = rows[3].floor_ms = floor_ms
         return rows
 
     def verdicts(rows: list[RowResult]) -> dict[str, bool | None]:
         return {t["target"]: t["met"] for t in harness.fast_path_targets(rows)}
 
     met = verdicts(rows_with((0.21, 0.22, 0.2), per=(0.2, 0.31), prefetch=0.01))
-    assert met == {"uniform over floor": True, "uniform vs cpprb's": True,
+    assert met == {"uniform over floor": True, "inline pull over floor": True,
+                   "uniform vs cpprb's": True,
                    "PER sample+update speed-up vs cpprb": True, "prefetched pull ms": True}
     missed = verdicts(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29), prefetch=0.06))
-    assert missed == {"uniform over floor": False, "uniform vs cpprb's": False,
+    assert missed == {"uniform over floor": False, "inline pull over floor": False,
+                      "uniform vs cpprb's": False,
                       "PER sample+update speed-up vs cpprb": False, "prefetched pull ms": False}
     alone = [row("conduit", sample_uniform=0.2)]  # nothing to compare with: unmeasured
     assert set(verdicts(alone).values()) == {None}

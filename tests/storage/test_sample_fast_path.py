@@ -56,7 +56,7 @@ def test_a_state_without_the_torch_draws_continues_from_its_numpy_generator():
                                  torch.zeros(5056, dtype=torch.float32)])
 def test_a_malformed_draws_state_is_refused_by_name(bad):
     state = UniformSampler(seed=5).state_dict()
-    with pytest.raises(StateError, match="sampler.draws"):
+    with pytest.raises(StateError, match=r"sampler\.draws"):
         UniformSampler().load_state_dict({**state, "draws": bad})
 
 

@@ -714,13 +714,16 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     by = {(r.dim, r.batch, r.peer): r for r in rows if r.status == "ok"}
     out = []
     for d, b in sorted({(r.dim, r.batch) for r in rows}):
-        mine = floor.get((d, b, REFERENCE))
+        mine, pull = (floor.get((d, b, p)) for p in (REFERENCE, "conduit-pull"))
         mine = mine if mine and mine["paired"] else None
+        pull = pull if pull and pull["paired"] else None
         side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
         pre = by.get((d, b, "conduit-prefetch"))
         pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
         checks = [
             ("uniform over floor", mine and mine["over_floor"], FAST_PATH["over_floor"],
+             "<="),
+            ("inline pull over floor", pull and pull["over_floor"], FAST_PATH["over_floor"],
              "<="),
             ("uniform vs cpprb's", side.get(REFERENCE) and side.get("cpprb")
              and side[REFERENCE] / side["cpprb"], 1.0, "<="),
