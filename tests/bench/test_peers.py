@@ -139,7 +139,7 @@ def test_side_by_side_medians_make_the_ratio_and_the_floor_row_divides_the_rest(
     # In the side-by-side loop: conduit 0.3 against the floor's 0.25, cpprb 0.2 against 0.25.
     rows[0].side_ms, rows[0].floor_ms = 0.3, 0.25
     rows[1].side_ms, rows[1].floor_ms = 0.2, 0.25
-    got = {r["peer"]: (r["over_floor"], r["paired"]) for r in harness.over_floor(rows)}
+    got = {r["peer"]: (r["over_floor"], r["side_by_side"]) for r in harness.over_floor(rows)}
     assert got == {"conduit": (pytest.approx(1.2), True), "cpprb": (pytest.approx(0.8), True),
                    "conduit-prefetch": (pytest.approx(0.2), False)}
     lines = harness.format_over_floor(rows).splitlines()

@@ -46,6 +46,7 @@ import psutil
 import torch
 
 from conduit.bench.peers.adapter import (
+    Chunk,
     OperationSkipped,
     PeerAdapter,
     PeerUnavailable,
@@ -380,6 +381,21 @@ def interleaved_times(fns: Mapping[str, Callable[[], object]], *, repeats: int,
     return out
 
 
+def fill(adapter: PeerAdapter, big: Chunk, rows: int) -> list[float]:
+    """Insert ``rows`` rows into ``adapter`` in chunks of ``big``'s 1024 rows (the last may be
+    shorter); returns the seconds of each full chunk's insert."""
+    times, filled = [], 0
+    while filled < rows:
+        n = min(1024, rows - filled)
+        chunk = adapter.prepare(big if n == 1024 else {k: v[:n] for k, v in big.items()})
+        t0 = time.perf_counter()
+        adapter.insert(chunk)
+        if n == 1024:
+            times.append(time.perf_counter() - t0)
+        filled += n
+    return times
+
+
 def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
                     progress: Callable[[str], None],
                     only: Sequence[str] | None = None) -> RowResult:
@@ -405,19 +421,6 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
     small = {k: v[:64].copy() for k, v in big.items()}
     label = f"d={w.dim} {adapter.name}"
 
-    def fill(rows: int) -> list[float]:
-        """Insert ``rows`` rows in chunks of 1024 (the last may be shorter); time each."""
-        times, filled = [], 0
-        while filled < rows:
-            n = min(1024, rows - filled)
-            chunk = adapter.prepare(big if n == 1024 else {k: v[:n] for k, v in big.items()})
-            t0 = time.perf_counter()
-            adapter.insert(chunk)
-            if n == 1024:
-                times.append(time.perf_counter() - t0)
-            filled += n
-        return times
-
     def phase(keys: tuple[str, ...], body: Callable[[], dict[str, MetricResult]]) -> None:
         if not any(k in wanted for k in keys):
             return
@@ -434,7 +437,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
     def uniform() -> dict[str, MetricResult]:
         progress(f"{label}: filling {w.capacity} rows in chunks of 1024")
         adapter.setup(w)
-        t1024 = fill(w.capacity)
+        t1024 = fill(adapter, big, w.capacity)
         out = {"insert_1024": MetricResult.from_times(
             "insert_1024", t1024[min(cfg.warmup, len(t1024) - 1):], 1024)}
         if "insert_64" in wanted:
@@ -457,7 +460,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
     def prioritized() -> dict[str, MetricResult]:
         adapter.setup_prioritized(w)
         progress(f"{label}: prioritized buffer, filling {w.capacity} rows")
-        fill(w.capacity)
+        fill(adapter, big, w.capacity)
         progress(f"{label}: prioritized sample + update, batch {w.batch}")
         return {"sample_per_update": MetricResult.from_times(
             "sample_per_update",
@@ -470,7 +473,7 @@ def measure_adapter(adapter: PeerAdapter, w: Workload, cfg: PeersConfig,
                  f"mini-batches)")
         times = []
         for i in range(cfg.warmup + cfg.epoch_repeats):
-            fill(w.epoch_rows)
+            fill(adapter, big, w.epoch_rows)
             t0 = time.perf_counter()
             rows = adapter.on_policy_epoch()
             dt = time.perf_counter() - t0
@@ -543,12 +546,7 @@ def measure_side_by_side(w: Workload, names: Sequence[str], cfg: PeersConfig,
                  f"{w.capacity} rows each")
         big = make_chunk(1024, w.dim, seed=w.seed)
         for adapter in made.values():
-            filled = 0
-            while filled < w.capacity:
-                n = min(1024, w.capacity - filled)
-                adapter.insert(adapter.prepare(
-                    big if n == 1024 else {k: v[:n] for k, v in big.items()}))
-                filled += n
+            fill(adapter, big, w.capacity)
         progress(f"d={w.dim} batch={w.batch}: side by side: {cfg.repeats} rounds")
         times = interleaved_times({k: a.sample_uniform for k, a in made.items()},
                                   repeats=cfg.repeats * cfg.rounds, warmup=cfg.warmup)
@@ -715,8 +713,8 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     out = []
     for d, b in sorted({(r.dim, r.batch) for r in rows}):
         mine, pull = (floor.get((d, b, p)) for p in (REFERENCE, "conduit-pull"))
-        mine = mine if mine and mine["paired"] else None
-        pull = pull if pull and pull["paired"] else None
+        mine = mine if mine and mine["side_by_side"] else None
+        pull = pull if pull and pull["side_by_side"] else None
         side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
         pre = by.get((d, b, "conduit-prefetch"))
         pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
@@ -763,7 +761,7 @@ def over_floor(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     the least work a uniform sample can do on the machine.
 
     A peer timed side by side with the floor (``side_ms`` set) is its median there over the
-    floor's there (``"paired": True``); any other, its own phase's median over the
+    floor's there (``"side_by_side": True``); any other, its own phase's median over the
     ``gather-floor`` row's.
     """
     def uniform(r: RowResult) -> float | None:
@@ -773,12 +771,12 @@ def over_floor(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     floor = {(r.dim, r.batch): uniform(r) for r in rows if r.peer == FLOOR}
     out = []
     for r in rows:
-        paired = bool(r.side_ms and r.floor_ms)
-        value, base = (r.side_ms, r.floor_ms) if paired else (uniform(r),
-                                                              floor.get((r.dim, r.batch)))
+        side = bool(r.side_ms and r.floor_ms)
+        value, base = (r.side_ms, r.floor_ms) if side else (uniform(r),
+                                                            floor.get((r.dim, r.batch)))
         if r.peer != FLOOR and base and value is not None:
             out.append({"dim": r.dim, "batch": r.batch, "peer": r.peer,
-                        "over_floor": value / base, "paired": paired})
+                        "over_floor": value / base, "side_by_side": side})
     return out
 
 
@@ -789,9 +787,9 @@ def format_over_floor(rows: Sequence[RowResult]) -> str:
     peers = sorted({g["peer"] for g in got}, key=lambda p: (p != REFERENCE, p))
     cells = {(g["dim"], g["batch"], g["peer"]): g["over_floor"] for g in got}
     keys = sorted({(g["dim"], g["batch"]) for g in got})
-    paired = {(g["dim"], g["batch"], g["peer"]) for g in got if g["paired"]}
+    side = {(g["dim"], g["batch"], g["peer"]) for g in got if g["side_by_side"]}
     return table(["d", "batch", *peers],
-                 [[d, b, *(f"{cells[d, b, p]:.2f}" + ("" if (d, b, p) in paired else "*")
+                 [[d, b, *(f"{cells[d, b, p]:.2f}" + ("" if (d, b, p) in side else "*")
                            if (d, b, p) in cells else "-" for p in peers)]
                   for d, b in keys])
 
@@ -857,6 +855,11 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
         started = time.time()
         workloads = []
         capacity_notes = {}
+        side_peers = ([p for p in SIDE_BY_SIDE if p in cfg.peers] if FLOOR in cfg.peers
+                      else [])
+        # One peer's phase holds up to PEER_OVERHEAD buffers' worth; the side-by-side loop
+        # holds the floor and each of its peers at once.
+        overhead = max(PEER_OVERHEAD, 1 + len(side_peers))
         for d in cfg.dims:
             w0 = Workload(dim=d, capacity=cfg.capacity, batch=cfg.batches[0],
                           epoch_rows=cfg.epoch_rows, minibatches=cfg.minibatches, seed=cfg.seed)
@@ -864,7 +867,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                                      psutil.virtual_memory().available,
                                      fraction=cfg.memory_fraction,
                                      minimum=max(*cfg.batches, 1024),
-                                     overhead=PEER_OVERHEAD + (FLOOR in cfg.peers))
+                                     overhead=overhead)
             if note:
                 log(f"d={d}: {note}")
                 capacity_notes[d] = note
@@ -885,8 +888,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                         + (f" (round {r + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""))
                     measured.setdefault(name, []).append(
                         measure_adapter(adapter, w, cfg, log, only=only))
-            side = (measure_side_by_side(w, [p for p in SIDE_BY_SIDE if p in cfg.peers], cfg,
-                                         log) if FLOOR in cfg.peers else {})
+            side = measure_side_by_side(w, side_peers, cfg, log) if side_peers else {}
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
