@@ -27,11 +27,13 @@
 # flags for the placement bench, default "--max-buffer-gb 4 --shards 2"), WORKLOAD_ARGS
 # (default "--rounds 2 --iters 24"), DEMO_ARGS (default "--rounds 2 --iters 30"), QUICK=1
 # (smoke run: --quick placement bench, only the GPU tests), PYTHON (interpreter), SKIP_VENV=1
-# (use PYTHON as is, with PYTHONPATH=src), CONVERGENCE_ARGS (default "--ppo-iters 80
-# --dqn-iters 250"). Each part has a time limit (LIMIT_TESTS, LIMIT_PLACEMENT, LIMIT_WORKLOADS,
-# LIMIT_DEMO, LIMIT_CONVERGENCE seconds); the default parts' limits (60 + 60 + 120 + 200 + 100
-# s, the tests' limit applying to each of their two runs) fit one 10-minute call with the
-# venv's setup: run it with timeout_s=600.
+# (use PYTHON as is, with PYTHONPATH=src; the default when PYTHON is itself a virtualenv, as
+# the device image's python3 is: a venv made from a venv does not see its packages),
+# CONVERGENCE_ARGS (default "--ppo-iters 80 --dqn-iters 250"). Each part has a time limit in
+# seconds: LIMIT_TESTS (the GPU tests, 40), LIMIT_SUITE (tests/plane and tests/storage, 150),
+# LIMIT_PLACEMENT (60), LIMIT_WORKLOADS (240), LIMIT_DEMO (80), LIMIT_CONVERGENCE (420). On
+# one H200 the GPU tests took 15 s, the placement bench 30 s, the workloads about 190 s and the
+# demo 40 s; the suite was half done after 60 s. Run it with timeout_s=600.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT/bench"
@@ -47,7 +49,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl 2>>"$OUT/env.txt" || status=1
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if [ "${SKIP_VENV:-0}" = "1" ]; then
+if [ -z "${SKIP_VENV:-}" ]; then
+    # A venv made with --system-site-packages sees the base interpreter's packages, not those
+    # of a venv it was made from.
+    SKIP_VENV=$("$PY" -c "import sys; print(int(sys.prefix != sys.base_prefix))" 2>/dev/null \
+        || echo 0)
+fi
+if [ "$SKIP_VENV" = "1" ]; then
     echo "== using $PY as is (SKIP_VENV=1)"
     VPY="$PY"
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -90,10 +98,10 @@ run() {
 
 if want tests; then
     echo "== pytest -m gpu" | tee "$OUT/tests.log"
-    run "${LIMIT_TESTS:-60}" "$OUT/tests.log" "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider
+    run "${LIMIT_TESTS:-40}" "$OUT/tests.log" "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider
     if [ "${QUICK:-0}" != "1" ]; then
         echo "== tests/plane tests/storage with CUDA present" | tee -a "$OUT/tests.log"
-        run "${LIMIT_TESTS:-60}" "$OUT/tests.log" \
+        run "${LIMIT_SUITE:-150}" "$OUT/tests.log" \
             "$VPY" -m pytest tests/plane tests/storage -q -rs -p no:cacheprovider
     fi
 fi
@@ -107,7 +115,7 @@ if want placement; then
         bench_args=${BENCH_ARGS:---max-buffer-gb 4 --shards 2}
     fi
     # shellcheck disable=SC2086
-    run "${LIMIT_PLACEMENT:-120}" "$OUT/bench.log" \
+    run "${LIMIT_PLACEMENT:-60}" "$OUT/bench.log" \
         "$VPY" -m conduit.cli bench placement $bench_args --out "$OUT/bench"
 fi
 
@@ -115,7 +123,7 @@ if want workloads; then
     echo "== conduit bench workloads (heavy rows, in-process rollout workers)" \
         | tee -a "$OUT/bench.log"
     # shellcheck disable=SC2086
-    run "${LIMIT_WORKLOADS:-200}" "$OUT/bench.log" \
+    run "${LIMIT_WORKLOADS:-240}" "$OUT/bench.log" \
         "$VPY" -m conduit.cli bench workloads --no-use-ray \
         --only DQN-img128 DQN-img256 SAC-img128 SAC-img256 PPO-img128 PPO-img256 \
         ${WORKLOAD_ARGS:---rounds 2 --iters 24} --out "$OUT/workloads"
@@ -124,7 +132,7 @@ fi
 if want demo; then
     echo "== conduit demo (in-process rollout workers)" | tee -a "$OUT/bench.log"
     # shellcheck disable=SC2086
-    run "${LIMIT_DEMO:-100}" "$OUT/bench.log" \
+    run "${LIMIT_DEMO:-80}" "$OUT/bench.log" \
         "$VPY" -m conduit.cli demo --no-use-ray ${DEMO_ARGS:---rounds 2 --iters 30} \
         --out "$OUT/demo"
     rm -f "$OUT/demo/demo.png"

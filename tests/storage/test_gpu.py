@@ -25,7 +25,9 @@ def test_same_seed_same_batches_on_cuda_and_pageable(small_spec, sampler):
     for p in placements:
         buf = ExperienceBuffer(spec=small_spec, capacity=50, sampler=sampler(seed=9),
                                placement=p)
-        buf.extend(make_rows(small_spec, 70))  # wraps
+        rows = make_rows(small_spec, 70)
+        buf.extend({k: v[:40] for k, v in rows.items()})
+        buf.extend({k: v[40:] for k, v in rows.items()})  # wraps: 20 of the first 40 go
         batches = [buf.sample(16, device=torch.device("cpu")) for _ in range(5)]
         runs.append(batches)
     for p, got in zip(placements[1:], runs[1:]):
