@@ -210,7 +210,7 @@ class OperatorRuntime:
                     else self.flow.buffer.gather(job.info))
             if (self.deliver_fn is identity_delivery and job.batches == 1
                     and self.learner_device.type == "cpu"
-                    and all(v.device.type == "cpu" for v in rows.values())):
+                    and all(v.is_cpu for v in rows.values())):  # (no device objects made)
                 out.staged.append(rows)  # the gathered rows are the batch, where they are
             else:
                 self.deliver_fn(BufferIn(rows, batches=job.batches, batch_size=job.batch_size),
