@@ -14,7 +14,7 @@ def test_quick_run_writes_json_and_png(tmp_path, capsys):
             "--g-max", "2", "--placements", "pageable", "pinned"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "auto pick" in text and "pearson r" in text
+    assert "auto pick" in text and "pearson r" in text and "2 alternating rounds" in text
 
     data = json.loads((out / "schedule.json").read_text())
     assert (out / "schedule.png").stat().st_size > 0
@@ -39,11 +39,59 @@ def test_quick_run_writes_json_and_png(tmp_path, capsys):
         assert auto["top_candidates"][0]["schedule"] == auto["model_pick"]
         kept = auto["schedule"]
         assert kept == auto["model_pick"] or kept["overlap_ing"] == kept["overlap_del"] == 0
-        assert p["best_manual"]["wall_ms"] == min(m["wall_ms"] for m in p["manual"])
-        assert p["gap"] == auto["wall_ms"] / p["best_manual"]["wall_ms"] - 1
+        best = p["best_manual"]
+        assert best["wall_ms"] == min(m["wall_ms"] for m in p["manual"])
+        # The gap comes from the alternating rounds of the auto pick and the sweep's best, not
+        # from the sweep (whose configurations ran minutes apart).
+        for paired in (auto["paired"], best["paired"]):
+            assert paired["rounds"] == 2 and len(paired["round_wall_ms"]) == 2
+            assert paired["wall_ms"] in paired["round_wall_ms"]
+        assert p["gap"] == auto["paired"]["wall_ms"] / best["paired"]["wall_ms"] - 1
+        assert p["gap_sweep"] == auto["wall_ms"] / best["wall_ms"] - 1
+        assert p["within_target"] == (p["gap"] <= 0.05)
         fid = p["fidelity"]
         assert fid is not None and fid["n"] == 4  # the auto placement's manual configs
         assert {"pearson_r", "mape", "top_k_match", "best_match"} <= set(fid)
     s = data["summary"]
     assert s["n_points"] == 2 and s["fidelity_points"] == 2
     assert {"max_gap", "points_within_target", "fidelity_pooled", "top_k_matches"} <= set(s)
+
+
+def test_paired_rounds_alternate_which_plane_goes_first(monkeypatch):
+    from conduit.bench import schedule as bench
+    from conduit.scheduling import Schedule
+
+    class FakePlane:
+        def __init__(self, name):
+            self.name, self.schedule = name, None
+
+        def flush(self):
+            pass
+
+        def set_schedule(self, schedule):
+            self.schedule = schedule
+
+    calls = []
+
+    def measure(plane, step, *, iters, warmup):
+        calls.append((plane.name, iters, warmup))
+        wall = {"a": 0.002, "b": 0.001}[plane.name] * (1 + len(calls) / 100)
+        return {"wall": wall, "rollout": 0.0, "update": 0.0, "exposed": wall, "iters": iters}
+
+    monkeypatch.setattr(bench.synthetic, "measure", measure)
+    args = bench.ScheduleBenchArgs(iters=3, warmup=1, paired_rounds=4)
+    pt = bench._Point(args, batch=8, dim=16)
+    a, b = FakePlane("a"), FakePlane("b")
+    sa, sb = Schedule(1, 2, 1, 2), Schedule(0, 1, 0, 1)
+    ra, rb = pt.paired([(a, sa), (b, sb)])
+    assert a.schedule == sa and b.schedule == sb
+    # One warm-up call each (iters=0), then rounds that alternate the first plane.
+    assert calls[:2] == [("a", 0, 2), ("b", 0, 1)]
+    order = [c[0] for c in calls[2:]]
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    # Whole g cycles per round, one cycle of warm-up each.
+    assert {c[1:] for c in calls[2:] if c[0] == "a"} == {(4, 2)}
+    assert {c[1:] for c in calls[2:] if c[0] == "b"} == {(3, 1)}
+    assert ra["rounds"] == rb["rounds"] == 4
+    assert ra["wall_ms"] == sorted(ra["round_wall_ms"])[2]
+    assert ra["wall_ms"] > rb["wall_ms"]
