@@ -33,6 +33,7 @@ import torch
 from numpy.typing import ArrayLike
 
 from conduit.errors import ConfigError, SpecError, StateError
+from conduit.integrations.rllib import _window_kernels as kernels
 from conduit.spec import ExperienceSpec
 from conduit.storage.state import entry
 
@@ -296,37 +297,21 @@ class EpisodeRows:
 
     def windows(self, starts: np.ndarray, n: np.ndarray) -> Window:
         """The windows of ``n[i]`` steps from slots ``starts[i]``, cut where episodes end."""
-        size = len(starts)
-        width = int(n.max()) if size else 1
-        slots = np.empty((size, width), dtype=np.int64)
-        valid = np.zeros((size, width), dtype=bool)
-        cur, alive, last = starts.astype(np.int64), np.ones(size, dtype=bool), starts
-        for k in range(width):
-            alive &= (k < n) & (cur >= 0)
-            last = np.where(alive, cur, last)
-            slots[:, k], valid[:, k] = last, alive
-            cur = np.where(alive, self.succ[np.maximum(cur, 0)], -1)
-        length = valid.sum(axis=1)
+        width = int(n.max()) if len(starts) else 1
+        slots, valid, length = kernels.lay_windows(self.succ, starts, n, width)
         return Window(starts, n, slots, valid, length, slots[:, -1])
 
     def complete(self, starts: np.ndarray, n: np.ndarray) -> np.ndarray:
         """Whether the window of ``n[i]`` steps from slot ``starts[i]`` holds all of them
         (what ``windows(starts, n).length == n`` says, without laying the windows)."""
-        cur = starts.astype(np.int64)
-        for k in range(1, int(n.max()) if len(n) else 1):
-            step = (k < n) & (cur >= 0)
-            cur = np.where(step, self.succ[np.maximum(cur, 0)], cur)
-        return cur >= 0
+        return kernels.complete(self.succ, starts, n)
 
     def returns(self, window: Window, gamma: float
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Discounted reward sums over each window (summed last step first, as RLlib's
         ``lfilter`` does) and its end flags: set where the window's ``n`` steps end exactly at
         the episode's last step (a window cut short reports neither, as in RLlib)."""
-        acc = np.zeros(len(window.starts), dtype=np.float64)
-        for k in reversed(range(window.slots.shape[1])):
-            acc = np.where(window.valid[:, k], self.reward[window.slots[:, k]] + gamma * acc,
-                           acc)
+        acc = kernels.discounted_sums(self.reward, window.slots, window.valid, float(gamma))
         full = window.length == window.n
         return (acc, self.terminated[window.end] & full, self.truncated[window.end] & full)
 

@@ -140,26 +140,33 @@ class WindowSampler(Sampler):
             info = self.inner.sample(size, need)
             idx = info.indices.numpy()
             rows_n = req.draw_n(self._rng, len(idx))
-            keep = (self.rows.complete(idx, rows_n) if req.complete
-                    else np.ones(len(idx), dtype=bool))
-            self.resamples += int(len(idx) - keep.sum())
-            starts.append(idx[keep])
-            n.append(rows_n[keep])
-            if info.weights is not None:
-                weights.append(info.weights[torch.from_numpy(keep)])
-            need -= int(keep.sum())
+            weight = info.weights
+            if req.complete:
+                keep = self.rows.complete(idx, rows_n)
+                if not keep.all():
+                    idx, rows_n = idx[keep], rows_n[keep]
+                    weight = None if weight is None else weight[torch.from_numpy(keep)]
+                    self.resamples += len(keep) - len(idx)
+            starts.append(idx)
+            n.append(rows_n)
+            if weight is not None:
+                weights.append(weight)
+            need -= len(idx)
             if need == 0:
                 break
         else:
             raise EmptyBufferError(f"no {batch_size} rows with a complete {req.n_step}-step "
                                    f"window among {size} rows; add longer episodes or "
                                    f"lower n_step")
-        window = self.rows.windows(np.concatenate(starts), np.concatenate(n))
+        if len(starts) > 1:  # rows were redrawn
+            starts, n = [np.concatenate(starts)], [np.concatenate(n)]
+        window = self.rows.windows(starts[0], n[0])
         nxt = self.rows.next_of(window.end)
         indices = torch.from_numpy(np.stack([window.starts, np.where(nxt >= 0, nxt,
                                                                      window.starts)], axis=1))
         self.drawn[id(indices)] = Drawn(window, nxt, req, serial, self.ring_rows)
-        return SampleInfo(indices, torch.cat(weights) if weights else None)
+        return SampleInfo(indices, (weights[0] if len(weights) == 1 else torch.cat(weights))
+                          if weights else None)
 
     def reset(self) -> None:
         self.inner.reset()
