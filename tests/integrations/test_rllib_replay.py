@@ -517,3 +517,23 @@ def test_a_state_of_another_row_layout_is_refused(
     state["spec"] = {**state["spec"], "next_obs": state["spec"]["obs"]}
     with pytest.raises(StateError, match="spec"):
         ConduitEpisodeReplayBuffer(capacity=64, schedule="inline").set_state(state)
+
+
+def test_a_state_with_links_outside_the_ring_or_a_missing_key_changes_nothing(
+        adds: list[list[SingleAgentEpisode]]) -> None:
+    buffer = ConduitEpisodeReplayBuffer(capacity=64, schedule="inline", seed=3)
+    buffer.add(adds[0])
+    state = buffer.get_state()
+    target = ConduitEpisodeReplayBuffer(capacity=64, schedule="inline", seed=3)
+    target.set_state(state)
+    before = target.get_state()["rows"]["succ"].copy()
+    for bad in (64, -2):
+        broken = {**state, "rows": {**state["rows"], "succ": state["rows"]["succ"].copy()}}
+        broken["rows"]["succ"][5] = bad
+        with pytest.raises(StateError, match=r"episode_rows\.succ"):
+            target.set_state(broken)
+    missing = {k: v for k, v in state.items() if k != "plane"}
+    with pytest.raises(StateError, match=r"rllib_buffer\.plane"):
+        target.set_state(missing)
+    np.testing.assert_array_equal(target._rows.succ, before)
+    assert len(target.sample(num_items=8, n_step=N_STEP, gamma=GAMMA)) == 8

@@ -333,18 +333,36 @@ class EpisodeRows:
                 "table": [(k, vars(m).copy()) for k, m in self.table.items()],
                 "ongoing": dict(self._ongoing), "next_key": self._next_key}
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Check a :meth:`state_dict` against this object without changing anything.
+
+        Raises:
+            StateError: A key is missing, an array has the wrong length, or a link is not a
+                slot of the ring (the compiled windows follow links without bounds checks).
+        """
+        for k in (*self._ARRAYS, "written", "tails", "table", "ongoing", "next_key"):
+            entry(state, k, "episode_rows")
+        for k in self._ARRAYS:
+            shape = np.shape(state[k])
+            if shape != (self.capacity,):
+                raise StateError(f"episode_rows.{k}", f"has shape {shape}, expected "
+                                                      f"({self.capacity},)")
+        succ = np.asarray(state["succ"])
+        if not np.issubdtype(succ.dtype, np.integer) or (
+                len(succ) and (succ.min() < -1 or succ.max() >= self.capacity)):
+            raise StateError("episode_rows.succ", f"links must be slots in [0, "
+                                                  f"{self.capacity}) or -1; restore a state "
+                                                  f"this buffer's get_state wrote")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`.
 
         Raises:
-            StateError: A key is missing or an array has the wrong length.
+            StateError: As :meth:`check_state`, before anything changes.
         """
+        self.check_state(state)
         for k in self._ARRAYS:
-            arr = np.asarray(entry(state, k, "episode_rows"))
-            if arr.shape != (self.capacity,):
-                raise StateError(f"episode_rows.{k}", f"has shape {arr.shape}, expected "
-                                                      f"({self.capacity},)")
-            getattr(self, k)[:] = arr
+            getattr(self, k)[:] = np.asarray(state[k])
         self.written = int(entry(state, "written", "episode_rows"))
         self.tails.load_state_dict(entry(state, "tails", "episode_rows"))
         self.table = OrderedDict((k, EpisodeMeta(**m))

@@ -51,6 +51,7 @@ from conduit.integrations.rllib.windows import (
 )
 from conduit.plane import BufferIn, LearnerOut
 from conduit.storage import Placement, PrioritizedSampler, Sampler, Store, UniformSampler
+from conduit.storage.state import entry
 
 
 def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
@@ -392,12 +393,18 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """Restore :meth:`get_state`.
 
         Raises:
-            StateError: The state is missing a key or does not fit the buffer's capacity.
+            StateError: The state is missing a key or does not fit the buffer's capacity. A
+                state refused for its keys, its spec or its rows leaves the buffer as it
+                was.
         """
+        for key in ("spec", "batch_size", "plane", "rows", "last_index", "_num_timesteps_added",
+                    "_num_episodes_evicted", "sampled_timesteps"):
+            entry(state, key, "rllib_buffer")
         spec = ExperienceSpec.from_dict(state["spec"]) if state["spec"] is not None else None
         if spec is not None and set(spec.fields) != {"obs", "action"}:
             raise StateError("spec", f"rows of fields {sorted(spec.fields)}; this buffer's rows "
                                      f"are (obs, action): restore a state of this buffer kind")
+        self._rows.check_state(state["rows"])  # a refused state leaves the buffer as it was
         decided = self._close_plane()  # first: its delivery worker reads the links
         self._rows.load_state_dict(state["rows"])
         if spec is not None:
