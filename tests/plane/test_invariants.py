@@ -1,6 +1,7 @@
 """Invariants of the plane (docs/design.md §3; the paper's App. C)."""
 
 import threading
+from fractions import Fraction
 
 import pytest
 import torch
@@ -226,3 +227,49 @@ def test_pulls_that_leave_staged_batches_do_not_wake_the_delivery_worker(small_s
             assert plane.stats()["staged_batches"] == 4  # refilled after that one wake-up
         finally:
             cond.notify_all = real
+
+
+def test_on_policy_pulls_wake_the_delivery_worker_once_per_two_mini_batches(small_spec):
+    """On-policy with overlapped delivery two mini-batches are staged ahead; a pull wakes the
+    worker only when it takes the last staged one, and the worker then stages two again. The
+    mini-batches and their order are the sampler's, as without the wake-up rule."""
+    import time
+    sched = Schedule(1, Fraction(1, 2), 1, Fraction(1, 8))
+    rows = make_rows(small_spec, 64)
+    with ExperienceDataPlane(spec=small_spec, capacity=64, mode="on_policy",
+                             num_minibatches=8, num_epochs=2, schedule=sched, seed=4,
+                             timeout=20) as plane:
+        plane.push(rows, policy_version=0)
+        first = plane.pull()
+        deadline = time.monotonic() + 20
+
+        def wait_staged(n):
+            while plane.stats()["staged_batches"] < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert plane.stats()["staged_batches"] == n
+
+        wait_staged(2)
+        wakes = []
+        cond = plane._signals.delivery
+        real = cond.notify_all
+        cond.notify_all = lambda: (wakes.append(plane.stats()["staged_batches"]), real())[1]
+        got = [first]
+        try:
+            for k in range(3):
+                got.append(plane.pull())  # leaves one staged: no wake-up
+                assert wakes == [] and plane.stats()["staged_batches"] == 1, k
+                got.append(plane.pull())  # takes the last one: one wake-up, two staged again
+                assert len(wakes) == 1
+                wakes.clear()
+                wait_staged(2)
+        finally:
+            cond.notify_all = real
+        got += [plane.pull() for _ in range(16 - len(got))]
+        assert plane.policy_version == 1
+    with ExperienceDataPlane(spec=small_spec, capacity=64, mode="on_policy",
+                             num_minibatches=8, num_epochs=2, seed=4,
+                             schedule=Schedule(0, 1, 0, Fraction(1, 8))) as inline:
+        inline.push(rows, policy_version=0)
+        want = [inline.pull() for _ in range(16)]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a["id"], b["id"])

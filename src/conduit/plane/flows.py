@@ -207,6 +207,12 @@ class Flow(abc.ABC):
     def stage_room(self) -> int:
         """Staged batches below which a delivery invocation may run."""
 
+    @property
+    def wake_below(self) -> int:
+        """Staged batches below which a pull wakes the delivery worker (:attr:`stage_room`
+        unless a flow batches its wake-ups)."""
+        return self.stage_room
+
     @abc.abstractmethod
     def take_delivery_locked(self) -> DeliveryJob | None:
         """Draw the next delivery invocation's rows, or None if no batch can be formed yet."""
@@ -244,7 +250,7 @@ class Flow(abc.ABC):
                 continue
             self.counters["delivered_batches"] += 1
             self._delivered_locked()
-            if len(self.staged) < self.stage_room:
+            if len(self.staged) < self.wake_below:
                 # Room for an invocation. Off-policy a whole g_del is staged at once, so the
                 # pulls that leave some staged do not wake the worker: a wake-up is a thread
                 # hand-off the learner pays for, and the worker could do nothing with it.
@@ -479,6 +485,10 @@ class OnPolicyFlow(Flow):
     @property
     def stage_room(self) -> int:
         return self.prefetch_bound
+
+    @property
+    def wake_below(self) -> int:
+        return 1
 
     def take_delivery_locked(self) -> DeliveryJob | None:
         cap = self.config.capacity
