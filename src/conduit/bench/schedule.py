@@ -145,15 +145,20 @@ class _Point:
         synthetic.fill(plane, self.work, rollout_rows=self.batch, units=units)
         return plane
 
+    def _switch(self, plane: ExperienceDataPlane, schedule: Schedule) -> tuple[int, int]:
+        """Switch ``plane`` to ``schedule`` and warm it up; returns ``(g, iters)``: the
+        schedule's cycle length and the measured iterations per round (whole cycles)."""
+        plane.flush()
+        plane.set_schedule(schedule)
+        g = max(int(schedule.g_ing), int(schedule.g_del))
+        synthetic.measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
+        return g, _cycles(self.args.iters, g)
+
     def run(self, plane: ExperienceDataPlane, schedule: Schedule) -> dict[str, float]:
         """Switch ``plane`` to ``schedule``, warm up, then measure ``rounds`` rounds of a whole
         number of ``g`` cycles; the round with the median wall time is reported (robust to a
         neighbour process stealing the CPU for part of a round)."""
-        plane.flush()
-        plane.set_schedule(schedule)
-        g = max(int(schedule.g_ing), int(schedule.g_del))
-        iters = _cycles(self.args.iters, g)
-        synthetic.measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
+        iters = self._switch(plane, schedule)[1]
         rounds = [synthetic.measure(plane, self.step, iters=iters, warmup=0)
                   for _ in range(max(1, self.args.rounds))]
         return _median_round(rounds, iters)
@@ -163,13 +168,7 @@ class _Point:
         rounds (the one that goes first moves on by one each round), each round one cycle of
         warm-up and a whole number of ``g`` cycles; the median round of each, as :meth:`run`
         reports it."""
-        cycles = []
-        for plane, schedule in runs:
-            plane.flush()
-            plane.set_schedule(schedule)
-            g = max(int(schedule.g_ing), int(schedule.g_del))
-            cycles.append((g, _cycles(self.args.iters, g)))
-            synthetic.measure(plane, self.step, iters=0, warmup=_cycles(self.args.warmup, g))
+        cycles = [self._switch(plane, schedule) for plane, schedule in runs]
         rounds: list[list[dict[str, float]]] = [[] for _ in runs]
         for r in range(self.args.paired_rounds):
             for k in range(len(runs)):
