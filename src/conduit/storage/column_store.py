@@ -116,11 +116,17 @@ class GatherOutputs:
     Args:
         fields: Field specs of a set.
         keep: Sets kept for reuse.
+        pinned: Allocate the sets in page-locked memory (needs CUDA), so that a batch
+            gathered into one leaves for a GPU by DMA, with no staging copy. A caller that
+            copies a set to a GPU asynchronously must hold a reference to it until the copy
+            has completed.
     """
 
-    def __init__(self, fields: Mapping[str, FieldSpec], *, keep: int = 4) -> None:
+    def __init__(self, fields: Mapping[str, FieldSpec], *, keep: int = 4,
+                 pinned: bool = False) -> None:
         self._fields = dict(fields)
         self._keep = keep if _storage_use_count is not None else 0
+        self.pinned = pinned
         # (rows, the pool's views per field, their block, its memory handle, its use count
         # while only the pool holds the set), in hand-out order.
         self._sets: list[tuple[int, dict[str, torch.Tensor], torch.Tensor, int, int]] = []
@@ -138,7 +144,7 @@ class GatherOutputs:
             nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
             spans.append((total, nbytes))
             total += -(-nbytes // 64) * 64
-        block = torch.empty(max(total, 1), dtype=torch.uint8)
+        block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
         return block, views
@@ -317,14 +323,15 @@ class ColumnStore:
 
         Host rows gathered for the host land in :class:`GatherOutputs` tensors that nothing
         else refers to: every call returns new tensors, whose memory may be a batch dropped
-        earlier. With ``workers``, a large host gather may be split over row ranges (see
-        :class:`~conduit.storage.threads.GatherWorkers`); the result is the same.
+        earlier (a pinned store's are page-locked). With ``workers``, a large host gather may
+        be split over row ranges (see :class:`~conduit.storage.threads.GatherWorkers`); the
+        result is the same.
         """
         if self.device.type != "cpu" or (device is not None and device != self.device):
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
         outputs = self._outputs
         if outputs is None:  # made here, so subclasses with their own columns get one
-            outputs = self._outputs = GatherOutputs(self.spec.fields)
+            outputs = self._outputs = GatherOutputs(self.spec.fields, pinned=self.pinned)
         if workers is not None and indices.dim() == 1:
             outs = outputs.take(indices.shape[0])
             self._split_gather(indices, outs, workers)
