@@ -266,11 +266,13 @@ def run(args: PlacementBenchArgs) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     planner: list[dict[str, Any]] = []
     caps: dict[int, int] = {}
-    # An untimed round first, so the allocator and the learner-side copy path are warm before
-    # the first measured placement (otherwise the first line of the table pays for it).
+    # An untimed round on every placement first, so the allocators, the kernels and the
+    # learner-side copy paths are warm before it is measured (otherwise the first line of the
+    # table pays for them).
     first = transition_spec(max(args.dims))
-    measure(args, targets[0], first, min(fit_capacity(args, first.bytes_per_sample, targets),
-                                         4 * args.batch_size), learner)
+    warm_cap = min(fit_capacity(args, first.bytes_per_sample, targets), 4 * args.batch_size)
+    for t in targets:
+        measure(args, t, first, warm_cap, learner)
     for d in args.dims:
         spec = transition_spec(d)
         x = spec.bytes_per_sample
