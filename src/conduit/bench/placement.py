@@ -143,8 +143,11 @@ def _fill(plane: ExperienceDataPlane, spec: ExperienceSpec, capacity: int, seed:
 
 
 def _sync(device: torch.device) -> Callable[[], None] | None:
+    """Wait for the learner's stream: what a learner using the batch waits for. Not a
+    device-wide synchronize, which would also wait for the copy of the next batch that the
+    delivery worker has already started on its own stream."""
     if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
+        return lambda: torch.cuda.current_stream(device).synchronize()
     return None
 
 
