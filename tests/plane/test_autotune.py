@@ -9,7 +9,12 @@ from conduit.errors import ConfigError
 from conduit.placement import plan_placement
 from conduit.placement.presets import preset
 from conduit.plane import ExperienceDataPlane
-from conduit.plane.autotune import AutoScheduler, profile_plane, profiling_schedules
+from conduit.plane.autotune import (
+    AutoScheduler,
+    plane_copy_times,
+    profile_plane,
+    profiling_schedules,
+)
 from conduit.scheduling import Profile, Schedule, choose, feasible_space
 from conduit.spec import ExperienceSpec
 
@@ -246,3 +251,18 @@ def test_plan_applies_the_copy_time_bound_of_the_placement(bytes_per_sample, ove
         assert bool(plan.schedule.overlap_ing or plan.schedule.overlap_del) == overlap
         assert (plan.profile.t_copy_ing is None) == overlap
         assert ("T_copy,ing" in plan.explain()) != overlap
+
+
+def test_plane_copy_times_price_a_batch_and_a_pushed_unit_with_the_placement_legs():
+    with ExperienceDataPlane(spec=SPEC, capacity=512, batch_size=8, placement="auto",
+                             timeout=10) as plane:
+        legs = plane.placement_decision.chosen_evaluation
+        before = plane_copy_times(plane)
+        assert before.t_copy_ing is None  # nothing pushed: a unit's rows are unknown
+        plane.push(_rows(16))
+        c = plane_copy_times(plane)
+        # A CPU learner: delivery is priced too (a CUDA learner's is left unbounded).
+        assert c.t_copy_del == pytest.approx(8 * legs.deliver_s)
+        assert c.t_copy_ing == pytest.approx(16 * legs.ingest_s)
+    with ExperienceDataPlane(spec=SPEC, capacity=512, batch_size=8, timeout=10) as plane:
+        assert plane_copy_times(plane).to_dict() == {}  # placed by hand: no transfer model

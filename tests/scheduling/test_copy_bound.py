@@ -26,6 +26,17 @@ def test_off_policy_units_are_a_rollout_unit_and_a_batch():
     assert c.t_copy_ing is None and set(c.to_dict()) == {"t_copy_del"}
 
 
+@pytest.mark.parametrize("mode", ["off_policy", "on_policy"])
+def test_a_learner_on_an_accelerator_leaves_delivery_unbounded(mode):
+    # Its update waits for kernels outside the interpreter lock: Eq. 5 as it is.
+    c = copy_times(mode=mode, ingest_s=1e-6, deliver_s=2e-6, capacity=1000, batch_size=32,
+                   rows_per_unit=8, learner="cuda")
+    assert c.t_copy_del is None and c.t_copy_ing == pytest.approx(
+        8e-6 if mode == "off_policy" else 1e-3)
+    prof = Profile(t_rollout=0.01, t_update=0.01, t_ing={1: 0.004}, t_del={1: 0.004})
+    assert copy_bound(prof, c, min_copy=1e-4).t_copy_del is None
+
+
 def test_on_policy_unit_is_the_iteration():
     c = copy_times(mode="on_policy", ingest_s=1e-6, deliver_s=2e-6, capacity=1000,
                    batch_size=250, rows_per_unit=None)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conduit import ExperienceDataPlane, ExperienceSpec, Placement, Schedule
+from conduit.plane import plane_copy_times
 from conduit.storage import ExperienceBuffer, PrioritizedSampler, UniformSampler
 from tests.conftest import make_rows
 
@@ -77,3 +78,11 @@ def test_pinned_store_batches_leave_from_page_locked_sets_and_arrive_intact():
                 assert torch.equal(b["obs"], b["id"][:, None].to(torch.float32).expand(-1, 4096))
                 ids.append(b["id"])
             assert len(torch.unique(torch.cat(ids))) > 1024  # different rows each pull
+
+
+def test_a_cuda_learner_leaves_delivery_out_of_the_copy_time_bound(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, placement="auto",
+                             learner_device="cuda:0") as plane:
+        plane.push(make_rows(small_spec, 16))
+        c = plane_copy_times(plane)
+        assert c.t_copy_del is None and c.t_copy_ing is not None

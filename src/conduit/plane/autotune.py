@@ -224,8 +224,9 @@ def plane_copy_times(plane: ExperienceDataPlane) -> CopyTimes:
     """Each operator's data movement per unit on ``plane``: a unit's rows times the per-sample
     legs of its placement decision's transfer model (Eq. 1, measured bandwidths).
 
-    Off-policy, a rollout unit's rows are those pushed so far per unit. Empty when the
-    placement was set by hand (no transfer model).
+    Off-policy, a rollout unit's rows are those pushed so far per unit; delivery's is unknown
+    for a learner on an accelerator (see :func:`~conduit.scheduling.copy_times`). Empty when
+    the placement was set by hand (no transfer model).
     """
     decision = plane.placement_decision
     if decision is None:
@@ -234,7 +235,8 @@ def plane_copy_times(plane: ExperienceDataPlane) -> CopyTimes:
     units = plane.counters["pushed_units"]
     return copy_times(mode=plane.mode, ingest_s=legs.ingest_s, deliver_s=legs.deliver_s,
                       capacity=plane.capacity, batch_size=plane.batch_size,
-                      rows_per_unit=plane.counters["pushed_rows"] / units if units else None)
+                      rows_per_unit=plane.counters["pushed_rows"] / units if units else None,
+                      learner=plane.learner_device.type)
 
 
 class AutoScheduler:

@@ -52,11 +52,15 @@ class CopyTimes:
 
 
 def copy_times(*, mode: str, ingest_s: float, deliver_s: float, capacity: int,
-               batch_size: int, rows_per_unit: float | None) -> CopyTimes:
+               batch_size: int, rows_per_unit: float | None,
+               learner: str = "cpu") -> CopyTimes:
     """Per-unit data movement of each operator: a unit's rows times a per-sample leg.
 
     A unit is what the cost model's per-unit costs cover: off-policy one rollout unit
     (ingestion) and one batch (delivery); on-policy the iteration's rows (``T(g)/g``).
+    Delivery's time is left unknown (unbounded) for a learner on an accelerator: its update
+    waits for its kernels outside the interpreter lock, where a delivery worker's Python runs,
+    so Eq. 5 holds as it is.
 
     Args:
         mode: ``"off_policy"`` or ``"on_policy"``.
@@ -66,14 +70,17 @@ def copy_times(*, mode: str, ingest_s: float, deliver_s: float, capacity: int,
         batch_size: Rows per training batch (off-policy).
         rows_per_unit: Rows per pushed rollout unit so far (off-policy); None when nothing
             was pushed yet, which leaves ingestion's time unknown.
+        learner: The learner's device type (``"cpu"``, ``"cuda"``, ...).
 
     Returns:
         The :class:`CopyTimes`.
     """
     if mode == "on_policy":
-        return CopyTimes(t_copy_ing=capacity * ingest_s, t_copy_del=capacity * deliver_s)
-    return CopyTimes(t_copy_ing=None if rows_per_unit is None else rows_per_unit * ingest_s,
-                     t_copy_del=batch_size * deliver_s)
+        ing, dele = capacity * ingest_s, capacity * deliver_s
+    else:
+        ing = None if rows_per_unit is None else rows_per_unit * ingest_s
+        dele = batch_size * deliver_s
+    return CopyTimes(t_copy_ing=ing, t_copy_del=dele if learner == "cpu" else None)
 
 
 def copy_bound(profile: Profile, copies: CopyTimes, *, min_copy: float = MIN_COPY) -> Profile:
