@@ -59,7 +59,7 @@ def test_plane_with_cuda_learner_delivers_on_cuda_and_migrates(small_spec):
 
 
 def test_pinned_store_batches_leave_from_page_locked_sets_and_arrive_intact():
-    """A pinned store gathers into reused page-locked sets and copies them to the learner
+    """A pinned store gathers into page-locked sets and copies them to the learner
     asynchronously; no set is written again while its copy may still be in flight, so every
     batch arrives as its rows (16 MiB batches make a premature reuse visible)."""
     spec = ExperienceSpec.of(obs=((4096,), torch.float32), id=((), torch.int64),
@@ -86,3 +86,21 @@ def test_a_cuda_learner_leaves_delivery_out_of_the_copy_time_bound(small_spec):
         plane.push(make_rows(small_spec, 16))
         c = plane_copy_times(plane)
         assert c.t_copy_del is None and c.t_copy_ing is not None
+
+
+def test_a_pinned_sample_dropped_while_its_copy_is_in_flight_is_not_overwritten():
+    """``sample`` from a pinned store returns page-locked rows; a caller that copies them to
+    the GPU without blocking and drops them at once still gets its rows."""
+    spec = ExperienceSpec.of(obs=((4096,), torch.float32), id=((), torch.int64))
+    buf = ExperienceBuffer(spec=spec, capacity=4096, sampler=UniformSampler(seed=5),
+                           placement=Placement.pinned())
+    buf.extend(make_rows(spec, 4096))
+    got = []
+    for _ in range(40):
+        b = buf.sample(1024)
+        assert b["obs"].is_pinned()
+        got.append({k: v.to("cuda:0", non_blocking=True) for k, v in b.items()})
+        del b
+    torch.cuda.synchronize()
+    for g in got:
+        assert torch.equal(g["obs"], g["id"][:, None].to(torch.float32).expand(-1, 4096))

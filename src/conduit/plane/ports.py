@@ -90,9 +90,6 @@ class LearnerOut:
         self._batches = batches
         self._device = device
         self.staged: list[Batch] = []
-        # Page-locked host tensors whose copies to the device may still be in flight: their
-        # memory must not be reused (they stay referenced) until the copies have completed.
-        self.in_flight: list[torch.Tensor] = []
 
     def write(self, batch: Mapping[str, torch.Tensor]) -> None:
         """Split ``batch`` into this invocation's training batches and move them to the
@@ -112,12 +109,7 @@ class LearnerOut:
             if v.shape[0] != rows:
                 raise SpecError(k, f"has {v.shape[0]} rows in the delivered batch, "
                                    f"expected {rows}")
-            if host and v.device.type == "cpu":
-                moved[k] = v
-                continue
-            moved[k] = _to(v, device)
-            if v.device.type == "cpu" and moved[k] is not v and v.is_pinned():
-                self.in_flight.append(v)
+            moved[k] = v if host and v.device.type == "cpu" else _to(v, device)
         if self._batches == 1:
             self.staged.append(moved)
             return
@@ -131,5 +123,7 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
         # Pinned staging makes the host-to-device copy asynchronous on the worker's stream.
+        # (torch's pinned-memory cache reuses the staging block only once the copy is done,
+        # as it does the page-locked sets a pinned store gathers into.)
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device, non_blocking=True)

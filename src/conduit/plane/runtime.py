@@ -224,12 +224,6 @@ class OperatorRuntime:
             if self.stream is not None and out.staged:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            if out.in_flight:  # pinned sources: reusable once their copies are done
-                if event is None:
-                    torch.cuda.current_stream(self.learner_device).synchronize()
-                else:
-                    event.synchronize()
-                out.in_flight.clear()
             self.timings.record("delivery", time.perf_counter() - t0,
                                 units=self.flow.delivery_units(job), start=t0)
             with self.signals.lock:

@@ -117,15 +117,16 @@ class GatherOutputs:
         fields: Field specs of a set.
         keep: Sets kept for reuse.
         pinned: Allocate the sets in page-locked memory (needs CUDA), so that a batch
-            gathered into one leaves for a GPU by DMA, with no staging copy. A caller that
-            copies a set to a GPU asynchronously must hold a reference to it until the copy
-            has completed.
+            gathered into one leaves for a GPU by DMA, with no staging copy. Pinned sets are
+            not kept: each comes from torch's pinned-memory cache, which hands a block out
+            again only after the asynchronous copies made from it have completed, so a
+            caller may drop a batch while its copy to a GPU is still in flight.
     """
 
     def __init__(self, fields: Mapping[str, FieldSpec], *, keep: int = 4,
                  pinned: bool = False) -> None:
         self._fields = dict(fields)
-        self._keep = keep if _storage_use_count is not None else 0
+        self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
         # (rows, the pool's views per field, their block, its memory handle, its use count
         # while only the pool holds the set), in hand-out order.
