@@ -32,8 +32,9 @@
 # CONVERGENCE_ARGS (default "--ppo-iters 80 --dqn-iters 250"). Each part has a time limit in
 # seconds: LIMIT_TESTS (the GPU tests, 40), LIMIT_SUITE (tests/plane and tests/storage, 150),
 # LIMIT_PLACEMENT (60), LIMIT_WORKLOADS (240), LIMIT_DEMO (80), LIMIT_CONVERGENCE (420). On
-# one H200 the GPU tests took 15 s, the placement bench 30 s, the workloads about 190 s and the
-# demo 40 s; the suite was half done after 60 s. Run it with timeout_s=600.
+# one H200 the GPU tests took 15-20 s, the placement bench 25-45 s, the workloads about 215 s
+# and the demo 20-40 s; the suite was half done after 60 s; a fresh machine took about 35 s
+# to start. Run it with timeout_s=600.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT/bench"
