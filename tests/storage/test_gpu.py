@@ -59,8 +59,8 @@ def test_plane_with_cuda_learner_delivers_on_cuda_and_migrates(small_spec):
 
 
 def test_pinned_store_batches_leave_from_page_locked_sets_and_arrive_intact():
-    """A pinned store gathers into page-locked sets and copies them to the learner
-    asynchronously; no set is written again while its copy may still be in flight, so every
+    """A pinned store gathers into page-locked sets and copies each to the learner in one
+    asynchronous copy; no set is written again while its copy may still be in flight, so every
     batch arrives as its rows (16 MiB batches make a premature reuse visible)."""
     spec = ExperienceSpec.of(obs=((4096,), torch.float32), id=((), torch.int64),
                              done=((), torch.bool))
@@ -76,6 +76,10 @@ def test_pinned_store_batches_leave_from_page_locked_sets_and_arrive_intact():
                 b = plane.pull()
                 assert b["obs"].device.type == "cuda"
                 assert torch.equal(b["obs"], b["id"][:, None].to(torch.float32).expand(-1, 4096))
+                # The set left in one copy: its fields are views of one device block.
+                assert (b["obs"].untyped_storage().data_ptr()
+                        == b["id"].untyped_storage().data_ptr()
+                        == b["done"].untyped_storage().data_ptr())
                 ids.append(b["id"])
             assert len(torch.unique(torch.cat(ids))) > 1024  # different rows each pull
 
@@ -104,3 +108,29 @@ def test_a_pinned_sample_dropped_while_its_copy_is_in_flight_is_not_overwritten(
     torch.cuda.synchronize()
     for g in got:
         assert torch.equal(g["obs"], g["id"][:, None].to(torch.float32).expand(-1, 4096))
+
+
+@pytest.mark.parametrize("placement", [Placement.pinned(), Placement.device("cuda:0")],
+                         ids=["pinned", "device"])
+def test_a_batch_dropped_while_the_learners_kernels_still_read_it_is_not_overwritten(placement):
+    """Overlapped delivery makes batches on the plane's copy stream. A learner that queues
+    kernels reading a batch and drops it before they run still has them read its rows: the
+    batches the worker makes meanwhile do not land in its memory. (A sleep kernel holds the
+    learner's stream back while six more batches are copied, so a premature reuse would be
+    overwritten before the read.)"""
+    spec = ExperienceSpec.of(obs=((4096,), torch.float32), id=((), torch.int64))
+    with ExperienceDataPlane(spec=spec, capacity=4096, batch_size=1024, placement=placement,
+                             learner_device="cuda:0", schedule=Schedule(0, 1, 1, 1),
+                             seed=4) as plane:
+        plane.push(make_rows(spec, 4096))
+        plane.flush()
+        for _ in range(3):
+            b = plane.pull()
+            want = b["id"].cpu().to(torch.float32)  # waits for the learner's stream: intact
+            torch.cuda._sleep(200_000_000)  # about 0.1 s on the learner's stream
+            late = b["obs"][:, 0].clone()  # queued behind the sleep
+            del b
+            ids = [plane.pull()["id"] for _ in range(6)]  # copied while the learner sleeps
+            torch.cuda.synchronize()
+            assert torch.equal(late.cpu(), want)
+            assert all(i.device.type == "cuda" for i in ids)

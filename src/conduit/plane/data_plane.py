@@ -381,8 +381,6 @@ class ExperienceDataPlane:
         self._check_open()
         waited = self.config.wait_for(timeout)
         staged = self._engine.next_batch(deadline=t0 + waited, waited=waited)
-        if staged.event is not None:
-            torch.cuda.current_stream(self.learner_device).wait_event(staged.event)
         self._record("pull", "sync_del" if self._engine.delivery.overlapped else None, t0)
         return staged.batch
 

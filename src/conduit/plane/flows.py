@@ -87,6 +87,24 @@ class Staged:
     generation: int
     event: Any = None
 
+    def accept(self, device: torch.device) -> None:
+        """Hand a batch made on the plane's copy stream to the calling thread's current stream
+        on ``device``: that stream waits for the copy, and the batch's device memory is marked
+        as used there, so torch's caching allocator does not give it to a later batch until the
+        work that stream had queued when the learner dropped it is done (without the mark, the
+        copy stream could overwrite rows a queued kernel has yet to read). A no-op for batches
+        made without a copy stream."""
+        if self.event is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        if not self.event.query():  # (a wait releases the GIL; a query does not)
+            stream.wait_event(self.event)
+        marked = set()
+        for t in self.batch.values():  # once per block: fields are often views of one
+            if t.is_cuda and (ptr := t.untyped_storage().data_ptr()) not in marked:
+                marked.add(ptr)
+                t.record_stream(stream)
+
 
 def new_counters() -> dict[str, int]:
     """The plane's counters, all zero."""
@@ -239,8 +257,9 @@ class Flow(abc.ABC):
         self.staged.extend(Staged(b, generation, event) for b in batches)
 
     def pop_staged_locked(self) -> Staged | None:
-        """The next valid staged batch, or None. Batches that priority updates made stale
-        are discarded (beyond ``max_priority_lag``)."""
+        """The next valid staged batch, or None, accepted on the calling (learner) thread's
+        current stream (:meth:`Staged.accept`). Batches that priority updates made stale are
+        discarded (beyond ``max_priority_lag``)."""
         while self.staged:
             s = self.staged.popleft()
             if (self.buffer.sampler.invalidates_prefetch
@@ -250,6 +269,9 @@ class Flow(abc.ABC):
                 continue
             self.counters["delivered_batches"] += 1
             self._delivered_locked()
+            # Before the wake-up: the stream calls may release the GIL, and a worker woken
+            # first would take it for its whole next delivery while the learner waits.
+            s.accept(self.config.learner_device)
             if len(self.staged) < self.wake_below:
                 # Room for an invocation. Off-policy a whole g_del is staged at once, so the
                 # pulls that leave some staged do not wake the worker: a wake-up is a thread

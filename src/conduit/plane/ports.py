@@ -104,18 +104,63 @@ class LearnerOut:
             raise SpecError(None, f"delivery wrote {rows} rows, which do not split into "
                                   f"{self._batches} equal training batches")
         device, host = self._device, self._device.type == "cpu"
-        moved = {}
-        for k, v in batch.items():  # one pass: check rows, move what is not there yet
+        for k, v in batch.items():
             if v.shape[0] != rows:
                 raise SpecError(k, f"has {v.shape[0]} rows in the delivered batch, "
                                    f"expected {rows}")
-            moved[k] = v if host and v.device.type == "cpu" else _to(v, device)
+        if host and all(v.device.type == "cpu" for v in batch.values()):
+            moved = dict(batch)
+        else:
+            moved = move_batch(batch, device)
         if self._batches == 1:
             self.staged.append(moved)
             return
         size = rows // self._batches
         for i in range(self._batches):
             self.staged.append({k: v[i * size:(i + 1) * size] for k, v in moved.items()})
+
+
+def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> Batch:
+    """``batch`` on ``device``, in its order. For a CUDA device, host fields that are
+    contiguous, page-locked and lie side by side in one block of memory (the set a pinned
+    store gathers into) leave in one copy of the block and arrive as views of its device copy:
+    one DMA, one allocation and one release of the GIL instead of one of each per field.
+    Anything else is copied field by field."""
+    if device.type != "cuda":
+        return {k: _to(v, device) for k, v in batch.items()}
+    moved: dict[str, torch.Tensor] = {}
+    blocks: dict[int, list[str]] = {}
+    for k, v in batch.items():
+        if v.device.type == "cpu" and v.is_contiguous():
+            blocks.setdefault(v.untyped_storage().data_ptr(), []).append(k)
+        else:
+            moved[k] = _to(v, device)
+    for keys in blocks.values():
+        if len(keys) == 1 or not _copy_block(batch, keys, device, moved):
+            for k in keys:
+                moved[k] = _to(batch[k], device)
+    return {k: moved[k] for k in batch}
+
+
+def _copy_block(batch: Mapping[str, torch.Tensor], keys: list[str], device: torch.device,
+                moved: dict[str, torch.Tensor]) -> bool:
+    """Copy the fields ``keys``, views of one host block, as one span of it; False (nothing
+    copied) unless the block is page-locked and the span holds little besides the fields."""
+    spans = [(batch[k].storage_offset() * batch[k].element_size(), batch[k].nbytes)
+             for k in keys]
+    lo = min(a for a, _ in spans)
+    hi = max(a + n for a, n in spans)
+    if (hi - lo > sum(n for _, n in spans) + 64 * len(keys)
+            or any((a - lo) % batch[k].element_size() for k, (a, _) in zip(keys, spans))
+            or not batch[keys[0]].is_pinned()):
+        return False
+    host = torch.empty(0, dtype=torch.uint8).set_(batch[keys[0]].untyped_storage(), lo,
+                                                   (hi - lo,))
+    block = host.to(device, non_blocking=True)
+    for k, (a, n) in zip(keys, spans):
+        v = batch[k]
+        moved[k] = block[a - lo:a - lo + n].view(v.dtype).view(v.shape)
+    return True
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
