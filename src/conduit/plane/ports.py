@@ -14,6 +14,7 @@ import torch
 
 from conduit.errors import SpecError
 from conduit.spec import Batch
+from conduit.storage.column_store import SET_ALIGN
 
 
 def concat_units(units: list[Batch]) -> Batch:
@@ -103,15 +104,13 @@ class LearnerOut:
         if rows % self._batches:
             raise SpecError(None, f"delivery wrote {rows} rows, which do not split into "
                                   f"{self._batches} equal training batches")
-        device, host = self._device, self._device.type == "cpu"
-        for k, v in batch.items():
+        on_host = self._device.type == "cpu"
+        for k, v in batch.items():  # one pass: check rows, see whether anything must move
             if v.shape[0] != rows:
                 raise SpecError(k, f"has {v.shape[0]} rows in the delivered batch, "
                                    f"expected {rows}")
-        if host and all(v.device.type == "cpu" for v in batch.values()):
-            moved = dict(batch)
-        else:
-            moved = move_batch(batch, device)
+            on_host = on_host and v.device.type == "cpu"
+        moved = dict(batch) if on_host else move_batch(batch, self._device)
         if self._batches == 1:
             self.staged.append(moved)
             return
@@ -150,7 +149,7 @@ def _copy_block(batch: Mapping[str, torch.Tensor], keys: list[str], device: torc
              for k in keys]
     lo = min(a for a, _ in spans)
     hi = max(a + n for a, n in spans)
-    if (hi - lo > sum(n for _, n in spans) + 64 * len(keys)
+    if (hi - lo > sum(n for _, n in spans) + SET_ALIGN * len(keys)
             or any((a - lo) % batch[k].element_size() for k, (a, _) in zip(keys, spans))
             or not batch[keys[0]].is_pinned()):
         return False

@@ -44,6 +44,8 @@ class Store(Protocol):
 
 
 _LARGE_ROW_BYTES = 16 << 10
+SET_ALIGN = 64
+"""Bytes each field of a :class:`GatherOutputs` set is aligned to within its block."""
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
@@ -144,7 +146,7 @@ class GatherOutputs:
         for fs in self._fields.values():
             nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
             spans.append((total, nbytes))
-            total += -(-nbytes // 64) * 64
+            total += -(-nbytes // SET_ALIGN) * SET_ALIGN
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
