@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("ray.rllib")
 
-from conduit.bench.rllib import QUICK, main, within_noise
+from conduit.bench import rllib as bench_rllib
+from conduit.bench.rllib import QUICK, Workload, main, run_pair, within_noise
 from conduit.report import pyplot
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
@@ -34,8 +35,10 @@ def test_quick_run_compares_both_variants(tmp_path: Path) -> None:
             assert len(variant["returns"]) == 1 and _positive(variant["returns"][0])
         assert [len(r["records"]) for r in row["runs"]["rllib"]] == \
             [len(r["records"]) for r in row["runs"]["conduit"]]
+        for run in row["runs"]["conduit"]:  # one ratio per interleaved round
+            assert len(run["paired"]) == len(run["records"])
         goal = data["targets"][name]
-        assert _positive(goal["e2e_ratio"])
+        assert _positive(goal["e2e_ratio"]) and goal["e2e_ratio"] == conduit["paired"]
         if row["algo"] != "ppo":
             assert _positive(goal["buffer_share_ratio"])
             assert conduit["schedules"], name  # the buffer reported the schedule it ran
@@ -61,3 +64,42 @@ def test_returns_within_noise_needs_two_seeds() -> None:
     assert within_noise(summary([20.0]), summary([21.0])) is None
     assert within_noise(summary([20.0, 24.0, 22.0]), summary([21.0, 23.0, 25.0])) is True
     assert within_noise(summary([20.0, 21.0, 22.0]), summary([90.0, 91.0, 92.0])) is False
+
+
+def test_run_pair_interleaves_the_variants_and_pairs_each_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    class FakeRun:
+        """Stands in for an Algorithm: Conduit's iterations take half of RLlib's."""
+
+        def __init__(self, w: Workload, variant: str, **_: object) -> None:
+            self.variant, self.records, self.stopped = variant, [], False
+            made.append(self)
+
+        def train(self) -> float:
+            calls.append(self.variant)
+            wall = 0.5 if self.variant == "conduit" else 1.0
+            if calls.count(self.variant) > 1:  # the first is the warm-up
+                self.records.append({"iter_s": wall * len(calls), "path_s": 0.0})
+            return wall
+
+        def summary(self) -> dict[str, object]:
+            return {"records": self.records, "return": 1.0}
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    made: list[FakeRun] = []
+    monkeypatch.setattr(bench_rllib, "AlgorithmRun", FakeRun)
+    w = Workload("DQN-CP", "dqn", False, 3)
+    out = run_pair(w, seed=1, iters=3, quick=True, schedule="auto")
+    # Odd seed: Conduit first, then the order flips every round (warm-up included).
+    assert calls == ["conduit", "rllib", "rllib", "conduit", "conduit", "rllib",
+                     "rllib", "conduit"]
+    assert all(r.stopped for r in made)
+    # Each round's ratio uses that round's two iterations, whatever the drift between rounds.
+    conduit = [r["iter_s"] for r in out["conduit"]["records"]]
+    rllib = [r["iter_s"] for r in out["rllib"]["records"]]
+    assert out["conduit"]["paired"] == pytest.approx([c / r for c, r in zip(conduit, rllib)])
+    assert out["rllib"]["paired"] == pytest.approx([r / c for c, r in zip(conduit, rllib)])

@@ -6,9 +6,12 @@ For DQN, SAC and PPO, on CartPole and on its heavy-payload variant (the 128×128
 the same RLlib config is built twice per seed: with RLlib's own experience path, and with
 Conduit's (DQN and SAC: the ``replay_buffer_config`` type
 ``conduit.integrations.rllib.ConduitPrioritizedEpisodeReplayBuffer``; PPO:
-``learner_class=ConduitPPOTorchLearner``). The two run alternately (RLlib first on even
-seeds, Conduit first on odd ones), for the same number of training iterations, on local env
-runners and a local learner. Per iteration it records
+``learner_class=ConduitPPOTorchLearner``). Both are built at once and interleaved, one
+training iteration each per round, the order alternating between rounds (RLlib first in the
+first round on even seeds, Conduit on odd ones), on local env runners and a local learner, so
+that the host's drift during a run falls on both alike; the end-to-end ratio is the median
+over rounds of Conduit's iteration time over RLlib's in the same round. Per iteration it
+records
 
 * the wall time of ``Algorithm.train()`` (the first iteration is a warm-up, not counted);
 * DQN, SAC: the time inside the replay buffer, measured by wrapping the buffer instance's
@@ -17,7 +20,9 @@ runners and a local learner. Per iteration it records
   not the time the delivery worker spent;
 * PPO: the time to produce the learner's mini-batches (each ``next()`` of the iterator
   ``Learner._create_iterator_if_necessary`` returns, wrapped on the learner instance);
-* the mean episode return RLlib reports after the last iteration, per seed.
+* the last mean episode return RLlib reported (of the latest iteration that completed an
+  episode), per seed. The two Algorithms share the process's global random generators, so a
+  run's returns differ from those of the same seed run alone; they are compared across seeds.
 
 A standalone microbenchmark (no Algorithm) fills RLlib's ``EpisodeReplayBuffer`` and
 ``PrioritizedEpisodeReplayBuffer`` and Conduit's two buffers to capacity with CartPole-sized
@@ -209,36 +214,80 @@ class CallTimer:
         return s
 
 
-def run_algorithm(w: Workload, variant: str, *, seed: int, iters: int, quick: bool,
-                  schedule: str) -> dict[str, Any]:
-    """Build ``w`` for ``variant``, train one warm-up and ``iters`` measured iterations."""
-    algo = build_config(w, variant, seed=seed, quick=quick, schedule=schedule).build_algo()
-    timer = CallTimer()
-    try:
+class AlgorithmRun:
+    """One variant of one workload and seed: its Algorithm, the timer around its experience
+    path, and a record per measured iteration."""
+
+    def __init__(self, w: Workload, variant: str, *, seed: int, quick: bool,
+                 schedule: str) -> None:
+        self.w, self.variant = w, variant
+        self.algo = build_config(w, variant, seed=seed, quick=quick,
+                                 schedule=schedule).build_algo()
+        self.timer = CallTimer()
+        self.records: list[dict[str, float]] = []
+        self.last_return = math.nan
+        self._iteration = 0
         if w.algo == "ppo":
-            timer.wrap_iterator_factory(algo.learner_group._learner,
-                                        "_create_iterator_if_necessary")
-        records, result = [], None
-        for i in range(iters + 1):
-            if i == 1 and w.algo != "ppo":  # the buffer exists after the first iteration
-                buf = algo.local_replay_buffer
-                for name in ("add", "sample", "update_priorities"):
-                    timer.wrap(buf, name)
-            timer.take()
-            t0 = time.perf_counter()
-            result = algo.train()
-            wall = time.perf_counter() - t0
-            if i:
-                records.append({"iter_s": wall, "path_s": timer.take()})
+            self.timer.wrap_iterator_factory(self.algo.learner_group._learner,
+                                             "_create_iterator_if_necessary")
+
+    def train(self) -> float:
+        """One ``Algorithm.train()``; the first is a warm-up and is not recorded. Returns its
+        wall time in seconds."""
+        if self._iteration == 1 and self.w.algo != "ppo":  # the buffer exists by now
+            buf = self.algo.local_replay_buffer
+            for name in ("add", "sample", "update_priorities"):
+                self.timer.wrap(buf, name)
+        self.timer.take()
+        t0 = time.perf_counter()
+        result = self.algo.train()
+        wall = time.perf_counter() - t0
         ret = float(result["env_runners"].get("episode_return_mean", math.nan))
-        out: dict[str, Any] = {"records": records, "return": ret}
-        if variant == "conduit" and w.algo != "ppo":
-            buf = algo.local_replay_buffer
+        if math.isfinite(ret):  # (NaN in an iteration that completed no episode)
+            self.last_return = ret
+        if self._iteration:
+            self.records.append({"iter_s": wall, "path_s": self.timer.take()})
+        self._iteration += 1
+        return wall
+
+    def summary(self) -> dict[str, Any]:
+        """The records, the last mean episode return RLlib reported (from the latest
+        iteration that completed an episode) and, for Conduit's buffers, the schedule they
+        ran."""
+        out: dict[str, Any] = {"records": self.records, "return": self.last_return}
+        if self.variant == "conduit" and self.w.algo != "ppo":
+            buf = self.algo.local_replay_buffer
             out["schedule"] = buf.plane.schedule.label()
             out["discarded_batches"] = buf.discarded_batches
         return out
+
+    def stop(self) -> None:
+        """Stop the Algorithm (its env runners, learner and buffer)."""
+        self.algo.stop()
+
+
+def run_pair(w: Workload, *, seed: int, iters: int, quick: bool,
+             schedule: str) -> dict[str, dict[str, Any]]:
+    """Both variants of ``w`` for one seed, interleaved: one warm-up iteration each, then
+    ``iters`` rounds of one iteration each, the order alternating between rounds, so that the
+    host's drift falls on both alike. Each variant's summary carries ``paired`` (this
+    variant's iteration time over the other's, per round) besides its records."""
+    order = VARIANTS if seed % 2 == 0 else VARIANTS[::-1]
+    runs: dict[str, AlgorithmRun] = {}
+    try:
+        for variant in order:
+            runs[variant] = AlgorithmRun(w, variant, seed=seed, quick=quick, schedule=schedule)
+        for i in range(iters + 1):
+            for variant in (order if i % 2 == 0 else order[::-1]):
+                runs[variant].train()
+        out = {v: r.summary() for v, r in runs.items()}
     finally:
-        algo.stop()
+        for r in runs.values():
+            r.stop()
+    walls = {v: [rec["iter_s"] for rec in out[v]["records"]] for v in VARIANTS}
+    for v, other in zip(VARIANTS, VARIANTS[::-1]):
+        out[v]["paired"] = [a / b for a, b in zip(walls[v], walls[other])]
+    return out
 
 
 def _median(xs: list[float]) -> float:
@@ -246,7 +295,8 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over every measured iteration of ``runs`` (one run per seed)."""
+    """Medians over every measured iteration of ``runs`` (one run per seed); ``paired`` is
+    the median of the per-round ratios :func:`run_pair` recorded."""
     recs = [r for run in runs for r in run["records"]]
     returns = [run["return"] for run in runs]
     finite = [x for x in returns if math.isfinite(x)]
@@ -255,6 +305,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "path_share": _median([r["path_s"] / r["iter_s"] for r in recs]),
             "returns": returns, "return_mean": statistics.fmean(finite) if finite else math.nan,
             "return_std": statistics.stdev(finite) if len(finite) > 1 else math.nan,
+            "paired": _median([x for run in runs for x in run.get("paired", [])]),
             "schedules": [run.get("schedule") for run in runs if run.get("schedule")]}
 
 
@@ -371,7 +422,8 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, r in rows.items():
         rl, co = r["rllib"], r["conduit"]
-        entry: dict[str, Any] = {"e2e_ratio": co["iter_s"] / rl["iter_s"]}
+        # Per round of the interleaved runs, then the median: drift between rounds cancels.
+        entry: dict[str, Any] = {"e2e_ratio": co["paired"]}
         if r["algo"] != "ppo":
             entry["buffer_share_ratio"] = rl["path_share"] / co["path_share"]
             entry["buffer_share_5x"] = entry["buffer_share_ratio"] >= 5
@@ -396,7 +448,7 @@ def print_tables(rows: dict[str, dict[str, Any]], micro: dict[int, Any],
     print(table(["workload", "iters", "iteration ms", "path ms", "path share %",
                  "return", "conduit schedule"], body))
     print("\ntargets")
-    print(table(["workload", "e2e conduit/rllib", "met", "buffer share rllib/conduit",
+    print(table(["workload", "e2e conduit/rllib per round", "met", "buffer share rllib/conduit",
                  ">= 5x", "returns within noise"],
                 [[n, f"{g['e2e_ratio']:.2f}", g["e2e_met"],
                   f"{g['buffer_share_ratio']:.1f}" if "buffer_share_ratio" in g else "-",
@@ -467,15 +519,17 @@ def run(a: RllibBenchArgs) -> dict[str, Any]:
         for seed in range(seeds):
             for w in chosen:
                 iters = a.iters or (1 if a.quick else w.iters)
-                for variant in (VARIANTS if seed % 2 == 0 else VARIANTS[::-1]):
-                    t0 = time.perf_counter()
-                    res = run_algorithm(w, variant, seed=seed, iters=iters, quick=a.quick,
-                                        schedule=a.schedule)
+                t0 = time.perf_counter()
+                pair = run_pair(w, seed=seed, iters=iters, quick=a.quick, schedule=a.schedule)
+                for variant, res in pair.items():
                     runs[w.name][variant].append(res)
                     it = _median([r["iter_s"] for r in res["records"]])
-                    progress(f"seed {seed} {w.name:<10} {variant:<7} "
-                             f"{time.perf_counter() - t0:5.1f}s  iteration {1000 * it:7.1f} ms"
-                             f"  return {res['return']:.1f}  {res.get('schedule', '')}")
+                    progress(f"seed {seed} {w.name:<10} {variant:<7} iteration "
+                             f"{1000 * it:7.1f} ms  return {res['return']:.1f}  "
+                             f"{res.get('schedule', '')}")
+                progress(f"seed {seed} {w.name:<10} both variants "
+                         f"{time.perf_counter() - t0:5.1f}s  conduit/rllib per round "
+                         f"{_median(pair['conduit']['paired']):.3f}")
     finally:
         if own_ray:
             ray.shutdown()
