@@ -158,6 +158,10 @@ def test_fast_path_targets_read_the_side_by_side_loop() -> None:
                 row("gather-floor", sample_uniform=0.1)]
         rows[0].side_ms, rows[1].side_ms, rows[3].side_ms = conduit_ms, cpprb_ms, conduit_ms
         rows[0].floor_ms = rows[1].floor_ms = rows[3].floor_ms = floor_ms
+        # The prioritized loop: its own pair, against phase medians 0.3 / 0.3 (speed-up 1).
+        rows[0].side_per_ms, rows[1].side_per_ms = per
+        rows[0].metrics["sample_per_update"] = rows[1].metrics["sample_per_update"] = \
+            row("x", sample_per_update=0.3).metrics["sample_per_update"]
         return rows
 
     def verdicts(rows: list[RowResult]) -> dict[str, bool | None]:
@@ -173,6 +177,11 @@ def test_fast_path_targets_read_the_side_by_side_loop() -> None:
                       "PER sample+update speed-up vs cpprb": False, "prefetched pull ms": False}
     alone = [row("conduit", sample_uniform=0.2)]  # nothing to compare with: unmeasured
     assert set(verdicts(alone).values()) == {None}
+    # Without the prioritized loop, the two phases' medians decide.
+    phases = [row("conduit", sample_per_update=0.2), row("cpprb", sample_per_update=0.31)]
+    assert verdicts(phases)["PER sample+update speed-up vs cpprb"] is True
+    phases[1] = row("cpprb", sample_per_update=0.29)
+    assert verdicts(phases)["PER sample+update speed-up vs cpprb"] is False
     text = harness.format_fast_path(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29),
                                               prefetch=0.06))
     assert "1.2 NOT met" in text and "<= 1.1" in text.splitlines()[0]
@@ -522,3 +531,32 @@ def test_reverb_worker_runs_when_its_venv_exists() -> None:
     assert by_peer["reverb-inproc"].status == "ok", by_peer["reverb-inproc"].reason
     assert all(m.status == "ok" for m in by_peer["reverb-inproc"].metrics.values())
     assert by_peer["reverb-inproc-dataset"].metrics["sample_uniform"].status == "ok"
+
+
+def test_prioritized_side_by_side_times_sample_and_update_of_every_peer_that_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, int] = {}
+
+    class Prioritized(NumpyPeer):
+        def setup_prioritized(self, workload: Workload) -> None:
+            self.w, self.rows = workload, []
+            self.calls.append("setup_prioritized")
+
+        def sample_prioritized_and_update(self) -> Any:
+            calls[self.label] = calls.get(self.label, 0) + 1
+            return self.sample_uniform()
+
+    class Conduit(Prioritized):
+        label = "conduit"
+
+    class Cpprb(Prioritized):
+        label = "cpprb"
+
+    made: dict[str, Any] = {"conduit": Conduit, "cpprb": Cpprb}
+    monkeypatch.setattr(harness, "_make", lambda name: made[name]())
+    got = harness.measure_per_side_by_side(TINY, ["conduit", "cpprb"], TINY_CFG, quiet)
+    assert set(got) == {"conduit", "cpprb"} and all(v > 0 for v in got.values())
+    rounds = TINY_CFG.warmup + TINY_CFG.repeats * TINY_CFG.rounds
+    assert calls == {"conduit": rounds, "cpprb": rounds}
+    made["cpprb"] = NumpyPeer  # its setup_prioritized skips: nothing to compare with
+    assert harness.measure_per_side_by_side(TINY, ["conduit", "cpprb"], TINY_CFG, quiet) == {}

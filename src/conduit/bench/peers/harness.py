@@ -14,7 +14,8 @@ Inserts and epochs do not depend on the batch size, so they are measured with th
 Each peer runs in a phase of its own. The synchronous uniform samples the delivery fast path is
 judged by (Conduit's buffer, its inline ``pull()``, cpprb, and the gather floor) are then also
 timed side by side: all four buffers filled at once, their samples called in turn in one loop
-(:func:`measure_side_by_side`).
+(:func:`measure_side_by_side`); so are Conduit's and cpprb's prioritized samples with their
+updates (:func:`measure_per_side_by_side`).
 It prints one table, a line per (d, batch, peer), whose cells carry the ratio Conduit/peer
 expressed as a speed-up (``×3.0`` means Conduit is three times faster at that operation,
 whether the metric is a throughput or a latency), and the threads each peer ran on while it
@@ -148,6 +149,8 @@ class RowResult:
         side_ms: This peer's median uniform sample in the side-by-side loop
             (:func:`measure_side_by_side`; ``None``: not in it).
         floor_ms: The gather floor's median uniform sample in that loop.
+        side_per_ms: This peer's median prioritized sample + update in the prioritized
+            side-by-side loop (:func:`measure_per_side_by_side`; ``None``: not in it).
     """
 
     peer: str
@@ -163,6 +166,7 @@ class RowResult:
     threads: int | None = None
     side_ms: float | None = None
     floor_ms: float | None = None
+    side_per_ms: float | None = None
 
 
 def speedup(metric: str, conduit: float, peer: float) -> float:
@@ -521,44 +525,72 @@ def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> lis
 SIDE_BY_SIDE = ("conduit", "conduit-pull", "cpprb")
 """The synchronous uniform samples timed side by side with the gather floor (and each other)."""
 
+PER_SIDE_BY_SIDE = ("conduit", "cpprb")
+"""The prioritized samples + updates timed side by side with each other."""
 
-def measure_side_by_side(w: Workload, names: Sequence[str], cfg: PeersConfig,
-                         progress: Callable[[str], None]) -> dict[str, float]:
-    """Median uniform sample (ms) of each of ``names`` and of the gather floor, timed in turn
-    in one loop (:func:`interleaved_times`) with every buffer filled to ``w.capacity`` rows.
 
-    A peer that cannot run here is left out (its own phase reports why); with none left, the
-    result is empty. Never raises.
-    """
+def _interleaved_medians(w: Workload, names: Sequence[str], cfg: PeersConfig,
+                         progress: Callable[[str], None], *, what: str,
+                         setup: Callable[[PeerAdapter, Workload], None],
+                         call: Callable[[PeerAdapter], Callable[[], object]],
+                         required: str | None) -> dict[str, float]:
+    """Median (ms) of ``call(adapter)()`` for each of ``names`` that can run here, timed in
+    turn in one loop (:func:`interleaved_times`) with every buffer set up by ``setup`` and
+    filled to ``w.capacity`` rows. Empty unless ``required`` (if given) and at least two
+    peers run. Never raises."""
     made: dict[str, PeerAdapter] = {}
     try:
-        for name in (FLOOR, *names):
+        for name in names:
             adapter = _make(name)
             try:
                 adapter.check()
-                adapter.setup(w)
+                setup(adapter, w)
             except Exception:
                 continue
             made[name] = adapter
-        if FLOOR not in made or len(made) < 2:
+        if (required is not None and required not in made) or len(made) < 2:
             return {}
-        progress(f"d={w.dim} batch={w.batch}: side by side ({', '.join(made)}): filling "
-                 f"{w.capacity} rows each")
+        progress(f"d={w.dim} batch={w.batch}: {what} side by side ({', '.join(made)}): "
+                 f"filling {w.capacity} rows each")
         big = make_chunk(1024, w.dim, seed=w.seed)
         for adapter in made.values():
             fill(adapter, big, w.capacity)
-        progress(f"d={w.dim} batch={w.batch}: side by side: {cfg.repeats} rounds")
-        times = interleaved_times({k: a.sample_uniform for k, a in made.items()},
+        progress(f"d={w.dim} batch={w.batch}: {what} side by side: {cfg.repeats} rounds")
+        times = interleaved_times({k: call(a) for k, a in made.items()},
                                   repeats=cfg.repeats * cfg.rounds, warmup=cfg.warmup)
         return {k: statistics.median(t) * 1e3 for k, t in times.items()}
     except Exception as exc:
-        progress(f"d={w.dim} batch={w.batch}: side by side failed: {exc!r}")
+        progress(f"d={w.dim} batch={w.batch}: {what} side by side failed: {exc!r}")
         return {}
     finally:
         for adapter in made.values():
             with contextlib.suppress(Exception):
                 adapter.close()
         gc.collect()
+
+
+def measure_side_by_side(w: Workload, names: Sequence[str], cfg: PeersConfig,
+                         progress: Callable[[str], None]) -> dict[str, float]:
+    """Median uniform sample (ms) of each of ``names`` and of the gather floor, timed in turn
+    in one loop (:func:`interleaved_times`) with every buffer filled to ``w.capacity`` rows.
+
+    A peer that cannot run here is left out (its own phase reports why); without the floor or
+    with nothing next to it, the result is empty. Never raises.
+    """
+    return _interleaved_medians(w, (FLOOR, *names), cfg, progress, what="uniform",
+                                setup=lambda a, wl: a.setup(wl),
+                                call=lambda a: a.sample_uniform, required=FLOOR)
+
+
+def measure_per_side_by_side(w: Workload, names: Sequence[str], cfg: PeersConfig,
+                             progress: Callable[[str], None]) -> dict[str, float]:
+    """Median prioritized sample + priority update (ms) of each of ``names``, timed in turn in
+    one loop with every prioritized buffer filled to ``w.capacity`` rows, as
+    :func:`measure_side_by_side` times the uniform samples. Empty unless two can run here.
+    Never raises."""
+    return _interleaved_medians(w, names, cfg, progress, what="prioritized",
+                                setup=lambda a, wl: a.setup_prioritized(wl),
+                                call=lambda a: a.sample_prioritized_and_update, required=None)
 
 
 def build_adapters(names: Sequence[str]) -> list[tuple[str, PeerAdapter | None, str | None]]:
@@ -705,7 +737,9 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
     """The :data:`FAST_PATH` targets per (d, batch): the measured value, the bound, and
     whether it is met (``None``: a side was not measured).
 
-    The uniform sample's targets read the side-by-side loop (:func:`measure_side_by_side`).
+    The uniform sample's targets read the side-by-side loop (:func:`measure_side_by_side`),
+    the prioritized one its own loop (:func:`measure_per_side_by_side`) where it ran, and the
+    two peers' phases otherwise.
     """
     floor = {(g["dim"], g["batch"], g["peer"]): g for g in over_floor(rows)}
     rat = {(r["dim"], r["batch"], r["peer"], r["metric"]): r["speedup"] for r in ratios(rows)}
@@ -716,6 +750,9 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
         mine = mine if mine and mine["side_by_side"] else None
         pull = pull if pull and pull["side_by_side"] else None
         side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
+        per = [by[d, b, p].side_per_ms if (d, b, p) in by else None
+               for p in (REFERENCE, "cpprb")]
+        per_side = per[1] / per[0] if per[0] and per[1] else None
         pre = by.get((d, b, "conduit-prefetch"))
         pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
         checks = [
@@ -725,9 +762,8 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
              "<="),
             ("uniform vs cpprb's", side.get(REFERENCE) and side.get("cpprb")
              and side[REFERENCE] / side["cpprb"], 1.0, "<="),
-            ("PER sample+update speed-up vs cpprb", rat.get((d, b, "cpprb",
-                                                             "sample_per_update")),
-             FAST_PATH["per_vs_cpprb"], ">="),
+            ("PER sample+update speed-up vs cpprb", per_side or rat.get(
+                (d, b, "cpprb", "sample_per_update")), FAST_PATH["per_vs_cpprb"], ">="),
             ("prefetched pull ms", pre_res.value if pre_res is not None
              and pre_res.status == "ok" else None, FAST_PATH["prefetch_ms"], "<="),
         ]
@@ -857,6 +893,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
         capacity_notes = {}
         side_peers = ([p for p in SIDE_BY_SIDE if p in cfg.peers] if FLOOR in cfg.peers
                       else [])
+        per_peers = [p for p in PER_SIDE_BY_SIDE if p in cfg.peers]
         # One peer's phase holds up to PEER_OVERHEAD buffers' worth; the side-by-side loop
         # holds the floor and each of its peers at once.
         overhead = max(PEER_OVERHEAD, 1 + len(side_peers))
@@ -889,6 +926,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                     measured.setdefault(name, []).append(
                         measure_adapter(adapter, w, cfg, log, only=only))
             side = measure_side_by_side(w, side_peers, cfg, log) if side_peers else {}
+            per = measure_per_side_by_side(w, per_peers, cfg, log) if per_peers else {}
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
@@ -897,6 +935,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                     rows.append(merge_rounds(measured[name]))
                     if name in side:
                         rows[-1].side_ms, rows[-1].floor_ms = side[name], side[FLOOR]
+                    rows[-1].side_per_ms = per.get(name)
 
         versions: dict[str, Any] = {}
         if "reverb" in cfg.peers:
