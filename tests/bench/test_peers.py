@@ -560,3 +560,23 @@ def test_prioritized_side_by_side_times_sample_and_update_of_every_peer_that_run
     assert calls == {"conduit": rounds, "cpprb": rounds}
     made["cpprb"] = NumpyPeer  # its setup_prioritized skips: nothing to compare with
     assert harness.measure_per_side_by_side(TINY, ["conduit", "cpprb"], TINY_CFG, quiet) == {}
+
+
+def test_the_floor_gathers_whole_rows_into_outputs_it_allocated_once() -> None:
+    from conduit.bench.peers.floor_peer import GatherFloorPeer
+
+    floor = GatherFloorPeer()
+    floor.setup(TINY)
+    chunk = make_chunk(TINY.capacity, TINY.dim)
+    chunk["action"] = np.arange(TINY.capacity, dtype=np.int64)  # each row names itself
+    floor.insert(floor.prepare(chunk))
+    first = floor.sample_uniform()
+    first_ptrs = [t.data_ptr() for t in first]
+    for got in (first, floor.sample_uniform()):
+        obs, action, reward, done = (t.numpy() for t in got)
+        assert obs.shape == (TINY.batch, TINY.dim) and action.shape == (TINY.batch,)
+        rows = action  # every field of a sampled row is that row's
+        assert (obs == chunk["obs"][rows]).all() and (reward == chunk["reward"][rows]).all()
+        assert (done == chunk["done"][rows]).all()
+    assert [t.data_ptr() for t in floor.sample_uniform()] == first_ptrs  # no new outputs
+    floor.close()

@@ -1,8 +1,12 @@
 """The memory floor of a uniform sample: the gather alone, with nothing around it.
 
 Not a buffer. It draws a batch of random row indices and runs one ``torch.index_select`` per
-field from columns preallocated exactly like Conduit's (huge-page-backed where the kernel allows),
-with no sampler object, lock, validation or dict of results. Every buffer's uniform sample
+field from columns preallocated exactly like Conduit's (huge-page-backed where the kernel allows)
+into one output per field allocated once, with no sampler object, lock, validation, allocation
+or dict of results. Its outputs are its own memory, as Conduit's reused gather sets are: a
+fresh output per call would come from whatever block the allocator last freed (in the
+side-by-side loop, often the one another peer had just written, still in the cache), or, for
+outputs over glibc's mapping threshold, page-fault on every call. Every buffer's uniform sample
 does at least this work, so this row bounds how much faster any of them can be on the
 machine: a peer within ×1.2 of the floor cannot be beaten by ×2 by a synchronous gather.
 """
@@ -23,12 +27,13 @@ class GatherFloorPeer(PeerAdapter):
 
     name = "gather-floor"
     description = ("reference, not a buffer: torch.randint + one torch.index_select per field "
-                   "from preallocated columns, nothing else")
+                   "from preallocated columns into preallocated outputs, nothing else")
     package = None
     metrics = ("insert_1024", "sample_uniform")
 
     def __init__(self) -> None:
         self._cols: dict[str, torch.Tensor] = {}
+        self._outs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._filled = 0
         self._batch = 0
         self._gen = torch.Generator()
@@ -45,6 +50,8 @@ class GatherFloorPeer(PeerAdapter):
         self._cols = {name: host_zeros((workload.capacity, *fs.shape), fs.dtype)
                       for name, fs in bench_spec(workload.dim).fields.items()}
         self._capacity, self._filled, self._batch = workload.capacity, 0, workload.batch
+        self._outs = [(col, torch.empty((workload.batch, *col.shape[1:]), dtype=col.dtype))
+                      for col in self._cols.values()]
         self._gen = torch.Generator().manual_seed(workload.seed)
 
     def insert(self, chunk: Any) -> None:
@@ -57,7 +64,7 @@ class GatherFloorPeer(PeerAdapter):
 
     def sample_uniform(self) -> Any:
         idx = torch.randint(0, self._filled, (self._batch,), generator=self._gen)
-        return [torch.index_select(col, 0, idx) for col in self._cols.values()]
+        return [torch.index_select(col, 0, idx, out=out) for col, out in self._outs]
 
     def close(self) -> None:
-        self._cols = {}
+        self._cols, self._outs = {}, []
