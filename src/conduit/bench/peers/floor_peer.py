@@ -4,11 +4,8 @@ Not a buffer. It draws a batch of random row indices and runs one ``torch.index_
 field from columns preallocated exactly like Conduit's (huge-page-backed where the kernel allows)
 into one output per field allocated once, with no sampler object, lock, validation, allocation
 or dict of results. Its outputs are its own memory, as Conduit's reused gather sets are: a
-fresh output per call would come from whatever block the allocator last freed (in the
-side-by-side loop, often the one another peer had just written, still in the cache), or, for
-outputs over glibc's mapping threshold, page-fault on every call. Every buffer's uniform sample
-does at least this work, so this row bounds how much faster any of them can be on the
-machine: a peer within ×1.2 of the floor cannot be beaten by ×2 by a synchronous gather.
+fresh output per call would also measure the allocator (it lands in whichever block was freed
+last, and over glibc's mapping threshold it page-faults on every call).
 """
 
 from __future__ import annotations
