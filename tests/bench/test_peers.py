@@ -580,3 +580,29 @@ def test_the_floor_gathers_whole_rows_into_outputs_it_allocated_once() -> None:
         assert (done == chunk["done"][rows]).all()
     assert [t.data_ptr() for t in floor.sample_uniform()] == first_ptrs  # no new outputs
     floor.close()
+
+
+def test_a_run_with_cpprb_judges_the_prioritized_target_by_its_side_by_side_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.bench.peers.conduit_peer import ConduitPeer
+
+    class FakeCpprb(ConduitPeer):
+        """cpprb is not installed in the test environment: Conduit's buffer stands in."""
+
+        name = "cpprb"
+
+        def check(self) -> None:
+            return None
+
+    monkeypatch.setitem(harness._ADAPTERS, "cpprb", FakeCpprb)
+    out = tmp_path / "out"
+    argv = ["--peers", "conduit", "cpprb", "--dims", "8", "--capacity", "2048",
+            "--batches", "32", "--epoch-rows", "256", "--warmup", "1", "--repeats", "3",
+            "--insert-64-repeats", "2", "--epoch-repeats", "1", "--no-plot", "--out", str(out)]
+    assert harness.main(argv) == 0
+    doc = json.loads((out / "peers.json").read_text())
+    side = {r["peer"]: r["side_per_ms"] for r in doc["rows"]}
+    assert set(side) == {"conduit", "cpprb"} and all(v > 0 for v in side.values())
+    (per,) = [t for t in doc["targets_fast_path"]
+              if t["target"] == "PER sample+update speed-up vs cpprb"]
+    assert per["value"] == pytest.approx(side["cpprb"] / side["conduit"])

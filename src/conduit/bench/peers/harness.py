@@ -926,7 +926,8 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                     measured.setdefault(name, []).append(
                         measure_adapter(adapter, w, cfg, log, only=only))
             side = measure_side_by_side(w, side_peers, cfg, log) if side_peers else {}
-            per = measure_per_side_by_side(w, per_peers, cfg, log) if per_peers else {}
+            per = (measure_per_side_by_side(w, per_peers, cfg, log) if len(per_peers) > 1
+                   else {})
             for name, adapter, reason in adapters:
                 if adapter is None:
                     rows.append(RowResult(peer=name, dim=w.dim, capacity=w.capacity,
