@@ -750,9 +750,8 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
         mine = mine if mine and mine["side_by_side"] else None
         pull = pull if pull and pull["side_by_side"] else None
         side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
-        per = [by[d, b, p].side_per_ms if (d, b, p) in by else None
-               for p in (REFERENCE, "cpprb")]
-        per_side = per[1] / per[0] if per[0] and per[1] else None
+        per = {p: by[d, b, p].side_per_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
+        per_side = per.get(REFERENCE) and per.get("cpprb") and per["cpprb"] / per[REFERENCE]
         pre = by.get((d, b, "conduit-prefetch"))
         pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
         checks = [
