@@ -2,9 +2,11 @@
 
 import threading
 
+import pytest
 import torch
 
 from conduit import ExperienceDataPlane, Schedule
+from conduit.plane.flows import Staged
 from tests.conftest import make_rows
 
 
@@ -119,6 +121,58 @@ def test_operators_transform_and_prefetch_split(small_spec):
         p.pull()
         p.pull()
         assert p.stats()["invocations_del"] == 1
+
+
+def test_an_inline_pull_hands_its_rows_straight_back(small_spec, monkeypatch):
+    """Inline delivery with the identity operator: the rows a pull gathered are its batch,
+    counted as delivered without passing through the stage; a batch the caller holds is not
+    written by the next pull."""
+    with ExperienceDataPlane(spec=small_spec, capacity=50, batch_size=6,
+                             schedule=Schedule(0, 1, 0, 1), seed=2) as p:
+        p.push(make_rows(small_spec, 50))
+        flow = p._engine.flow
+        monkeypatch.setattr(flow, "stage_locked", lambda *a: pytest.fail("staged"))
+        held = p.pull()
+        kept = {k: v.clone() for k, v in held.items()}
+        for n in range(2, 5):
+            b = p.pull()
+            assert not flow.staged
+            assert torch.equal(b["obs"][:, 0], b["id"].float())
+            assert p.stats()["delivered_batches"] == p.stats()["invocations_del"] == n
+        assert all(torch.equal(held[k], kept[k]) for k in kept)
+        assert held["obs"].data_ptr() != b["obs"].data_ptr()
+
+
+def test_an_inline_pull_stages_rows_a_priority_update_made_stale(small_spec, monkeypatch):
+    """A priority update while a pull gathers makes its rows stale (max_priority_lag 0): they
+    go to the stage, where they are discarded, and the pull draws again."""
+    with ExperienceDataPlane(spec=small_spec, capacity=50, batch_size=4,
+                             sampler="prioritized", schedule=Schedule(0, 1, 0, 1), seed=2) as p:
+        p.push(make_rows(small_spec, 50))
+        gather, drawn = p.buffer.gather, []
+
+        def gather_then_update(info, **kw):
+            drawn.append(info.indices.clone())
+            if len(drawn) == 1:
+                p.update_priorities(torch.arange(4), torch.full((4,), 5.0))
+            return gather(info, **kw)
+
+        monkeypatch.setattr(p.buffer, "gather", gather_then_update)
+        b = p.pull()
+        stats = p.stats()
+        assert (stats["discarded_batches"], stats["delivered_batches"],
+                stats["invocations_del"]) == (1, 1, 2)
+        assert len(drawn) == 2 and torch.equal(b["_index"], drawn[1])
+        assert not p._engine.flow.staged
+        flow = p._engine.flow
+        with p._engine.signals.lock:  # refused (nothing counted) behind a staged batch
+            flow.staged.append(Staged({}, flow.priority_generation))
+            assert not flow.hand_over_locked(flow.priority_generation)
+            flow.staged.clear()
+            assert not flow.hand_over_locked(flow.priority_generation - 1)  # stale
+            assert p.stats()["delivered_batches"] == 1
+            assert flow.hand_over_locked(flow.priority_generation)
+            assert p.stats()["delivered_batches"] == 2
 
 
 def test_ports_are_the_same_plane(small_spec):

@@ -380,9 +380,9 @@ class ExperienceDataPlane:
         t0 = time.perf_counter()
         self._check_open()
         waited = self.config.wait_for(timeout)
-        staged = self._engine.next_batch(deadline=t0 + waited, waited=waited)
+        batch = self._engine.next_batch(deadline=t0 + waited, waited=waited)
         self._record("pull", "sync_del" if self._engine.delivery.overlapped else None, t0)
-        return staged.batch
+        return batch
 
     def _record(self, name: str, sync: str | None, t0: float) -> None:
         """Record a call that began at ``t0`` as ``name``, and as ``sync`` (the wait on a

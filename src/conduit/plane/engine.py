@@ -23,10 +23,11 @@ from conduit.errors import (
     StateError,
 )
 from conduit.plane.config import PlaneConfig
-from conduit.plane.flows import Flow, OffPolicyFlow, OnPolicyFlow, Signals, Staged, Unit
+from conduit.plane.flows import Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
 from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule
+from conduit.spec import Batch
 from conduit.storage import ExperienceBuffer, data_path_threads
 from conduit.storage.state import StateDict, entry
 from conduit.timing import Timings
@@ -211,8 +212,9 @@ class PlaneEngine:
             ingestion = self.ingestion
         ingestion.after_push()
 
-    def next_batch(self, *, deadline: float, waited: float) -> Staged:
-        """The next staged batch; inline delivery runs here when nothing is staged.
+    def next_batch(self, *, deadline: float, waited: float) -> Batch:
+        """The next training batch: a staged one, or, when nothing is staged, one that inline
+        delivery makes here.
 
         Raises:
             EmptyBufferError: No batch by ``deadline`` (``waited`` is for the message).
@@ -226,7 +228,7 @@ class PlaneEngine:
                 rt.raise_if_failed()
                 staged = flow.pop_staged_locked()
                 if staged is not None:
-                    return staged
+                    return staged.batch
                 job = self.delivery.take_locked()
                 # Data already pushed never waits for a granularity batch to fill.
                 hurry = (job is None and bool(flow.pending) and not (rt.paused or rt.writes_held)
@@ -244,7 +246,10 @@ class PlaneEngine:
                 self.ingestion.hurry()
                 continue
             with data_path_threads(1):
-                rt.raise_own(rt.run_delivery(job))
+                err, batch = rt.run_delivery(job, caller=True)
+            rt.raise_own(err)
+            if batch is not None:
+                return batch
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error and restart the schedule's workers; the buffer's rows

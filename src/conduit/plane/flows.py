@@ -262,8 +262,7 @@ class Flow(abc.ABC):
         discarded (beyond ``max_priority_lag``)."""
         while self.staged:
             s = self.staged.popleft()
-            if (self.buffer.sampler.invalidates_prefetch
-                    and s.generation < self.priority_generation - self.config.max_priority_lag):
+            if self._stale(s.generation):
                 self.counters["discarded_batches"] += 1
                 self.signals.wake(delivery=True)  # the worker may now refill the stage
                 continue
@@ -272,13 +271,32 @@ class Flow(abc.ABC):
             # Before the wake-up: the stream calls may release the GIL, and a worker woken
             # first would take it for its whole next delivery while the learner waits.
             s.accept(self.config.learner_device)
-            if len(self.staged) < self.wake_below:
-                # Room for an invocation. Off-policy a whole g_del is staged at once, so the
-                # pulls that leave some staged do not wake the worker: a wake-up is a thread
-                # hand-off the learner pays for, and the worker could do nothing with it.
-                self.signals.wake(delivery=True)
+            self._refill_if_room_locked()
             return s
         return None
+
+    def hand_over_locked(self, generation: int) -> bool:
+        """Count a batch drawn at ``generation`` that a ``pull`` made for itself as delivered,
+        as :meth:`pop_staged_locked` counts a staged one, so that it skips the stage. False,
+        with nothing counted, when a batch is staged before it or priority updates made it
+        stale: it must then be staged."""
+        if self.staged or self._stale(generation):
+            return False
+        self.counters["delivered_batches"] += 1
+        self._delivered_locked()
+        self._refill_if_room_locked()
+        return True
+
+    def _stale(self, generation: int) -> bool:
+        return (self.buffer.sampler.invalidates_prefetch
+                and generation < self.priority_generation - self.config.max_priority_lag)
+
+    def _refill_if_room_locked(self) -> None:
+        if len(self.staged) < self.wake_below:
+            # Room for an invocation. Off-policy a whole g_del is staged at once, so the
+            # pulls that leave some staged do not wake the worker: a wake-up is a thread
+            # hand-off the learner pays for, and the worker could do nothing with it.
+            self.signals.wake(delivery=True)
 
     def _delivered_locked(self) -> None:
         return None

@@ -16,6 +16,7 @@ import torch
 from conduit.errors import OperatorError
 from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
+from conduit.spec import Batch
 from conduit.storage import data_path_threads
 from conduit.timing import Timings
 
@@ -194,15 +195,26 @@ class OperatorRuntime:
         else:
             self.run_delivery(job)
 
-    def run_delivery(self, job: DeliveryJob) -> OperatorError | None:
+    def run_delivery(self, job: DeliveryJob, *, caller: bool = False
+                     ) -> tuple[OperatorError | None, Batch | None]:
         """One delivery invocation: gather (or take the early-assembled rows), run the
         operator, and stage its training batches.
 
+        Args:
+            job: The invocation.
+            caller: The thread that takes the next batch runs it (an inline ``pull``). Rows
+                that are a batch as they are (the identity operator, one batch, host rows for
+                a host learner) then go straight back to it, counted as delivered, unless a
+                batch is staged before them or a priority update made them stale
+                (:meth:`Flow.hand_over_locked`).
+
         Returns:
-            The (latched) error if the operator raised.
+            ``(error, batch)``: the (latched) error if the operator raised, and the batch
+            handed back to the caller (None: whatever the invocation made is staged).
         """
         t0 = time.perf_counter()
-        out = LearnerOut(batches=job.batches, device=self.learner_device)
+        staged: list[Batch] = []
+        direct: Batch | None = None
         err = None
         try:
             early = job.early
@@ -211,25 +223,33 @@ class OperatorRuntime:
             if (self.deliver_fn is identity_delivery and job.batches == 1
                     and self.learner_device.type == "cpu"
                     and all(v.is_cpu for v in rows.values())):  # (no device objects made)
-                out.staged.append(rows)  # the gathered rows are the batch, where they are
+                direct = rows  # the gathered rows are the batch, where they are
             else:
+                out = LearnerOut(batches=job.batches, device=self.learner_device)
                 self.deliver_fn(BufferIn(rows, batches=job.batches, batch_size=job.batch_size),
                                 out)
-            if len(out.staged) != job.batches:
-                raise RuntimeError("the delivery operator did not call learn_out.write()")
+                staged = out.staged
+                if len(staged) != job.batches:
+                    raise RuntimeError("the delivery operator did not call learn_out.write()")
         except BaseException as exc:
             err = self.fail("delivery", exc)
+            staged, direct = [], None
         finally:
             event = None
-            if self.stream is not None and out.staged:
+            if self.stream is not None and staged:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.timings.record("delivery", time.perf_counter() - t0,
                                 units=self.flow.delivery_units(job), start=t0)
             with self.signals.lock:
-                if self.error is None:
-                    self.flow.stage_locked(out.staged, job.generation, event)
+                if self.error is not None:
+                    direct = None
+                elif direct is not None and not (
+                        caller and self.flow.hand_over_locked(job.generation)):
+                    staged, direct = [direct], None
+                if self.error is None and staged:
+                    self.flow.stage_locked(staged, job.generation, event)
                 self.busy -= 1
                 self.flow.counters["invocations_del"] += 1
                 self.signals.wake(callers=True)
-        return err
+        return err, direct
