@@ -7,6 +7,7 @@ gets reported, with which status and reason, in which format — never timings.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,12 +18,14 @@ import pytest
 
 from conduit.bench.peers import harness
 from conduit.bench.peers.adapter import (
+    PRIORITY_POOL,
     Chunk,
     OperationSkipped,
     PeerAdapter,
     PeerUnavailable,
     Workload,
     make_chunk,
+    priorities,
 )
 from conduit.bench.peers.harness import (
     METRICS,
@@ -607,3 +610,30 @@ def test_a_run_with_cpprb_judges_the_prioritized_target_by_its_side_by_side_loop
     (per,) = [t for t in doc["targets_fast_path"]
               if t["target"] == "PER sample+update speed-up vs cpprb"]
     assert per["value"] == pytest.approx(side["cpprb"] / side["conduit"])
+
+
+def test_prioritized_updates_cycle_priorities_drawn_before_timing() -> None:
+    """Every peer's update takes the next array of one pool drawn per workload (no random
+    generator inside the timed call), in its own type, with the same values."""
+    import torch
+
+    from conduit.bench.peers.conduit_peer import ConduitPeer
+
+    w = Workload(dim=4, capacity=64, batch=8, seed=3)
+    pool = list(itertools.islice(priorities(w), 2 * PRIORITY_POOL))
+    assert all(x.shape == (8,) and x.dtype == np.float64 and ((x >= 1e-3) & (x < 1 + 1e-3)).all()
+               for x in pool)
+    assert not np.array_equal(pool[0], pool[1])
+    assert all(pool[k] is pool[k + PRIORITY_POOL] for k in range(PRIORITY_POOL))
+    converted = itertools.islice(priorities(w, torch.from_numpy), PRIORITY_POOL)
+    assert all(torch.equal(t, torch.from_numpy(x)) for t, x in zip(converted, pool))
+
+    peer = ConduitPeer(alpha=1.0)
+    peer.setup_prioritized(w)
+    peer.insert(peer.prepare(make_chunk(64, 4)))
+    for k in range(2):
+        batch = peer.sample_prioritized_and_update()
+        idx = batch["_index"].numpy()
+        once = [i for i, s in enumerate(idx) if (idx == s).sum() == 1]
+        leaves = peer._buf.sampler.priorities(batch["_index"]).numpy()
+        np.testing.assert_allclose(leaves[once], pool[k][once] + peer._buf.sampler.eps)

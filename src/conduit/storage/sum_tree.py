@@ -12,6 +12,7 @@ Both give identical trees and identical search results; the tests check one agai
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import numpy as np
@@ -150,7 +151,7 @@ class SumTree:
         """
         total = self.total
         u = np.ascontiguousarray(u, dtype=np.float64)
-        cap = float(np.nextafter(total, 0))
+        cap = math.nextafter(total, 0.0)
         if self.backend == "numba":
             idx = np.empty(u.size, dtype=np.int64)
             w = np.empty(u.size, dtype=np.float32)  # rounded from float64 in the kernel

@@ -23,6 +23,8 @@ failure: the harness reports the reason and moves on.
 from __future__ import annotations
 
 import abc
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -83,6 +85,23 @@ class Workload:
 Chunk = dict[str, np.ndarray]
 """Rows in the benchmark's neutral form: ``obs`` (n, d) float32, ``action`` (n,) int64,
 ``reward`` (n,) float32, ``done`` (n,) bool."""
+
+
+PRIORITY_POOL = 64
+"""Priority arrays drawn per prioritized workload before timing starts (see
+:func:`priorities`)."""
+
+
+def priorities(workload: Workload, convert: Callable[[np.ndarray], Any] = np.asarray
+               ) -> Iterator[Any]:
+    """New priorities for each prioritized update, endlessly: :data:`PRIORITY_POOL` arrays of
+    ``workload.batch`` float64 values in ``[1e-3, 1 + 1e-3)``, drawn once and cycled, so that
+    a timed sample + update measures the buffer and not a random generator. Every peer gets
+    the same values, each array passed through ``convert`` (to the peer's own type, for
+    example ``torch.from_numpy``) before timing starts."""
+    rng = np.random.default_rng(workload.seed)
+    return itertools.cycle([convert(rng.random(workload.batch) + 1e-3)
+                            for _ in range(PRIORITY_POOL)])
 
 
 def make_chunk(rows: int, dim: int, *, seed: int = 0) -> Chunk:

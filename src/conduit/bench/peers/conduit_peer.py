@@ -14,11 +14,12 @@ data-path threads at one (its default); the harness sets the same for every peer
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from conduit.bench.peers.adapter import Chunk, PeerAdapter, Workload
+from conduit.bench.peers.adapter import Chunk, PeerAdapter, Workload, priorities
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling import Schedule
 from conduit.spec import ExperienceSpec
@@ -58,7 +59,7 @@ class ConduitPeer(PeerAdapter):
         self._beta = beta
         self._buf: ExperienceBuffer | None = None
         self._w: Workload | None = None
-        self._gen = torch.Generator().manual_seed(0)
+        self._prios: Iterator[torch.Tensor] = iter(())
         self._iteration = 0
 
     def prepare(self, chunk: Chunk) -> Any:
@@ -71,7 +72,6 @@ class ConduitPeer(PeerAdapter):
                                      sampler=sampler, placement=self.placement, threads=1)
 
     def setup(self, workload: Workload) -> None:
-        self._gen = torch.Generator().manual_seed(workload.seed)
         self._build(workload, workload.capacity, UniformSampler(seed=workload.seed))
 
     def insert(self, chunk: Any) -> None:
@@ -85,12 +85,12 @@ class ConduitPeer(PeerAdapter):
     def setup_prioritized(self, workload: Workload) -> None:
         self._build(workload, workload.capacity,
                     PrioritizedSampler(alpha=self._alpha, beta=self._beta, seed=workload.seed))
+        self._prios = priorities(workload, torch.from_numpy)
 
     def sample_prioritized_and_update(self) -> Any:
         assert self._buf is not None and self._w is not None
         batch = self._buf.sample(self._w.batch)
-        prios = torch.rand(self._w.batch, generator=self._gen, dtype=torch.float64) + 1e-3
-        self._buf.update_priorities(batch["_index"], prios)
+        self._buf.update_priorities(batch["_index"], next(self._prios))
         return batch
 
     def setup_on_policy(self, workload: Workload) -> None:

@@ -8,11 +8,12 @@ the user's numpy code, which is what is timed here as the epoch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from conduit.bench.peers.adapter import Chunk, PeerAdapter, PeerUnavailable, Workload
+from conduit.bench.peers.adapter import Chunk, PeerAdapter, PeerUnavailable, Workload, priorities
 
 
 def _env_dict(dim: int) -> dict[str, dict[str, Any]]:
@@ -42,6 +43,7 @@ class CpprbPeer(PeerAdapter):
         self._rb: Any = None
         self._w: Workload | None = None
         self._rng = np.random.default_rng(0)
+        self._prios: Iterator[np.ndarray] = iter(())
 
     def check(self) -> None:
         try:
@@ -73,12 +75,12 @@ class CpprbPeer(PeerAdapter):
         self._rb = cpprb.PrioritizedReplayBuffer(workload.capacity,
                                                  env_dict=_env_dict(workload.dim),
                                                  alpha=self._alpha)
+        self._prios = priorities(workload)
 
     def sample_prioritized_and_update(self) -> Any:
         assert self._w is not None
         batch = self._rb.sample(self._w.batch, beta=self._beta)
-        prios = self._rng.random(self._w.batch) + 1e-3
-        self._rb.update_priorities(batch["indexes"], prios)
+        self._rb.update_priorities(batch["indexes"], next(self._prios))
         return batch
 
     def setup_on_policy(self, workload: Workload) -> None:

@@ -168,10 +168,17 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
             insert_chunk(writer, "prioritized",
                          {k: v[:min(1024, cap - start)] for k, v in big.items()})
 
+    # Priorities drawn before timing, cycled (as conduit.bench.peers.adapter.priorities).
+    pool = [(rng.random(batch) + 1e-3).tolist() for _ in range(64)]
+    turn = [0]
+
+    def next_priorities() -> list[float]:
+        turn[0] += 1
+        return pool[turn[0] % len(pool)]
+
     def per_client() -> None:
         _, keys = client_sample(np, client, "prioritized", batch)
-        prios = rng.random(len(keys)) + 1e-3
-        client.mutate_priorities("prioritized", updates=dict(zip(keys, prios.tolist())))
+        client.mutate_priorities("prioritized", updates=dict(zip(keys, next_priorities())))
 
     m["sample_per_update"] = {"times_s": _timed(per_client, warm, reps), "rows_per_op": batch}
     ds = reverb.TrajectoryDataset.from_table_signature(
@@ -181,8 +188,7 @@ def run_workload(cfg: dict[str, Any], w: dict[str, Any], address: str,
     def per_dataset() -> None:
         sample = next(per_it)
         keys = sample.info.key.numpy().tolist()
-        prios = rng.random(len(keys)) + 1e-3
-        client.mutate_priorities("prioritized", updates=dict(zip(keys, prios.tolist())))
+        client.mutate_priorities("prioritized", updates=dict(zip(keys, next_priorities())))
 
     md["sample_per_update"] = {"times_s": _timed(per_dataset, warm, reps), "rows_per_op": batch}
     per_it = ds = None

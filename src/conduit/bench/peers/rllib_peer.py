@@ -17,11 +17,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from conduit.bench.peers.adapter import Chunk, PeerAdapter, PeerUnavailable, Workload
+from conduit.bench.peers.adapter import Chunk, PeerAdapter, PeerUnavailable, Workload, priorities
 
 
 class RLlibPeer(PeerAdapter):
@@ -48,7 +49,7 @@ class RLlibPeer(PeerAdapter):
         self._pending: list[Chunk] = []
         self._train_batch: Any = None
         self._w: Workload | None = None
-        self._rng = np.random.default_rng(0)
+        self._prios: Iterator[np.ndarray] = iter(())
 
     def check(self) -> None:
         try:
@@ -84,7 +85,6 @@ class RLlibPeer(PeerAdapter):
         from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
         self._w = workload
-        self._rng = np.random.default_rng(workload.seed)
         self.close()
         self._rb = EpisodeReplayBuffer(capacity=workload.capacity)
         self._rb.rng = np.random.default_rng(workload.seed)
@@ -126,12 +126,13 @@ class RLlibPeer(PeerAdapter):
         self._rb = PrioritizedEpisodeReplayBuffer(capacity=workload.capacity,
                                                   alpha=self._alpha)
         self._rb.rng = np.random.default_rng(workload.seed)
+        self._prios = priorities(workload)
 
     def sample_prioritized_and_update(self) -> Any:
         assert self._w is not None
         episodes = self._rb.sample(num_items=self._w.batch, n_step=1, gamma=self._gamma,
                                    beta=self._beta)
-        self._rb.update_priorities(self._rng.random(self._w.batch) + 1e-3)
+        self._rb.update_priorities(next(self._prios))
         return episodes
 
     def setup_on_policy(self, workload: Workload) -> None:

@@ -18,9 +18,9 @@ patched or emulated.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from conduit.bench.peers.adapter import (
@@ -29,6 +29,7 @@ from conduit.bench.peers.adapter import (
     PeerAdapter,
     PeerUnavailable,
     Workload,
+    priorities,
 )
 
 
@@ -70,7 +71,7 @@ class TorchRLPeer(PeerAdapter):
         self.metrics = (("sample_uniform",) if prefetch is not None else None)
         self._rb: Any = None
         self._w: Workload | None = None
-        self._rng = np.random.default_rng(0)
+        self._prios: Iterator[torch.Tensor] = iter(())
 
     def check(self) -> None:
         try:
@@ -103,7 +104,6 @@ class TorchRLPeer(PeerAdapter):
         from torchrl.data import LazyTensorStorage, ReplayBuffer
 
         self._w = workload
-        self._rng = np.random.default_rng(workload.seed)
         torch.manual_seed(workload.seed)
         self.close()
         kw: dict[str, Any] = {}
@@ -134,12 +134,12 @@ class TorchRLPeer(PeerAdapter):
             raise PeerUnavailable(
                 f"PrioritizedReplayBuffer raised {str(exc).split('. See')[0]!r}"
                 + (f"; the C++ extension does not load ({err})" if err else "")) from exc
+        self._prios = priorities(workload, torch.from_numpy)
 
     def sample_prioritized_and_update(self) -> Any:
         assert self._w is not None
         td = self._rb.sample()
-        prios = torch.from_numpy(self._rng.random(self._w.batch) + 1e-3)
-        self._rb.update_priority(td["index"], prios)
+        self._rb.update_priority(td["index"], next(self._prios))
         return td
 
     def setup_on_policy(self, workload: Workload) -> None:
