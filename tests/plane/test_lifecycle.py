@@ -1,12 +1,13 @@
 """Checkpointing, schedule switches, timing records, operators, and ports."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from conduit import ExperienceDataPlane, Schedule
-from conduit.plane.flows import Staged
+from conduit.plane.flows import Signals, Staged
 from tests.conftest import make_rows
 
 
@@ -141,6 +142,39 @@ def test_an_inline_pull_hands_its_rows_straight_back(small_spec, monkeypatch):
             assert p.stats()["delivered_batches"] == p.stats()["invocations_del"] == n
         assert all(torch.equal(held[k], kept[k]) for k in kept)
         assert held["obs"].data_ptr() != b["obs"].data_ptr()
+        # The pull records its own delivery with itself: one record each, the delivery
+        # within the pull.
+        t = p.timings
+        assert t.count("delivery") == t.count("pull") == 4 and t.count("sync_del") == 0
+        for d, pl in zip(t.records("delivery"), t.records("pull")):
+            assert pl.start <= d.start and d.seconds <= pl.seconds and d.units == 1.0
+
+
+def test_a_wake_reaches_a_waiting_thread_and_skips_a_condition_without_one():
+    """Conditions count their waiters: a wake-up with none to wake does nothing, and one with a
+    waiter reaches it (a lost wake-up would leave it waiting out its 30 s)."""
+    sig = Signals()
+    woke = threading.Event()
+
+    def waiter():
+        with sig.lock:
+            sig.callers.wait(30)
+        woke.set()
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while True:
+        with sig.lock:
+            if sig.callers.waiting == 1:
+                assert sig.delivery.waiting == sig.ingestion.waiting == 0
+                sig.wake(callers=True, ingestion=True, delivery=True)
+                break
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.001)
+    assert woke.wait(5)
+    thread.join(5)
+    assert sig.callers.waiting == 0
 
 
 def test_an_inline_pull_stages_rows_a_priority_update_made_stale(small_spec, monkeypatch):

@@ -380,16 +380,28 @@ class ExperienceDataPlane:
         t0 = time.perf_counter()
         self._check_open()
         waited = self.config.wait_for(timeout)
-        batch = self._engine.next_batch(deadline=t0 + waited, waited=waited)
-        self._record("pull", "sync_del" if self._engine.delivery.overlapped else None, t0)
+        records: list[TimingRecord] = []  # of the deliveries this pull runs itself
+        try:
+            batch = self._engine.next_batch(deadline=t0 + waited, waited=waited,
+                                            records=records)
+        except BaseException:
+            self.timings.add(records)
+            raise
+        self._record("pull", "sync_del" if self._engine.delivery.overlapped else None, t0,
+                     records)
         return batch
 
-    def _record(self, name: str, sync: str | None, t0: float) -> None:
+    def _record(self, name: str, sync: str | None, t0: float,
+                earlier: list[TimingRecord] | None = None) -> None:
         """Record a call that began at ``t0`` as ``name``, and as ``sync`` (the wait on a
-        worker) when the operator is overlapped; one clock read and one lock for both."""
+        worker) when the operator is overlapped, after the ``earlier`` records it made; one
+        clock read and one lock for all."""
         seconds = time.perf_counter() - t0
-        rec = TimingRecord(name, seconds, 1.0, t0)
-        self.timings.add((rec,) if sync is None else (rec, TimingRecord(sync, seconds, 1.0, t0)))
+        recs = earlier if earlier is not None else []
+        recs.append(TimingRecord(name, seconds, 1.0, t0))
+        if sync is not None:
+            recs.append(TimingRecord(sync, seconds, 1.0, t0))
+        self.timings.add(recs)
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: every mini-batch of the current iteration (M × epochs), in order.

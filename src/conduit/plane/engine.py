@@ -30,7 +30,7 @@ from conduit.scheduling.space import Schedule
 from conduit.spec import Batch
 from conduit.storage import ExperienceBuffer, data_path_threads
 from conduit.storage.state import StateDict, entry
-from conduit.timing import Timings
+from conduit.timing import TimingRecord, Timings
 
 
 class PlaneEngine:
@@ -212,9 +212,10 @@ class PlaneEngine:
             ingestion = self.ingestion
         ingestion.after_push()
 
-    def next_batch(self, *, deadline: float, waited: float) -> Batch:
+    def next_batch(self, *, deadline: float, waited: float,
+                   records: list[TimingRecord]) -> Batch:
         """The next training batch: a staged one, or, when nothing is staged, one that inline
-        delivery makes here.
+        delivery makes here (its timing records are appended to ``records``).
 
         Raises:
             EmptyBufferError: No batch by ``deadline`` (``waited`` is for the message).
@@ -246,7 +247,7 @@ class PlaneEngine:
                 self.ingestion.hurry()
                 continue
             with data_path_threads(1):
-                err, batch = rt.run_delivery(job, caller=True)
+                err, batch = rt.run_delivery(job, caller_records=records)
             rt.raise_own(err)
             if batch is not None:
                 return batch

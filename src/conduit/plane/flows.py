@@ -31,6 +31,22 @@ from conduit.storage import ExperienceBuffer, SampleInfo
 from conduit.storage.state import integer
 
 
+class _Condition(threading.Condition):
+    """A condition that counts the threads waiting on it (changed under its lock, like the
+    waits themselves), so that a notification with no one to wake costs one comparison."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        super().__init__(lock)
+        self.waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
 class Signals:
     """One lock, with a condition per kind of waiter, so that an event wakes only the threads
     it concerns (every wake-up costs a thread hand-off on a small machine).
@@ -44,18 +60,18 @@ class Signals:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.callers = threading.Condition(self.lock)
-        self.ingestion = threading.Condition(self.lock)
-        self.delivery = threading.Condition(self.lock)
+        self.callers = _Condition(self.lock)
+        self.ingestion = _Condition(self.lock)
+        self.delivery = _Condition(self.lock)
 
     def wake(self, *, callers: bool = False, ingestion: bool = False,
              delivery: bool = False) -> None:
         """Wake the waiters an event concerns (call with the lock held)."""
-        if callers:
+        if callers and self.callers.waiting:
             self.callers.notify_all()
-        if ingestion:
+        if ingestion and self.ingestion.waiting:
             self.ingestion.notify_all()
-        if delivery:
+        if delivery and self.delivery.waiting:
             self.delivery.notify_all()
 
 

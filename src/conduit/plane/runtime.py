@@ -18,7 +18,7 @@ from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.spec import Batch
 from conduit.storage import data_path_threads
-from conduit.timing import Timings
+from conduit.timing import TimingRecord, Timings
 
 IngestionFn = Callable[[ActorIn, BufferOut], None]
 DeliveryFn = Callable[[BufferIn, LearnerOut], None]
@@ -195,18 +195,21 @@ class OperatorRuntime:
         else:
             self.run_delivery(job)
 
-    def run_delivery(self, job: DeliveryJob, *, caller: bool = False
+    def run_delivery(self, job: DeliveryJob, *,
+                     caller_records: list[TimingRecord] | None = None
                      ) -> tuple[OperatorError | None, Batch | None]:
         """One delivery invocation: gather (or take the early-assembled rows), run the
         operator, and stage its training batches.
 
         Args:
             job: The invocation.
-            caller: The thread that takes the next batch runs it (an inline ``pull``). Rows
-                that are a batch as they are (the identity operator, one batch, host rows for
-                a host learner) then go straight back to it, counted as delivered, unless a
-                batch is staged before them or a priority update made them stale
-                (:meth:`Flow.hand_over_locked`).
+            caller_records: Given when the thread that takes the next batch runs the
+                invocation (an inline ``pull``): the invocation's timing record is appended
+                here, for the caller to add with its own (added at once if the operator
+                raised), and rows that are a batch as they are (the identity operator, one
+                batch, host rows for a host learner) go straight back to the caller, counted
+                as delivered, unless a batch is staged before them or a priority update made
+                them stale (:meth:`Flow.hand_over_locked`).
 
         Returns:
             ``(error, batch)``: the (latched) error if the operator raised, and the batch
@@ -239,13 +242,18 @@ class OperatorRuntime:
             if self.stream is not None and staged:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            self.timings.record("delivery", time.perf_counter() - t0,
-                                units=self.flow.delivery_units(job), start=t0)
+            rec = TimingRecord("delivery", time.perf_counter() - t0,
+                               self.flow.delivery_units(job), t0)
+            if caller_records is None or err is not None:
+                self.timings.add((rec,))
+            else:
+                caller_records.append(rec)
             with self.signals.lock:
                 if self.error is not None:
                     direct = None
                 elif direct is not None and not (
-                        caller and self.flow.hand_over_locked(job.generation)):
+                        caller_records is not None
+                        and self.flow.hand_over_locked(job.generation)):
                     staged, direct = [direct], None
                 if self.error is None and staged:
                     self.flow.stage_locked(staged, job.generation, event)
