@@ -29,14 +29,18 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
     slot of that order, so the phase pushes every unit under the same policy version.
 
     Who pushes depends on the schedule. With inline ingestion the learner's thread collects and
-    pushes every unit itself. With overlapped ingestion a port thread receives and pushes the
-    units, so the learner's thread only waits for the actors and then for the last push.
+    pushes every unit itself. With overlapped ingestion a port thread receives and pushes every
+    unit but the last while the learner's thread waits; once the port thread has collected the
+    last but one, the learner's thread collects the last unit, waits for the port thread's
+    remaining push, and pushes the last unit itself. The learner's path after the last arrival
+    is then that one push: not the port thread's push of it, the thread's exit and the join,
+    which on a 2-core machine wait for the GIL while ingestion runs.
 
     Timing records: the learner's wait for the actors is ``"rollout"``, one record per unit
     (the per-unit ``T_rollout`` the cost model reads). Time inside ``push`` is the plane's own
     ``"push"`` record; pushes made by the port thread are also recorded as
-    ``"push_offthread"``, and the learner's wait for them after the last unit arrived as
-    ``"push_wait"`` (see :class:`~conduit.workloads.breakdown.BreakdownRecorder`).
+    ``"push_offthread"``, and the learner's wait for the port thread after the last unit
+    arrived as ``"push_wait"`` (see :class:`~conduit.workloads.breakdown.BreakdownRecorder`).
 
     Args:
         plane: The plane to push into.
@@ -60,45 +64,77 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
                for h in actors.submit(num_steps, weights if k == 0 else None, params)]
     got: dict[str, Any] = {"rows": 0, "episode_returns": [], "waited": time.perf_counter() - t0}
 
-    def receive(offthread: bool) -> None:
-        for h in handles:
-            t1 = time.perf_counter()
-            out = actors.result(h)
-            got["arrived"] = time.perf_counter()
-            got["waited"] += got["arrived"] - t1
-            version = {"policy_version": plane.policy_version} if on_policy else {}
-            t2 = time.perf_counter()
-            plane.push(out["rollout"], **version)
-            if offthread:
-                plane.timings.record("push_offthread", time.perf_counter() - t2, start=t2)
-            got["rows"] += out["stats"]["rows"]
-            got["episode_returns"] += out["stats"]["episode_returns"]
+    def receive(call: Any, offthread: bool) -> None:
+        """Collect one unit and push it."""
+        t1 = time.perf_counter()
+        out = actors.result(call)
+        got["waited"] += time.perf_counter() - t1
+        push(out, offthread)
 
-    if plane.schedule.overlap_ing:
-        _run_port_thread(receive)
-        waited = got["arrived"] - t0  # the learner's thread waited for the actors until here
-        plane.timings.record("push_wait", time.perf_counter() - got["arrived"],
-                             start=got["arrived"])
+    def push(out: dict[str, Any], offthread: bool) -> None:
+        version = {"policy_version": plane.policy_version} if on_policy else {}
+        t2 = time.perf_counter()
+        plane.push(out["rollout"], **version)
+        if offthread:
+            plane.timings.record("push_offthread", time.perf_counter() - t2, start=t2)
+        got["rows"] += out["stats"]["rows"]
+        got["episode_returns"] += out["stats"]["episode_returns"]
+
+    if plane.schedule.overlap_ing and len(handles) > 1:
+        *ahead, last = handles
+        collected = threading.Event()  # the port thread made its last actors.result call
+        port_failed: list[BaseException] = []
+
+        def port_body() -> None:
+            try:
+                for call in ahead[:-1]:
+                    receive(call, offthread=True)
+                out = actors.result(ahead[-1])
+            except BaseException as exc:
+                port_failed.append(exc)  # before the wake-up: the learner then collects no more
+                collected.set()
+                raise
+            collected.set()
+            push(out, offthread=True)
+
+        port = _PortThread(port_body)
+        try:
+            collected.wait()
+            if not port_failed:  # one caller of actors.result at a time
+                out = actors.result(last)
+                arrived = time.perf_counter()
+        finally:
+            port.join()  # re-raises what the port thread raised
+        plane.timings.record("push_wait", time.perf_counter() - arrived, start=arrived)
+        waited = arrived - t0  # the learner's thread waited for the actors until here
+        push(out, offthread=False)
     else:
-        receive(offthread=False)
+        for call in handles:
+            receive(call, offthread=False)
         waited = got["waited"]
     for _ in handles:
         plane.timings.record("rollout", waited / len(handles), start=t0)
     return {"rows": got["rows"], "episode_returns": got["episode_returns"]}
 
 
-def _run_port_thread(receive: Callable[[bool], None]) -> None:
-    """Run ``receive(True)`` on the actor port's thread; re-raise what it raised."""
-    failure: list[BaseException] = []
+class _PortThread:
+    """The actor port's thread, running ``body``; :meth:`join` waits for it and re-raises what
+    it raised."""
 
-    def body() -> None:
-        try:
-            receive(True)
-        except BaseException as exc:  # handed to the learner's thread below
-            failure.append(exc)
+    def __init__(self, body: Callable[[], None]) -> None:
+        self._failure: list[BaseException] = []
 
-    port = threading.Thread(target=body, name="conduit-actor-port", daemon=True)
-    port.start()
-    port.join()
-    if failure:
-        raise failure[0]
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # handed to the learner's thread by join()
+                self._failure.append(exc)
+
+        self._thread = threading.Thread(target=run, name="conduit-actor-port", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the thread; re-raise what the body raised."""
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
