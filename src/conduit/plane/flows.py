@@ -583,7 +583,9 @@ class OnPolicyFlow(Flow):
         self.delivered_in_iter += 1
         if self.delivered_in_iter == self.config.batches_per_iteration:
             self._advance_locked()
-            self.signals.wake(callers=True, ingestion=True)  # pushes of the next version
+            # Pushes of the next version wait in push() for admission; the ingestion worker
+            # has work only if units were already queued (a push wakes it for its own).
+            self.signals.wake(callers=True, ingestion=bool(self.pending))
 
     def _advance_locked(self) -> None:
         self.buffer.clear()
