@@ -250,13 +250,14 @@ class OperatorRuntime:
                 caller_records.append(rec)
             with self.signals.lock:
                 if self.error is not None:
-                    direct = None
-                elif direct is not None and not (
-                        caller_records is not None
-                        and self.flow.hand_over_locked(job.generation)):
-                    staged, direct = [direct], None
-                if self.error is None and staged:
-                    self.flow.stage_locked(staged, job.generation, event)
+                    direct = None  # a latched error drops what the invocation made
+                else:
+                    if direct is not None and not (
+                            caller_records is not None
+                            and self.flow.hand_over_locked(job.generation)):
+                        staged, direct = [direct], None
+                    if staged:
+                        self.flow.stage_locked(staged, job.generation, event)
                 self.busy -= 1
                 self.flow.counters["invocations_del"] += 1
                 self.signals.wake(callers=True)
