@@ -286,6 +286,9 @@ def as_indices(value: Any) -> torch.Tensor:
 def as_tensor(value: Any, *, field: str) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 
+    A tensor with autograd history comes back detached (the same memory): rows are stored as
+    values, and a copy into a column must not join the caller's graph.
+
     Raises:
         SpecError: The value cannot become a tensor, or is a tensor without data (on the
             ``meta`` device).
@@ -294,7 +297,7 @@ def as_tensor(value: Any, *, field: str) -> torch.Tensor:
         if value.device.type == "meta":
             raise SpecError(field, "is a tensor on the 'meta' device, which holds no data; "
                                    "materialise it on the CPU or a GPU first")
-        return value
+        return value.detach() if value.requires_grad else value
     if isinstance(value, np.ndarray):
         if value.dtype == np.bool_ or value.dtype.kind in "biuf":
             return torch.from_numpy(np.ascontiguousarray(value))

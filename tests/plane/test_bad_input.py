@@ -228,6 +228,25 @@ def test_numpy_rollouts_accepted(small_spec):
         assert p.pull()["obs"].dtype == torch.float32
 
 
+@pytest.mark.parametrize(("mode", "schedule"), [
+    ("off_policy", Schedule(0, 1, 0, 1)), ("off_policy", Schedule(1, 1, 1, 1)),
+    ("on_policy", Schedule(0, 1, 0, 0.5)), ("on_policy", Schedule(1, 1, 1, 0.5))])
+def test_rollouts_with_autograd_history_are_stored_as_values(small_spec, mode, schedule):
+    # e.g. values an actor computed without torch.no_grad(): stored detached, and the plane
+    # keeps delivering (a column that joined the graph would fail every later gather).
+    kw = {"num_minibatches": 2, "capacity": 8} if mode == "on_policy" else {}
+    with plane(small_spec, schedule=schedule, mode=mode, **kw) as p:
+        rows = make_rows(small_spec, 8)
+        w = torch.ones(8, 4, requires_grad=True)
+        rows["obs"] = rows["obs"] * w
+        p.push(rows)
+        batches = list(p.minibatches()) if mode == "on_policy" else [p.pull(), p.pull()]
+        for b in batches:
+            assert not b["obs"].requires_grad
+            assert torch.equal(b["obs"][:, 0], b["id"].float())
+        assert w.grad is None
+
+
 def test_rollout_spec_validates_raw_rollouts(small_spec):
     raw = ExperienceSpec.of(obs=((4,), torch.float32), id=((), torch.int64))
     with plane(small_spec, rollout_spec=raw) as p:

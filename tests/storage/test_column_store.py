@@ -31,6 +31,22 @@ def test_set_get_round_trip_every_placement(small_spec, placement):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
+def test_rows_with_autograd_history_are_stored_as_values(small_spec, placement):
+    # A column that joined the caller's graph would make every later gather (index_select
+    # with out=) fail: both writes store the values and leave the columns plain tensors.
+    store = make_store(spec=small_spec, capacity=10, placement=placement)
+    rows = make_rows(small_spec, 4, start=100)
+    w = torch.ones(4, 4, requires_grad=True)
+    rows["obs"] = rows["obs"] * w
+    store.set_range(0, rows)
+    store.set(torch.tensor([9, 8]), {k: v[:2] for k, v in rows.items()})
+    got = store.get(torch.tensor([0, 3, 9]))
+    assert got["obs"][:, 0].tolist() == [100.0, 103.0, 100.0] and not got["obs"].requires_grad
+    assert w.grad is None and rows["obs"].requires_grad  # the caller's graph is untouched
+    assert store.get(torch.tensor([1]))["obs"][0, 0] == 101.0  # and gathers keep working
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
 def test_scattered_set(small_spec, placement):
     store = make_store(spec=small_spec, capacity=10, placement=placement)
     rows = make_rows(small_spec, 3, start=100)

@@ -75,6 +75,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
             else:
                 d[di] = s if src_rows is None else s[src_rows.numpy()]
             return
+    src = src.detach()  # the copy must not make ``dst`` part of the caller's graph
     rows = src if src_rows is None else src.index_select(0, src_rows.to(src.device))
     dst.index_copy_(0, dst_rows.to(dst.device), rows.to(dst.device, non_blocking=True))
 
@@ -317,8 +318,8 @@ class ColumnStore:
                 # The same memcpy through numpy, without torch's per-call dispatch, which
                 # dominates for the small fields (reward, done) of small chunks.
                 view[start:start + src.shape[0]] = src.numpy()
-            else:
-                col[start:start + src.shape[0]].copy_(src, non_blocking=True)
+            else:  # (detached: a column never joins a caller's autograd graph)
+                col[start:start + src.shape[0]].copy_(src.detach(), non_blocking=True)
 
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None,
             workers: GatherWorkers | None = None) -> Batch:
