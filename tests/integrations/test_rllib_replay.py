@@ -266,6 +266,29 @@ def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -
         buffer.sample(num_items=5000, n_step=1)
 
 
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"num_items": -3}, "num_items"), ({"num_items": 0}, "num_items"),
+    ({"num_items": 2.5}, "num_items"), ({"num_items": None, "batch_size_B": -1}, "batch_size_B"),
+    ({"n_step": -1}, "n_step"), ({"n_step": 2.5}, "n_step"), ({"n_step": (3, 1)}, "n_step"),
+    ({"n_step": (0, 2)}, "n_step"), ({"n_step": (1, 3, 5)}, "n_step"),
+    ({"gamma": float("nan")}, "gamma")])
+def test_a_bad_sample_argument_is_refused_and_changes_nothing(
+        adds: list[list[SingleAgentEpisode]], prioritized: bool, kwargs: dict,
+        field: str) -> None:
+    # A sample of another size rebuilds the plane over the same rows; a bad size used to
+    # close the plane first and fail after, leaving a buffer that reported nothing added.
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    buffer = _filled(cls(capacity=1000, schedule="inline"), adds[:1])
+    rows = len(buffer)
+    with pytest.raises(ConfigError) as ei:
+        buffer.sample(**({"num_items": 4, "n_step": 3, "gamma": 0.99} | kwargs))
+    assert ei.value.field == field
+    assert len(buffer) == rows
+    got = buffer.sample(num_items=6, n_step=[1, 3], gamma=0.99)
+    assert len(got) == 6 and all(1 <= e.get_extra_model_outputs("n_step")[0] < 3 for e in got)
+
+
 def _wait_staged(buffer: ConduitEpisodeReplayBuffer, timeout: float = 10.0) -> None:
     """Wait until the delivery worker has staged a batch ahead of the next sample."""
     deadline = time.monotonic() + timeout

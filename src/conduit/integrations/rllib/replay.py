@@ -164,10 +164,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         plane = self._plane
         if plane is None:
             raise EmptyBufferError("cannot sample: nothing was added to the buffer")
-        if plane.batch_size != batch_size:
-            if batch_size > self.capacity:
-                raise ConfigError("num_items", f"{batch_size} transitions per sample exceed "
-                                               f"the capacity {self.capacity}")
+        if plane.batch_size != batch_size:  # (sample checked batch_size against capacity)
             # The rows stay where they are: the new plane takes over the store.
             state, spec, store = plane.state_dict(rows=False), plane.spec, plane.buffer.store
             plane = self._build_plane(spec, batch_size, self._close_plane(), store=store)
@@ -251,14 +248,24 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 raise ConfigError(name, "Conduit's RLlib buffers sample n-step transitions of "
                                         "stateless modules only (as DQN and SAC do); use "
                                         "RLlib's own buffer for sequences")
-        size = num_items or batch_size_B or self.batch_size_B
+        given = "num_items" if num_items is not None else "batch_size_B"
+        size = num_items if num_items is not None else batch_size_B
+        if size is None:
+            size = self.batch_size_B
+        elif isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ConfigError(given, f"must be a positive integer, got {size!r}")
+        size = int(size)
+        if size > self.capacity:
+            raise ConfigError(given, f"{size} transitions per sample exceed the capacity "
+                                     f"{self.capacity}")
         beta = self.beta if beta is None else beta
-        if self.prioritized and not beta >= 0:
-            raise ConfigError("beta", f"must be >= 0, got {beta}")
-        n_step = n_step or 1
-        self._sampler.set_request(WindowRequest(
-            n_step=tuple(n_step) if isinstance(n_step, list) else n_step, gamma=gamma,
-            complete=self.prioritized, beta=float(beta) if self.prioritized else None))
+        if self.prioritized and not (isinstance(beta, (int, float, np.floating))
+                                     and not isinstance(beta, bool)):
+            raise ConfigError("beta", f"must be a number >= 0, got {beta!r}")
+        # Checked before anything changes: a bad argument leaves the buffer as it was.
+        request = WindowRequest(n_step=n_step or 1, gamma=gamma, complete=self.prioritized,
+                                beta=float(beta) if self.prioritized else None)
+        self._sampler.set_request(request)
         resamples = self._sampler.resamples
         plane = self._plane_for(size)
         self.schedule.sampling(plane)

@@ -12,17 +12,22 @@ caller took the batch (each row carries its row number at the draw, ``_row``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from conduit.errors import EmptyBufferError, SpecError
+from conduit.errors import ConfigError, EmptyBufferError, SpecError
 from conduit.integrations.rllib.episode_rows import EpisodeRows, NStep, Window
 from conduit.spec import Batch
 from conduit.storage import SampleInfo, Sampler
 from conduit.storage.state import JSON, StateDict, entry, integer
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,26 @@ class WindowRequest:
     gamma: float = 0.99
     complete: bool = False
     beta: float | None = None
+
+    def __post_init__(self) -> None:
+        """Raises ConfigError naming ``n_step``, ``gamma`` or ``beta`` for a value that
+        cannot make windows (RLlib's own buffers fail on them with an IndexError or worse)."""
+        n = self.n_step
+        if isinstance(n, Sequence) and not isinstance(n, str):
+            if (len(n) != 2 or not all(_is_int(k) for k in n)
+                    or not 1 <= int(n[0]) < int(n[1])):
+                raise ConfigError("n_step", f"a range must be two integers (low, high) with "
+                                            f"1 <= low < high (high excluded), got {n!r}")
+            object.__setattr__(self, "n_step", (int(n[0]), int(n[1])))
+        elif not (_is_int(n) and int(n) >= 1):
+            raise ConfigError("n_step", f"must be an integer >= 1 or a range (low, high), got "
+                                        f"{n!r}")
+        else:
+            object.__setattr__(self, "n_step", int(n))
+        if not (isinstance(self.gamma, (int, float, np.floating)) and math.isfinite(self.gamma)):
+            raise ConfigError("gamma", f"must be a finite number, got {self.gamma!r}")
+        if self.beta is not None and not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ConfigError("beta", f"must be a finite number >= 0, got {self.beta!r}")
 
     def draw_n(self, rng: np.random.Generator, size: int) -> np.ndarray:
         """The n-step of ``size`` rows."""
