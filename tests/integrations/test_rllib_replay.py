@@ -19,7 +19,7 @@ from ray.rllib.utils.replay_buffers import (  # noqa: E402
     PrioritizedEpisodeReplayBuffer,
 )
 
-from conduit.errors import ConfigError, PriorityError, StateError  # noqa: E402
+from conduit.errors import ConfigError, PriorityError, SpecError, StateError  # noqa: E402
 from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
@@ -256,6 +256,49 @@ def test_ring_counts_timesteps_and_windows_stay_in_their_episode(
         np.testing.assert_array_equal(eps.get_observations(0), obs)
         np.testing.assert_array_equal(eps.get_observations(-1), next_obs)
     assert buffer.get_metrics()["num_env_steps_evicted"] == total - capacity
+
+
+def _with_actions(eps: SingleAgentEpisode, actions: np.ndarray) -> SingleAgentEpisode:
+    n = len(eps)
+    return SingleAgentEpisode(
+        observations=list(eps.get_observations(slice(0, n + 1))), actions=list(actions),
+        rewards=list(eps.get_rewards(slice(0, n))), terminated=eps.is_terminated,
+        observation_space=eps.observation_space, action_space=eps.action_space,
+        len_lookback_buffer=0).to_numpy()
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_an_add_with_a_bad_episode_changes_nothing(adds: list[list[SingleAgentEpisode]],
+                                                   prioritized: bool) -> None:
+    """A chunk that cannot be stored (actions of another dtype, dict observations, not an
+    episode) raises SpecError before the links change: the rows counted stay the rows in the
+    ring, and every sampled transition still matches its source episode."""
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    buffer = cls(capacity=60, seed=3, schedule="inline")
+    first, second = adds
+    buffer.add(first[:2])
+    rows = len(buffer)
+    good = first[2]
+    floats = _with_actions(first[3], np.linspace(0, 1, len(first[3])))
+    box = gym.spaces.Dict({"x": good.observation_space})
+    nested = SingleAgentEpisode(observations=[{"x": o} for o in good.get_observations()],
+                                actions=list(good.get_actions()),
+                                rewards=list(good.get_rewards()), observation_space=box,
+                                action_space=good.action_space, len_lookback_buffer=0)
+    for bad, field in ((floats, "action"), (nested, "obs"), ("episode", None)):
+        with pytest.raises(SpecError) as ei:
+            buffer.add([good, bad])  # the good chunk first: it must not be half-added
+        assert ei.value.field == field
+        assert len(buffer) == rows and len(buffer.plane.buffer) == rows
+    buffer.add(second)
+    source = set()  # (t, obs, next obs) of every stored step (the prioritized buffer, as
+    for eps in [*first[:2], *second]:  # RLlib's, gives sampled episodes new ids)
+        obs = eps.get_observations(slice(0, len(eps) + 1))
+        source |= {(eps.t_started + i, obs[i].tobytes(), obs[i + 1].tobytes())
+                   for i in range(len(eps))}
+    for eps in buffer.sample(num_items=60, n_step=1, gamma=GAMMA):
+        assert (eps.t_started, eps.get_observations(0).tobytes(),
+                eps.get_observations(-1).tobytes()) in source
 
 
 def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -> None:

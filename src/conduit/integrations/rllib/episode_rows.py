@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -81,6 +81,8 @@ class Appended:
     new_episodes: int
     evicted_episodes: int
     evicted_steps: int
+    spec: ExperienceSpec | None = None
+    """The spec every row was checked against (None when no row was made)."""
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,32 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+def _numeric(name: str, values: Any, n: int) -> np.ndarray:
+    """``values`` as an array of ``n`` rows of numbers.
+
+    Raises:
+        SpecError: Not a numeric array of ``n`` rows (for example a Dict or Tuple space's
+            nested values).
+    """
+    arr = np.asarray(values) if not isinstance(values, Mapping) else None
+    if arr is None or arr.ndim == 0 or len(arr) != n or arr.dtype.kind not in "biuf":
+        kind = (type(values).__name__ if arr is None or arr.ndim == 0
+                else f"{arr.dtype} array of shape {arr.shape}")
+        raise SpecError(name, f"Conduit's RLlib buffers store episodes whose observations and "
+                              f"actions are numeric arrays (Box, Discrete, MultiDiscrete "
+                              f"spaces), got {kind}; use RLlib's own buffer for other spaces")
+    return arr
+
+
 def _steps(eps: Episode) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """A chunk's rows ``(obs, action)``, its rewards, and its last observation (the tail)."""
+    """A chunk's rows ``(obs, action)``, its rewards, and its last observation (the tail).
+
+    Raises:
+        SpecError: Observations or actions that are not numeric arrays.
+    """
     n = len(eps)
-    obs = np.asarray(eps.get_observations(slice(0, n + 1)))
-    return ({"obs": obs[:-1], "action": np.asarray(eps.get_actions(slice(0, n)))},
+    obs = _numeric("obs", eps.get_observations(slice(0, n + 1)), n + 1)
+    return ({"obs": obs[:-1], "action": _numeric("action", eps.get_actions(slice(0, n)), n)},
             np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float64), obs[-1])
 
 
@@ -133,7 +156,7 @@ class Tails:
         Raises:
             SpecError: ``like`` differs in shape or dtype from earlier observations.
         """
-        self._check(like)
+        self.check(like)
         if not self._free:
             size = 0 if self.data is None else len(self.data)
             grown = np.zeros((max(2 * size, 16), *like.shape), dtype=like.dtype)
@@ -153,11 +176,12 @@ class Tails:
         Raises:
             SpecError: ``obs`` differs in shape or dtype from earlier observations.
         """
-        self._check(obs)
+        self.check(obs)
         assert self.data is not None, "write to a slot that was not taken"
         self.data[slot] = obs
 
-    def _check(self, obs: np.ndarray) -> None:
+    def check(self, obs: np.ndarray) -> None:
+        """Raises SpecError when ``obs`` differs in shape or dtype from stored observations."""
         if self.data is not None and (obs.shape != self.data.shape[1:]
                                       or obs.dtype != self.data.dtype):
             raise SpecError("obs", f"an observation of shape {obs.shape} and dtype {obs.dtype} "
@@ -238,18 +262,39 @@ class EpisodeRows:
         """Episodes with at least one row in the ring."""
         return len(self.table)
 
-    def append(self, episodes: Iterable[Episode]) -> Appended:
+    def append(self, episodes: Iterable[Episode], *,
+               spec: ExperienceSpec | None = None) -> Appended:
         """Make rows of ``episodes`` (in order) and link them to earlier chunks of the same
-        episodes. The caller writes ``rows`` to the ring next, in order."""
+        episodes. The caller writes ``rows`` to the ring next, in order.
+
+        Every chunk is read and checked before anything changes, so a bad chunk leaves the
+        links as they were.
+
+        Args:
+            episodes: Episode chunks.
+            spec: The rows' spec (the ring's); None: the first chunk's.
+
+        Raises:
+            SpecError: A chunk's observations or actions are not numeric arrays, or differ in
+                shape or dtype from ``spec`` (or the first chunk's) or from the stored
+                observations.
+        """
+        chunks = []
+        for eps in episodes:
+            if len(eps) == 0:
+                continue
+            steps, reward, last_obs = _steps(eps)
+            if spec is None:
+                spec = spec_of(steps)
+            spec.validate(steps, what="episode")
+            self.tails.check(last_obs)
+            chunks.append((eps, steps, reward, last_obs))
         parts: list[dict[str, np.ndarray]] = []
         links: list[tuple[int, int]] = []
         new = 0
         row = self.written
-        for eps in episodes:
+        for eps, steps, reward, last_obs in chunks:
             n = len(eps)
-            if n == 0:
-                continue
-            steps, reward, last_obs = _steps(eps)
             key = self._ongoing.get(eps.id_)
             if key is None or key not in self.table:
                 key, new = self._next_key, new + 1
@@ -293,7 +338,7 @@ class EpisodeRows:
         rows = (parts[0] if len(parts) == 1 else  # one chunk: its arrays, not copies
                 {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
         return Appended(rows, row - before, new, evicted,
-                        max(0, oldest) - max(0, before - self.capacity))
+                        max(0, oldest) - max(0, before - self.capacity), spec)
 
     def windows(self, starts: np.ndarray, n: np.ndarray) -> Window:
         """The windows of ``n[i]`` steps from slots ``starts[i]``, cut where episodes end."""

@@ -37,9 +37,10 @@ from conduit.errors import (
     EmptyBufferError,
     OperatorError,
     PriorityError,
+    SpecError,
     StateError,
 )
-from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, spec_of
+from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep
 from conduit.integrations.rllib.episodes import OneStepEpisodes, episode_ids
 from conduit.integrations.rllib.metrics import CachedMetricsLogger
 from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
@@ -181,10 +182,17 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """
         self.schedule.adding()
         with self._rows.lock:  # a delivery running ahead sees links and ring change at once
-            added = self._rows.append(force_list(episodes))
+            episodes = force_list(episodes)
+            for eps in episodes:
+                if not isinstance(eps, SingleAgentEpisode):
+                    raise SpecError(None, f"add takes SingleAgentEpisode objects (or a list of "
+                                          f"them), got {type(eps).__name__}")
+            added = self._rows.append(
+                episodes, spec=None if self._plane is None else self._plane.spec)
             if added.steps:
                 if self._plane is None:
-                    self._plane = self._build_plane(spec_of(added.rows), self.batch_size_B)
+                    assert added.spec is not None
+                    self._plane = self._build_plane(added.spec, self.batch_size_B)
                 for a in range(0, added.steps, self.capacity):
                     self._plane.push({k: v[a:a + self.capacity]
                                       for k, v in added.rows.items()})
