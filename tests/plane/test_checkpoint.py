@@ -203,6 +203,23 @@ def test_snapshots_run_in_the_background_and_load(small_spec, tmp_path):
             assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_a_snapshot_that_cannot_be_written_warns_and_raises_on_request(small_spec, tmp_path):
+    path = tmp_path / "missing" / "s.ckpt"
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4) as plane, \
+            plane.snapshots(path, every_s=3600) as snap:
+        plane.push(make_rows(small_spec, 20))
+        with pytest.warns(RuntimeWarning, match="snapshot 1 .* failed"), \
+                pytest.raises(FileNotFoundError):
+            snap.request(wait=True)
+        assert snap.stats.failures == 1 and snap.stats.snapshots == 0
+        assert isinstance(snap.last_error, FileNotFoundError) and not path.exists()
+        path.parent.mkdir()
+        snap.request(wait=True)  # the next one is written: nothing raised
+        assert snap.stats.snapshots == 1 and snap.stats.failures == 1
+    with ExperienceDataPlane.load(path) as back:
+        assert len(back.buffer) == 20
+
+
 # -- a snapshotting process killed at random points ----------------------------------------------
 
 
@@ -389,7 +406,8 @@ def test_a_snapshot_that_fails_to_start_is_not_left_tracked(small_spec, tmp_path
         plane.push(make_rows(small_spec, 16))
         monkeypatch.setattr(checkpoint, "_layout", broken)
         with plane.snapshots(tmp_path / "s.ckpt", every_s=3600) as snap:
-            snap.request(wait=True)
+            with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="layout"):
+                snap.request(wait=True)
             assert snap.stats.failures == 1 and "layout failed" in str(snap.last_error)
         assert plane.buffer._snapshots == []  # later writes copy into no stale snapshot
         plane.push(make_rows(small_spec, 8, start=100))

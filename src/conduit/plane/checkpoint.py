@@ -23,6 +23,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -293,7 +294,10 @@ class Snapshotter:
     on (a write copies aside the old rows it overwrites before the worker reaches them;
     ``double_buffer`` chooses where the worker copies to), writes them into ``path`` and
     renames the file into place: a crash at any point leaves the previous snapshot intact.
-    The file holds the plane exactly as it was at that instant.
+    The file holds the plane exactly as it was at that instant. A snapshot that cannot be
+    written (a missing folder, a full disk) warns with a ``RuntimeWarning``, is counted in
+    :attr:`stats` and kept in ``last_error``, and the next one is tried on schedule;
+    ``request(wait=True)`` raises it.
 
     Args:
         plane: The plane to snapshot.
@@ -325,7 +329,8 @@ class Snapshotter:
         self._failures = 0
         self.last_error: BaseException | None = None
         self._done = threading.Condition()
-        self._count = 0
+        self._count = 0  # snapshots attempted
+        self._ok = 0  # the number of the last one written
         # Reading out and writing run on a worker at the lowest OS priority, so they take only
         # the cores training leaves idle; the short hold runs on the normal-priority thread.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-snapshot-io",
@@ -334,13 +339,29 @@ class Snapshotter:
         self._thread.start()
 
     def request(self, *, wait: bool = False, timeout: float = 60.0) -> None:
-        """Take a snapshot now (``wait``: until it is on disk)."""
+        """Take a snapshot now.
+
+        Args:
+            wait: Return once the snapshot is on disk (or the snapshotter was closed).
+            timeout: Seconds to wait.
+
+        Raises:
+            Exception: (``wait``) What taking or writing the snapshot raised (an ``OSError``
+                where :meth:`ExperienceDataPlane.save` would have raised one), also kept in
+                ``last_error``; the previous snapshot is intact.
+            TimeoutError: (``wait``) The snapshot was not written within ``timeout``.
+        """
         with self._done:
             target = self._count + 1
         self._wake.set()
         if wait:
             with self._done:
-                self._done.wait_for(lambda: self._count >= target or self._stop, timeout)
+                if not self._done.wait_for(lambda: self._count >= target or self._stop,
+                                           timeout):
+                    raise TimeoutError(f"snapshot to {self.path} not written within "
+                                       f"{timeout} s")
+                if self._ok < target <= self._count and self.last_error is not None:
+                    raise self.last_error
 
     @property
     def stats(self) -> SnapshotStats:
@@ -392,14 +413,22 @@ class Snapshotter:
             self._wake.clear()
             if self._stop or self.plane.closed:
                 break
+            ok = False
             try:
                 marked = self._mark()
                 self._writes.append(self._io.submit(self._write, *marked).result())
+                ok = True
             except Exception as exc:
                 self._failures += 1
                 self.last_error = exc
+                warnings.warn(f"snapshot {self._count + 1} to {self.path} failed "
+                              f"({type(exc).__name__}: {exc}); the previous snapshot is "
+                              f"intact (failures so far: {self._failures})", RuntimeWarning,
+                              stacklevel=1)
             with self._done:
                 self._count += 1
+                if ok:
+                    self._ok = self._count
                 self._done.notify_all()
 
     def close(self) -> None:
