@@ -142,6 +142,8 @@ class Plan:
         lines = [
             f"Conduit schedule plan ({self.mode}, {self.num_candidates} candidates scored "
             "with Eq. 2)",
+            "times per Eq. 2 iteration: one timed rollout and one timed update (not a "
+            "trainer's whole iteration, which may hold several of each)",
             f"profile: T_rollout={_ms(p.t_rollout)} ms  T_update={_ms(p.t_update)} ms  "
             f"T_sync,ing={_ms(p.t_sync_ing)} ms  T_sync,del={_ms(p.t_sync_del)} ms"
             + "".join(f"  {label}={_ms(v)} ms" for label, v in (("T_copy,ing", p.t_copy_ing),
