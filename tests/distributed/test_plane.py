@@ -83,10 +83,12 @@ def test_a_payload_put_by_a_remote_actor_lands_on_its_nodes_shard(cluster):
         batch = plane.pull()
         check_rows(batch)
         assert set(batch["id"].tolist()) <= set(range(100, 110))
-        bad = ray.put({"obs": np.zeros((3, 5), np.float32)})
-        with pytest.raises(SpecError):
-            plane.push(bad, node=where)
-        assert plane.stats()["shards"][2]["rows"] == 10  # refused on every holder
+        for bad, field in ((ray.put({"obs": np.zeros((3, 5), np.float32)}), "obs"),
+                           (ray.put([1, 2, 3]), None)):  # not even a mapping
+            with pytest.raises(SpecError) as ei:
+                plane.push(bad, node=where)
+            assert ei.value.field == field
+            assert plane.stats()["shards"][2]["rows"] == 10  # refused on every holder
     finally:
         plane.close()
 

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from conduit.errors import ConduitError, ConfigError, StateError
+from conduit.errors import ConduitError, ConfigError, SpecError, StateError
 from conduit.plane.config import PlaneConfig
 from conduit.spec import ExperienceSpec
 from conduit.storage import (
@@ -251,6 +251,9 @@ class BufferShard:
         if buf.total_written < first_id:
             raise StateError(f"shard{self.shard_id}.rows[{owner}]",
                              f"holds {buf.total_written} writes, the write expects {first_id}")
+        if not isinstance(rows, Mapping):  # an actor's ObjectRef may hold anything
+            raise SpecError(None, f"rollout must be a mapping of field name to tensor, got "
+                                  f"{type(rows).__name__}")
         data = {k: _view(v) for k, v in rows.items()}
         if isinstance(buf.sampler, PrioritizedSampler):
             buf.sampler.max_priority = max(buf.sampler.max_priority, float(max_priority))
