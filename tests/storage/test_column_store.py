@@ -46,6 +46,35 @@ def test_rows_with_autograd_history_are_stored_as_values(small_spec, placement):
     assert store.get(torch.tensor([1]))["obs"][0, 0] == 101.0  # and gathers keep working
 
 
+def test_a_host_store_larger_than_the_memory_left_is_refused_before_allocating(
+        small_spec, monkeypatch):
+    from types import SimpleNamespace
+
+    from conduit.storage import column_store
+
+    allocated = []
+
+    def zeros(shape, dtype, **_k):
+        allocated.append(shape)
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(column_store, "host_zeros", zeros)
+    row = small_spec.bytes_per_sample
+    monkeypatch.setattr(column_store.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=100 * row))
+    with pytest.raises(CapacityError, match="capacity: 101 rows") as ei:
+        ColumnStore(spec=small_spec, capacity=101)
+    assert (ei.value.needed, ei.value.available) == (101 * row, 100 * row) and not allocated
+    assert ColumnStore(spec=small_spec, capacity=100).capacity == 100
+
+    def no_memory(*_a, **_k):
+        raise OSError(12, "Cannot allocate memory")  # what mmap raises past the overcommit
+
+    monkeypatch.setattr(column_store, "host_zeros", no_memory)
+    with pytest.raises(CapacityError, match="Cannot allocate memory"):
+        ColumnStore(spec=small_spec, capacity=100)
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.label())
 def test_scattered_set(small_spec, placement):
     store = make_store(spec=small_spec, capacity=10, placement=placement)

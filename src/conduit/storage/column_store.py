@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
+import psutil
 import torch
 
 from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError, StateError
@@ -214,14 +215,25 @@ class ColumnStore:
                                  f"not available on this machine")
         pin = self.placement.is_pinned and torch.cuda.is_available()
         self.pinned = pin
+        need = self.capacity * spec.bytes_per_sample
+        if self.device.type == "cpu":
+            # Columns are written through at allocation: a buffer larger than the memory left
+            # would be killed by the OS part way, not refused.
+            free = int(psutil.virtual_memory().available)
+            if need > free:
+                raise CapacityError(f"capacity: {self.capacity:,} rows x "
+                                    f"{spec.bytes_per_sample:,} B = {need / 1e9:.2f} GB do not "
+                                    f"fit the {free / 1e9:.2f} GB of host memory available; "
+                                    f"reduce capacity or the per-sample size, or use a "
+                                    f"MemmapColumnStore", needed=need, available=free)
         try:
             self._cols: dict[str, torch.Tensor] = {
                 name: self._alloc((self.capacity, *fs.shape), fs.dtype)
                 for name, fs in spec.fields.items()}
-        except (RuntimeError, MemoryError) as exc:
-            need = self.capacity * spec.bytes_per_sample
-            raise CapacityError(f"cannot allocate {need} bytes for {self.capacity} rows on "
-                                f"{self.placement.label()}: {exc}", needed=need) from exc
+        except (RuntimeError, MemoryError, OSError) as exc:
+            raise CapacityError(f"capacity: cannot allocate {need:,} bytes for "
+                                f"{self.capacity:,} rows on {self.placement.label()}: {exc}",
+                                needed=need) from exc
         self._host_views = self._numpy_views()
 
     def _numpy_views(self) -> dict[str, np.ndarray]:
