@@ -292,3 +292,45 @@ def test_flush_timeout_is_a_backpressure_timeout(small_spec):
         release.set()
         plane.flush()
         assert len(plane.buffer) == 2
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 0.5), Schedule(0, 1, 1, 0.5),
+                                      Schedule(1, 1, 1, 0.5)], ids=lambda s: s.label())
+@pytest.mark.parametrize("failing_call", [1, 2, 3])
+def test_an_on_policy_mini_batch_whose_delivery_failed_is_delivered_after_recover(
+        small_spec, schedule, failing_call):
+    """Defect: the failed invocation's draw was used up, so its rows were never delivered in
+    that epoch and the iteration never ended (every later pull and next-version push timed
+    out). The mini-batch is now drawn again: the batches are those of a plane that never
+    failed, and the next iteration follows."""
+    def run(fail_at):
+        with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy",
+                                 num_minibatches=2, num_epochs=2, schedule=schedule,
+                                 timeout=10) as p:
+            calls = []
+
+            @p.register_delivery()
+            def deliver(exp_in, learn_out):
+                calls.append(1)
+                if len(calls) == fail_at:
+                    raise RuntimeError("transient")
+                learn_out.write(exp_in.read())
+
+            got = []
+            for version in range(2):
+                p.push(make_rows(small_spec, 8, start=100 * version), policy_version=version)
+                while len(got) < 4 * (version + 1):
+                    try:
+                        got.append(p.pull()["id"].tolist())
+                    except OperatorError:
+                        assert fail_at == len(calls)
+                        p.recover()
+            assert p.stats()["delivered_batches"] == 8 and p.policy_version == 2
+            return got
+
+    got = run(failing_call)
+    assert got == run(0)
+    for version in range(2):
+        for epoch in range(2):
+            rows = got[4 * version + 2 * epoch] + got[4 * version + 2 * epoch + 1]
+            assert sorted(rows) == list(range(100 * version, 100 * version + 8))

@@ -93,6 +93,7 @@ class DeliveryJob:
     batch_size: int
     generation: int
     early: EarlyBatch | None = None
+    position: int = -1  # on-policy: the mini-batch's place in the iteration (0 = its first)
 
 
 @dataclass
@@ -258,6 +259,12 @@ class Flow(abc.ABC):
     @abc.abstractmethod
     def delivery_units(self, job: DeliveryJob) -> float:
         """The granularity a delivery invocation processed, for the timings."""
+
+    def undo_delivery_locked(self, job: DeliveryJob) -> None:
+        """``job``'s invocation made nothing that will be delivered (its operator raised, or
+        another operator's error was latched meanwhile). Off-policy nothing is owed: the next
+        draw is another sample."""
+        return None
 
     def caller_delivers_locked(self) -> bool:
         """Whether, under overlapped delivery, a waiting ``pull`` runs the next delivery
@@ -571,7 +578,21 @@ class OnPolicyFlow(Flow):
         if early is not None:
             self.counters["early_batches"] += 1
         self.drawn_in_iter += 1
-        return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early)
+        return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early,
+                           position=self.drawn_in_iter - 1)
+
+    def undo_delivery_locked(self, job: DeliveryJob) -> None:
+        """The mini-batch of a failed invocation is owed: its draw is taken back, so that the
+        next invocation (after ``recover()``) draws the same rows and every row is still
+        delivered exactly once per epoch. Invocations of an iteration run one after another,
+        so the failed one is the last drawn."""
+        if job.position < 0 or job.position != self.drawn_in_iter - 1:
+            return  # pragma: no cover - a later draw or another iteration (not expected)
+        self.drawn_in_iter -= 1
+        sampler = self.buffer.sampler
+        if job.position % self.config.num_minibatches and sampler.cursor > 0:
+            sampler.seek(sampler.cursor - 1)
+        # (the epoch's first mini-batch: the next draw lays the same epoch out again)
 
     def starved_locked(self) -> bool:
         return self.iter_written_rows < self.config.capacity

@@ -251,6 +251,7 @@ class OperatorRuntime:
             with self.signals.lock:
                 if self.error is not None:
                     direct = None  # a latched error drops what the invocation made
+                    self.flow.undo_delivery_locked(job)
                 else:
                     if direct is not None and not (
                             caller_records is not None
