@@ -159,7 +159,13 @@ def test_on_policy_minibatches_are_exactly_once_across_shards_and_two_ranks(clus
                     plane.push(rows(1), policy_version=1, timeout=0.2)
             ranks = [plane.learner(0), plane.learner(1)]
             epochs: list[list[int]] = [[], []]
-            shares = [list(r.minibatches()) for r in ranks]
+            first = []
+            for b in ranks[0].minibatches():
+                first.append(b)
+                if len(first) == 2:
+                    break  # a loop left early: the next call resumes, in this iteration
+            shares = [first + list(ranks[0].minibatches()), list(ranks[1].minibatches())]
+            assert [len(s) for s in shares] == [6, 6]
             for m in range(6):
                 a, b = shares[0][m]["id"].tolist(), shares[1][m]["id"].tolist()
                 check_rows(shares[0][m])

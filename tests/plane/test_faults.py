@@ -334,3 +334,29 @@ def test_an_on_policy_mini_batch_whose_delivery_failed_is_delivered_after_recove
         for epoch in range(2):
             rows = got[4 * version + 2 * epoch] + got[4 * version + 2 * epoch + 1]
             assert sorted(rows) == list(range(100 * version, 100 * version + 8))
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 0.5), Schedule(1, 1, 1, 0.5)],
+                         ids=lambda s: s.label())
+def test_minibatches_resumes_a_loop_left_early_and_stays_in_its_iteration(small_spec,
+                                                                          schedule):
+    """Defect: minibatches() always made M x epochs pulls, so after a loop left early the
+    next call ran past the iteration: into the next one's rows when they were pushed, or
+    waiting out its timeout when they were not."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
+                             num_epochs=2, schedule=schedule, timeout=10) as p:
+        p.push(make_rows(small_spec, 8))
+        # The next version's rows, pushed as soon as this iteration is consumed.
+        actor = threading.Thread(target=p.push, args=(make_rows(small_spec, 8, start=100),),
+                                 kwargs={"policy_version": 1})
+        actor.start()
+        got = []
+        for b in p.minibatches():
+            got.append(b["id"].tolist())
+            break
+        got += [b["id"].tolist() for b in p.minibatches()]
+        assert len(got) == 4 and all(i < 8 for ids in got for i in ids)
+        assert p.policy_version == 1
+        actor.join()
+        nxt = [b["id"].tolist() for b in p.minibatches()]
+        assert len(nxt) == 4 and all(100 <= i < 108 for ids in nxt for i in ids)

@@ -327,5 +327,6 @@ class LearnerPort:
         plane = self._plane
         if not plane.config.on_policy:
             raise ConfigError("mode", "minibatches() is for on-policy planes; use pull()")
-        for _ in range(plane.config.batches_per_iteration):
+        iteration = self._position[0]
+        while self._position[0] == iteration:  # its last share moves this rank on
             yield self.pull(timeout=timeout)

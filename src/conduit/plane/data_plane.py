@@ -404,14 +404,17 @@ class ExperienceDataPlane:
         self.timings.add(recs)
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
-        """On-policy: every mini-batch of the current iteration (M × epochs), in order.
+        """On-policy: the current iteration's mini-batches (M × epochs), in order, from the
+        first not yet pulled: a loop left early and called again resumes where it stopped,
+        and never runs into the next iteration.
 
         Raises:
             ConfigError: The plane is off-policy.
         """
         if not self.config.on_policy:
             raise ConfigError("mode", "minibatches() is for on-policy planes; use pull()")
-        for _ in range(self.config.batches_per_iteration):
+        version = self.policy_version
+        while self.policy_version == version:  # the iteration's last pull moves it on
             yield self.pull(timeout=timeout)
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
