@@ -277,3 +277,18 @@ def test_rollout_rows_is_checked(small_spec, kw, fragment):
     with pytest.raises(ConfigError, match=fragment) as info:
         ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=8, **kw)
     assert info.value.field == "rollout_rows"
+
+
+@pytest.mark.parametrize("version", ["0", [0], 0.5, 1.0, True, torch.tensor(0.5)],
+                         ids=repr)
+def test_a_policy_version_that_is_not_an_integer_is_refused(small_spec, version):
+    # A float or bool version used to wait out the timeout for a "newer" policy; a string
+    # raised a bare TypeError from a comparison.
+    with plane(small_spec, mode="on_policy", capacity=8, num_minibatches=2) as p:
+        with pytest.raises(ConfigError) as ei:
+            p.push(make_rows(small_spec, 8), policy_version=version, timeout=0.5)
+        assert ei.value.field == "policy_version" and p.stats()["pushed_units"] == 0
+        import numpy as np
+        p.push(make_rows(small_spec, 4), policy_version=np.int64(0))
+        p.push(make_rows(small_spec, 4, start=4), policy_version=torch.tensor(0))
+        assert sorted(i for b in p.minibatches() for i in b["id"].tolist()) == list(range(8))

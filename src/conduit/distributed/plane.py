@@ -31,6 +31,7 @@ from conduit.distributed.sampling import priority_updates
 from conduit.distributed.shard import shard_spec_for
 from conduit.errors import ConfigError, PlaneClosedError, PriorityError
 from conduit.plane.config import PlaneConfig
+from conduit.plane.config import policy_version as check_policy_version
 from conduit.scheduling.space import Mode, ScheduleSpace
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import Placement, Sampler
@@ -283,7 +284,7 @@ class RayExperienceDataPlane(ScheduledOperators):
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
-        self._ingress.push(rollout, node=node, policy_version=policy_version,
+        self._ingress.push(rollout, node=node, policy_version=check_policy_version(policy_version),
                            deadline=time.monotonic() + self.config.wait_for(timeout))
 
     def _lost(self, rows: int) -> None:

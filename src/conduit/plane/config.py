@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -17,6 +18,23 @@ def _positive_int(name: str, v: object) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ConfigError(name, f"must be a positive integer, got {v!r}")
     return v
+
+
+def policy_version(v: object) -> int | None:
+    """A push's ``policy_version`` as an ``int`` (None stays None).
+
+    Raises:
+        ConfigError: Not an integer (a Python or NumPy integer, or a 0-d integer tensor).
+    """
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not (
+            v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # (NumPy's are Integral)
+        raise ConfigError("policy_version", f"must be an integer (the version of the policy "
+                                            f"that produced the rollout) or None, got {v!r}")
+    return int(v)
 
 
 @dataclass(frozen=True, kw_only=True)

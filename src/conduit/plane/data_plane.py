@@ -31,6 +31,7 @@ from conduit.errors import CapacityError, ConduitError, ConfigError, OperatorErr
 from conduit.placement import PlacementDecision, PlacementMap
 from conduit.plane import checkpoint
 from conduit.plane.config import PlaneConfig
+from conduit.plane.config import policy_version as check_policy_version
 from conduit.plane.engine import PlaneEngine
 from conduit.plane.flows import Unit
 from conduit.plane.migration import PlacementArg, grow_target, initial_placement, migrate
@@ -339,12 +340,14 @@ class ExperienceDataPlane:
             SpecError: The rollout does not match the spec.
             StaleRolloutError: On-policy rollout from an older policy.
             CapacityError: On-policy rows beyond the iteration's capacity.
+            ConfigError: ``policy_version`` is not an integer.
             BackpressureTimeout: No room within ``timeout``.
             OperatorError: An ingestion operator raised (now or on the worker earlier).
             PlaneClosedError: The plane is closed.
         """
         t0 = time.perf_counter()
         self._check_open()
+        policy_version = check_policy_version(policy_version)
         data, rows = admit_rollout(rollout, spec=self.spec, rollout_spec=self.rollout_spec,
                                    capacity=self.capacity, raw=self._ingest_registered)
         waited = self.config.wait_for(timeout)
