@@ -60,3 +60,16 @@ def test_spec_is_frozen_and_round_trips(small_spec):
     assert ExperienceSpec.from_dict(small_spec.to_dict()) == small_spec
     wider = small_spec.with_field("obs", FieldSpec((8,), torch.float32))
     assert wider.bytes_per_sample == small_spec.bytes_per_sample + 16
+
+
+@pytest.mark.parametrize(("dtype", "twin"), [(torch.uint16, "int16"), (torch.uint32, "int32"),
+                                             (torch.uint64, "int64"),
+                                             (torch.float8_e4m3fn, "int8")])
+def test_a_dtype_the_store_cannot_gather_is_refused_with_its_integer_twin(dtype, twin):
+    # A 1-D uint16 column has no index_select kernel: the plane failed on its first gather.
+    with pytest.raises(ConfigError, match=f"torch.{twin}") as ei:
+        ExperienceSpec.of(x=((), dtype))
+    assert ei.value.field == "dtype"
+    spec = ExperienceSpec.of(x=((), getattr(torch, twin)), y=((2,), torch.bfloat16))
+    col = torch.zeros(8, dtype=spec.fields["x"].dtype)
+    assert torch.index_select(col, 0, torch.tensor([1, 3])).shape == (2,)

@@ -26,6 +26,15 @@ RESERVED_KEYS = ("_index", "_weight")
 """Keys the plane adds to delivered batches: buffer indices and importance weights."""
 
 
+STORABLE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128)
+"""Element types a field may have: those whose rows torch can gather and scatter on the CPU
+for every field shape (its ``index_select`` has no kernel for 1-D ``uint16``/``uint32``/
+``uint64`` columns, and its ``index_copy_`` none for float8 types)."""
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """Shape and dtype of one field of one sample.
@@ -45,6 +54,15 @@ class FieldSpec:
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("dtype", f"expected a torch.dtype, got {self.dtype!r}")
+        if self.dtype not in STORABLE_DTYPES:
+            width = self.dtype.itemsize
+            twin = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}.get(width)
+            hint = (f"; store the bits as torch.{twin} (tensor.view(torch.{twin})) and view "
+                    f"them back after sampling" if twin else "")
+            raise ConfigError("dtype", f"{self.dtype} rows cannot be gathered by torch on the "
+                                       f"CPU for every field shape; use one of "
+                                       f"{[str(d).removeprefix('torch.') for d in STORABLE_DTYPES]}"
+                                       f"{hint}")
 
     @property
     def numel(self) -> int:
