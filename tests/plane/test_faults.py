@@ -360,3 +360,38 @@ def test_minibatches_resumes_a_loop_left_early_and_stays_in_its_iteration(small_
         actor.join()
         nxt = [b["id"].tolist() for b in p.minibatches()]
         assert len(nxt) == 4 and all(100 <= i < 108 for ids in nxt for i in ids)
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 0.5, 0, 0.5), Schedule(1, 0.5, 1, 0.5)],
+                         ids=lambda s: s.label())
+def test_an_on_policy_ingestion_that_fails_part_way_takes_its_rows_back(small_spec, schedule):
+    """Defect: an ingestion operator that wrote some of its rows and then raised left them
+    in the iteration while its units left the count, so the rollout pushed again landed
+    twice (rows delivered twice in an epoch, others never). The rows it wrote are now taken
+    back: the iteration holds each row once and the counts agree with the buffer."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
+                             schedule=schedule, timeout=10) as p:
+        failures = [1]
+
+        @p.register_ingestion()
+        def ingest(actor_in, exp_out):
+            rows = actor_in.read()
+            exp_out.write({k: v[:2] for k, v in rows.items()})
+            if failures and int(rows["id"][0]) == 4:
+                failures.pop()
+                raise RuntimeError("scorer down")
+            exp_out.write({k: v[2:] for k, v in rows.items()})
+
+        p.push(make_rows(small_spec, 4))
+        try:
+            p.push(make_rows(small_spec, 4, start=4))
+            p.flush()
+        except OperatorError:
+            pass
+        if p.failed is not None:
+            p.recover()
+        assert len(p.buffer) == 4 and p.stats()["ingested_rows"] == 4
+        p.push(make_rows(small_spec, 4, start=4))  # the same rollout again
+        got = [b["id"].tolist() for b in p.minibatches()]
+        assert sorted(got[0] + got[1]) == list(range(8))
+        assert p.stats()["ingested_rows"] == 8 and p.stats()["lost_units"] == 1

@@ -225,3 +225,28 @@ def test_a_store_over_columns_refuses_outputs_of_other_fields(small_spec):
     other = GatherOutputs({k: v for k, v in small_spec.fields.items() if k != name})
     with pytest.raises(ConfigError, match="outputs"):
         ColumnStore.over(spec=small_spec, columns=good, outputs=other)
+
+
+def test_drop_newest_takes_rows_back_as_if_never_written(small_spec):
+    from conduit.storage import PrioritizedSampler
+
+    buf = ExperienceBuffer(spec=small_spec, capacity=8, sampler=UniformSampler(seed=0))
+    buf.extend(make_rows(small_spec, 6))
+    buf.drop_newest(2)
+    assert len(buf) == 4 and buf.total_written == 4
+    buf.extend(make_rows(small_spec, 4, start=100))  # into the dropped slots, then on
+    assert buf.store.get(torch.arange(8))["id"].tolist() == [0, 1, 2, 3, 100, 101, 102, 103]
+    buf.drop_newest(8)  # a full ring whose cursor is back at slot 0
+    assert len(buf) == 0
+    buf.extend(make_rows(small_spec, 8))
+    buf.extend(make_rows(small_spec, 2, start=8))  # wraps part way: slots 0, 1 hold 8, 9
+    with pytest.raises(ConfigError, match="wrapped"):
+        buf.drop_newest(1)
+    for bad in (-1, 9, 1.5, True):
+        with pytest.raises(ConfigError):
+            buf.drop_newest(bad)
+    prio = ExperienceBuffer(spec=small_spec, capacity=8, sampler=PrioritizedSampler())
+    prio.extend(make_rows(small_spec, 3))
+    with pytest.raises(ConfigError) as ei:
+        prio.drop_newest(1)
+    assert ei.value.field == "sampler" and len(prio) == 3

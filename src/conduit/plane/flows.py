@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -201,9 +201,11 @@ class Flow(abc.ABC):
         self.inflight_units += len(take)
         return take
 
-    def ingested_locked(self, units: list[Unit], *, failed: bool) -> None:
+    def ingested_locked(self, units: list[Unit], *, failed: bool,
+                        written: Sequence[tuple[int, int, int]] = ()) -> None:
         """An ingestion invocation over ``units`` finished, or ``failed`` (its units are
-        lost and counted in ``lost_units`` / ``lost_rows``)."""
+        lost and counted in ``lost_units`` / ``lost_rows``). ``written``: what each of its
+        writes returned (:meth:`write`), in order."""
         self.inflight_units -= len(units)
         self.counters["invocations_ing"] += 1
         key = "lost" if failed else "ingested"
@@ -216,8 +218,12 @@ class Flow(abc.ABC):
         """The granularity an invocation over ``units`` processed, for the timings."""
 
     @abc.abstractmethod
-    def write(self, data: Batch, n: int) -> None:
-        """Append ``n`` validated rows (called by the ingestion operator, without the lock)."""
+    def write(self, data: Batch, n: int) -> tuple[int, int, int] | None:
+        """Append ``n`` validated rows (called by the ingestion operator, without the lock).
+
+        Returns:
+            On-policy, ``(policy version, first row in the iteration, n)``; None off-policy.
+        """
 
     @property
     @abc.abstractmethod
@@ -379,6 +385,7 @@ class OffPolicyFlow(Flow):
         with self.signals.lock:
             self.counters["ingested_rows"] += n
             self.signals.wake(callers=True, delivery=True)
+        return None
 
     @property
     def prefetch_bound(self) -> int:
@@ -466,11 +473,32 @@ class OnPolicyFlow(Flow):
                 break
         return self._taken_locked(take)
 
-    def ingested_locked(self, units: list[Unit], *, failed: bool) -> None:
-        """Failed units leave the iteration, so it can still fill up with new pushes."""
+    def ingested_locked(self, units: list[Unit], *, failed: bool,
+                        written: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Failed units leave the iteration, so it can still fill up with new pushes; so do
+        the rows their invocation wrote before it failed, where nothing depends on them yet
+        (:meth:`_take_back_locked`)."""
         super().ingested_locked(units, failed=failed)
         if failed:
             self.iter_pushed_rows -= sum(u.rows for u in units)
+            self._take_back_locked(written)
+
+    def _take_back_locked(self, written: Sequence[tuple[int, int, int]]) -> None:
+        """Drop the rows of a failed invocation's writes ``(version, start, n)`` from the
+        iteration, as if never written: a push of the same rollout then lands each row once.
+        Kept where something depends on them: a later write of another invocation, or a
+        mini-batch already drawn (which may hold them)."""
+        if not written:
+            return
+        start, total = written[0][1], sum(n for _, _, n in written)
+        if (any(v != self.policy_version for v, _, _ in written) or self.drawn_in_iter
+                or self.iter_written_rows != start + total
+                or self.iter_landed_rows != self.iter_written_rows):
+            return
+        self.buffer.drop_newest(total)
+        self.iter_written_rows = self.iter_landed_rows = start
+        self.counters["ingested_rows"] -= total
+        self.early = {}  # they may hold the dropped rows: the iteration gathers instead
 
     def ingestion_units(self, units: list[Unit]) -> float:
         return sum(u.rows for u in units) / self.config.capacity
@@ -516,6 +544,7 @@ class OnPolicyFlow(Flow):
                 self.counters["ingested_rows"] += n
                 # the worker takes nothing while the caller's first mini-batch is still due
                 self.signals.wake(callers=True, delivery=not self.caller_delivers_locked())
+        return version, start, n
 
     def _wants_early(self) -> bool:
         """Assemble the first mini-batches while rows arrive only when delivery is overlapped

@@ -146,7 +146,16 @@ class OperatorRuntime:
             The (latched) error if the operator raised.
         """
         t0 = time.perf_counter()
-        out = BufferOut(self._write_rows)
+        written: list[tuple[int, int, int]] = []  # what each write returned (on-policy)
+
+        def write(batch: Mapping[str, Any]) -> int:
+            data, n = self.flow.spec.validate(batch, what="write")
+            landed = self.flow.write(data, n)
+            if landed is not None:
+                written.append(landed)
+            return n
+
+        out = BufferOut(write)
         err = None
         try:
             self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
@@ -156,16 +165,11 @@ class OperatorRuntime:
             self.timings.record("ingestion", time.perf_counter() - t0,
                                 units=self.flow.ingestion_units(units), start=t0)
             with self.signals.lock:
-                self.flow.ingested_locked(units, failed=err is not None)
+                self.flow.ingested_locked(units, failed=err is not None, written=written)
                 self.busy -= 1
                 self.ingesting -= 1
                 self.signals.wake(callers=True)
         return err
-
-    def _write_rows(self, batch: Mapping[str, Any]) -> int:
-        data, n = self.flow.spec.validate(batch, what="write")
-        self.flow.write(data, n)
-        return n
 
     # -- delivery ------------------------------------------------------------------------------
 

@@ -219,6 +219,38 @@ class ExperienceBuffer:
             self.sampler.update_priorities(idx, pr)
             return kept
 
+    def drop_newest(self, n: int) -> None:
+        """Forget the ``n`` newest rows, as if they had never been written: the next write
+        goes to their slots and gets their ids (an ingestion that failed part way takes its
+        rows back).
+
+        Raises:
+            ConfigError: ``n`` is not in ``[0, len(self)]``, the ring has wrapped part way
+                (its rows do not fill slots ``[0, len(self))`` oldest first), or the sampler
+                keeps per-row state (priorities, sequence starts) that would outlive them.
+        """
+        with self._lock:
+            w = self.writer
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= w.size:
+                raise ConfigError("n", f"must be an integer in [0, {w.size}], got {n!r}")
+            if w.size == w.capacity and w.cursor != 0:
+                raise ConfigError("n", "the ring has wrapped part way: its newest rows took "
+                                       "the slots of older ones, which cannot come back")
+            if type(self.sampler).on_write is not Sampler.on_write:
+                raise ConfigError("sampler", f"{type(self.sampler).__name__} keeps per-row "
+                                             f"state; rows cannot be taken back from it")
+            if n == 0:
+                return
+            slots = slice(w.size - n, w.size)
+            for snap in self._snapshots:
+                snap.preserve_ids("row_id", slots)
+                snap.preserve_ids("delivered_id", slots)
+            self._row_id[slots] = -1
+            self._delivered_id[slots] = -1
+            w.size -= n
+            w.cursor = w.size
+            w.total_written -= n
+
     def clear(self) -> None:
         """Forget all rows (storage stays allocated)."""
         with self._lock:
