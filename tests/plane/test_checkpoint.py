@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conduit import BackpressureTimeout, ExperienceDataPlane, ExperienceSpec, Placement, Schedule
-from conduit.errors import StateError
+from conduit.errors import SpecError, StateError
 from conduit.storage import CheckpointError, read_checkpoint, write_checkpoint
 from tests.conftest import make_rows
 
@@ -413,3 +413,42 @@ def test_a_snapshot_that_fails_to_start_is_not_left_tracked(small_spec, tmp_path
         plane.push(make_rows(small_spec, 8, start=100))
         plane.flush()
         assert len(plane.buffer) == 24
+
+
+def _corrupt(state, path, value):
+    *keys, last = path
+    for k in keys:
+        state = state[k]
+    state[last] = value
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("flow", "policy_version"), -1), (("flow", "iter_written_rows"), 7),
+    (("buffer", "sampler", "parts"), [torch.arange(3)]),
+    (("buffer", "row_id"), torch.zeros(3, dtype=torch.int64)),
+    (("buffer", "store", "columns", "obs"), torch.zeros(8, 5))], ids=lambda v: str(v)[:30])
+def test_a_state_that_is_refused_changes_nothing(small_spec, path, value):
+    """Defect: the buffer (rows, cursor, sampler) was loaded before the flow's entry was
+    checked, so a refused state left the plane half restored: the next iteration delivered
+    some rows twice and others never. A refused state now leaves the plane as it was."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy",
+                             num_minibatches=2) as source:
+        source.push(make_rows(small_spec, 8, start=100))
+        next(iter(source.minibatches()))
+        state = source.state_dict()
+    _corrupt(state, path, value)
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy",
+                             num_minibatches=2) as p:
+        p.push(make_rows(small_spec, 4))
+        before = p.state_dict()
+        with pytest.raises((StateError, SpecError)):
+            p.load_state_dict(state)
+        after = p.state_dict()
+        assert after["flow"] == before["flow"] and len(p.buffer) == 4
+        for key in ("row_id", "delivered_id"):
+            assert torch.equal(after["buffer"][key], before["buffer"][key])
+        assert torch.equal(after["buffer"]["store"]["columns"]["id"],
+                           before["buffer"]["store"]["columns"]["id"])
+        p.push(make_rows(small_spec, 4, start=4))
+        got = [i for b in p.minibatches() for i in b["id"].tolist()]
+        assert sorted(got) == list(range(8))

@@ -169,8 +169,11 @@ class PlaneEngine:
                     isinstance(v, bool) or not isinstance(v, int) or v < 0
                     for v in counters.values()):
                 raise StateError("counters", "expected non-negative integers")
-            flow = entry(state, "flow", "plane")
-            self.flow.buffer.load_state_dict(entry(state, "buffer", "plane"), rows=rows)
+            flow, buffer = entry(state, "flow", "plane"), entry(state, "buffer", "plane")
+            # Nothing changes unless everything fits: the flow's entry is checked against the
+            # rows the buffer will hold, then the buffer loads (all or nothing), then the flow.
+            self.flow.check_state(flow, rows=self.flow.buffer.rows_in(buffer))
+            self.flow.buffer.load_state_dict(buffer, rows=rows)
             self.flow.load_state_dict(flow)
             self.flow.counters.update(counters)
 

@@ -348,6 +348,11 @@ class Flow(abc.ABC):
         """Iteration state (empty off-policy)."""
         return {}
 
+    def check_state(self, state: Mapping[str, int], *, rows: int) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state`` over a buffer of
+        ``rows`` rows, changing nothing (a restore checks before it loads the buffer)."""
+        return None
+
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict` (with the buffer already restored)."""
         self.staged.clear()
@@ -662,18 +667,25 @@ class OnPolicyFlow(Flow):
                 "iter_written_rows": self.iter_written_rows,
                 "delivered_in_iter": self.delivered_in_iter}
 
+    def check_state(self, state: Mapping[str, int], *, rows: int) -> None:
+        integer(state, "policy_version", "flow")
+        written = integer(state, "iter_written_rows", "flow", high=self.config.capacity)
+        delivered = integer(state, "delivered_in_iter", "flow",
+                            high=self.config.batches_per_iteration - 1)
+        if written != rows:
+            raise StateError("flow.iter_written_rows", f"{written}, but the buffer holds "
+                                                       f"{rows} rows")
+        if delivered and written < self.config.capacity:
+            raise StateError("flow.delivered_in_iter", f"{delivered} mini-batches delivered "
+                                                       f"from an iteration that is not full")
+
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
+        self.check_state(state, rows=len(self.buffer))
         version = integer(state, "policy_version", "flow")
         written = integer(state, "iter_written_rows", "flow", high=self.config.capacity)
         delivered = integer(state, "delivered_in_iter", "flow",
                             high=self.config.batches_per_iteration - 1)
-        if written != len(self.buffer):
-            raise StateError("flow.iter_written_rows", f"{written}, but the buffer holds "
-                                                       f"{len(self.buffer)} rows")
-        if delivered and written < self.config.capacity:
-            raise StateError("flow.delivered_in_iter", f"{delivered} mini-batches delivered "
-                                                       f"from an iteration that is not full")
         super().load_state_dict(state)
         self.policy_version = version
         self.iter_pushed_rows = self.iter_written_rows = self.iter_landed_rows = written

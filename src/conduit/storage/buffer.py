@@ -367,13 +367,33 @@ class ExperienceBuffer:
             SpecError, CapacityError: The saved store does not match this buffer.
         """
         with self._lock:
-            if rows:
-                for snap in self._snapshots:
-                    snap.preserve(0, snap.size)
-                self.store.load_state_dict(entry(state, "store", "buffer"))
+            # All or nothing: every part checks its entry before it changes anything, and a
+            # part that refuses puts back the parts loaded before it (the rows come last).
+            ids = {key: array(state, key, "buffer", length=self.capacity, dtype=np.int64)
+                   for key in ("row_id", "delivered_id")}
+            writer = RingWriter(capacity=self.capacity)
+            writer.load_state_dict(entry(state, "writer", "buffer"))
+            before = self.sampler.state_dict()
+            self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
+            try:
+                if rows:
+                    for snap in self._snapshots:
+                        snap.preserve(0, snap.size)
+                    self.store.load_state_dict(entry(state, "store", "buffer"))
+            except BaseException:
+                self.sampler.load_state_dict(before)
+                raise
             for snap in self._snapshots:
                 snap.preserve_ids()
-            self.writer.load_state_dict(entry(state, "writer", "buffer"))
-            self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
-            for key, ids in (("row_id", self._row_id), ("delivered_id", self._delivered_id)):
-                ids[:] = array(state, key, "buffer", length=self.capacity, dtype=np.int64)
+            self.writer.load_state_dict(writer.state_dict())
+            self._row_id[:], self._delivered_id[:] = ids["row_id"], ids["delivered_id"]
+
+    def rows_in(self, state: StateDict) -> int:
+        """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.
+
+        Raises:
+            StateError: The writer's entry is missing or out of range.
+        """
+        writer = RingWriter(capacity=self.capacity)
+        writer.load_state_dict(entry(state, "writer", "buffer"))
+        return writer.size
