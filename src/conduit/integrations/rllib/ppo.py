@@ -10,7 +10,8 @@ the update does not compute on (:func:`delivery_overlaps`), else on the learner'
 Which rows form each mini-batch is RLlib's: :func:`cyclic_minibatches` replays the cyclic
 iterator's slicing and its per-epoch shuffles (drawn from NumPy's global generator, as
 ``SampleBatch.shuffle`` draws them), so for a seed the learner sees the same mini-batches,
-element for element.
+element for element. Batches a plane cannot hold (a column of a dtype its specs refuse, or
+no tensor column at all) go through RLlib's own iterator instead.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.learner.training_data import TrainingData
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit.errors import ConfigError, EmptyBufferError
-from conduit.scheduling import spare_core
+from conduit.scheduling import MAX_MINIBATCHES, spare_core
 from conduit.storage import ColumnStore, GatherOutputs, Placement, SampleInfo, Sampler
 
 
@@ -55,6 +57,26 @@ def cyclic_minibatches(size: int, *, num_epochs: int, minibatch_size: int,
             start += need
         out.append(np.concatenate(parts))
     return out
+
+
+def plane_epoch(count: int, *, size: int, minibatch_size: int) -> int:
+    """Mini-batches per plane epoch for ``count`` planned mini-batches of a ``size``-row batch.
+
+    A plane's "epochs" only group its deliveries: :class:`PlannedSampler` hands out the
+    planned mini-batches in order whatever the grouping, so any ``M`` that divides ``count``
+    delivers the same data. The plane takes ``M`` up to ``size`` (rows per iteration) and
+    :data:`~conduit.scheduling.MAX_MINIBATCHES`. Where ``minibatch_size`` divides the batch,
+    ``M`` is RLlib's own epoch (``size // minibatch_size``) if that is within those limits;
+    else (RLlib's epochs do not fall on mini-batch boundaries, so each wrap would have no
+    whole mini-batches of its own) the largest divisor of ``count`` within them, down to one
+    mini-batch per plane epoch. So every layout RLlib's iterator cuts keeps the plane path,
+    in one plane iteration (the batch is pushed once, rather than once per iteration of a
+    pass split over several), and the mini-batches stay RLlib's.
+    """
+    limit = min(size, MAX_MINIBATCHES)
+    if size % minibatch_size == 0 and size // minibatch_size <= limit:
+        return size // minibatch_size
+    return next(m for m in range(min(count, limit), 0, -1) if count % m == 0)
 
 
 class PlannedSampler(Sampler):
@@ -158,8 +180,15 @@ class ConduitMiniBatchIterator:
     the order :func:`cyclic_minibatches` gives.
 
     Tensor columns with one row per timestep live in the plane; other columns (if any) are
-    indexed with each mini-batch's rows. The mini-batches form epochs in the plane when
-    ``minibatch_size`` divides the batch, else one pass of all of them.
+    indexed with each mini-batch's rows. The plane groups the mini-batches into epochs of
+    :func:`plane_epoch` (RLlib's epochs where ``minibatch_size`` divides the batch).
+
+    A batch the plane cannot hold (a plane column of a dtype :class:`~conduit.FieldSpec`
+    refuses, such as ``uint16``, or no plane column at all) is cut by RLlib's own
+    ``MiniBatchCyclicIterator`` instead: that is decided here, before any shuffle is drawn,
+    so the mini-batches (and NumPy's global generator) are RLlib's either way. Falling back
+    rather than keeping such columns outside the plane: torch cannot gather rows of those
+    dtypes for every shape, and RLlib's iterator only slices and concatenates them.
 
     Args:
         batch: The post-connector train batch (one module).
@@ -178,19 +207,33 @@ class ConduitMiniBatchIterator:
         ((self.module_id, self.rows),) = batch.policy_batches.items()
         self.env_steps = len(batch)
         size = len(self.rows)
-        self.parts = cyclic_minibatches(size, num_epochs=num_epochs,
-                                        minibatch_size=minibatch_size, shuffle=shuffle)
-        per_epoch = size // minibatch_size if size % minibatch_size == 0 else len(self.parts)
-        self.num_minibatches = per_epoch
         self.device, self.overlap = torch.device(device), overlap
         self.columns = columns
+        self.spec: ExperienceSpec | None = None
+        self.rllib: MiniBatchCyclicIterator | None = None
+        try:
+            self.spec = _spec({k: v for k, v in self.rows.items() if _plane_column(k, v, size)})
+        except ConfigError:
+            self.rllib = MiniBatchCyclicIterator(batch, num_epochs=num_epochs,
+                                                 minibatch_size=minibatch_size,
+                                                 shuffle_batch_per_epoch=shuffle)
+            self.parts, self.num_minibatches = [], 0
+            return
+        self.parts = cyclic_minibatches(size, num_epochs=num_epochs,
+                                        minibatch_size=minibatch_size, shuffle=shuffle)
+        self.num_minibatches = plane_epoch(len(self.parts), size=size,
+                                           minibatch_size=minibatch_size)
 
     def __iter__(self) -> Iterator[MultiAgentBatch]:
+        if self.spec is None:
+            assert self.rllib is not None
+            yield from self.rllib
+            return
         size = len(self.rows)
-        cols = {k: v for k, v in self.rows.items() if _plane_column(k, v, size)}
+        spec = self.spec
+        cols = {k: v for k, v in self.rows.items() if k in spec.fields}
         rest = {k: v for k, v in self.rows.items() if k not in cols}
         m = self.num_minibatches
-        spec = _spec(cols)
         kept = self.columns.take(spec, size, self.device) if self.columns is not None else None
         store = kept.store(size) if kept is not None else None
         try:
@@ -246,7 +289,8 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
     Usage: ``config.learners(learner_class=ConduitPPOTorchLearner)``. Epochs, shuffling and
     mini-batch sizes are RLlib's. Batches RLlib itself would not cut into mini-batches (one
     epoch without ``minibatch_size``), multi-module batches, recurrent modules and data
-    iterators take RLlib's own path. Updates share their planes' column memory
+    iterators take RLlib's own path; so do batches a plane cannot hold
+    (:class:`ConduitMiniBatchIterator`). Updates share their planes' column memory
     (:class:`ColumnCache`).
     """
 
