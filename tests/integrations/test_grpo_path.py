@@ -254,7 +254,7 @@ def test_bad_groups_get_typed_errors():
         with pytest.raises(SpecError, match="prompt_width"):
             path.push_group(prompt_ids=[[1] * 5] * G, completion_ids=[[2]] * G)
         with pytest.raises(SpecError, match="permutation"):
-            path.begin_iteration(torch.zeros(G * GROUPS), prompt_width=4)
+            path.begin_iteration(torch.zeros(G * GROUPS, dtype=torch.int64), prompt_width=4)
         for _ in range(GROUPS):
             path.push_group(prompt_ids=[[1]] * G, completion_ids=[[2]] * G)
         with pytest.raises(SpecError, match="holds 3 groups"):

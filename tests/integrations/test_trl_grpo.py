@@ -159,3 +159,74 @@ def test_settings_the_path_does_not_carry_are_refused():
                                reward_funcs=grpo_task.reward_fn("target"),
                                train_dataset=grpo_task.prompt_dataset(n=8, prompt_len=4, seed=0),
                                processing_class=tok)
+
+
+def _train_with_accumulation(monkeypatch, args, ga, **trainer_kwargs):
+    """``train(args)`` with ``gradient_accumulation_steps=ga``; also which of the mini-batches
+    compute_loss got carried old log-probs (in training order)."""
+    import trl
+
+    config = trl.GRPOConfig
+
+    def with_ga(**kw):
+        return config(**{**kw, "gradient_accumulation_steps": ga})
+
+    monkeypatch.setattr(trl, "GRPOConfig", with_ga)
+    carried = []
+
+    def hook(trainer):
+        compute_loss = trainer.compute_loss
+
+        def spy(model, inputs, *a, **k):
+            carried.append(inputs.get("old_per_token_logps") is not None)
+            return compute_loss(model, inputs, *a, **k)
+        trainer.compute_loss = spy
+
+    return train(args, hook=hook, trainer_kwargs=trainer_kwargs), carried
+
+
+@pytest.mark.parametrize("pad", ["minibatch", "iteration"])
+def test_old_logprobs_where_iterations_do_not_start_on_an_optimizer_step(monkeypatch, pad):
+    # ga=2, steps_per_generation=3: iterations begin at micro-steps 0, 3, 6, so the one at 3
+    # shares its optimizer step with the previous iteration's last mini-batch, and its second
+    # mini-batch (micro-step 4) is trained after an update: it needs the generating policy's
+    # log-probs, not the learner's own (before the fix it got none: ratio 1, a wrong loss).
+    args = dataclasses.replace(SMALL, steps=4, batch_size=4, steps_per_generation=3,
+                               max_completion_length=6, hidden=32, layers=1, lr=0.05, seed=1)
+    ref, ref_carried = _train_with_accumulation(monkeypatch, dataclasses.replace(
+        args, buffer="trl"), 2)
+    got, got_carried = _train_with_accumulation(monkeypatch, dataclasses.replace(
+        args, buffer="conduit"), 2, pad_completions_to=pad)
+    assert ref_carried == [True] * 8  # TRL computes them for every mini-batch
+    # Conduit: all but those trained before their iteration's first optimizer step (whose
+    # old log-probs are the learner's own, detached)
+    assert got_carried == [False, False, True, False, True, True, False, False]
+    assert len(ref.losses) == args.steps
+    # the same up to float rounding: TRL computes old log-probs over the whole generation
+    # batch, Conduit per mini-batch, and kernels may round a row differently with other rows
+    torch.testing.assert_close(got.losses, ref.losses, rtol=1e-5, atol=1e-6)
+    assert ref.rewards == got.rewards
+    for k in ref.params:
+        torch.testing.assert_close(got.params[k], ref.params[k], rtol=1e-4, atol=1e-6)
+    assert got.trainer._conduit is None
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"pad_completions_to": "max"}, "pad_completions_to"),
+    ({"conduit_schedule": "overlapped"}, "conduit_schedule"),
+    ({"conduit_schedule": 1}, "conduit_schedule")])
+def test_conduit_arguments_are_checked_by_the_constructor(kw, field):
+    from trl import GRPOConfig
+
+    from conduit.integrations.trl import ConduitGRPOTrainer
+
+    tok = grpo_task.digit_tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=8, num_generations=4,
+                         use_cpu=True, report_to="none")
+        with pytest.raises(ConfigError) as err:
+            ConduitGRPOTrainer(model=grpo_task.tiny_llama(vocab_size=len(tok)), args=cfg,
+                               reward_funcs=grpo_task.reward_fn("target"),
+                               train_dataset=grpo_task.prompt_dataset(n=8, prompt_len=4, seed=0),
+                               processing_class=tok, **kw)
+    assert err.value.field == field

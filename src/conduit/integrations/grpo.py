@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit.errors import ConfigError, EmptyBufferError, SpecError, StateError
+from conduit.errors import ConfigError, EmptyBufferError, OperatorError, SpecError, StateError
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule
 from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices
@@ -42,6 +43,11 @@ _SMALL = 4096
 """Elements up to which a CPU check runs in Python (see :func:`_has_nan`)."""
 
 
+def _positive_int(v: object) -> bool:
+    """Whether ``v`` is an int >= 1 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Standard deviation along ``dim`` ignoring NaNs, with Bessel's correction (NaN for fewer
     than two values)."""
@@ -52,25 +58,66 @@ def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.sqrt(var * corr).squeeze(dim)
 
 
-def _has_nan(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds a NaN."""
+def _has_nan(x: torch.Tensor, *, field: str = "rewards", what: str = "") -> bool:
+    """Whether ``x`` holds a NaN (an unscorable completion).
+
+    Raises:
+        SpecError: ``x`` holds an infinite value (named ``field``; ``what`` says where).
+    """
     if not x.is_floating_point():
         return False
     if x.device.type == "cpu" and x.numel() <= _SMALL:
         # a few rewards, right after generation: a Python loop costs less than a first
         # (cold) numpy or torch reduction
-        return any(map(math.isnan, x.reshape(-1).tolist()))
-    return bool(torch.isnan(x).any())
+        values = x.reshape(-1).tolist()
+        if all(map(math.isfinite, values)):
+            return False
+        inf = next((i for i, v in enumerate(values) if math.isinf(v)), None)
+    else:
+        if bool(torch.isfinite(x).all()):
+            return False
+        where = torch.isinf(x).reshape(-1).nonzero()
+        inf = int(where[0]) if where.numel() else None
+    if inf is not None:
+        raise SpecError(field, f"{what}holds an infinite value at flat index {inf}; rewards "
+                               f"must be finite, or NaN for an unscorable completion")
+    return True  # not finite, and no infinity: a NaN
+
+
+def _check_tensor(x: Any, field: str, *, floating: bool) -> None:
+    """Raise a :class:`SpecError` naming ``field`` unless ``x`` is a tensor of real numbers
+    (floating point where ``floating``)."""
+    if not isinstance(x, torch.Tensor):
+        raise SpecError(field, f"must be a torch.Tensor, got {type(x).__name__}")
+    ok = x.is_floating_point() or (not floating and x.dtype != torch.bool
+                                   and not x.is_complex())
+    if not ok:
+        kind = "a floating-point" if floating else "a real, non-bool"
+        raise SpecError(field, f"must have {kind} dtype, got {x.dtype}")
 
 
 def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One reward per completion from ``per_func`` (completions × reward functions): the
-    weighted sum ignoring NaN; NaN where every function returned None (unscorable)."""
+    weighted sum ignoring NaN; NaN where every function returned None (unscorable).
+
+    Raises:
+        SpecError: ``per_func`` is not a floating-point (completions, len(weights)) tensor or
+            holds an infinite reward (field ``rewards``), or ``weights`` is not a 1-D tensor
+            of finite real numbers (field ``weights``).
+    """
+    _check_tensor(per_func, "rewards", floating=True)
+    _check_tensor(weights, "weights", floating=False)
+    if weights.dim() != 1:
+        raise SpecError("weights", f"must be 1-D (one per reward function), got shape "
+                                   f"{tuple(weights.shape)}")
+    if weights.is_floating_point() and not bool(torch.isfinite(weights).all()):
+        raise SpecError("weights", f"must be finite, got {weights.tolist()}")
     if per_func.dim() != 2 or per_func.shape[1] != weights.numel():
         raise SpecError("rewards", f"expected shape (completions, {weights.numel()}), got "
                                    f"{tuple(per_func.shape)}")
+    nan = _has_nan(per_func, what="a reward function's output ")
     rewards = (per_func * weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
-    if _has_nan(per_func):
+    if nan:
         rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
     return rewards
 
@@ -91,18 +138,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     and get advantage 0.
 
     Raises:
-        SpecError: ``rewards`` is not 1-D or does not split into groups of ``group_size``.
-        ConfigError: ``scale`` is unknown or ``group_size`` is not positive.
+        SpecError: ``rewards`` is not a floating-point tensor, is not 1-D, does not split into
+            groups of ``group_size``, or holds an infinite reward.
+        ConfigError: ``scale`` is unknown or ``group_size`` is not a positive int.
     """
-    if not isinstance(group_size, int) or group_size < 1:
+    if not _positive_int(group_size):
         raise ConfigError("group_size", f"must be a positive int, got {group_size!r}")
     if scale not in ("group", "none"):
         raise ConfigError("scale_rewards", f"must be 'group' or 'none', got {scale!r}")
+    _check_tensor(rewards, "rewards", floating=True)
     if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size:
         raise SpecError("rewards", f"{tuple(rewards.shape)} does not split into groups of "
                                    f"{group_size} completions")
+    nan = _has_nan(rewards)
     grouped = rewards.view(-1, group_size)
-    if scale == "group" and group_size > 1 and not _has_nan(rewards):
+    if scale == "group" and group_size > 1 and not nan:
         # Every group full: ATen's NaN-skipping means add in the order plain means do, so
         # these are nanmean's and nanstd's values, with one correction for all groups.
         adv = grouped - grouped.mean(dim=1, keepdim=True)
@@ -155,19 +205,55 @@ class LogProbSource:
         fn: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask)`` -> (B, T) tensor;
             it must read a policy that does not change during the iteration (a snapshot).
         skip_first: Leading mini-batches of a single-epoch iteration that need none (they are
-            computed under the policy that generated them, so the learner's own log-probs,
-            detached, are the same).
+            trained under the policy that generated them, so the learner's own log-probs,
+            detached, are the same): an int >= 0, or ``skip_first(iteration)`` -> that int,
+            called once per iteration by :meth:`GroupExperiencePath.begin_iteration` (where
+            the iteration's start does not fall on an optimizer step, the count differs from
+            one iteration to the next).
     """
 
     key: str
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    skip_first: int = 0
+    skip_first: int | Callable[[int], int] = 0
+
+
+_OUT_KEYS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                       "advantages", "row"})
+
+
+def _check_sources(logprobs: Any) -> tuple[LogProbSource, ...]:
+    """``logprobs`` as a tuple, each a :class:`LogProbSource` with a callable ``fn``, a key
+    of its own and an int >= 0 (or callable) ``skip_first``.
+
+    Raises:
+        ConfigError: One is not (field ``logprobs``, or ``logprobs[i]...``).
+    """
+    if isinstance(logprobs, (str, bytes)) or not isinstance(logprobs, Sequence):
+        raise ConfigError("logprobs", f"must be a sequence of LogProbSource, got {logprobs!r}")
+    keys: set[str] = set()
+    for i, src in enumerate(logprobs):
+        if not isinstance(src, LogProbSource):
+            raise ConfigError(f"logprobs[{i}]", f"must be a LogProbSource, got {src!r}")
+        if not isinstance(src.key, str) or not src.key or src.key in _OUT_KEYS | keys:
+            raise ConfigError(f"logprobs[{i}].key", f"must be a new name for the delivered "
+                                                    f"batch, got {src.key!r}")
+        keys.add(src.key)
+        if not callable(src.fn):
+            raise ConfigError(f"logprobs[{i}].fn", f"must be callable, got {src.fn!r}")
+        skip = src.skip_first
+        if not callable(skip) and (isinstance(skip, bool) or not isinstance(skip, int)
+                                   or skip < 0):
+            raise ConfigError(f"logprobs[{i}].skip_first", f"must be an int >= 0 or a "
+                                                           f"callable, got {skip!r}")
+    return tuple(logprobs)
 
 
 @dataclass
 class _Unit:
-    """Groups pushed together: the sequences as given (for the scorer) and packed."""
+    """Groups pushed together: their first row in generation order, the sequences as given
+    (for the scorer) and packed."""
 
+    first: int
     prompt_ids: Sequence[Sequence[int]]
     completion_ids: Sequence[Sequence[int]]
     prompts: tuple[torch.Tensor, torch.Tensor]
@@ -206,6 +292,15 @@ class GroupExperiencePath:
             the worker longer. The trainer calls :meth:`update_started` as each update
             begins.
 
+    A push or ingestion that fails (a scorer that raises, a push the plane refuses) loses
+    its groups, and with them every group pushed after them in the iteration (their rows
+    would no longer follow generation order; the plane reports each one's ingestion as it
+    fails): the path then counts as pushed only the groups before them
+    (:attr:`pushed_groups`), so pushing the lost groups again, in order, completes the
+    iteration; an iteration with no group left can also be begun again with
+    :meth:`begin_iteration`. With overlapped ingestion, clear the plane's latched error with
+    :meth:`recover` first.
+
     Raises:
         ConfigError: An argument is invalid.
     """
@@ -219,9 +314,26 @@ class GroupExperiencePath:
                  learner_device: str | torch.device = "cpu", schedule: Schedule | None = None,
                  timeout: float = 600.0, gate_prefetch: float = 0.0) -> None:
         for name, v in (("group_size", group_size), ("groups", groups),
-                        ("num_minibatches", num_minibatches), ("num_epochs", num_epochs)):
-            if not isinstance(v, int) or v < 1:
+                        ("num_minibatches", num_minibatches), ("num_epochs", num_epochs),
+                        ("max_prompt_length", max_prompt_length),
+                        ("max_completion_length", max_completion_length)):
+            if not _positive_int(v):
                 raise ConfigError(name, f"must be a positive int, got {v!r}")
+        if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+                or not -(1 << 63) <= int(pad_token_id) < 1 << 63):
+            raise ConfigError("pad_token_id", f"must be an int within int64, got "
+                                              f"{pad_token_id!r}")
+        if not callable(score):
+            raise ConfigError("score", f"must be callable, got {score!r}")
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ConfigError("schedule", f"must be a conduit Schedule or None, got "
+                                          f"{schedule!r}")
+        sources = _check_sources(logprobs)
+        try:
+            learner_device = torch.device(learner_device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError("learner_device", f"not a device: {learner_device!r} "
+                                                f"({exc})") from exc
         rows = group_size * groups
         if rows % num_minibatches:
             raise ConfigError("num_minibatches", f"{rows} rows per iteration do not split into "
@@ -240,7 +352,8 @@ class GroupExperiencePath:
         self.num_minibatches, self.num_epochs = num_minibatches, num_epochs
         self.pad_token_id, self.scale_rewards = int(pad_token_id), scale_rewards
         self.pad_completions_to = pad_completions_to
-        self._score, self._logprobs = score, tuple(logprobs)
+        self._score, self._logprobs = score, sources
+        self._skips = tuple(0 for _ in sources)  # per source, for the current iteration
         self.ragged = RaggedStore(fields={
             "prompt_ids": RaggedFieldSpec(torch.int64, max_length=max_prompt_length),
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
@@ -258,12 +371,16 @@ class GroupExperiencePath:
         self.plane = ExperienceDataPlane(
             spec=spec, capacity=rows, mode="on_policy", num_minibatches=m, num_epochs=num_epochs,
             sampler=self._sampler, rollout_rows=group_size, learner_device=learner_device,
-            rollout_spec=ExperienceSpec.of(row=((), torch.int64)), timeout=timeout,
+            rollout_spec=ExperienceSpec.of(unit=((), torch.int64)), timeout=timeout,
             schedule=schedule or Schedule(0, Fraction(group_size, rows), 1, Fraction(1, m)))
         self.plane.register_ingestion()(self._ingest)
         self.plane.register_delivery()(self._deliver)
         self.iteration = -1
+        # pushes of the iteration by serial (unique for the path's lifetime, so a push that
+        # was withdrawn after a failure can never be taken for its replacement)
         self._units: dict[int, _Unit] = {}
+        self._serial = 0
+        self._lost: int | None = None  # first row of the earliest lost push (see _settle)
         self._part_of = [0] * rows  # row -> its mini-batch within the epoch
         self._all_rows = set(range(rows))
         self._spent: list[dict[int, _Unit]] = []
@@ -277,22 +394,38 @@ class GroupExperiencePath:
     def begin_iteration(self, order: torch.Tensor, *, prompt_width: int) -> None:
         """Start the next iteration: its rows will be delivered in ``order`` (a permutation of
         ``0 .. rows-1``, split into the mini-batches in turn), with prompts left-padded to
-        ``prompt_width``.
+        ``prompt_width``. Every argument is checked before anything changes.
+
+        An iteration that holds no group (none was pushed, or every push failed) may be begun
+        again: the call restarts it with the new ``order`` and ``prompt_width``.
 
         Raises:
-            StateError: The previous iteration has not been consumed.
-            SpecError: ``order`` is not a permutation of the iteration's rows.
+            SpecError: ``order`` is not a 1-D tensor (or sequence) of integers that permutes
+                the iteration's rows.
+            ConfigError: ``prompt_width`` is not an int in ``[1, max_prompt_length]``, or a
+                source's ``skip_first(iteration)`` is not an int >= 0.
+            StateError: The previous iteration holds groups and has not been consumed.
         """
-        order = as_indices(order)
+        order = self._check_order(order)
         # Python on the ints: this runs right after generation, where a first numpy or torch
         # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
         in_order = order.tolist()
         if len(in_order) != self.rows or set(in_order) != self._all_rows:
             raise SpecError("order", f"expected a permutation of {self.rows} rows")
-        if self.iteration >= 0 and self.plane.policy_version <= self.iteration:
+        longest = self.ragged.fields["prompt_ids"].max_length
+        if (isinstance(prompt_width, bool) or not isinstance(prompt_width, numbers.Integral)
+                or not 1 <= int(prompt_width) <= longest):
+            raise ConfigError("prompt_width", f"must be an int in [1, max_prompt_length="
+                                              f"{longest}], got {prompt_width!r}")
+        self._settle()
+        restart = self.iteration >= 0 and self.plane.policy_version <= self.iteration
+        if restart and self._pushed:
             raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
                                           f"to pull")
-        self.iteration += 1
+        iteration = self.iteration if restart else self.iteration + 1
+        skips = tuple(self._skip_of(i, src, iteration) for i, src in enumerate(self._logprobs))
+        # checked: from here on nothing raises
+        self.iteration, self._skips = iteration, skips
         if not self._closing:  # generation is over and the learner is not updating
             self._permit.clear()
         self._sampler.set_order(self.iteration, order)
@@ -303,9 +436,48 @@ class GroupExperiencePath:
             self.ragged.clear()
             # the last iteration's arrivals are freed by the next delivery on the worker
             self._spent.append(self._units)
-        self._units, self._pushed, self._prompt_width = {}, 0, int(prompt_width)
+            self._units, self._pushed, self._lost = {}, 0, None
+        self._prompt_width = int(prompt_width)
         self._rewards = torch.full((self.rows,), float("nan"))
         self._advantages = torch.zeros(self.rows)
+
+    @staticmethod
+    def _check_order(order: Any) -> torch.Tensor:
+        """``order`` as a 1-D int64 CPU tensor.
+
+        Raises:
+            SpecError: It is not a 1-D tensor or sequence of integers.
+        """
+        if not isinstance(order, torch.Tensor):
+            try:
+                order = torch.as_tensor(order)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise SpecError("order", f"must be a 1-D tensor of row indices, got "
+                                         f"{type(order).__name__} ({exc})") from exc
+        if order.dtype == torch.bool or order.is_floating_point() or order.is_complex():
+            raise SpecError("order", f"must hold integer row indices, got dtype {order.dtype}")
+        if order.dim() != 1:
+            raise SpecError("order", f"must be 1-D, got shape {tuple(order.shape)}")
+        return as_indices(order)
+
+    @staticmethod
+    def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
+        """``src``'s leading mini-batches without log-probs in ``iteration``.
+
+        Raises:
+            ConfigError: A callable ``skip_first`` returned something else than an int >= 0.
+        """
+        n = src.skip_first(iteration) if callable(src.skip_first) else src.skip_first
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"logprobs[{i}].skip_first", f"must give an int >= 0, got {n!r}")
+        return int(n)
+
+    @property
+    def pushed_groups(self) -> int:
+        """Groups of the iteration pushed and not lost: the next push holds the groups from
+        this one on (after a failure, the first lost group)."""
+        self._settle()
+        return self._pushed // self.group_size
 
     def push_group(self, *, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], payload: Any = None) -> None:
@@ -327,7 +499,10 @@ class GroupExperiencePath:
                 match them one to one, a sequence is empty or longer than its maximum, a
                 prompt is wider than the iteration's ``prompt_width``, or the iteration is
                 full.
+            OperatorError, BackpressureTimeout, PlaneClosedError: As
+                :meth:`ExperienceDataPlane.push`; the groups are lost (see the class).
         """
+        self._settle()
         first = self._pushed // self.group_size
         n = len(completion_ids)
         if n == 0 or n % self.group_size:
@@ -349,11 +524,27 @@ class GroupExperiencePath:
         if int(prompts[1].max()) > self._prompt_width:
             raise SpecError("prompt_ids", f"{what} hold a prompt longer than the iteration's "
                                           f"prompt_width {self._prompt_width}")
-        self._units[self._pushed] = _Unit(prompt_ids, completion_ids, prompts, completions,
-                                          payload)
-        rows = torch.arange(self._pushed, self._pushed + n)
+        serial, start = self._serial, self._pushed
+        self._serial += 1
+        unit = _Unit(start, prompt_ids, completion_ids, prompts, completions, payload)
+        self._units[serial] = unit
         self._pushed += n
-        self.plane.push({"row": rows}, policy_version=self.iteration)
+        try:
+            self.plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
+                            policy_version=self.iteration)
+        except BaseException:
+            # refused, or ingested here and failed: withdrawn (a copy the plane still holds
+            # fails its ingestion, as its serial is gone)
+            self._lose([serial])
+            self._settle()
+            raise
+
+    def recover(self) -> OperatorError | None:
+        """Clear the plane's latched operator error (:meth:`ExperienceDataPlane.recover`) and
+        withdraw the groups a failed ingestion lost; returns the error."""
+        err = self.plane.recover()
+        self._settle()
+        return err
 
     def pull(self) -> Batch:
         """The next mini-batch: ``prompt_ids``/``prompt_mask`` (left-padded),
@@ -382,8 +573,17 @@ class GroupExperiencePath:
         self._permit.set()
 
     def flush(self) -> None:
-        """Ingest every pushed group now."""
-        self.plane.flush()
+        """Ingest every pushed group now.
+
+        Raises:
+            OperatorError, BackpressureTimeout, PlaneClosedError: As
+                :meth:`ExperienceDataPlane.flush`; a failed ingestion's groups are lost (see
+                the class).
+        """
+        try:
+            self.plane.flush()
+        finally:
+            self._settle()
 
     @property
     def rewards(self) -> torch.Tensor:
@@ -407,37 +607,92 @@ class GroupExperiencePath:
         self._permit.set()
         self.plane.close()
 
+    # -- failures -----------------------------------------------------------------------------
+
+    def _lose(self, serials: Sequence[int]) -> None:
+        """The pushes ``serials`` failed: those still live mark their first row lost (a
+        withdrawn one, or one of an earlier iteration, marks nothing)."""
+        with self._ragged_lock:
+            for serial in serials:
+                unit = self._units.get(serial)
+                if unit is not None and (self._lost is None or unit.first < self._lost):
+                    self._lost = unit.first
+
+    def _settle(self) -> None:
+        """Withdraw the pushes from the earliest lost row on: the path then counts what the
+        plane holds (or still ingests) again, and the next push continues from there."""
+        with self._ragged_lock:
+            cut, self._lost = self._lost, None
+            if cut is None:
+                return
+            self._units = {s: u for s, u in self._units.items() if u.first < cut}
+            self._pushed = min(self._pushed, cut)
+            if len(self.ragged) > cut:  # rows of an invocation that failed after packing
+                self._truncate_ragged(cut)
+        self._rewards[cut:] = float("nan")
+        self._advantages[cut:] = 0.0
+
+    def _truncate_ragged(self, rows: int) -> None:
+        """Keep the ragged store's first ``rows`` rows (with ``_ragged_lock`` held)."""
+        state = self.ragged.state_dict()
+        fields = {}
+        for name, entry in state["fields"].items():
+            off = entry["offsets"][:rows + 1]
+            fields[name] = {"values": entry["values"][:int(off[-1])], "offsets": off}
+        self.ragged.load_state_dict({"rows": rows, "fields": fields})
+
     # -- operators ----------------------------------------------------------------------------
 
     def _ingest(self, actor_in: Any, exp_out: Any) -> None:
-        units = [(int(u["row"].numpy()[0]), u["row"]) for u in actor_in.read_units()]
-        if not units:
+        serials = [int(u["unit"].numpy()[0]) for u in actor_in.read_units()]
+        if not serials:
             return
+        try:
+            self._ingest_units(serials, exp_out)
+        except BaseException:
+            self._lose(serials)  # the plane drops the invocation's units
+            raise
+
+    def _ingest_units(self, serials: list[int], exp_out: Any) -> None:
+        units = []
+        for serial in serials:
+            unit = self._units.get(serial)
+            if unit is None:
+                raise StateError("unit", "a push withdrawn after an earlier push of its "
+                                         "iteration failed; push its groups again")
+            units.append(unit)
         rewards = []
-        for first, rows in units:
-            unit = self._units[first]
+        for unit in units:
+            n, what = len(unit.completion_ids), f"groups from {unit.first // self.group_size}"
             r = torch.as_tensor(self._score(unit.payload, unit.prompt_ids, unit.completion_ids),
                                 dtype=torch.float32)
-            if r.shape != (rows.numel(),):
-                raise SpecError("rewards", f"groups from {first // self.group_size}: the scorer "
-                                           f"returned shape {tuple(r.shape)}, expected "
-                                           f"({rows.numel()},)")
+            if r.shape != (n,):
+                raise SpecError("rewards", f"{what}: the scorer returned shape "
+                                           f"{tuple(r.shape)}, expected ({n},)")
+            _has_nan(r, what=f"{what}: the scorer's output ")
             rewards.append(r)
-        rows = _joined([r for _, r in units])
         reward = _joined(rewards)
         adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
         packed = {name: tuple(_joined(parts) for parts in zip(
-            *(getattr(self._units[first], attr) for first, _ in units)))
+            *(getattr(unit, attr) for unit in units)))
             for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
-        start, n = units[0][0], rows.numel()  # consecutive rows, in push order
+        start, n = units[0].first, reward.numel()  # consecutive rows, in push order
         with self._ragged_lock:
-            if len(self.ragged) != start:
-                raise StateError("row", f"groups from {start // self.group_size} were "
-                                        f"ingested out of order")
+            at = len(self.ragged)
+            for serial, unit in zip(serials, units):
+                if self._units.get(serial) is not unit or unit.first != at:
+                    raise StateError("row", f"groups from {unit.first // self.group_size} "
+                                            f"were ingested out of order")
+                at += len(unit.completion_ids)
             self.ragged.extend_packed(packed)
+        try:
+            exp_out.write({"advantage": adv})
+        except BaseException:
+            with self._ragged_lock:
+                self._truncate_ragged(start)
+            raise
         self._rewards[start:start + n] = reward
         self._advantages[start:start + n] = adv
-        exp_out.write({"advantage": adv})
 
     def _wait_for_permit(self) -> None:
         """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
@@ -472,8 +727,8 @@ class GroupExperiencePath:
                "completion_ids": completion_ids, "completion_mask": completion_mask,
                "advantages": rows["advantage"], "row": slots}
         part = self._part_of[int(slots.numpy()[0])] if slots.numel() else 0
-        for src in self._logprobs:
-            if self.num_epochs == 1 and part < src.skip_first:
+        for src, skip in zip(self._logprobs, self._skips):
+            if self.num_epochs == 1 and part < skip:
                 continue
             with data_path_threads(1):  # a prefetch must not take the learner's cores
                 out[src.key] = src.fn(prompt_ids, prompt_mask, completion_ids, completion_mask)

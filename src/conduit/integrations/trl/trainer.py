@@ -8,10 +8,14 @@ generation as it is and hands the groups generation returned to a
 :class:`~conduit.integrations.grpo.GroupExperiencePath`: ingestion scores them, computes each
 group's advantages and packs the tokens without padding; the learner's own pull builds the
 first mini-batch, and a background worker builds each later one (padded to its own longest
-completion, with the log-probs it needs) while the previous update runs. The first
-``gradient_accumulation_steps`` mini-batches of a single-epoch iteration are trained under the
-policy that generated them, so their old log-probs are the learner's own, detached (as TRL does
-when generation and optimizer steps align), and need no forward pass.
+completion, with the log-probs it needs) while the previous update runs. Where TRL computes old
+log-probs (``gradient_accumulation_steps`` not a multiple of ``steps_per_generation ×
+num_iterations``), the mini-batches of a single-epoch iteration trained before its first
+optimizer step are trained under the policy that generated them, so their old log-probs are the
+learner's own, detached (the values TRL computes), and need no forward pass; every later one
+gets them from a snapshot of that policy, as TRL's. How many that is depends on where the
+iteration starts within an accumulation window (an iteration need not start on an optimizer
+step), so it is counted per iteration.
 
 The order of the mini-batches, the advantages and the loss are TRL's: the shuffle draws the same
 permutation from torch's RNG, right after generation (reward functions must not draw from
@@ -50,20 +54,31 @@ class ConduitGRPOTrainer(GRPOTrainer):
         **kwargs: Those of ``trl.GRPOTrainer``.
 
     Raises:
-        ConfigError: A feature the Conduit path does not carry is enabled (vLLM, tools,
-            environments, images, ``scale_rewards="batch"``, ``normalize_then_sum``,
-            ``mask_truncated_completions``, ``pad_to_multiple_of``, several processes).
+        ConfigError: ``conduit_schedule`` is not a Schedule or None, ``pad_completions_to`` is
+            unknown (both checked before TRL's constructor runs), or a feature the Conduit
+            path does not carry is enabled (vLLM, tools, environments, images,
+            ``scale_rewards="batch"``, ``normalize_then_sum``, ``mask_truncated_completions``,
+            ``pad_to_multiple_of``, several processes), or the tokenizer's pad token is not
+            an int.
     """
 
     def __init__(self, *args: Any, conduit_schedule: Schedule | None = None,
                  pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
                  **kwargs: Any) -> None:
+        if conduit_schedule is not None and not isinstance(conduit_schedule, Schedule):
+            raise ConfigError("conduit_schedule", f"must be a conduit Schedule or None, got "
+                                                  f"{conduit_schedule!r}")
+        if pad_completions_to not in ("minibatch", "iteration"):
+            raise ConfigError("pad_completions_to", f"must be 'minibatch' or 'iteration', got "
+                                                    f"{pad_completions_to!r}")
         super().__init__(*args, **kwargs)
         self._check_supported()
         self._conduit_schedule = conduit_schedule
         self._pad_completions_to = pad_completions_to
         self._conduit: GroupExperiencePath | None = None
         self._conduit_left = 0
+        self._conduit_fresh = 0  # mini-batches of this iteration before an optimizer step
+        self._window_pos = 0  # micro-steps done in the current gradient-accumulation window
         self._conduit_items: torch.Tensor | None = None
         self._conduit_per_func: torch.Tensor | None = None
         self._old_policy: torch.nn.Module | None = None
@@ -96,12 +111,16 @@ class ConduitGRPOTrainer(GRPOTrainer):
                 raise ConfigError(name, f"ConduitGRPOTrainer does not carry this setting; {fix}")
         if a.generation_batch_size % self.num_generations:
             raise ConfigError("generation_batch_size", "must be a multiple of num_generations")
+        pad = getattr(self._tokenizer, "pad_token_id", None)
+        if isinstance(pad, bool) or not isinstance(pad, int):
+            raise ConfigError("pad_token_id", f"the tokenizer's pad token id must be an int, "
+                                              f"got {pad!r}")
 
     # -- the experience path ------------------------------------------------------------------
 
     def _build_path(self) -> GroupExperiencePath:
         a = self.args
-        ga = self.args.gradient_accumulation_steps
+        ga = a.gradient_accumulation_steps
         generate_every = a.steps_per_generation * self.num_iterations
         sources = []
         if ga % generate_every != 0:  # TRL's rule for when old log-probs are needed
@@ -110,7 +129,9 @@ class ConduitGRPOTrainer(GRPOTrainer):
                 p.requires_grad_(False)
             self._old_params = (list(self._old_policy.parameters()),
                                 list(self.model.parameters()))
-            skip = ga if self.num_iterations == 1 else 0
+            # TRL computes them for every mini-batch; those before the iteration's first
+            # optimizer step (one epoch) are the learner's own, detached, so need none
+            skip = self._fresh_minibatches if self.num_iterations == 1 else 0
             sources.append(LogProbSource("old_per_token_logps",
                                          self._logps_of(self._old_policy), skip_first=skip))
         if self.beta != 0.0:
@@ -124,6 +145,20 @@ class ConduitGRPOTrainer(GRPOTrainer):
             scale_rewards=self.scale_rewards, logprobs=sources,
             pad_completions_to=self._pad_completions_to, learner_device=self.accelerator.device,
             schedule=self._conduit_schedule, gate_prefetch=PREFETCH_GATE_S)
+
+    def _fresh_minibatches(self, iteration: int) -> int:
+        """Mini-batches of the iteration being begun that are trained before the next
+        optimizer step: the rest of the current accumulation window (set when it was
+        generated, see :meth:`_generate_iteration`)."""
+        return self._conduit_fresh
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """``GRPOTrainer.training_step``, counting the micro-steps of the accumulation window
+        (the optimizer steps after the one where the trainer syncs gradients)."""
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._window_pos = 0 if self.accelerator.sync_gradients else self._window_pos + 1
 
     def _logps_of(self, model: torch.nn.Module) -> Any:
         def logps(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -174,6 +209,11 @@ class ConduitGRPOTrainer(GRPOTrainer):
         if extra:
             raise ConfigError("rollout_func", "extra fields are not carried")
         order = torch.randperm(len(prompts))  # TRL's shuffle, drawn at the same point
+        # this micro-step and the rest of its accumulation window run under the generating
+        # policy (the window is shorter at the end of an epoch)
+        window = getattr(self, "current_gradient_accumulation_steps",
+                         self.args.gradient_accumulation_steps)
+        self._conduit_fresh = max(0, window - self._window_pos)
         self._conduit_per_func = None
         self._conduit_items = torch.tensor(sum(len(c) for c in completion_ids),
                                            device=self.accelerator.device)
@@ -267,3 +307,4 @@ class ConduitGRPOTrainer(GRPOTrainer):
             if self._conduit is not None:
                 self._conduit.close()
                 self._conduit, self._conduit_left = None, 0
+            self._window_pos = 0
