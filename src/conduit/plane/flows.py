@@ -22,7 +22,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from conduit.errors import CapacityError, EmptyBufferError, StaleRolloutError, StateError
+from conduit.errors import (
+    CapacityError,
+    ConfigError,
+    EmptyBufferError,
+    StaleRolloutError,
+    StateError,
+)
 from conduit.plane.config import PlaneConfig
 from conduit.plane.early import EarlyBatch, plan_early
 from conduit.scheduling.space import Schedule
@@ -500,7 +506,10 @@ class OnPolicyFlow(Flow):
                 or self.iter_written_rows != start + total
                 or self.iter_landed_rows != self.iter_written_rows):
             return
-        self.buffer.drop_newest(total)
+        try:
+            self.buffer.drop_newest(total)
+        except ConfigError:  # a sampler with per-row state: the rows stay, as they were
+            return
         self.iter_written_rows = self.iter_landed_rows = start
         self.counters["ingested_rows"] -= total
         self.early = {}  # they may hold the dropped rows: the iteration gathers instead
@@ -623,10 +632,8 @@ class OnPolicyFlow(Flow):
         if job.position < 0 or job.position != self.drawn_in_iter - 1:
             return  # pragma: no cover - a later draw or another iteration (not expected)
         self.drawn_in_iter -= 1
-        sampler = self.buffer.sampler
-        if job.position % self.config.num_minibatches and sampler.cursor > 0:
-            sampler.seek(sampler.cursor - 1)
-        # (the epoch's first mini-batch: the next draw lays the same epoch out again)
+        # The next draw is this mini-batch again (an epoch's first lays the epoch out again).
+        self.buffer.sampler.seek(job.position % self.config.num_minibatches)
 
     def starved_locked(self) -> bool:
         return self.iter_written_rows < self.config.capacity
