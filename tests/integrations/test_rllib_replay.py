@@ -603,3 +603,36 @@ def test_a_state_with_links_outside_the_ring_or_a_missing_key_changes_nothing(
         target.set_state(missing)
     np.testing.assert_array_equal(target._rows.succ, before)
     assert len(target.sample(num_items=8, n_step=N_STEP, gamma=GAMMA)) == 8
+
+
+@pytest.mark.parametrize("schedule", ["inline", "prefetch"])
+def test_a_state_refused_part_way_leaves_the_buffer_as_it_was(
+        adds: list[list[SingleAgentEpisode]], schedule: str) -> None:
+    """Defect: the links were loaded and the plane closed before the plane's entry was
+    checked, so a state refused there (a missing entry, a uniform buffer's state given to a
+    prioritized one) left links of 27 rows over no plane: the next add wrote at slot 0 while
+    the links placed it further on, and every transition paired one episode's observations
+    with another's rewards. A refused state now leaves rows and links as they were."""
+    first, second = adds
+    target = ConduitPrioritizedEpisodeReplayBuffer(capacity=40, schedule=schedule, seed=3)
+    target.add(first)
+    size, episodes = len(target), target.get_num_episodes()
+    source = ConduitEpisodeReplayBuffer(capacity=40, schedule="inline", seed=3)
+    source.add(first[:2])
+    uniform = source.get_state()  # no priorities: refused by the prioritized sampler
+    no_rows = {**uniform, "plane": {k: v for k, v in uniform["plane"].items() if k != "buffer"}}
+    bad_table = {**uniform, "rows": {**uniform["rows"], "table": [("x",)]}}
+    for state in (uniform, no_rows, bad_table):
+        with pytest.raises(StateError):
+            target.set_state(state)
+        assert (len(target), target.get_num_episodes()) == (size, episodes)
+        assert target.plane is not None and len(target.plane.buffer) == size
+    target.add(second)
+    stored = set()
+    for eps in [*first, *second]:
+        obs = eps.get_observations(slice(0, len(eps) + 1))
+        stored |= {(eps.t_started + i, obs[i].tobytes(), obs[i + 1].tobytes())
+                   for i in range(len(eps))}
+    for eps in target.sample(num_items=40, n_step=1, gamma=GAMMA):
+        assert (eps.t_started, eps.get_observations(0).tobytes(),
+                eps.get_observations(-1).tobytes()) in stored

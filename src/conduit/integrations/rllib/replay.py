@@ -419,9 +419,25 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         if spec is not None and set(spec.fields) != {"obs", "action"}:
             raise StateError("spec", f"rows of fields {sorted(spec.fields)}; this buffer's rows "
                                      f"are (obs, action): restore a state of this buffer kind")
-        self._rows.check_state(state["rows"])  # a refused state leaves the buffer as it was
+        self._rows.check_state(state["rows"])
+        # All or nothing: a state refused part way (its rows' table or tails, the plane's
+        # entry) puts the buffer back as it was, rows and links together.
+        before = self.get_state()
+        try:
+            self._load_state(state, spec)
+        except Exception as exc:
+            self._load_state(before, ExperienceSpec.from_dict(before["spec"])
+                             if before["spec"] is not None else None)
+            if isinstance(exc, ConduitError):
+                raise
+            raise StateError("rllib_buffer", f"does not fit this buffer "
+                                             f"({type(exc).__name__}: {exc})") from exc
+
+    def _load_state(self, state: dict[str, Any], spec: ExperienceSpec | None) -> None:
         decided = self._close_plane()  # first: its delivery worker reads the links
         self._rows.load_state_dict(state["rows"])
+        if self._rows.written < 0:
+            raise StateError("rows.written", f"{self._rows.written} is negative")
         if spec is not None:
             plane = self._build_plane(spec, state["batch_size"], decided)
             plane.load_state_dict(state["plane"])
