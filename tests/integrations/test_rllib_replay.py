@@ -398,6 +398,33 @@ def test_priorities_after_a_prefetched_sample_reach_its_rows(
     buffer.plane.close()
 
 
+def _ten_step_episodes(count: int, start: int) -> list[SingleAgentEpisode]:
+    box, disc = gym.spaces.Box(-1e6, 1e6, (2,), np.float32), gym.spaces.Discrete(2)
+    return [SingleAgentEpisode(
+        observations=[np.array([e, t], np.float32) for t in range(11)], actions=[0] * 10,
+        rewards=[1.0] * 10, terminated=True, observation_space=box, action_space=disc,
+        len_lookback_buffer=0).to_numpy() for e in range(start, start + count)]
+
+
+@pytest.mark.parametrize("schedule", ["inline", "prefetch"])
+def test_priorities_skip_rows_an_add_overwrote_after_the_sample(schedule: str) -> None:
+    """Defect: with prefetch, the draw made after the add marked the overwritten slots
+    delivered again, so the update of the earlier sample landed on the new rows there."""
+    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=20, alpha=1.0, eps=1e-9, seed=0,
+                                                   schedule=schedule)
+    buffer.add(_ten_step_episodes(2, 0))  # slots 0..19
+    buffer.sample(num_items=20, n_step=1)
+    sampled = buffer._last_index.copy()
+    buffer.add(_ten_step_episodes(1, 2))  # new rows in slots 0..9
+    if schedule == "prefetch":
+        _wait_staged(buffer)  # the next draw, made after the add
+    buffer.update_priorities(np.full(20, 1e-3), "default_policy")
+    pr = buffer._sampler.inner.priorities(torch.arange(20)).numpy()
+    for slot in set(sampled.tolist()):
+        assert pr[slot] == pytest.approx(1.0 if slot < 10 else 1e-3), slot
+    buffer.plane.close()
+
+
 def test_delivery_lays_windows_over_the_links_it_finds(
         adds: list[list[SingleAgentEpisode]]) -> None:
     """A draw delivered after an add continued its episode gets the longer window, as RLlib

@@ -121,6 +121,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._sampler = WindowSampler(inner, self._rows)
         self._plane: ExperienceDataPlane | None = None
         self._last_index: np.ndarray | None = None
+        self._last_rows: np.ndarray | None = None  # their rows' numbers in the ring's order
         #: Per (observation space, action space, to_numpy), by ids: makes sampled episodes.
         self._makers: dict[tuple[int, int, bool], tuple[Any, Any, OneStepEpisodes]] = {}
         #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
@@ -298,8 +299,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 raise
             # Rows overwritten by adds since the batch was delivered are stale as well.
             oldest = self._sampler.ring_rows - self.capacity
-            if (batch.pop("_valid").numpy().all() and (batch.pop("_row").numpy() >= oldest).all()
+            rows = batch.pop("_row").numpy()
+            if (batch.pop("_valid").numpy().all() and (rows >= oldest).all()
                     and int(batch.pop("_request")[0]) == self._sampler.serial):
+                self._last_rows = rows
                 return batch
             self.discarded_batches += 1
         raise EmptyBufferError(f"{4 * G_MAX + 4} batches in a row were drawn for other sample "
@@ -442,7 +445,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             plane = self._build_plane(spec, state["batch_size"], decided)
             plane.load_state_dict(state["plane"])
             self._plane = plane
-        self._last_index = state["last_index"]
+        self._last_index, self._last_rows = state["last_index"], None
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added = state["_num_timesteps_added"]
         self._num_episodes_evicted = state["_num_episodes_evicted"]
@@ -480,5 +483,14 @@ class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
         if pr.numel() != len(self._last_index):
             raise PriorityError(f"priorities: {pr.numel()} values for the "
                                 f"{len(self._last_index)} transitions of the last sample")
-        self._plane.update_priorities(torch.from_numpy(self._last_index), pr)
-        self._last_index = None
+        index = self._last_index
+        rows = self._last_rows
+        if rows is not None and len(rows) == len(index):
+            # Rows an add overwrote since the sample are gone: their slots hold new rows,
+            # which keep their own priorities (a prefetched draw after the add may have
+            # marked those slots delivered again, so the buffer's own check cannot tell).
+            kept = rows >= self._sampler.ring_rows - self.capacity
+            if not kept.all():
+                index, pr = index[kept], pr[torch.from_numpy(kept)]
+        self._plane.update_priorities(torch.from_numpy(index), pr)
+        self._last_index = self._last_rows = None
