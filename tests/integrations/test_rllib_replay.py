@@ -19,7 +19,13 @@ from ray.rllib.utils.replay_buffers import (  # noqa: E402
     PrioritizedEpisodeReplayBuffer,
 )
 
-from conduit.errors import ConfigError, PriorityError, SpecError, StateError  # noqa: E402
+from conduit.errors import (  # noqa: E402
+    ConfigError,
+    EmptyBufferError,
+    PriorityError,
+    SpecError,
+    StateError,
+)
 from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
@@ -422,6 +428,26 @@ def test_priorities_skip_rows_an_add_overwrote_after_the_sample(schedule: str) -
     pr = buffer._sampler.inner.priorities(torch.arange(20)).numpy()
     for slot in set(sampled.tolist()):
         assert pr[slot] == pytest.approx(1.0 if slot < 10 else 1e-3), slot
+    buffer.plane.close()
+
+
+def test_a_failed_draw_ahead_for_earlier_arguments_does_not_fail_the_next_sample() -> None:
+    """Defect: with prefetch, after a sample that found no complete 3-step window the worker
+    drew again for those arguments and failed; the next sample, for n_step 1, raised that
+    failure instead of being served."""
+    buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=12, seed=0, schedule="prefetch")
+    box = gym.spaces.Box(-1e6, 1e6, (2,), np.float32)
+    buffer.add([SingleAgentEpisode(observations=[np.array([e, 0], np.float32)] * 2,
+                                   actions=[0], rewards=[1.0], terminated=True,
+                                   observation_space=box, action_space=gym.spaces.Discrete(2),
+                                   len_lookback_buffer=0).to_numpy() for e in range(12)])
+    with pytest.raises(EmptyBufferError, match="3-step"):  # one-step episodes only
+        buffer.sample(num_items=4, n_step=3)
+    deadline = time.monotonic() + 10
+    while buffer.plane.failed is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker's own draw for n_step 3 fails too
+    assert buffer.plane.failed is not None
+    assert len(buffer.sample(num_items=4, n_step=1)) == 4
     buffer.plane.close()
 
 

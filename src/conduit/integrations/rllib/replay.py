@@ -293,9 +293,13 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             try:
                 batch = plane.pull()
             except OperatorError as exc:
-                if isinstance(exc.__cause__, ConduitError):  # e.g. too few complete windows
+                cause = exc.__cause__
+                if isinstance(cause, ConduitError):  # e.g. too few complete windows
                     plane.recover()
-                    raise exc.__cause__ from None
+                    if getattr(cause, "serial", self._sampler.serial) != self._sampler.serial:
+                        self.discarded_batches += 1  # drawn ahead for earlier arguments
+                        continue
+                    raise cause from None
                 raise
             # Rows overwritten by adds since the batch was delivered are stale as well.
             oldest = self._sampler.ring_rows - self.capacity

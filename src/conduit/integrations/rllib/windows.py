@@ -180,9 +180,11 @@ class WindowSampler(Sampler):
             if need == 0:
                 break
         else:
-            raise EmptyBufferError(f"no {batch_size} rows with a complete {req.n_step}-step "
+            exc = EmptyBufferError(f"no {batch_size} rows with a complete {req.n_step}-step "
                                    f"window among {size} rows; add longer episodes or "
                                    f"lower n_step")
+            exc.serial = serial  # the request it was drawn for (see ``serial``)
+            raise exc
         if len(starts) > 1:  # rows were redrawn
             starts, n = [np.concatenate(starts)], [np.concatenate(n)]
         window = self.rows.windows(starts[0], n[0])
