@@ -451,6 +451,20 @@ def test_a_failed_draw_ahead_for_earlier_arguments_does_not_fail_the_next_sample
     buffer.plane.close()
 
 
+def test_the_state_of_an_empty_buffer_leaves_no_priorities_behind() -> None:
+    """Defect: restoring an empty buffer's state kept the sampler's priorities and ring
+    count, so new rows got the old largest priority."""
+    used = ConduitPrioritizedEpisodeReplayBuffer(capacity=40, seed=0, schedule="inline")
+    used.add(_ten_step_episodes(5, 0))
+    used.sample(num_items=8, n_step=1)
+    used.update_priorities(np.full(8, 100.0), "default_policy")
+    used.set_state(ConduitPrioritizedEpisodeReplayBuffer(capacity=40, seed=0).get_state())
+    used.add(_ten_step_episodes(1, 10))
+    assert len(used) == 10 and used._sampler.ring_rows == 10
+    pr = used._sampler.inner.priorities(torch.arange(10)).numpy()
+    assert pr == pytest.approx(np.ones(10))
+
+
 def test_delivery_lays_windows_over_the_links_it_finds(
         adds: list[list[SingleAgentEpisode]]) -> None:
     """A draw delivered after an add continued its episode gets the longer window, as RLlib

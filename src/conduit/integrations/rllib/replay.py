@@ -115,10 +115,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self.schedule = ReplaySchedule(schedule)
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0]) >> 1
         self.beta, self.placement = beta, placement
-        inner: Sampler = (PrioritizedSampler(alpha=alpha, beta=beta, eps=eps, seed=self.seed)
-                          if self.prioritized else UniformSampler(seed=self.seed))
+        self._alpha, self._eps = alpha, eps
         self._rows = EpisodeRows(capacity)
-        self._sampler = WindowSampler(inner, self._rows)
+        self._sampler = self._new_sampler()
         self._plane: ExperienceDataPlane | None = None
         self._last_index: np.ndarray | None = None
         self._last_rows: np.ndarray | None = None  # their rows' numbers in the ring's order
@@ -131,6 +130,13 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     def plane(self) -> ExperienceDataPlane | None:
         """The plane the rows live in (None until the first ``add``)."""
         return self._plane
+
+    def _new_sampler(self) -> WindowSampler:
+        """A sampler of windows over :attr:`_rows` that has drawn nothing yet."""
+        inner: Sampler = (PrioritizedSampler(alpha=self._alpha, beta=self.beta, eps=self._eps,
+                                             seed=self.seed)
+                          if self.prioritized else UniformSampler(seed=self.seed))
+        return WindowSampler(inner, self._rows)
 
     def _close_plane(self) -> Schedule | None:
         """Close the plane (if any); returns the schedule a plane replacing it starts on."""
@@ -449,6 +455,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             plane = self._build_plane(spec, state["batch_size"], decided)
             plane.load_state_dict(state["plane"])
             self._plane = plane
+        else:  # the state of a buffer that never held a row: so is the sampler
+            self._sampler = self._new_sampler()
         self._last_index, self._last_rows = state["last_index"], None
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added = state["_num_timesteps_added"]
