@@ -11,27 +11,21 @@ import torch
 
 from conduit.errors import ConfigError, OperatorError, SpecError, StateError
 from conduit.integrations.grpo import (
-    GroupExperiencePath,
     LogProbSource,
     combine_rewards,
     group_advantages,
 )
 from conduit.scheduling.space import Schedule
+from tests.integrations.test_grpo_path import _path as path_of
+from tests.integrations.test_grpo_path import _score
 
 G, GROUPS, M = 4, 3, 2
 ROWS = G * GROUPS
 OVERLAPPED_ING = Schedule(1, Fraction(1, GROUPS), 1, Fraction(1, M))
 
 
-def _score(payload, prompt_ids, completion_ids):
-    return torch.tensor([float(len(c)) for c in completion_ids])
-
-
 def _path(**kw):
-    args = dict(group_size=G, groups=GROUPS, num_minibatches=M, num_epochs=1,
-                max_prompt_length=6, max_completion_length=8, pad_token_id=0, score=_score,
-                timeout=20)
-    return GroupExperiencePath(**{**args, **kw})
+    return path_of(**{"num_epochs": 1, **kw})  # the other tests' path, for one epoch
 
 
 def _groups():

@@ -264,6 +264,20 @@ def test_ring_counts_timesteps_and_windows_stay_in_their_episode(
     assert buffer.get_metrics()["num_env_steps_evicted"] == total - capacity
 
 
+def _assert_stored(sampled: list[SingleAgentEpisode],
+                   episodes: list[SingleAgentEpisode]) -> None:
+    """Every sampled one-step transition is a step of ``episodes``: its time, observation and
+    next observation (the prioritized buffer, as RLlib's, gives sampled episodes new ids)."""
+    stored = set()
+    for eps in episodes:
+        obs = eps.get_observations(slice(0, len(eps) + 1))
+        stored |= {(eps.t_started + i, obs[i].tobytes(), obs[i + 1].tobytes())
+                   for i in range(len(eps))}
+    for eps in sampled:
+        assert (eps.t_started, eps.get_observations(0).tobytes(),
+                eps.get_observations(-1).tobytes()) in stored
+
+
 def _with_actions(eps: SingleAgentEpisode, actions: np.ndarray) -> SingleAgentEpisode:
     n = len(eps)
     return SingleAgentEpisode(
@@ -297,14 +311,7 @@ def test_an_add_with_a_bad_episode_changes_nothing(adds: list[list[SingleAgentEp
         assert ei.value.field == field
         assert len(buffer) == rows and len(buffer.plane.buffer) == rows
     buffer.add(second)
-    source = set()  # (t, obs, next obs) of every stored step (the prioritized buffer, as
-    for eps in [*first[:2], *second]:  # RLlib's, gives sampled episodes new ids)
-        obs = eps.get_observations(slice(0, len(eps) + 1))
-        source |= {(eps.t_started + i, obs[i].tobytes(), obs[i + 1].tobytes())
-                   for i in range(len(eps))}
-    for eps in buffer.sample(num_items=60, n_step=1, gamma=GAMMA):
-        assert (eps.t_started, eps.get_observations(0).tobytes(),
-                eps.get_observations(-1).tobytes()) in source
+    _assert_stored(buffer.sample(num_items=60, n_step=1, gamma=GAMMA), [*first[:2], *second])
 
 
 def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -> None:
@@ -695,11 +702,4 @@ def test_a_state_refused_part_way_leaves_the_buffer_as_it_was(
         assert (len(target), target.get_num_episodes()) == (size, episodes)
         assert target.plane is not None and len(target.plane.buffer) == size
     target.add(second)
-    stored = set()
-    for eps in [*first, *second]:
-        obs = eps.get_observations(slice(0, len(eps) + 1))
-        stored |= {(eps.t_started + i, obs[i].tobytes(), obs[i + 1].tobytes())
-                   for i in range(len(eps))}
-    for eps in target.sample(num_items=40, n_step=1, gamma=GAMMA):
-        assert (eps.t_started, eps.get_observations(0).tobytes(),
-                eps.get_observations(-1).tobytes()) in stored
+    _assert_stored(target.sample(num_items=40, n_step=1, gamma=GAMMA), [*first, *second])
