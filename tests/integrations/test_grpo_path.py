@@ -280,6 +280,38 @@ def test_tokens_out_of_step_with_the_buffer_fail_ingestion():
         path.plane.recover()
 
 
+@pytest.mark.parametrize("pad", ["minibatch", "iteration"])
+def test_iteration_padding_waits_for_the_iterations_longest_completion(pad):
+    """The first mini-batch's rows land before the last group; padded to the iteration, it
+    must still be as wide as the longest completion of the whole iteration."""
+    groups = [([[1, 2]] * G, [[10 + g * G + i] * (1 + i % 2) for i in range(G)])
+              for g in range(GROUPS - 1)]
+    groups.append(([[3, 4]] * G, [[50 + i] * 8 for i in range(G)]))
+    first_rows = G * GROUPS // M  # the first mini-batch: rows 0..5, in the first two groups
+    assert first_rows <= G * (GROUPS - 1)
+    with _path(pad_completions_to=pad, num_epochs=1) as path:
+        path.begin_iteration(torch.arange(G * GROUPS), prompt_width=2)
+        for prompts, comps in groups[:-1]:
+            path.push_group(prompt_ids=prompts, completion_ids=comps)
+        got = []
+        puller = threading.Thread(target=lambda: got.append(path.pull()))
+        puller.start()
+        puller.join(0.5)
+        waited = puller.is_alive()
+        path.push_group(prompt_ids=groups[-1][0], completion_ids=groups[-1][1])
+        puller.join(20)
+        assert got, "the first mini-batch never came"
+        rest = path.pull()
+        width = got[0]["completion_ids"].shape[1]
+        if pad == "iteration":
+            assert waited  # nothing is delivered before the iteration's last row landed
+            assert width == rest["completion_ids"].shape[1] == 8
+            assert path.plane.counters["early_batches"] == 0
+        else:  # each mini-batch is padded to its own longest; the first may come early
+            assert width == 2 and rest["completion_ids"].shape[1] == 8
+        assert got[0]["row"].tolist() == list(range(first_rows))
+
+
 @pytest.mark.parametrize(("kw", "field"), [
     ({"num_minibatches": 5}, "num_minibatches"), ({"scale_rewards": "batch"}, "scale_rewards"),
     ({"group_size": 0}, "group_size"), ({"pad_completions_to": "max"}, "pad_completions_to"),

@@ -374,7 +374,8 @@ class GroupExperiencePath:
             rollout_spec=ExperienceSpec.of(unit=((), torch.int64)), timeout=timeout,
             schedule=schedule or Schedule(0, Fraction(group_size, rows), 1, Fraction(1, m)))
         self.plane.register_ingestion()(self._ingest)
-        self.plane.register_delivery()(self._deliver)
+        self.plane.register_delivery(
+            whole_iteration=pad_completions_to == "iteration")(self._deliver)
         self.iteration = -1
         # pushes of the iteration by serial (unique for the path's lifetime, so a push that
         # was withdrawn after a failure can never be taken for its replacement)

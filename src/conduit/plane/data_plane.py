@@ -272,12 +272,21 @@ class ExperienceDataPlane:
             return fn
         return deco
 
-    def register_delivery(self, *, input: str = "ExperienceBuffer", output: str = "Learner"
-                          ) -> Callable[[DeliveryFn], DeliveryFn]:
+    def register_delivery(self, *, input: str = "ExperienceBuffer", output: str = "Learner",
+                          whole_iteration: bool = False) -> Callable[[DeliveryFn], DeliveryFn]:
         """Decorator registering the framework's delivery logic (Fig. 8): the function gets
         ``(exp_in, learn_out)``, reads sampled rows with ``exp_in.read()`` and writes
         training-ready data with ``learn_out.write(...)``, which splits it into the
         invocation's training batches.
+
+        Args:
+            input: The operator's input port (``"ExperienceBuffer"``).
+            output: The operator's output port (``"Learner"``).
+            whole_iteration: On-policy: the function reads state of the whole iteration
+                besides its rows (for example it pads to the iteration's longest sequence),
+                so no mini-batch is delivered before every row of the iteration has landed.
+                By default the first mini-batches may be assembled and delivered while the
+                iteration's last rows are still being ingested.
 
         Raises:
             ConfigError: The ports are not ``"ExperienceBuffer"`` -> ``"Learner"``.
@@ -287,6 +296,7 @@ class ExperienceDataPlane:
         def deco(fn: DeliveryFn) -> DeliveryFn:
             with self._signals.lock:
                 self._engine.runtime.deliver_fn = fn
+                self._flow.assemble_early = not whole_iteration
             return fn
         return deco
 

@@ -147,6 +147,9 @@ class Flow(abc.ABC):
         schedule: The schedule in force (set by the plane).
         deliver_ready: Called (without the lock) when a batch became deliverable on an
             ingestion thread; the plane may deliver it right there.
+        assemble_early: On-policy: whether an iteration's first mini-batches may be
+            delivered while its later rows still arrive (False when the delivery operator
+            reads the whole iteration, e.g. pads to its longest row).
     """
 
     config: PlaneConfig
@@ -161,6 +164,7 @@ class Flow(abc.ABC):
     staged: deque[Staged] = field(default_factory=deque)
     priority_generation: int = 0
     policy_version: int = 0
+    assemble_early: bool = True
     #: Whether ingesting queued units makes room for a waiting push (off-policy); on-policy
     #: pushes wait on the learner instead.
     room_by_ingesting: ClassVar[bool] = False
@@ -562,8 +566,9 @@ class OnPolicyFlow(Flow):
 
     def _wants_early(self) -> bool:
         """Assemble the first mini-batches while rows arrive only when delivery is overlapped
-        (it stages them first) and the rows live in host memory."""
-        return bool(self.schedule.overlap_del) and all(
+        (it stages them first), the rows live in host memory and the delivery operator does
+        not read the whole iteration (``assemble_early``)."""
+        return self.assemble_early and bool(self.schedule.overlap_del) and all(
             torch.device(d).type == "cpu" for d in self.buffer.placement.devices)
 
     @property
