@@ -395,3 +395,44 @@ def test_an_on_policy_ingestion_that_fails_part_way_takes_its_rows_back(small_sp
         got = [b["id"].tolist() for b in p.minibatches()]
         assert sorted(got[0] + got[1]) == list(range(8))
         assert p.stats()["ingested_rows"] == 8 and p.stats()["lost_units"] == 1
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 0.5, 0, 0.5), Schedule(1, 0.5, 1, 0.5)],
+                         ids=lambda s: s.label())
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_an_on_policy_operator_that_writes_another_row_count_fails_its_invocation(
+        small_spec, schedule, extra):
+    """Defect: an on-policy ingestion operator that wrote fewer rows than its units held left
+    an iteration that could never complete (its capacity counts pushed rows), and every pull
+    timed out telling the caller to push the whole rollout. The invocation now fails with a
+    SpecError naming both counts; its rows are taken back and the plane stays usable."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
+                             schedule=schedule, timeout=10) as p:
+        wrong = [True]
+
+        @p.register_ingestion()
+        def ingest(actor_in, exp_out):
+            rows = actor_in.read()
+            n = len(rows["id"])
+            if wrong and n + extra > 0:
+                wrong.clear()
+                keep = n + extra if extra < 0 else n
+                exp_out.write({k: v[:keep] for k, v in rows.items()})
+                if extra > 0:
+                    exp_out.write({k: v[:extra] for k, v in rows.items()})
+                return
+            exp_out.write(rows)
+
+        with pytest.raises(OperatorError) as err:
+            p.push(make_rows(small_spec, 4))
+            p.flush()
+        assert isinstance(err.value.__cause__, SpecError)
+        assert "wrote 3 rows" in str(err.value) or "wrote 5 rows" in str(err.value)
+        assert "of 4 rows" in str(err.value)
+        if p.failed is not None:
+            p.recover()
+        assert len(p.buffer) == 0 and p.stats()["ingested_rows"] == 0
+        p.push(make_rows(small_spec, 4))
+        p.push(make_rows(small_spec, 4, start=4))
+        got = [b["id"].tolist() for b in p.minibatches()]
+        assert sorted(got[0] + got[1]) == list(range(8))

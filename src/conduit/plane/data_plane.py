@@ -259,7 +259,10 @@ class ExperienceDataPlane:
                            ) -> Callable[[IngestionFn], IngestionFn]:
         """Decorator registering the framework's ingestion logic (Fig. 8): the function gets
         ``(actor_in, exp_out)``, reads rollouts with ``actor_in.read()`` (or ``read_units()``)
-        and writes buffer rows with ``exp_out.write(...)``.
+        and writes buffer rows with ``exp_out.write(...)``. Off-policy it may write any
+        number of rows; on-policy exactly the rows of the units it read (an invocation that
+        writes another count fails with an :class:`OperatorError` caused by a
+        :class:`SpecError`, and its rows are taken back).
 
         Raises:
             ConfigError: The ports are not ``"Actor"`` -> ``"ExperienceBuffer"``.

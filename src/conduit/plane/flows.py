@@ -26,6 +26,7 @@ from conduit.errors import (
     CapacityError,
     ConfigError,
     EmptyBufferError,
+    SpecError,
     StaleRolloutError,
     StateError,
 )
@@ -176,6 +177,11 @@ class Flow(abc.ABC):
     state_is_buffer: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        return None
+
+    def check_ingested(self, units: Sequence[Unit], rows: int) -> None:
+        """Check what one ingestion invocation wrote for ``units`` (``rows`` in all); raises
+        to fail the invocation. Off-policy an operator may write any number of rows."""
         return None
 
     @property
@@ -517,6 +523,21 @@ class OnPolicyFlow(Flow):
         self.iter_written_rows = self.iter_landed_rows = start
         self.counters["ingested_rows"] -= total
         self.early = {}  # they may hold the dropped rows: the iteration gathers instead
+
+    def check_ingested(self, units: Sequence[Unit], rows: int) -> None:
+        """An iteration is complete when its pushed rows are written, so an invocation must
+        write as many rows as its units hold.
+
+        Raises:
+            SpecError: It wrote another number of rows.
+        """
+        pushed = sum(u.rows for u in units)
+        if rows != pushed:
+            raise SpecError(None, f"the on-policy ingestion operator wrote {rows} rows for "
+                                  f"{len(units)} rollout unit(s) of {pushed} rows; on-policy, "
+                                  f"each invocation writes exactly the rows of its units (the "
+                                  f"iteration's capacity counts pushed rows), so drop or add "
+                                  f"rows before push, not in the operator")
 
     def ingestion_units(self, units: list[Unit]) -> float:
         return sum(u.rows for u in units) / self.config.capacity

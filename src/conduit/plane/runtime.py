@@ -147,10 +147,12 @@ class OperatorRuntime:
         """
         t0 = time.perf_counter()
         written: list[tuple[int, int, int]] = []  # what each write returned (on-policy)
+        rows = [0]
 
         def write(batch: Mapping[str, Any]) -> int:
             data, n = self.flow.spec.validate(batch, what="write")
             landed = self.flow.write(data, n)
+            rows[0] += n
             if landed is not None:
                 written.append(landed)
             return n
@@ -159,6 +161,7 @@ class OperatorRuntime:
         err = None
         try:
             self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
+            self.flow.check_ingested(units, rows[0])
         except BaseException as exc:
             err = self.fail("ingestion", exc, units=units)
         finally:
