@@ -3,6 +3,9 @@ frequencies of uniform and prioritized draws across shards, on-policy exactly-on
 
 from __future__ import annotations
 
+import gc
+import logging
+import time
 from collections import Counter
 
 import numpy as np
@@ -90,6 +93,41 @@ def test_a_payload_put_by_a_remote_actor_lands_on_its_nodes_shard(cluster):
             assert ei.value.field == field
             assert plane.stats()["shards"][2]["rows"] == 10  # refused on every holder
     finally:
+        plane.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_rows_every_holder_refuses_leave_no_unhandled_ray_error(cluster):
+    """Defect: with replication, a push every holder refused raised the first holder's
+    SpecError, and Ray logged the other holders' refusals as unhandled errors (nobody fetched
+    them). Every holder's outcome is now fetched."""
+    import ray
+
+    seen = _Records()
+    ray_log = logging.getLogger("ray._private.worker")
+    ray_log.addHandler(seen)
+    plane = make_plane(cluster, num_shards=2, replication=2, capacity=100, batch_size=4,
+                       min_size=1)
+    try:
+        plane.push(rows(10))
+        for bad in (ray.put({"obs": np.zeros((3, 5), np.float32)}), ray.put([1, 2, 3])):
+            with pytest.raises(SpecError):
+                plane.push(bad)
+        assert sum(s["rows"] for s in plane.stats()["shards"]) == 10
+        gc.collect()
+        time.sleep(1.0)  # Ray reports an unfetched error when its reference goes
+        assert not [m for m in seen.messages if "Unhandled error" in m]
+        check_rows(plane.pull())
+    finally:
+        ray_log.removeHandler(seen)
         plane.close()
 
 

@@ -209,10 +209,23 @@ class ShardSet:
         except exc_mod.RayTaskError as exc:
             if isinstance(exc, self._died):
                 raise
+            self._settle(refs, deadline)
             cause = getattr(exc, "cause", None)
             if isinstance(cause, RemoteError):
                 raise cause.rebuild() from None
             raise
+
+    def _settle(self, refs: Any, deadline: float) -> None:
+        """Fetch the outcome of every task in ``refs`` once one of them failed: ``ray.get``
+        of a list stops at the first error, and Ray logs the errors nobody fetched (the other
+        holders refusing the same rows) as unhandled. Bounded by ``deadline``."""
+        if not isinstance(refs, list) or len(refs) < 2:
+            return
+        for ref in refs:
+            try:
+                self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # each outcome is only marked as seen
+                continue
 
     def is_death(self, exc: BaseException) -> bool:
         """Whether ``exc`` says a shard's actor or node is gone."""
