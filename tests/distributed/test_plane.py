@@ -131,6 +131,41 @@ def test_rows_every_holder_refuses_leave_no_unhandled_ray_error(cluster):
         plane.close()
 
 
+def test_counts_node_ids_and_priority_indices_are_checked(cluster):
+    """Defects: rows pushed as an actor's ``ObjectRef`` were left out of
+    ``stats()["counters"]["rows"]``; a push or an actor port for a node id not in the cluster
+    was taken (the rows went to some shard) while ``learner(node=...)`` refused it; and a
+    priority update for a row id its shard never wrote was dropped silently."""
+    import ray
+
+    from conduit.distributed.sampling import encode
+    from conduit.errors import ConfigError, PriorityError
+
+    plane = make_plane(cluster, capacity=300, batch_size=8, sampler="prioritized",
+                       min_size=1)
+    try:
+        plane.push(rows(8))
+        plane.push(ray.put({k: v.numpy() for k, v in rows(5, 100).items()}))
+        assert plane.stats()["counters"]["rows"] == len(plane) == 13
+        for bad in (lambda: plane.push(rows(2, 200), node="no-such-node"),
+                    lambda: plane.actor_port("no-such-node")):
+            with pytest.raises(ConfigError) as ei:
+                bad()
+            assert ei.value.field == "node"
+        plane.actor_port(plane.nodes[1]).push(rows(2, 300))
+        assert len(plane) == 15
+        batch = plane.pull()
+        owner = int(owner_of(batch)[0])
+        never = torch.from_numpy(encode(owner, np.array([10**6])))
+        with pytest.raises(PriorityError, match="names row 1000000"):
+            plane.update_priorities(torch.cat([batch["_index"], never]),
+                                    torch.full((len(batch["_index"]) + 1,), 5.0))
+        plane.update_priorities(batch["_index"], torch.full((len(batch["_index"]),), 5.0))
+        check_rows(plane.pull())
+    finally:
+        plane.close()
+
+
 def test_prioritized_across_shards_matches_a_single_buffer(cluster):
     plane = make_plane(cluster, capacity=300, batch_size=64, sampler="prioritized", seed=2,
                        min_size=1)

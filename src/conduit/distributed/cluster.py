@@ -119,6 +119,9 @@ class ShardSet:
         self.nodes = [live[k % len(live)] for k in range(num_shards)]
         self.replicas = replica_sets(self.nodes, replication)
         self.held = [HeldRows(0, 0, 0.0, 1.0) for _ in range(num_shards)]
+        # the most rows each owner ever wrote (a ring restarted after a total loss counts
+        # from 0 again; ids below this mark were real rows, delivered perhaps)
+        self.high_water = [0] * num_shards
         # owner -> holder -> what that holder reported after the last change it applied
         self.copies: list[dict[int, HeldRows]] = [
             dict.fromkeys(self.holders(k), self.held[k]) for k in range(num_shards)]
@@ -151,6 +154,7 @@ class ShardSet:
         """Every holder of ``owner`` (in :meth:`holders` order) applied a change and reported
         ``states``; the primary's is the owner's state."""
         self.held[owner] = states[0]
+        self.high_water[owner] = max(self.high_water[owner], states[0].total_written)
         self.copies[owner] = dict(zip(self.holders(owner), states, strict=True))
 
     def current(self, owner: int) -> list[int]:

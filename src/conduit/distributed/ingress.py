@@ -132,8 +132,8 @@ class Ingress:
         with self._cond:
             if self.config.on_policy:
                 self._gate.check_store(rows)
-            self._replicator.write(self.route(node), payload, validate, deadline)
-            self.counters["rows"] += rows
+            added = self._replicator.write(self.route(node), payload, validate, deadline)
+            self.counters["rows"] += added if validate else rows
             if self.config.on_policy:
                 self._gate.stored(rows)
             self._cond.notify_all()

@@ -184,6 +184,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         self._replicator = Replicator(shards=self._shards, cond=self._cond,
                                       replication=replication, on_lost=self._lost)
         here = self._ray.get_runtime_context().get_node_id()
+        self._known_nodes = {here, *self._shards.nodes}
         self._ingress = Ingress(config=cfg, ray=self._ray, shards=self._shards,
                                 replicator=self._replicator, gate=self._gate, cond=self._cond,
                                 schedule=schedule, here=here)
@@ -238,15 +239,31 @@ class RayExperienceDataPlane(ScheduledOperators):
             raise ConfigError("rank", f"must lie in [0, {self.num_learners}), got {rank!r}")
         port = self._ports[rank]
         if node is not None:
-            known = {n["NodeID"] for n in self._ray.nodes()}
-            if node not in known:
-                raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
-                                          f"node id (ray.nodes(), plane.nodes)")
+            self._check_node(node)
             port.bind(node)
         return port
 
+    def _check_node(self, node: str | None) -> None:
+        """Refuse a node id that is not (and was never) a node of the cluster; the cluster's
+        list is asked again only for an id not seen before.
+
+        Raises:
+            ConfigError: ``node`` is not a node of the cluster.
+        """
+        if node is None or node in self._known_nodes:
+            return
+        self._known_nodes = {n["NodeID"] for n in self._ray.nodes()}
+        if node not in self._known_nodes:
+            raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
+                                      f"node id (ray.nodes(), plane.nodes)")
+
     def actor_port(self, node: str | None = None) -> ActorPort:
-        """A port whose pushes go to ``node``'s shard (None: the caller's node)."""
+        """A port whose pushes go to ``node``'s shard (None: the caller's node).
+
+        Raises:
+            ConfigError: ``node`` is not a node of the cluster.
+        """
+        self._check_node(node)
         return ActorPort(self, node)
 
     # -- ingestion --------------------------------------------------------------------------
@@ -281,9 +298,11 @@ class RayExperienceDataPlane(ScheduledOperators):
                 iteration was not consumed in time.
             OperatorError: The ingestion operator raised (here, or earlier on the thread).
             ShardUnavailableError: The shard could not be written or restored in time.
+            ConfigError: ``node`` is not a node of the cluster.
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
+        self._check_node(node)
         self._ingress.push(rollout, node=node, policy_version=check_policy_version(policy_version),
                            deadline=time.monotonic() + self.config.wait_for(timeout))
 
@@ -334,9 +353,10 @@ class RayExperienceDataPlane(ScheduledOperators):
         if not self._prioritized:
             raise PriorityError("sampler: this plane samples uniformly; build it with "
                                 "sampler='prioritized' to update priorities")
-        owners, rows, pr = priority_updates(indices, priorities, self.num_shards)
         deadline = time.monotonic() + self.timeout
         with self._cond:
+            owners, rows, pr = priority_updates(
+                indices, priorities, self._shards.high_water)
             self._replicator.update_priorities(owners, rows, pr, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------

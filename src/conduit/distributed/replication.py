@@ -65,9 +65,12 @@ class Replicator:
                     raise
                 self.heal(deadline)
 
-    def write(self, owner: int, payload: Any, validate: bool, deadline: float) -> None:
+    def write(self, owner: int, payload: Any, validate: bool, deadline: float) -> int:
         """Append ``payload`` (a wire batch, or an actor's ``ObjectRef`` to ``validate``) to
         ``owner``'s rows on every holder.
+
+        Returns:
+            The rows the write added (what an ``ObjectRef`` held is known only here).
 
         Raises:
             SpecError: ``validate`` and the rows do not match the spec (no holder took them).
@@ -79,13 +82,14 @@ class Replicator:
         # from (all holders lost) starts a fresh ring, and the write goes there.
         before = shards.held[owner].total_written
 
-        def attempt() -> None:
+        def attempt() -> int:
             first = min(before, shards.held[owner].total_written)
             refs = [shards.actors[h].write.remote(owner, payload, validate, first,
                                                   self.max_priority)
                     for h in shards.holders(owner)]
             shards.acknowledged(owner, shards.get(refs, deadline, shard=owner))
-        self.run(attempt, deadline)
+            return shards.held[owner].total_written - first
+        return self.run(attempt, deadline)
 
     def clear_all(self, deadline: float) -> None:
         """Forget every shard's rows on every holder (an on-policy iteration was consumed)."""

@@ -20,6 +20,7 @@ No Ray here: the front calls them with numbers it keeps, so they are tested on t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -106,14 +107,22 @@ def nearest_copy(owner: int, holders: list[int], nodes: list[str], node: str | N
     return owner
 
 
-def priority_updates(indices: Any, priorities: Any, num_shards: int
+def priority_updates(indices: Any, priorities: Any, written: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(owners, row ids, priorities as float64)`` of a priority update, checked.
 
+    Args:
+        indices: A delivered batch's ``_index`` (owner and row id of each row).
+        priorities: One value per index.
+        written: The most rows each shard has written (every row id it ever delivered is
+            below that).
+
     Raises:
-        PriorityError: Indices that are not a delivered ``_index`` of one of ``num_shards``
-            shards; NaN, infinite or negative priorities; mismatched lengths.
+        PriorityError: Indices that are not a delivered ``_index`` of one of the shards (an
+            owner outside them, or a row its shard has not written); NaN, infinite or
+            negative priorities; mismatched lengths.
     """
+    num_shards = len(written)
     idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
     if idx.is_floating_point() or idx.dtype == torch.bool:
         raise PriorityError(f"indices: must be a batch's integer _index, got {idx.dtype}")
@@ -126,4 +135,12 @@ def priority_updates(indices: Any, priorities: Any, num_shards: int
     if owners.size and (owners.min() < 0 or owners.max() >= num_shards):
         raise PriorityError(f"indices: name shards outside [0, {num_shards}); pass the _index "
                             f"of a batch this plane delivered")
+    if owners.size:
+        limit = np.asarray(written, dtype=np.int64)[owners]
+        bad = np.flatnonzero(rows >= limit)
+        if bad.size:
+            i = int(bad[0])
+            raise PriorityError(f"indices: {int(idx[i])} names row {int(rows[i])} of shard "
+                                f"{int(owners[i])}, which has written {int(limit[i])} rows; "
+                                f"pass the _index of a batch this plane delivered")
     return owners, rows, pr
