@@ -106,3 +106,85 @@ def test_a_benchmark_sets_the_allocator_policy_before_it_runs(monkeypatch) -> No
     order.clear()
     assert main(["plan", "--dim", "8"]) == 0
     assert order == ["conduit plan"]  # other commands leave it to the first plane
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["nosuch"], "conduit: error: unknown command 'nosuch' (choose from demo, train,"),
+    (["bench", "nosuch"], "conduit bench: error: unknown benchmark 'nosuch' (choose from plane,"),
+])
+def test_an_unknown_command_is_a_usage_error_naming_it(argv: list[str], says: str,
+                                                      capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert says in err and out == ""
+
+
+def _train(tmp_path, *flags: str) -> list[str]:
+    return ["train", "--no-use-ray", "--iters", "1", "--actors", "1", "--envs-per-actor", "1",
+            "--steps-per-rollout", "4", "--log-every", "0", "--out", str(tmp_path / "t.json"),
+            "--plot", str(tmp_path / "t.png"), *flags]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--schedule", "2,1,0,1"], "conduit train: error: ScheduleError: overlap_ing:"),
+    (["--placement", "bogus"], "conduit train: error: PlacementError: placement.devices:"),
+])
+def test_a_bad_schedule_or_placement_exits_2_before_training(tmp_path, flags: list[str],
+                                                              says: str, capsys) -> None:
+    assert main(_train(tmp_path, *flags)) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(says) and out == ""
+    assert not (tmp_path / "t.json").exists()
+
+
+def _blocked(tmp_path) -> str:
+    """A path whose folder cannot be created: its parent is a regular file."""
+    (tmp_path / "file").write_text("")
+    return str(tmp_path / "file" / "sub" / "x.json")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--topology", "a100-8", "--dim", "10", "--capacity", "1000", "--json-out", "{B}"],
+     "conduit plan: error: ConfigError: json_out: cannot create the folder"),
+    (["plan", "--topology", "a100-8", "--dim", "10", "--capacity", "1000", "--json-out", "{T}"],
+     "conduit plan: error: ConfigError: json_out: "),
+    (["bench", "placement", "--quick", "--out", "{B}"],
+     "conduit bench placement: error: ConfigError: out: cannot create the folder"),
+    (["train", "--no-use-ray", "--iters", "1", "--out", "{B}"],
+     "conduit train: error: ConfigError: out: cannot create the folder"),
+    (["train", "--no-use-ray", "--iters", "1", "--plot", "{T}"],
+     "conduit train: error: ConfigError: plot: "),
+])
+def test_an_unwritable_output_fails_before_the_work_naming_the_flag(
+        tmp_path, argv: list[str], says: str, capsys) -> None:
+    blocked = _blocked(tmp_path)
+    argv = [a.replace("{B}", blocked).replace("{T}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(says) and err.count("\n") == 1
+    assert "is a folder; pass a file path" in err or "in a writable folder" in err
+    assert out == ""  # nothing was planned, measured or trained
+
+
+def test_plan_errors_go_to_stderr_with_the_error_prefix(capsys) -> None:
+    assert main(["plan", "--topology", "nosuch", "--dim", "10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("conduit plan: error: ConfigError: topology: 'nosuch' is neither")
+
+
+@pytest.mark.parametrize("value", ["-3", "0"])
+def test_bytes_per_sample_has_one_bound(value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--topology", "a100-8", "--bytes-per-sample", value])
+    assert exc.value.code == 2
+    assert f"argument --bytes-per-sample: must be >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_profile_help_explains_every_flag(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    out = capsys.readouterr().out
+    assert "--repeats REPEATS  timed copies per size and path" in " ".join(out.split("\n"))

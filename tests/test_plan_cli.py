@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from conduit.cli import main as cli_main
 from conduit.placement import preset
 from conduit.plan_cli import PlanArgs, main, plan
 from conduit.scheduling import choose
@@ -41,8 +42,10 @@ def _space():
 def test_plan_rejects_a_buffer_that_fits_no_device(capsys):
     argv = ["--topology", "a100-8", "--bytes-per-sample", "4000000", "--capacity", "1000000",
             "--t-rollout-ms", "5", "--t-update-ms", "5"]
-    assert main(argv) == 2
-    assert "fits no candidate placement" in capsys.readouterr().out
+    assert cli_main(["plan", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("conduit plan: error: CapacityError:")
+    assert "fits no candidate placement" in err and out == ""
 
 
 def test_plan_on_policy_from_a_topology_file(tmp_path, capsys):
@@ -74,8 +77,10 @@ def test_plan_with_a_short_profile_on_this_machine(capsys):
 
 
 def test_unknown_topology_is_a_clear_error(capsys):
-    assert main(["--topology", "no-such-preset"]) == 2
-    assert "neither a preset" in capsys.readouterr().out
+    assert cli_main(["plan", "--topology", "no-such-preset"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("conduit plan: error: ConfigError: topology:")
+    assert "neither a preset" in err and out == ""
 
 
 def test_plan_explains_cross_node_decisions(capsys):

@@ -36,3 +36,32 @@ def test_pyplot_is_none_with_one_note_when_matplotlib_is_absent(
     assert report.pyplot() is None
     assert report.pyplot() is None
     assert capsys.readouterr().err.count("matplotlib is not installed") == 1
+
+
+def test_check_output_path_refuses_what_cannot_be_written(tmp_path: Path) -> None:
+    from conduit.errors import ConfigError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--json-out") as exc:
+        report.check_output_path(tmp_path / "file" / "x.json", "json_out")
+    assert exc.value.field == "json_out"
+    with pytest.raises(ConfigError, match="is a folder; pass a file path to --out"):
+        report.check_output_path(tmp_path, "out")
+    with pytest.raises(ConfigError, match="is a file, not a folder; pass a folder to --out"):
+        report.check_output_path(tmp_path / "file", "out", directory=True)
+    assert report.check_output_path(tmp_path / "new" / "r.json", "out") == (
+        tmp_path / "new" / "r.json")
+    assert (tmp_path / "new").is_dir()
+    assert report.check_output_path(tmp_path / "d" / "e", "out", directory=True).is_dir()
+
+
+def test_write_json_turns_an_os_error_into_a_config_error(tmp_path: Path) -> None:
+    from conduit.errors import ConfigError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot write") as exc:
+        report.write_json(tmp_path / "file" / "r.json", {"x": 1}, field="out")
+    assert exc.value.field == "out"
+    with pytest.raises(ConfigError) as exc:
+        report.write_json(tmp_path, {"x": 1})
+    assert exc.value.field == "path"

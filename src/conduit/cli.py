@@ -18,7 +18,19 @@ import os
 import sys
 
 from conduit.cli_args import command_parser
-from conduit.errors import ConduitError, ConfigError, SpecError
+from conduit.errors import (
+    CapacityError,
+    ConduitError,
+    ConfigError,
+    PlacementError,
+    ScheduleError,
+    SpecError,
+    TopologyError,
+)
+
+#: Errors that mean the input was bad: exit status 2, as for a usage error.
+_BAD_INPUT = (ConfigError, SpecError, ScheduleError, PlacementError, TopologyError,
+              CapacityError)
 
 _BENCHES = {
     "plane": ("conduit.bench.plane", "exposed latency inline vs overlap; gather vs copy"),
@@ -51,8 +63,10 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
     """Run one command; a :class:`~conduit.errors.ConduitError` becomes one line on stderr.
 
     Exit status 2 for bad input (:class:`~conduit.errors.ConfigError`,
-    :class:`~conduit.errors.SpecError`), 1 for any other Conduit error. ``CONDUIT_TRACEBACK=1``
-    lets the error propagate with its traceback instead.
+    :class:`~conduit.errors.SpecError`, :class:`~conduit.errors.ScheduleError`,
+    :class:`~conduit.errors.PlacementError`, :class:`~conduit.errors.TopologyError`,
+    :class:`~conduit.errors.CapacityError`), 1 for any other Conduit error.
+    ``CONDUIT_TRACEBACK=1`` lets the error propagate with its traceback instead.
     """
     try:
         mod = importlib.import_module(module)
@@ -66,7 +80,7 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
             raise
         print(f"{prog}: error: {type(exc).__name__}: {exc} "
               "(CONDUIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
-        return 2 if isinstance(exc, (ConfigError, SpecError)) else 1
+        return 2 if isinstance(exc, _BAD_INPUT) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,16 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         module, func, _ = _COMMANDS[cmd]
         return _call(f"conduit {cmd}", module, func, rest)
     if cmd == "bench":
-        if not rest or rest[0] in ("-h", "--help") or rest[0] not in _BENCHES:
+        if not rest or rest[0] in ("-h", "--help"):
             bench.print_help()
-            return 0 if rest and rest[0] in ("-h", "--help") else 2
+            return 0 if rest else 2
+        if rest[0] not in _BENCHES:
+            bench.error(f"unknown benchmark {rest[0]!r} (choose from {', '.join(_BENCHES)})")
         # The first plane would set it part-way through a run: every system a benchmark
         # compares runs under the same allocator policy instead (docs/design.md §9).
         from conduit.storage.hostmem import retain_freed_memory
         retain_freed_memory()
         return _call(f"conduit bench {rest[0]}", _BENCHES[rest[0]][0], "main", rest[1:])
-    parser.print_help()
-    return 2
+    parser.error(f"unknown command {cmd!r} (choose from {', '.join([*_COMMANDS, 'bench'])})")
 
 
 if __name__ == "__main__":

@@ -4,14 +4,17 @@ Each dataclass field becomes ``--field-name``; its help text comes from
 ``field(metadata={"help": ...})``; ``Literal`` types become ``choices``; ``bool`` fields become
 ``--flag/--no-flag``. Numeric flags are checked as they are parsed: an ``int`` is at least
 ``metadata["min"]`` (0 when unset), a ``float`` is a number (not NaN) and at least
-``metadata["min"]`` when set, so a bad value is a usage error naming the flag. Docstrings
-used as help are turned into plain text (:func:`plain_text`).
+``metadata["min"]`` when set, and a ``float`` with ``metadata["positive"]`` is finite and
+above 0, so a bad value is a usage error naming the flag. A field with ``metadata["output"]``
+(``"file"`` or ``"dir"``) names an output path, checked by :func:`parse_dataclass` before any
+work is done. Docstrings used as help are turned into plain text (:func:`plain_text`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import typing
 from typing import Any, TypeVar
@@ -56,16 +59,19 @@ def command_parser(prog: str, doc: str | None, cls: type | None = None
 def arg(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``.
 
-    Keyword arguments go into the field's metadata; ``min=`` is the smallest value the flag
-    accepts (see :func:`add_dataclass_args`).
+    Keyword arguments go into the field's metadata: ``min=`` is the smallest value the flag
+    accepts, ``positive=True`` asks a ``float`` to be finite and above 0 (see
+    :func:`add_dataclass_args`), and ``output="file"`` or ``output="dir"`` marks an output path
+    (see :func:`parse_dataclass`).
     """
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
-def _number(tp: type, low: float | None) -> Any:
-    """An argparse ``type`` that parses ``tp`` and refuses NaN and values below ``low``."""
+def _number(tp: type, low: float | None, positive: bool = False) -> Any:
+    """An argparse ``type`` that parses ``tp`` and refuses NaN and values below ``low``; with
+    ``positive``, also infinities and values that are not above 0."""
     def parse(text: str) -> Any:
         try:
             value = tp(text)
@@ -75,6 +81,8 @@ def _number(tp: type, low: float | None) -> Any:
             raise argparse.ArgumentTypeError("expected a number, got NaN")
         if low is not None and value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if positive and not (0 < value < math.inf):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
     parse.__name__ = tp.__name__
@@ -92,7 +100,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = plain_text(f.metadata.get("help", ""))
-        least = f"; at least {f.metadata['min']}" if "min" in f.metadata else ""
+        least = (f"; at least {f.metadata['min']}" if "min" in f.metadata
+                 else "; above 0" if f.metadata.get("positive") else "")
         kw: dict[str, Any] = {"dest": f.name, "default": default,
                               "help": f"{help_text} (default: {default!r}{least})"}
         origin = typing.get_origin(tp)
@@ -112,7 +121,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["type"] = _number(item, f.metadata.get("min", 0 if item is int else None)) \
                 if item in (int, float) else item
         elif tp in (int, float):
-            kw["type"] = _number(tp, f.metadata.get("min", 0 if tp is int else None))
+            kw["type"] = _number(tp, f.metadata.get("min", 0 if tp is int else None),
+                                 f.metadata.get("positive", False))
         elif tp is str:
             kw["type"] = tp
         else:
@@ -121,7 +131,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def parse_dataclass(cls: type[T], args: argparse.Namespace) -> T:
-    """Instantiate ``cls`` from the parsed ``args``."""
+    """Instantiate ``cls`` from the parsed ``args``.
+
+    A non-empty field marked ``output="file"`` or ``output="dir"`` is checked with
+    :func:`~conduit.report.check_output_path` first, so an output that cannot be written fails
+    before the command does its work.
+
+    Raises:
+        ConfigError: An output path cannot be written (field: the dataclass field).
+    """
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
               if f.init and hasattr(args, f.name)}
     for f in dataclasses.fields(cls):
@@ -129,4 +147,11 @@ def parse_dataclass(cls: type[T], args: argparse.Namespace) -> T:
             hint = typing.get_type_hints(cls)[f.name]
             if typing.get_origin(hint) is tuple:
                 values[f.name] = tuple(values[f.name])
+    outputs = [(f.name, f.metadata["output"]) for f in dataclasses.fields(cls)
+               if f.metadata.get("output") and values.get(f.name)]
+    if outputs:
+        from conduit.report import check_output_path
+
+        for name, kind in outputs:
+            check_output_path(values[name], name, directory=kind == "dir")
     return cls(**values)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from conduit.cli_args import arg, command_parser, parse_dataclass
-from conduit.errors import ConduitError, ConfigError
+from conduit.errors import ConfigError
 from conduit.placement import (
     DeliveryTerm,
     PlacementDecision,
@@ -55,7 +55,7 @@ class PlanArgs:
 
     mode: Literal["off_policy", "on_policy"] = arg("off_policy", "RL mode")
     dim: int = arg(1000, "transition dimension (float32 obs and next_obs of this size)", min=1)
-    bytes_per_sample: int | None = arg(None, "bytes per buffer sample (overrides --dim)")
+    bytes_per_sample: int | None = arg(None, "bytes per buffer sample (overrides --dim)", min=1)
     capacity: int = arg(1_000_000, "buffer capacity in rows (on-policy: rows per iteration)", min=1)
     batch_size: int = arg(512, "off-policy training batch size", min=1)
     rollout_rows: int | None = arg(None, "rows per rollout unit (default: --batch-size)")
@@ -72,7 +72,7 @@ class PlanArgs:
     op_overhead_us: float = arg(100.0, "per-invocation operator overhead for the estimate (us)")
     sync_us: float = arg(50.0, "sync cost of an overlapped operator for the estimate (us)")
     top_k: int = arg(5, "schedule candidates to show", min=1)
-    json_out: str = arg("", "also write the decision as JSON to this path")
+    json_out: str = arg("", "also write the decision as JSON to this path", output="file")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,17 +344,18 @@ def render(result: PlanResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``conduit plan``."""
+    """Entry point of ``conduit plan``.
+
+    Raises:
+        ConfigError: Bad arguments, or ``--json-out`` cannot be written.
+        CapacityError: No placement fits the buffer.
+    """
     p = command_parser("conduit plan", __doc__, PlanArgs)
     args = parse_dataclass(PlanArgs, p.parse_args(argv))
-    try:
-        result = plan(args)
-    except ConduitError as exc:
-        print(f"conduit plan: {exc}")
-        return 2
+    result = plan(args)
     print(render(result))
     if args.json_out:
-        path = write_json(args.json_out, result.to_dict())
+        path = write_json(args.json_out, result.to_dict(), field="json_out")
         print(f"wrote {path}")
     return 0
 

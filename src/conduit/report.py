@@ -18,6 +18,8 @@ from typing import Any
 import psutil
 import torch
 
+from conduit.errors import ConfigError
+
 
 def machine() -> dict[str, Any]:
     """What a figure was measured on, including the load other processes put on it."""
@@ -53,7 +55,46 @@ def finite(data: Any) -> Any:
     return data
 
 
-def write_json(path: str | Path, data: Any, *, with_machine: bool = False) -> Path:
+def check_output_path(path: str | Path, field: str, *, directory: bool = False) -> Path:
+    """Check, before any work is done, that an output can be written at ``path``.
+
+    Creates the folder that will hold the output (``path`` itself when ``directory``, else
+    its parent) when it does not exist yet.
+
+    Args:
+        path: The output file, or the output folder when ``directory`` is true.
+        field: The option that named ``path`` (``"json_out"`` for ``--json-out``); errors
+            name it.
+        directory: ``path`` is a folder that outputs are written into.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ConfigError: ``path`` is a folder where a file is expected (or a file where a folder
+            is), or its folder cannot be created or written (field ``field``).
+    """
+    p = Path(path)
+    flag = "--" + field.replace("_", "-")
+    if directory and p.exists() and not p.is_dir():
+        raise ConfigError(field, f"{str(p)!r} is a file, not a folder; pass a folder to {flag}")
+    if not directory and p.is_dir():
+        raise ConfigError(field, f"{str(p)!r} is a folder; pass a file path to {flag}")
+    folder = p if directory else p.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot create the folder {str(folder)!r} "
+                                 f"({exc.strerror or exc}); pass a {flag} path in a writable "
+                                 "folder") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"the folder {str(folder)!r} is not writable; pass a {flag} "
+                                 "path in a writable folder")
+    return p
+
+
+def write_json(path: str | Path, data: Any, *, with_machine: bool = False,
+               field: str = "path") -> Path:
     """Write ``data`` as indented, strict JSON, creating parent folders.
 
     Args:
@@ -61,14 +102,23 @@ def write_json(path: str | Path, data: Any, *, with_machine: bool = False) -> Pa
         data: JSON-friendly data; non-finite floats become null, other objects their ``str``.
         with_machine: Put :func:`machine` under the key ``"machine"`` first (``data`` must
             then be a dict).
+        field: The option that named ``path``; an error names it.
 
     Returns:
         The path written.
+
+    Raises:
+        ConfigError: ``path`` cannot be written (field ``field``).
     """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), **data} if with_machine else data
-    p.write_text(json.dumps(finite(payload), indent=2, default=str))
+    text = json.dumps(finite(payload), indent=2, default=str)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot write {str(p)!r} ({exc.strerror or exc}); pass a "
+                                 f"path in a writable folder") from exc
     return p
 
 

@@ -146,3 +146,76 @@ def test_conduit_demo_keeps_ray_token_authentication_on(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "demo" / "demo.json").read_text())
     assert res["inline"]["config"]["use_ray"] is True
     assert res["conduit"]["config"]["use_ray"] is True
+
+
+def _train(tmp_path: Path, *flags: str) -> list[str]:
+    return ["--no-use-ray", "--iters", "1", "--actors", "1", "--envs-per-actor", "1",
+            "--steps-per-rollout", "4", "--log-every", "0", "--out", str(tmp_path / "t.json"),
+            "--plot", str(tmp_path / "t.png"), *flags]
+
+
+@pytest.mark.parametrize("text", ["bogus", "x,1,0,1", "1,1/0,0,1", "1,1,0"])
+def test_a_malformed_schedule_is_a_config_error_naming_the_form(text: str,
+                                                                tmp_path: Path) -> None:
+    from conduit.errors import ConfigError
+    from conduit.workloads.args import parse_schedule
+
+    with pytest.raises(ConfigError, match="ov_ing,g_ing,ov_del,g_del") as exc:
+        parse_schedule(text)
+    assert exc.value.field == "schedule"
+    with pytest.raises(ConfigError, match="schedule"):
+        train_main(_train(tmp_path, "--schedule", text))
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_an_unknown_device_is_a_config_error(tmp_path: Path) -> None:
+    from conduit.errors import ConfigError
+    from conduit.workloads.learner import resolve_device
+
+    with pytest.raises(ConfigError, match="--device auto, cpu or cuda:N") as exc:
+        resolve_device("bogus")
+    assert exc.value.field == "device"
+    with pytest.raises(ConfigError, match="device"):
+        train_main(_train(tmp_path, "--device", "bogus"))
+    with pytest.raises(ConfigError, match="device"):
+        demo_main(["--no-use-ray", "--device", "bogus", "--out", str(tmp_path / "demo")])
+
+
+def test_an_unknown_environment_is_a_config_error(tmp_path: Path) -> None:
+    from conduit.errors import ConfigError
+    from conduit.workloads.envs import make_env
+
+    with pytest.raises(ConfigError, match="CartPole-v1") as exc:
+        make_env("NoSuchEnv-v0")
+    assert exc.value.field == "env"
+    with pytest.raises(ConfigError, match="NoSuchEnv-v0"):
+        train_main(_train(tmp_path, "--env", "NoSuchEnv-v0"))
+
+
+@pytest.mark.parametrize("algo, flag", [("ppo", "--learning-rate"), ("dqn", "--learning-rate"),
+                                        ("sac", "--q-lr"), ("sac", "--policy-lr")])
+@pytest.mark.parametrize("value", ["-1", "0", "inf"])
+def test_a_learning_rate_must_be_finite_and_positive(algo: str, flag: str, value: str,
+                                                     tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train_main(_train(tmp_path, "--algo", algo, flag, value))
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be a finite number > 0, got {value}" in capsys.readouterr().err
+
+
+def test_demo_refuses_an_unknown_algorithm_and_lists_the_choices(tmp_path: Path,
+                                                                 capsys) -> None:
+    from conduit.errors import ConfigError
+    from conduit.workloads.cli import DemoArgs, _demo_args
+
+    with pytest.raises(SystemExit) as exc:
+        demo_main(["--algo", "foo", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert "argument --algo: invalid choice: 'foo'" in err and out == ""
+    with pytest.raises(SystemExit):
+        demo_main(["--help"])
+    assert "--algo {dqn,ppo,sac}" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="must be dqn, sac or ppo") as cfg:
+        _demo_args(DemoArgs(algo="foo", device="cpu"), "inline")  # type: ignore[arg-type]
+    assert cfg.value.field == "algo"

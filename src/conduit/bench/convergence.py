@@ -43,7 +43,8 @@ class ConvergenceArgs:
     actors: int = arg(2, "Ray rollout actors", min=1)
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
-    out: str = arg("runs/bench/convergence", "folder for convergence.json / convergence.png")
+    out: str = arg("runs/bench/convergence", "folder for convergence.json / convergence.png",
+                   output="dir")
 
 
 def curve(result: RunResult, window: int) -> list[dict[str, float]]:

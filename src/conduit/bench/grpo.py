@@ -49,7 +49,7 @@ class GRPOBenchArgs:
                    "('minibatch') or, as TRL, to the generation batch's ('iteration': bitwise "
                    "identical losses)")
     quick: bool = arg(False, "a smoke run: one length of 8, 8 steps, one round")
-    out: str = arg("runs/bench/grpo", "folder for grpo.json / grpo.png")
+    out: str = arg("runs/bench/grpo", "folder for grpo.json / grpo.png", output="dir")
 
 
 class StepTimer:

@@ -82,8 +82,8 @@ class PersistBenchArgs:
                            "with snapshots (an even number >= 2)", min=2)
     every_s: float = arg(1.0, "seconds between snapshots")
     scratch: str = arg("", "folder for every checkpoint and dd file (default: a temporary "
-                           "folder under --out, removed afterwards)")
-    out: str = arg("runs/bench/persist", "output directory for JSON and PNG")
+                           "folder under --out, removed afterwards)", output="dir")
+    out: str = arg("runs/bench/persist", "output directory for JSON and PNG", output="dir")
     quick: bool = arg(False, "a few MB and a few seconds, for a smoke run")
 
     def __post_init__(self) -> None:

@@ -71,7 +71,7 @@ class PlacementBenchArgs:
                               "learner update between pulls")
     learner_device: str = arg("auto", "learner device: 'auto' (cuda:0 when available, else "
                                       "cpu), 'cpu' or 'cuda:N'")
-    out: str = arg("runs/bench/placement", "output directory for JSON and PNG")
+    out: str = arg("runs/bench/placement", "output directory for JSON and PNG", output="dir")
     quick: bool = arg(False, "tiny sizes, for a smoke run (< 30 s)")
     seed: int = arg(0, "sampler seed")
 

@@ -59,7 +59,7 @@ class PlaneBenchArgs:
     lead_first: bool = arg(True, "on-policy: draw each iteration's first mini-batch from every "
                                  "unit but the last (FifoSampler.leading), "
                                  "the same layout under both schedules")
-    out: str = arg("runs/bench/plane", "output directory for JSON and PNG")
+    out: str = arg("runs/bench/plane", "output directory for JSON and PNG", output="dir")
     quick: bool = arg(False, "tiny sizes, for a smoke run")
 
 

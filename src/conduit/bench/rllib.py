@@ -74,7 +74,7 @@ class RllibBenchArgs:
                                       min=1)
     repeats: int = arg(30, "microbenchmark calls per buffer and capacity", min=1)
     num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)", min=1)
-    out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png")
+    out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png", output="dir")
 
 
 @dataclass(frozen=True)

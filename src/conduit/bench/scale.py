@@ -68,7 +68,7 @@ class ScaleBenchArgs:
     node_cpus: int = arg(1, "CPUs per local Ray node", min=1)
     address: str = arg("", "an existing Ray cluster with enough nodes (default: start a "
                             "local one with max(--shards) nodes)")
-    out: str = arg("runs/bench/scale", "output directory for JSON and PNG")
+    out: str = arg("runs/bench/scale", "output directory for JSON and PNG", output="dir")
     quick: bool = arg(False, "shard counts 1 and 2, small sizes, one round: a smoke run")
 
     def effective(self) -> ScaleBenchArgs:

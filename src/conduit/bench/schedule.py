@@ -83,7 +83,7 @@ class ScheduleBenchArgs:
     fill_units: int = arg(8, "rollout units pushed before measuring", min=1)
     compute_threads: int = arg(1, "torch threads for rollout/update compute", min=1)
     top_k: int = arg(8, "size of the ranking compared (Tab. 4 uses 8)", min=1)
-    out: str = arg("runs/bench/schedule", "output directory for JSON and PNG")
+    out: str = arg("runs/bench/schedule", "output directory for JSON and PNG", output="dir")
     quick: bool = arg(False, "tiny sweep for a smoke run (under a minute)")
 
 

@@ -107,7 +107,8 @@ class WorkloadBenchArgs:
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
     rounds: int = arg(1, "runs per mode and workload, alternating the order (inline first, "
                          "then Conduit first, ...); medians pool every run's iterations", min=1)
-    out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png")
+    out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png",
+                   output="dir")
 
 
 def _iters(algo: str, requested: int, gpu: bool) -> int:

@@ -363,7 +363,9 @@ def run_profile_cli(args: Sequence[str] | None = None) -> int:
                                  description="Measure copy and gather bandwidths on this machine.")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated payload sizes, e.g. 64K,1M,16M (default)")
-    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                    help=f"timed copies per size and path; the median is kept "
+                         f"(default: {DEFAULT_REPEATS})")
     ap.add_argument("--refresh", action="store_true", help="ignore the cache and re-measure")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")

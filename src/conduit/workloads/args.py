@@ -14,6 +14,7 @@ import torch
 
 from conduit import Placement, Schedule
 from conduit.cli_args import arg
+from conduit.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,25 +40,33 @@ class TrainerArgs:
     use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
     address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray)")
     log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
-    out: str = arg("", "write the JSON log here (empty: do not write)")
-    plot: str = arg("", "write the PNG breakdown here (empty: do not write)")
+    out: str = arg("", "write the JSON log here (empty: do not write)", output="file")
+    plot: str = arg("", "write the PNG breakdown here (empty: do not write)", output="file")
 
 
 def parse_schedule(text: str) -> Schedule | Literal["auto"]:
     """``"auto"``, ``"inline"`` or ``"ov_ing,g_ing,ov_del,g_del"`` (g may be ``1/4``).
 
     Raises:
-        ValueError: Any other text.
+        ConfigError: Any other text (field ``schedule``).
+        ScheduleError: The four values do not form a valid schedule.
     """
     if text == "auto":
         return "auto"
     if text == "inline":
         return Schedule.inline()
+    expected = ("expected 'auto', 'inline' or four comma-separated values "
+                "'ov_ing,g_ing,ov_del,g_del' (ov 0 or 1, g a positive number or fraction, "
+                f"e.g. '1,1,0,1/4'), got {text!r}")
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 4:
-        raise ValueError(f"schedule: expected 'auto', 'inline' or four comma-separated values "
-                         f"'ov_ing,g_ing,ov_del,g_del', got {text!r}")
-    return Schedule(int(parts[0]), Fraction(parts[1]), int(parts[2]), Fraction(parts[3]))
+        raise ConfigError("schedule", expected)
+    try:
+        ov_ing, g_ing = int(parts[0]), Fraction(parts[1])
+        ov_del, g_del = int(parts[2]), Fraction(parts[3])
+    except (ValueError, ZeroDivisionError) as exc:
+        raise ConfigError("schedule", expected) from exc
+    return Schedule(ov_ing, g_ing, ov_del, g_del)
 
 
 def parse_placement(text: str, learner_device: torch.device) -> Placement | Literal["auto"]:

@@ -14,12 +14,14 @@ import dataclasses
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_dataclass
-from conduit.report import write_json
+from conduit.errors import ConfigError
+from conduit.report import check_output_path, write_json
 from conduit.workloads import dqn, grpo, ppo, sac
 from conduit.workloads.actors import ray_running
-from conduit.workloads.args import TrainerArgs
+from conduit.workloads.args import TrainerArgs, parse_placement, parse_schedule
 from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
 from conduit.workloads.figures import plot_breakdown
 from conduit.workloads.learner import resolve_device
@@ -73,14 +75,20 @@ def train_main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     mod = TRAINERS[known.algo]
     args = parse_dataclass(mod.Args, ns)
-    result = mod.train(args)
     if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
-        return mod.report(result, args)
-    _print_summary(result)
+        return mod.report(mod.train(args), args)
+    # Bad input fails here, before Ray starts and the run is spent (the trainer checks the
+    # environment before it starts Ray).
+    parse_schedule(args.schedule)
+    parse_placement(args.placement, resolve_device(args.device))
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
-    out = write_json(args.out or f"{stem}.json", result.to_json())
+    out_path = check_output_path(args.out or f"{stem}.json", "out")
+    png_path = check_output_path(args.plot or f"{stem}.png", "plot")
+    result = mod.train(args)
+    _print_summary(result)
+    out = write_json(out_path, result.to_json(), field="out")
     png = plot_breakdown(
-        {f"{known.algo} {args.buffer}": result.summary}, args.plot or f"{stem}.png",
+        {f"{known.algo} {args.buffer}": result.summary}, png_path,
         title=f"{known.algo.upper()} on {args.env}"
               + (f" + {args.image_size}px image payload" if args.image_size else ""))
     print(f"wrote {out}" + (f" and {png}" if png else ""))
@@ -91,8 +99,9 @@ def train_main(argv: list[str] | None = None) -> int:
 class DemoArgs:
     """Arguments of ``conduit demo``."""
 
-    algo: str = arg("dqn", "workload algorithm: dqn (CartPole-v1) or ppo (CartPole-v1) or sac "
-                    "(Pendulum-v1), each with the image payload")
+    algo: Literal["dqn", "ppo", "sac"] = arg("dqn", "workload algorithm: dqn (CartPole-v1) or "
+                                             "ppo (CartPole-v1) or sac (Pendulum-v1), each "
+                                             "with the image payload")
     image_size: int = arg(128, "image payload side (128 ~ 48 KB, 256 ~ 192 KB per "
                           "observation); a payload-size stand-in")
     iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total)")
@@ -103,7 +112,7 @@ class DemoArgs:
     seed: int = arg(1, "random seed")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
-    out: str = arg("runs/demo", "folder for demo.json and demo.png")
+    out: str = arg("runs/demo", "folder for demo.json and demo.png", output="dir")
 
 
 def _demo_args(d: DemoArgs, buffer: str) -> TrainerArgs:
@@ -124,7 +133,7 @@ def _demo_args(d: DemoArgs, buffer: str) -> TrainerArgs:
         iters = d.iters or (60 if gpu else 12)
         return ppo.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
                         num_minibatches=4, update_epochs=2, **common)
-    raise ValueError(f"algo: must be dqn, sac or ppo, got {d.algo!r}")
+    raise ConfigError("algo", f"must be dqn, sac or ppo, got {d.algo!r}")
 
 
 def _change(red: float) -> str:
@@ -175,7 +184,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     png = plot_breakdown({f"{label} inline": inline, f"{label} Conduit": conduit},
                          out / "demo.png",
                          title=f"{label}: per-iteration breakdown, inline vs Conduit")
-    write_json(out / "demo.json", {
+    write_json(out / "demo.json", field="out", data={
         "workload": label, "device": str(device), "exposed_reduction": red_exp,
         "end_to_end_reduction": red_e2e, "wall_s": time.perf_counter() - t_start,
         "rounds": d.rounds, "pooled": {"inline": inline, "conduit": conduit},

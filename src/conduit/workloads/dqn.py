@@ -38,7 +38,7 @@ class Args(TrainerArgs):
     num_agents: int = arg(4, "agents (CartPoles) of MultiAgentCartPole", min=1)
     buffer_size: int = arg(50_000, "replay capacity in transitions", min=1)
     batch_size: int = arg(128, "transitions per training batch", min=1)
-    learning_rate: float = arg(5e-4, "Adam learning rate")
+    learning_rate: float = arg(5e-4, "Adam learning rate", positive=True)
     gamma: float = arg(0.99, "discount factor")
     updates_per_iter: int = arg(16, "gradient steps per iteration", min=1)
     target_update_every: int = arg(250, "gradient steps between target-network copies", min=1)

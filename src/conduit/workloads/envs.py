@@ -24,6 +24,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from conduit.errors import ConfigError
+
 MULTI_AGENT_CARTPOLE = "MultiAgentCartPole"
 METAWORLD_PREFIX = "metaworld/"
 
@@ -140,15 +142,26 @@ def make_env(env_id: str, *, image_size: int = 0, num_agents: int = 4) -> Any:
             needs the optional ``metaworld`` extra).
         image_size: 0 for state observations; otherwise attach an :class:`ImagePayload`.
         num_agents: Agents of ``MultiAgentCartPole``.
+
+    Raises:
+        ConfigError: Gymnasium cannot make ``env_id`` (field ``env``), or ``image_size`` is
+            set for ``MultiAgentCartPole`` (field ``image_size``).
     """
     if env_id == MULTI_AGENT_CARTPOLE:
         if image_size:
-            raise ValueError("image payloads are not supported on MultiAgentCartPole")
+            raise ConfigError("image_size", "image payloads are not supported on "
+                                            "MultiAgentCartPole; pass --image-size 0")
         return MultiAgentCartPole(num_agents)
     if env_id.startswith(METAWORLD_PREFIX):
         env = _make_metaworld(env_id[len(METAWORLD_PREFIX):])
     else:
-        env = gym.make(env_id)
+        try:
+            env = gym.make(env_id)
+        except gym.error.Error as exc:
+            raise ConfigError("env", f"cannot make {env_id!r} ({exc}); pass a registered "
+                                     f"Gymnasium id such as CartPole-v1, "
+                                     f"{MULTI_AGENT_CARTPOLE} or {METAWORLD_PREFIX}<task>"
+                              ) from exc
     return ImagePayload(env, image_size) if image_size else env
 
 

@@ -40,12 +40,13 @@ class Args:
     max_completion_length: int = arg(16, "longest completion, in tokens", min=1)
     hidden: int = arg(64, "model width", min=1)
     layers: int = arg(2, "decoder layers", min=1)
-    lr: float = arg(3e-3, "learning rate")
+    lr: float = arg(3e-3, "learning rate", positive=True)
     beta: float = arg(0.0, "KL coefficient (a reference model when > 0)")
     seed: int = arg(0, "random seed")
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
-    out: str = arg("", "JSON path (default runs/train/grpo_<task>_<buffer>.json)")
-    plot: str = arg("", "PNG path (default next to the JSON)")
+    out: str = arg("", "JSON path (default runs/train/grpo_<task>_<buffer>.json)",
+                   output="file")
+    plot: str = arg("", "PNG path (default next to the JSON)", output="file")
 
 
 @dataclass

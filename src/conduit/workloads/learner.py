@@ -8,14 +8,23 @@ import warnings
 import numpy as np
 import torch
 
+from conduit.errors import ConfigError
 from conduit.workloads.args import TrainerArgs
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> the first CUDA device when present, else CPU; otherwise ``name``."""
+    """``"auto"`` -> the first CUDA device when present, else CPU; otherwise ``name``.
+
+    Raises:
+        ConfigError: ``name`` is not a torch device name (field ``device``).
+    """
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError("device", f"{name!r} is not a device; pass --device auto, cpu or "
+                                    "cuda:N") from exc
 
 
 def set_learner_threads(n: int, *, actors: int, use_ray: bool) -> int:

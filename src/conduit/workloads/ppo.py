@@ -45,7 +45,8 @@ class Args(TrainerArgs):
     iters: int = arg(150, "training iterations (one policy version each)", min=1)
     rollout_fragments: int = arg(4, "fragments each actor produces per iteration; the plane "
                                  "ingests one while the actors step the next", min=1)
-    learning_rate: float = arg(1e-3, "Adam learning rate (annealed linearly to 0)")
+    learning_rate: float = arg(1e-3, "Adam learning rate (annealed linearly to 0)",
+                               positive=True)
     anneal_lr: bool = arg(True, "anneal the learning rate over the run")
     gamma: float = arg(0.98, "discount factor")
     gae_lambda: float = arg(0.8, "GAE lambda")

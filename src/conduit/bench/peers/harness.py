@@ -252,7 +252,8 @@ class PeersConfig:
     quick: bool = arg(False, "short development run: d in (128, 1000), batch 256, capacity "
                              "16384, few repetitions, Reverb in-process only (flags given "
                              "explicitly win)")
-    out: str = arg("runs/bench/peers", "output directory for peers.json and peers.png")
+    out: str = arg("runs/bench/peers", "output directory for peers.json and peers.png",
+                   output="dir")
     torch_threads: int = arg(1, "torch intra-op threads for every in-process peer", min=1)
     memory_fraction: float = arg(0.5, "share of available memory one buffer (with the peers' "
                                       "overheads) may take when sizing the capacity")
