@@ -103,6 +103,40 @@ def test_on_policy_mid_iteration_round_trip_delivers_the_rest_once(small_spec, t
             assert back.policy_version == 1
 
 
+@pytest.mark.parametrize("schedule", [Schedule(0, 0.5, 1, 0.5), Schedule(1, 0.5, 1, 0.5)],
+                         ids=lambda s: s.label())
+def test_a_save_after_an_early_delivered_mini_batch_loads_and_delivers_the_rest_once(
+        small_spec, tmp_path, schedule):
+    """Defect: with early assembly the first mini-batch is delivered before the iteration's
+    last rows are pushed; a save then succeeded but its file (and the state dict) were
+    refused on load ("mini-batches delivered from an iteration that is not full")."""
+    from conduit.storage import FifoSampler
+
+    def sampler():
+        return FifoSampler(num_minibatches=2, first_within=0.5, seed=1)
+
+    kw = {"spec": small_spec, "capacity": 16, "mode": "on_policy", "num_minibatches": 2,
+          "num_epochs": 2, "schedule": schedule, "seed": 1}
+    with ExperienceDataPlane(**kw, sampler=sampler()) as plane:
+        plane.push(make_rows(small_spec, 8))
+        first = plane.pull(timeout=10)  # before the iteration's second half is pushed
+        assert plane.state_dict()["flow"]["delivered_in_iter"] == 1
+        state = plane.state_dict()
+        plane.save(tmp_path / "p.ckpt")
+        plane.push(make_rows(small_spec, 8, start=8))
+        rest = [plane.pull() for _ in range(3)]
+        with ExperienceDataPlane.load(tmp_path / "p.ckpt", sampler=sampler()) as back, \
+                ExperienceDataPlane(**kw, sampler=sampler()) as other:
+            other.load_state_dict(state)
+            for restored in (back, other):
+                restored.push(make_rows(small_spec, 8, start=8))
+                got = [restored.pull() for _ in range(3)]
+                assert all(same(a, b) for a, b in zip(rest, got))
+                ids = sorted(first["id"].tolist() + got[0]["id"].tolist())
+                assert ids == list(range(16))  # the first epoch: every row once
+                assert restored.policy_version == 1
+
+
 def test_state_dict_reads_back_with_torch_load_defaults(small_spec, tmp_path):
     with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4,
                              sampler="prioritized") as plane:

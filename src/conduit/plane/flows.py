@@ -442,6 +442,10 @@ class OnPolicyFlow(Flow):
     the buffer and moves to the next policy version. Pushes tagged with a newer version queue
     up until then."""
 
+    #: Mini-batches staged ahead with overlapped delivery, and so the most an iteration
+    #: assembles early (delivered before all of its rows landed).
+    MOST_STAGED: ClassVar[int] = 2
+
     def __post_init__(self) -> None:
         self.iter_pushed_rows = 0
         self.iter_written_rows = 0
@@ -612,7 +616,7 @@ class OnPolicyFlow(Flow):
     def prefetch_bound(self) -> int:
         """Two mini-batches with overlapped delivery (one slow gather does not stall the
         learner; the order is fixed by the layout), else one."""
-        return 2 if self.schedule.overlap_del else 1
+        return self.MOST_STAGED if self.schedule.overlap_del else 1
 
     @property
     def stage_room(self) -> int:
@@ -708,9 +712,12 @@ class OnPolicyFlow(Flow):
         if written != rows:
             raise StateError("flow.iter_written_rows", f"{written}, but the buffer holds "
                                                        f"{rows} rows")
-        if delivered and written < self.config.capacity:
+        if written < self.config.capacity and delivered > self.MOST_STAGED:
+            # early assembly delivers an iteration's first mini-batches before its last rows
             raise StateError("flow.delivered_in_iter", f"{delivered} mini-batches delivered "
-                                                       f"from an iteration that is not full")
+                                                       f"from an iteration that is not full "
+                                                       f"(at most {self.MOST_STAGED} are "
+                                                       f"delivered early)")
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
