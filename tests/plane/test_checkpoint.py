@@ -486,3 +486,24 @@ def test_a_state_that_is_refused_changes_nothing(small_spec, path, value):
         p.push(make_rows(small_spec, 4, start=4))
         got = [i for b in p.minibatches() for i in b["id"].tolist()]
         assert sorted(got) == list(range(8))
+
+
+def test_a_snapshot_request_on_a_closed_plane_is_refused_at_once(small_spec, tmp_path):
+    """Defect: after the plane closed, ``request(wait=True)`` waited out its whole timeout and
+    raised a TimeoutError, and a snapshotter could be started on a closed plane."""
+    from conduit.errors import PlaneClosedError
+
+    plane = ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4, timeout=30)
+    plane.push(make_rows(small_spec, 8))
+    snap = plane.snapshots(tmp_path / "s.ckpt", every_s=3600)
+    try:
+        snap.request(wait=True, timeout=30)
+        plane.close()
+        with pytest.raises(PlaneClosedError):
+            snap.request(wait=True, timeout=30)
+    finally:
+        snap.close()
+    with ExperienceDataPlane.load(tmp_path / "s.ckpt") as back:
+        assert back.buffer.total_written == 8
+    with pytest.raises(PlaneClosedError):
+        plane.snapshots(tmp_path / "t.ckpt", every_s=3600)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from conduit.errors import ConduitError, ConfigError, StateError
+from conduit.errors import ConduitError, ConfigError, PlaneClosedError, StateError
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import (
@@ -350,7 +350,10 @@ class Snapshotter:
                 where :meth:`ExperienceDataPlane.save` would have raised one), also kept in
                 ``last_error``; the previous snapshot is intact.
             TimeoutError: (``wait``) The snapshot was not written within ``timeout``.
+            PlaneClosedError: The plane is closed (a closed plane takes no snapshot).
         """
+        if self.plane.closed:
+            raise PlaneClosedError(f"the plane is closed; no snapshot to {self.path} is taken")
         with self._done:
             target = self._count + 1
         self._wake.set()
@@ -360,6 +363,9 @@ class Snapshotter:
                                            timeout):
                     raise TimeoutError(f"snapshot to {self.path} not written within "
                                        f"{timeout} s")
+                if self._count < target and self.plane.closed:
+                    raise PlaneClosedError(f"the plane closed before the snapshot to "
+                                           f"{self.path} was taken")
                 if self._ok < target <= self._count and self.last_error is not None:
                     raise self.last_error
 
@@ -412,6 +418,9 @@ class Snapshotter:
             self._wake.wait(None if self.every_s == float("inf") else self.every_s)
             self._wake.clear()
             if self._stop or self.plane.closed:
+                with self._done:  # a closed plane takes no snapshot: waiting requests end
+                    self._stop = True
+                    self._done.notify_all()
                 break
             ok = False
             try:

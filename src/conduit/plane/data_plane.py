@@ -548,7 +548,12 @@ class ExperienceDataPlane:
     def snapshots(self, path: str | Path, *, every_s: float,
                   double_buffer: bool = True) -> checkpoint.Snapshotter:
         """Start periodic background snapshots to ``path`` (see
-        :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop."""
+        :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop.
+
+        Raises:
+            PlaneClosedError: The plane is closed.
+        """
+        self._check_open()
         return checkpoint.Snapshotter(self, path, every_s=every_s, double_buffer=double_buffer)
 
     def _check_open(self) -> None:
