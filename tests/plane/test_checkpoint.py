@@ -507,3 +507,26 @@ def test_a_snapshot_request_on_a_closed_plane_is_refused_at_once(small_spec, tmp
         assert back.buffer.total_written == 8
     with pytest.raises(PlaneClosedError):
         plane.snapshots(tmp_path / "t.ckpt", every_s=3600)
+
+
+@pytest.mark.parametrize(("override", "error", "field"), [
+    ({"schedule": Schedule(1, 9, 1, 1)}, "ScheduleError", None),
+    ({"batch_size": 0}, "ConfigError", "batch_size"),
+    ({"placment": Placement.pageable()}, "ConfigError", "placment"),
+    ({"sampler": "prioritised"}, "ConfigError", "sampler"),
+    ({"timeout": float("nan")}, "ConfigError", "timeout"),
+])
+def test_a_bad_load_override_is_the_callers_error_not_a_corrupt_file(small_spec, tmp_path,
+                                                                      override, error, field):
+    """Defect: a bad override to ``load`` was reported as a corrupt file (CheckpointError
+    'the header does not describe a plane'), its typed error hidden in ``__cause__``."""
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 8))
+        info = plane.save(tmp_path / "p.ckpt")
+    with pytest.raises(Exception) as ei:
+        ExperienceDataPlane.load(info.path, **override)
+    assert type(ei.value).__name__ == error and not isinstance(ei.value, CheckpointError)
+    if field is not None:
+        assert ei.value.field == field
+    with ExperienceDataPlane.load(info.path) as back:  # the file itself is fine
+        assert back.buffer.total_written == 8

@@ -20,6 +20,7 @@ snapshot reads them out copy-on-write while training goes on (docs/design.md §8
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import time
@@ -34,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from conduit.errors import ConduitError, ConfigError, PlaneClosedError, StateError
+from conduit.errors import (
+    ConduitError,
+    ConfigError,
+    PlacementError,
+    PlaneClosedError,
+    ScheduleError,
+    StateError,
+)
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import (
@@ -177,6 +185,11 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
                                     f"{meta.get('version')!r})")
     if "capacity" in overrides:
         _check_capacity(meta, overrides["capacity"])
+    known = inspect.signature(cls).parameters
+    for name in overrides:
+        if name not in known:
+            raise ConfigError(name, f"is not an argument of {cls.__name__}; overrides are "
+                                    f"constructor arguments ({', '.join(known)})")
     try:
         kwargs: dict[str, Any] = {
             **meta["config"], "spec": ExperienceSpec.from_dict(meta["spec"]),
@@ -189,7 +202,21 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
                                                     meta["sampler"]["config"])
         return cls(**{**kwargs, **overrides})
     except (KeyError, TypeError, ValueError) as exc:
+        if _blames_override(exc, overrides):
+            raise  # the caller's argument, not the file
         raise CheckpointError(path, f"the header does not describe a plane: {exc}") from exc
+
+
+def _blames_override(exc: BaseException, overrides: Mapping[str, Any]) -> bool:
+    """Whether ``exc``, raised building a plane from a header and ``overrides``, names one of
+    the overrides (a typed error for the field, schedule or placement it concerns)."""
+    if not isinstance(exc, ConduitError):
+        return False
+    field = getattr(exc, "field", None)
+    if isinstance(field, str):
+        return field.split(".")[0].split("[")[0] in overrides
+    return ((isinstance(exc, ScheduleError) and "schedule" in overrides)
+            or (isinstance(exc, PlacementError) and "placement" in overrides))
 
 
 def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],

@@ -541,7 +541,10 @@ class ExperienceDataPlane:
         Raises:
             CheckpointError: The file is corrupt, of another version, or holds a value out of
                 range; the message names the part.
-            ConfigError: A ``capacity`` override other than the saved capacity.
+            ConfigError: A ``capacity`` override other than the saved capacity, an override
+                that is not a constructor argument, or a bad override value (as the
+                constructor raises it, with :class:`~conduit.errors.ScheduleError` and
+                :class:`~conduit.errors.PlacementError`).
         """
         return checkpoint.load(cls, path, **overrides)
 
