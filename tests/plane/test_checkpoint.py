@@ -530,3 +530,31 @@ def test_a_bad_load_override_is_the_callers_error_not_a_corrupt_file(small_spec,
         assert ei.value.field == field
     with ExperienceDataPlane.load(info.path) as back:  # the file itself is fine
         assert back.buffer.total_written == 8
+
+
+@pytest.mark.parametrize("schedule", [Schedule(1, 1, 1, 0.5), Schedule(0, 1, 0, 0.5)],
+                         ids=lambda s: s.label())
+def test_an_on_policy_state_is_not_loaded_over_queued_units(small_spec, schedule):
+    """Defect: loading an on-policy state into a plane whose pushed units still waited for
+    ingestion kept them: they were ingested into the loaded iteration (a latched
+    CapacityError, rows lost) or delivered with the next iteration (rows of an older policy).
+    The load is refused and changes nothing; after a flush it loads."""
+    kw = {"spec": small_spec, "capacity": 16, "mode": "on_policy", "num_minibatches": 2,
+          "schedule": schedule, "seed": 5}
+    with ExperienceDataPlane(**kw) as src:
+        src.push(make_rows(small_spec, 16, start=500))
+        src.pull()
+        state = src.state_dict()
+        rest = src.pull()
+    with ExperienceDataPlane(**kw) as plane:
+        plane.push(make_rows(small_spec, 8))  # half an iteration, queued (g_ing = 1)
+        assert plane.stats()["pending_units"] == 1
+        with pytest.raises(StateError) as ei:
+            plane.load_state_dict(state)
+        assert ei.value.key == "pending" and plane.stats()["pending_units"] == 1
+        plane.flush()
+        plane.load_state_dict(state)
+        assert same(plane.pull(), rest) and plane.policy_version == 1
+        plane.push(make_rows(small_spec, 16, start=1000), policy_version=1)
+        ids = sorted(i for b in plane.minibatches() for i in b["id"].tolist())
+        assert ids == list(range(1000, 1016))

@@ -519,7 +519,9 @@ class ExperienceDataPlane:
         """Restore :meth:`state_dict` (placement and schedule may differ).
 
         Raises:
-            StateError: A key is missing or a value would corrupt the buffer.
+            StateError: A key is missing or a value would corrupt the buffer; or, on-policy,
+                pushed units still wait for ingestion here (they would join the loaded
+                iteration): pull the iteration or call :meth:`flush` first. Nothing changes.
         """
         self._check_open()
         with self.paused():

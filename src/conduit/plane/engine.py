@@ -169,6 +169,13 @@ class PlaneEngine:
                     isinstance(v, bool) or not isinstance(v, int) or v < 0
                     for v in counters.values()):
                 raise StateError("counters", "expected non-negative integers")
+            if self.flow.pending and self.flow.config.mode == "on_policy":
+                queued = sum(u.rows for u in self.flow.pending)
+                raise StateError("pending", f"{len(self.flow.pending)} rollout units "
+                                            f"({queued} rows) pushed to this on-policy plane "
+                                            f"wait for ingestion and would join the loaded "
+                                            f"iteration; pull the current iteration (or call "
+                                            f"flush()) first, or load into a new plane")
             flow, buffer = entry(state, "flow", "plane"), entry(state, "buffer", "plane")
             # Nothing changes unless everything fits: the flow's entry is checked against the
             # rows the buffer will hold, then the buffer loads (all or nothing), then the flow.
