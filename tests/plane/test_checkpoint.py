@@ -558,3 +558,29 @@ def test_an_on_policy_state_is_not_loaded_over_queued_units(small_spec, schedule
         plane.push(make_rows(small_spec, 16, start=1000), policy_version=1)
         ids = sorted(i for b in plane.minibatches() for i in b["id"].tolist())
         assert ids == list(range(1000, 1016))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda m: m["rows"][0].update(start=3),  # loaded before: rows in the wrong slots
+    lambda m: m["rows"][0].update(start=-3),
+    lambda m: m["rows"][0].update(start=12),
+    lambda m: m["rows"][0].update(start="abc"),
+    lambda m: m.update(rows=5),
+    lambda m: m["state"]["buffer"].update(writer=7),
+    lambda m: m["state"]["buffer"].update(row_id={"$tensor": [1]}),
+    lambda m: m.update(spec=5),
+], ids=["start-3", "start-neg", "start-past", "start-str", "rows-int", "writer-int",
+        "tensor-list", "spec-int"])
+def test_a_header_with_values_of_the_wrong_shape_is_a_checkpoint_error(small_spec, tmp_path,
+                                                                       mutate):
+    """Defect: a header whose checksum holds but whose values have the wrong types raised
+    raw TypeError/ValueError/AttributeError, and a row block saved at another start loaded
+    its rows into the wrong slots."""
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 10))
+        info = plane.save(tmp_path / "p.ckpt")
+    meta, parts = read_checkpoint(info.path)
+    mutate(meta)
+    write_checkpoint(info.path, tensors=parts, meta=meta)
+    with pytest.raises(CheckpointError):
+        ExperienceDataPlane.load(info.path)

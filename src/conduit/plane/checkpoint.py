@@ -201,7 +201,7 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
             kwargs["sampler"] = sampler_from_config(meta["sampler"]["kind"],
                                                     meta["sampler"]["config"])
         return cls(**{**kwargs, **overrides})
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if _blames_override(exc, overrides):
             raise  # the caller's argument, not the file
         raise CheckpointError(path, f"the header does not describe a plane: {exc}") from exc
@@ -253,6 +253,7 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
     """
     try:
         state = _from_parts(meta["state"], parts, path)
+        _check_tiling(meta["rows"], plane.capacity)
         with plane.paused():
             for b, block in enumerate(meta["rows"]):
                 names = {f: f"rows/{b}/{f}" for f in plane.spec.fields}
@@ -274,6 +275,32 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
             raise
         part = getattr(exc, "key", None) or getattr(exc, "field", None)
         raise CheckpointError(path, str(exc), part=part) from exc
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        # a header whose checksum holds but whose values have the wrong types
+        raise CheckpointError(path, f"the saved state does not fit the plane: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_tiling(blocks: Any, capacity: int) -> None:
+    """The saved row blocks cover slots ``[0, size)`` in order, as a save lays them out.
+
+    Raises:
+        StateError: They do not (the message names the first block that is off).
+    """
+    if not isinstance(blocks, list):
+        raise StateError("rows", f"expected a list of row blocks, got {type(blocks).__name__}")
+    at = 0
+    for b, block in enumerate(blocks):
+        start = block.get("start") if isinstance(block, dict) else None
+        n = block.get("rows") if isinstance(block, dict) else None
+        if (not isinstance(start, int) or not isinstance(n, int) or isinstance(start, bool)
+                or isinstance(n, bool) or start != at or n < 0):
+            raise StateError(f"rows.{b}", f"starts at {start!r} with {n!r} rows; saved "
+                                          f"blocks tile the filled slots from 0 (it should "
+                                          f"start at {at})")
+        at += n
+    if at > capacity:
+        raise StateError("rows", f"{at} rows saved for a capacity of {capacity}")
 
 
 @dataclass(frozen=True)
