@@ -584,3 +584,15 @@ def test_a_header_with_values_of_the_wrong_shape_is_a_checkpoint_error(small_spe
     write_checkpoint(info.path, tensors=parts, meta=meta)
     with pytest.raises(CheckpointError):
         ExperienceDataPlane.load(info.path)
+
+
+def test_a_state_of_another_capacity_is_refused_naming_the_capacity(small_spec):
+    """Defect: the refusal blamed the writer's cursor, not the capacity the state was of."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, batch_size=4) as small:
+        small.push(make_rows(small_spec, 8))
+        state = small.state_dict()
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 3))
+        with pytest.raises(StateError, match="capacity=8") as ei:
+            plane.load_state_dict(state)
+        assert ei.value.key == "buffer.row_id" and len(plane.buffer) == 3

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conduit.errors import ConfigError, PriorityError
+from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
 from conduit.storage.column_store import ColumnStore, Store, make_store
@@ -392,8 +392,15 @@ class ExperienceBuffer:
         """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.
 
         Raises:
-            StateError: The writer's entry is missing or out of range.
+            StateError: The state is of a buffer with another capacity (its ``row_id`` has
+                another length), or the writer's entry is missing or out of range.
         """
+        shape = getattr(entry(state, "row_id", "buffer"), "shape", None)
+        if shape is not None and len(shape) == 1 and shape[0] != self.capacity:
+            raise StateError("buffer.row_id", f"the state is of a buffer with capacity "
+                                              f"{shape[0]}, this one holds {self.capacity} "
+                                              f"rows; load it where capacity={shape[0]}")
+        array(state, "row_id", "buffer", length=self.capacity, dtype=np.int64)
         writer = RingWriter(capacity=self.capacity)
         writer.load_state_dict(entry(state, "writer", "buffer"))
         return writer.size
