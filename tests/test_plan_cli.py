@@ -104,3 +104,14 @@ def test_plan_explains_cross_node_decisions(capsys):
 def test_single_node_plans_have_no_cross_node_section(capsys):
     assert main(["--topology", "a100-8", "--dim", "1000", "--capacity", "1000"]) == 0
     assert "== across nodes" not in capsys.readouterr().out
+
+
+def test_plan_refuses_what_the_plane_would_refuse(capsys):
+    """Defect: ``conduit plan`` chose a schedule for configurations a plane refuses (more
+    mini-batches than rows per iteration; an off-policy batch larger than the buffer)."""
+    for argv, flag in ((["--mode", "on_policy", "--capacity", "2", "--minibatches", "8"],
+                        "minibatches"),
+                       (["--capacity", "100", "--batch-size", "512"], "batch_size")):
+        code = cli_main(["plan", "--topology", "a100-8", "--dim", "10", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and f"ConfigError: {flag}:" in err

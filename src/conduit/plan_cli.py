@@ -40,6 +40,7 @@ from conduit.placement import (
     preset_names,
 )
 from conduit.plane import ExperienceDataPlane, profile_plane
+from conduit.plane.config import PlaneConfig
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
 from conduit.report import write_json
 from conduit.scheduling import Plan, Profile, ScheduleSpace, choose, feasible_space
@@ -287,6 +288,24 @@ def _available_here(device: str) -> bool:
     return False
 
 
+def _check_rl_config(args: PlanArgs) -> None:
+    """Refuse what a plane would refuse for this configuration, so no plan is made for it.
+
+    Raises:
+        ConfigError: As :class:`~conduit.plane.config.PlaneConfig` raises it, naming the
+            flag (``--minibatches`` for ``num_minibatches``).
+    """
+    on = args.mode == "on_policy"
+    try:
+        PlaneConfig(spec=synthetic_spec(1), capacity=args.capacity, mode=args.mode,
+                    batch_size=1 if on else args.batch_size,
+                    num_minibatches=args.minibatches if on else 1,
+                    rollout_rows=args.rollout_rows if on else None)
+    except ConfigError as exc:
+        field = "minibatches" if exc.field == "num_minibatches" else exc.field
+        raise ConfigError(field, str(exc).split(": ", 1)[-1]) from exc
+
+
 def plan(args: PlanArgs) -> PlanResult:
     """Decide placement and schedule for ``args`` (no printing).
 
@@ -294,6 +313,7 @@ def plan(args: PlanArgs) -> PlanResult:
         ConfigError: Bad arguments.
         CapacityError: No placement fits the buffer.
     """
+    _check_rl_config(args)
     topology = load_topology(args.topology)
     learner = args.learner_device or _default_learner(topology)
     x = _bytes_per_sample(args)
