@@ -8,9 +8,27 @@ expected, so that the fix is obvious from the message alone (``docs/design.md §
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ConduitError(Exception):
-    """Base class of every error Conduit raises on purpose."""
+    """Base class of every error Conduit raises on purpose.
+
+    Every subclass pickles with its message and attributes, whatever its constructor takes, so
+    an error raised in a Ray task or actor reaches the caller as itself.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[ConduitError], args: tuple[Any, ...], state: dict[str, Any]
+             ) -> ConduitError:
+    """An error of ``cls`` with ``args`` and attributes ``state``, its constructor skipped."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class ConfigError(ConduitError, ValueError):
