@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conduit.workloads.cli import demo_main, train_main, train_parser
 
@@ -174,6 +175,10 @@ def test_an_unknown_device_is_a_config_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="--device auto, cpu or cuda:N") as exc:
         resolve_device("bogus")
+    assert exc.value.field == "device"
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last (cuda:0 without CUDA)
+    with pytest.raises(ConfigError, match="CUDA device") as exc:
+        resolve_device(missing)
     assert exc.value.field == "device"
     with pytest.raises(ConfigError, match="device"):
         train_main(_train(tmp_path, "--device", "bogus"))

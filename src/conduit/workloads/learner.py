@@ -16,15 +16,23 @@ def resolve_device(name: str) -> torch.device:
     """``"auto"`` -> the first CUDA device when present, else CPU; otherwise ``name``.
 
     Raises:
-        ConfigError: ``name`` is not a torch device name (field ``device``).
+        ConfigError: ``name`` is not a torch device name, or names a CUDA device this
+            machine does not have (field ``device``).
     """
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as exc:
         raise ConfigError("device", f"{name!r} is not a device; pass --device auto, cpu or "
                                     "cuda:N") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ConfigError("device", f"{name!r}: this machine has {count} CUDA "
+                                        f"device(s); pass --device auto or cpu"
+                                        + (f", or cuda:0..cuda:{count - 1}" if count else ""))
+    return device
 
 
 def set_learner_threads(n: int, *, actors: int, use_ray: bool) -> int:
