@@ -19,6 +19,7 @@ from conduit.errors import (
     EmptyBufferError,
     OperatorError,
     ScheduleError,
+    SpecError,
 )
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
@@ -160,6 +161,45 @@ def test_on_policy_inline_ingestion_runs_per_share_of_the_iteration(cluster, g_i
         assert taken == ([1, 1, 1] if g_ing < 1 else [3])  # units of one node together
         got = torch.cat([b["id"] for b in plane.minibatches()])
         assert sorted(got.tolist()) == list(range(60))
+    finally:
+        plane.close()
+
+
+@pytest.mark.parametrize("overlap", [0, 1], ids=["inline", "overlapped"])
+def test_a_failed_on_policy_invocation_leaves_no_row_in_the_iteration(cluster, overlap):
+    """Defect: the front stored each write of an on-policy ingestion invocation at once, so an
+    invocation that failed part way, or wrote fewer rows than its units hold, left rows in the
+    iteration: pushed again, its rows landed twice, or the iteration never filled. Outputs are
+    now stored once the operator returned having written exactly its units' rows."""
+    faults = ["raise", "short"]
+
+    def flaky(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        data = actor_in.read()
+        full = {**data, "ret": data["obs"][:, 0] * 3 + 1}
+        if int(data["id"][0]) == 20 and faults:
+            fault = faults.pop(0)
+            exp_out.write({k: v[:5] for k, v in full.items()})
+            if fault == "raise":
+                raise RuntimeError("scorer down")
+            return  # wrote 5 of its 20 rows
+        exp_out.write(full)
+
+    plane = sharded(cluster, capacity=40, mode="on_policy", num_minibatches=2,
+                    schedule=Schedule(overlap, Fraction(1, 2), 0, Fraction(1, 2)))
+    try:
+        plane.register_ingestion()(flaky)
+        plane.push(rows(20, 0), policy_version=0)
+        plane.flush()
+        for cause in (RuntimeError, SpecError):
+            with pytest.raises(OperatorError) as ei:
+                plane.push(rows(20, 20), policy_version=0)
+                plane.flush()
+            assert isinstance(ei.value.__cause__, cause)
+            plane.recover()
+            assert len(plane) == 20 and plane.counters["rows"] == 20
+        plane.push(rows(20, 20), policy_version=0)  # the same rollout again
+        got = torch.cat([b["id"] for b in plane.minibatches()])
+        assert sorted(got.tolist()) == list(range(40))
     finally:
         plane.close()
 

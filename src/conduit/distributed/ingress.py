@@ -46,7 +46,8 @@ class Ingress:
         self._route_turn = 0
         self.counters = {"units": 0, "rows": 0}
         self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
-                                        on_lost=self._release)
+                                        on_lost=self._release, prepare=self._prepare_output,
+                                        commit=self._commit_output)
         if config.on_policy:
             self.ingestion.iteration = (config.capacity, lambda: gate.pushed >= gate.capacity)
         self.ingestion.set_schedule(schedule)
@@ -118,6 +119,17 @@ class Ingress:
             with self._cond:
                 self._gate.released(sum(u.rows for u in units))
 
+    def _prepare_output(self, batch: Mapping[str, Any]) -> tuple[Any, int]:
+        """What an ingestion operator writes, checked as :meth:`_store_output` checks it and
+        put in the object store (the operator may reuse its tensors), not yet stored."""
+        data, rows = self._admit(batch, what="write")
+        return self._ray.put(to_wire(data)), rows
+
+    def _commit_output(self, payload: Any, rows: int, unit: QueuedUnit, deadline: float
+                       ) -> None:
+        """Store an output :meth:`_prepare_output` readied."""
+        self._store(payload, rows, unit.node, deadline, prepared=True)
+
     def _store_output(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
         """What an ingestion operator writes for ``unit``: checked, then stored."""
         data, rows = self._admit(batch, what="write")
@@ -125,10 +137,11 @@ class Ingress:
         return rows
 
     def _store(self, data: Any, rows: int, node: str | None, deadline: float, *,
-               validate: bool = False) -> None:
-        """Write checked rows (or, ``validate``, an actor's ``ObjectRef``) to the shard of
-        ``node`` and its replicas."""
-        payload = data if validate else self._ray.put(to_wire(data))
+               validate: bool = False, prepared: bool = False) -> None:
+        """Write checked rows (``prepared``: already in the object store; ``validate``: an
+        actor's ``ObjectRef``, checked by the shard) to the shard of ``node`` and its
+        replicas."""
+        payload = data if validate or prepared else self._ray.put(to_wire(data))
         with self._cond:
             if self.config.on_policy:
                 self._gate.check_store(rows)

@@ -73,8 +73,8 @@ class IterationGate:
         self._cond.notify_all()
 
     def check_store(self, rows: int) -> None:
-        """Raise unless ``rows`` more stored rows fit the iteration (an ingestion operator may
-        write other rows than were pushed).
+        """Raise unless ``rows`` more stored rows fit the iteration (a guard: an ingestion
+        invocation's outputs are stored only once they hold exactly its units' rows).
 
         Raises:
             CapacityError: They do not fit.

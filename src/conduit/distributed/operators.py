@@ -39,6 +39,7 @@ from conduit.errors import (
     DataLossError,
     OperatorError,
     PlaneClosedError,
+    SpecError,
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
@@ -49,6 +50,13 @@ from conduit.storage import data_path_threads
 
 StoreFn = Callable[[Mapping[str, Any], "QueuedUnit", float], int]
 """Writes one operator output for a unit (validated, routed, replicated); returns its rows."""
+
+PrepareFn = Callable[[Mapping[str, Any]], tuple[Any, int]]
+"""Checks one operator output (as :data:`StoreFn` would) and readies it to be stored (a copy
+the operator cannot change any more); returns it and its rows."""
+
+CommitFn = Callable[[Any, int, "QueuedUnit", float], None]
+"""Stores one output :data:`PrepareFn` readied (routed, replicated)."""
 
 
 @dataclass
@@ -107,13 +115,20 @@ class FrontIngestion:
         timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
         on_lost: Called (with no lock of this class held) with the units that will not be
             stored: refused by :meth:`submit`, or taken by a failed invocation.
+        prepare: With ``commit``, on-policy (:attr:`iteration` set): an invocation's outputs
+            are checked and readied as they are written, and stored only once the operator
+            returned having written exactly its units' rows, so a failed invocation leaves no
+            row in the iteration (which counts pushed rows).
+        commit: Stores an output ``prepare`` readied.
     """
 
     thread_name = "conduit-ingestion"
 
     def __init__(self, *, store: StoreFn, timeout: float,
-                 on_lost: Callable[[list[QueuedUnit]], None] = lambda units: None) -> None:
+                 on_lost: Callable[[list[QueuedUnit]], None] = lambda units: None,
+                 prepare: PrepareFn | None = None, commit: CommitFn | None = None) -> None:
         self._store, self._timeout, self._on_lost = store, timeout, on_lost
+        self._prepare, self._commit = prepare, commit
         self.fn: IngestionFn = identity_ingestion
         self.registered = False
         self.deliver_fn: DeliveryFn = identity_delivery
@@ -245,11 +260,32 @@ class FrontIngestion:
         """One invocation over ``units``; returns its error (not yet latched)."""
         deadline = time.monotonic() + self._timeout
         first = units[0]
-        out = BufferOut(lambda batch: self._store(batch, first, deadline))
+        prepare, commit = self._prepare, self._commit
+        hold = self.iteration is not None and prepare is not None and commit is not None
+        held: list[tuple[Any, int]] = []
+
+        def write(batch: Mapping[str, Any]) -> int:
+            if not hold:
+                return self._store(batch, first, deadline)
+            held.append(prepare(batch))
+            return held[-1][1]
+
         err = None
         try:
             with data_path_threads(1):
-                self.fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
+                self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
+                        BufferOut(write))
+            if hold:
+                wrote = sum(rows for _, rows in held)
+                pushed = sum(u.rows for u in units)
+                if wrote != pushed:
+                    raise SpecError(None, f"the on-policy ingestion operator wrote {wrote} rows "
+                                          f"for {len(units)} rollout unit(s) of {pushed} rows; "
+                                          f"on-policy, each invocation writes exactly the rows "
+                                          f"of its units, so drop or add rows before push, "
+                                          f"not in the operator")
+                for payload, rows in held:
+                    commit(payload, rows, first, deadline)
         except Exception as exc:
             err = OperatorError("ingestion", exc, lost_units=len(units),
                                 lost_rows=sum(u.rows for u in units))
