@@ -39,9 +39,9 @@ from conduit.errors import (
     DataLossError,
     OperatorError,
     PlaneClosedError,
-    SpecError,
 )
 from conduit.plane.config import PlaneConfig
+from conduit.plane.flows import check_written_rows
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.plane.runtime import DeliveryFn, IngestionFn, identity_delivery, identity_ingestion
 from conduit.scheduling.space import Schedule, ScheduleSpace
@@ -276,14 +276,7 @@ class FrontIngestion:
                 self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
                         BufferOut(write))
             if hold:
-                wrote = sum(rows for _, rows in held)
-                pushed = sum(u.rows for u in units)
-                if wrote != pushed:
-                    raise SpecError(None, f"the on-policy ingestion operator wrote {wrote} rows "
-                                          f"for {len(units)} rollout unit(s) of {pushed} rows; "
-                                          f"on-policy, each invocation writes exactly the rows "
-                                          f"of its units, so drop or add rows before push, "
-                                          f"not in the operator")
+                check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
                 for payload, rows in held:
                     commit(payload, rows, first, deadline)
         except Exception as exc:

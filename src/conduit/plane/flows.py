@@ -82,6 +82,22 @@ class Signals:
             self.delivery.notify_all()
 
 
+def check_written_rows(wrote: int, unit_rows: Sequence[int]) -> None:
+    """On-policy, an ingestion invocation writes exactly the rows of its units (an iteration
+    is complete when its pushed rows are written).
+
+    Raises:
+        SpecError: ``wrote`` differs from the units' rows.
+    """
+    pushed = sum(unit_rows)
+    if wrote != pushed:
+        raise SpecError(None, f"the on-policy ingestion operator wrote {wrote} rows for "
+                              f"{len(unit_rows)} rollout unit(s) of {pushed} rows; on-policy, "
+                              f"each invocation writes exactly the rows of its units (the "
+                              f"iteration's capacity counts pushed rows), so drop or add rows "
+                              f"before push, not in the operator")
+
+
 @dataclass
 class Unit:
     """One pushed rollout unit."""
@@ -535,13 +551,7 @@ class OnPolicyFlow(Flow):
         Raises:
             SpecError: It wrote another number of rows.
         """
-        pushed = sum(u.rows for u in units)
-        if rows != pushed:
-            raise SpecError(None, f"the on-policy ingestion operator wrote {rows} rows for "
-                                  f"{len(units)} rollout unit(s) of {pushed} rows; on-policy, "
-                                  f"each invocation writes exactly the rows of its units (the "
-                                  f"iteration's capacity counts pushed rows), so drop or add "
-                                  f"rows before push, not in the operator")
+        check_written_rows(rows, [u.rows for u in units])
 
     def ingestion_units(self, units: list[Unit]) -> float:
         return sum(u.rows for u in units) / self.config.capacity
