@@ -132,8 +132,8 @@ class Ingress:
 
     def _store_output(self, batch: Mapping[str, Any], unit: QueuedUnit, deadline: float) -> int:
         """What an ingestion operator writes for ``unit``: checked, then stored."""
-        data, rows = self._admit(batch, what="write")
-        self._store(data, rows, unit.node, deadline)
+        payload, rows = self._prepare_output(batch)
+        self._commit_output(payload, rows, unit, deadline)
         return rows
 
     def _store(self, data: Any, rows: int, node: str | None, deadline: float, *,

@@ -170,12 +170,12 @@ class PlaneEngine:
                     for v in counters.values()):
                 raise StateError("counters", "expected non-negative integers")
             if self.flow.pending and self.flow.config.mode == "on_policy":
-                queued = sum(u.rows for u in self.flow.pending)
                 raise StateError("pending", f"{len(self.flow.pending)} rollout units "
-                                            f"({queued} rows) pushed to this on-policy plane "
-                                            f"wait for ingestion and would join the loaded "
-                                            f"iteration; pull the current iteration (or call "
-                                            f"flush()) first, or load into a new plane")
+                                            f"({self.flow.pending_rows} rows) pushed to this "
+                                            f"on-policy plane wait for ingestion and would "
+                                            f"join the loaded iteration; pull the current "
+                                            f"iteration (or call flush()) first, or load into "
+                                            f"a new plane")
             flow, buffer = entry(state, "flow", "plane"), entry(state, "buffer", "plane")
             # Nothing changes unless everything fits: the flow's entry is checked against the
             # rows the buffer will hold, then the buffer loads (all or nothing), then the flow.
