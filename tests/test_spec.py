@@ -73,3 +73,29 @@ def test_a_dtype_the_store_cannot_gather_is_refused_with_its_integer_twin(dtype,
     spec = ExperienceSpec.of(x=((), getattr(torch, twin)), y=((2,), torch.bfloat16))
     col = torch.zeros(8, dtype=spec.fields["x"].dtype)
     assert torch.index_select(col, 0, torch.tensor([1, 3])).shape == (2,)
+
+
+def test_a_sparse_field_is_refused_before_any_row_is_written(small_spec):
+    # A sparse tensor passed validation and failed inside the store write: the rows before
+    # it were counted as written, zeros where the write stopped.
+    from conduit.storage import ExperienceBuffer
+    buf = ExperienceBuffer(spec=small_spec, capacity=8)
+    batch = {"obs": torch.ones(3, 4).to_sparse(), "id": torch.arange(3),
+             "done": torch.zeros(3, dtype=torch.bool)}
+    with pytest.raises(SpecError, match="to_dense") as ei:
+        buf.extend(batch)
+    assert ei.value.field == "obs" and len(buf) == 0 and buf.total_written == 0
+    buf.extend({**batch, "obs": batch["obs"].to_dense()})
+    assert len(buf) == 3 and buf.gather(torch.arange(3))["obs"].eq(1).all()
+
+
+def test_a_conjugate_view_is_stored_as_the_values_it_shows():
+    from conduit.storage import ExperienceBuffer
+    spec = ExperienceSpec.of(z=((2,), torch.complex64), id=((), torch.int64))
+    buf = ExperienceBuffer(spec=spec, capacity=8)
+    z = (torch.ones(3, 2, dtype=torch.complex64) * (1 + 2j)).conj()
+    assert z.is_conj()
+    buf.extend({"z": z, "id": torch.arange(3)})
+    got = buf.gather(torch.arange(3))
+    assert len(buf) == 3 and torch.equal(got["z"], torch.full((3, 2), 1 - 2j))
+    assert got["id"].tolist() == [0, 1, 2]

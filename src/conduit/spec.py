@@ -305,16 +305,22 @@ def as_tensor(value: Any, *, field: str) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 
     A tensor with autograd history comes back detached (the same memory): rows are stored as
-    values, and a copy into a column must not join the caller's graph.
+    values, and a copy into a column must not join the caller's graph. A conjugate or
+    negative view comes back resolved (a copy holding the values it shows).
 
     Raises:
         SpecError: The value cannot become a tensor, or is a tensor without data (on the
-            ``meta`` device).
+            ``meta`` device), or a sparse (not strided) tensor.
     """
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             raise SpecError(field, "is a tensor on the 'meta' device, which holds no data; "
                                    "materialise it on the CPU or a GPU first")
+        if value.layout != torch.strided:
+            raise SpecError(field, f"is a {value.layout} tensor; rows are stored dense: "
+                                   "pass value.to_dense()")
+        if value.is_conj() or value.is_neg():
+            value = value.resolve_conj().resolve_neg()
         return value.detach() if value.requires_grad else value
     if isinstance(value, np.ndarray):
         if value.dtype == np.bool_ or value.dtype.kind in "biuf":
