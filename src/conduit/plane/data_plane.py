@@ -33,7 +33,7 @@ from conduit.plane import checkpoint
 from conduit.plane.config import PlaneConfig
 from conduit.plane.config import policy_version as check_policy_version
 from conduit.plane.engine import PlaneEngine
-from conduit.plane.flows import Unit
+from conduit.plane.flows import Unit, hold_rollout
 from conduit.plane.migration import PlacementArg, grow_target, initial_placement, migrate
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.plane.runtime import DeliveryFn, IngestionFn
@@ -342,6 +342,14 @@ class ExperienceDataPlane:
         returns once the unit is queued; with ``overlap_ing=0`` ingestion runs here every
         ``g_ing`` units. A full queue makes it wait (backpressure).
 
+        A queued unit holds the rollout's tensors, not copies, until it is ingested (the
+        next ``g_ing``-th push, the ingestion worker, ``flush()``, or on-policy the
+        iteration's last rows): write into a pushed tensor before then and its unit is
+        refused at ingestion (an :class:`~conduit.errors.OperatorError` caused by a
+        :class:`~conduit.errors.SpecError` naming the field) instead of stored changed.
+        Writable NumPy arrays and inference-mode tensors, whose writes cannot be detected,
+        are copied when the unit can wait.
+
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows.
             policy_version: On-policy: the policy version that produced the rollout. Older
@@ -364,7 +372,10 @@ class ExperienceDataPlane:
         data, rows = admit_rollout(rollout, spec=self.spec, rollout_spec=self.rollout_spec,
                                    capacity=self.capacity, raw=self._ingest_registered)
         waited = self.config.wait_for(timeout)
-        self._engine.submit(Unit(data, rows, policy_version), deadline=t0 + waited,
+        sched = self._engine.schedule
+        data, guards = hold_rollout(rollout, data, may_wait=(
+            sched.overlap_ing == 1 or sched.g_ing != 1 or self.config.on_policy))
+        self._engine.submit(Unit(data, rows, policy_version, guards), deadline=t0 + waited,
                             waited=waited)
         self._record("push", "sync_ing" if self._engine.ingestion.overlapped else None, t0)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from conduit.errors import (
@@ -100,11 +101,67 @@ def check_written_rows(wrote: int, unit_rows: Sequence[int]) -> None:
 
 @dataclass
 class Unit:
-    """One pushed rollout unit."""
+    """One pushed rollout unit.
+
+    Attributes:
+        data: The unit's fields; tensors the caller passed are held, not copied.
+        rows: Its rows.
+        version: Its policy version (on-policy).
+        guards: ``(field, tensor, version counter at push)`` of each held tensor of the
+            caller's (:func:`hold_rollout`).
+    """
 
     data: Batch
     rows: int
     version: int | None
+    guards: tuple[tuple[str, torch.Tensor, int], ...] = ()
+
+    def check_unchanged(self) -> None:
+        """Raise if the caller wrote into a held tensor since the push.
+
+        Raises:
+            SpecError: A field's tensor was changed in place (named).
+        """
+        for name, t, version in self.guards:
+            if t._version != version:
+                raise SpecError(name, "was written in place after push() and before the plane "
+                                      "ingested it: a pushed tensor is held until its unit is "
+                                      "ingested; push a copy (tensor.clone()) or call flush() "
+                                      "before reusing it")
+
+
+def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
+                 ) -> tuple[Batch, tuple[tuple[str, torch.Tensor, int], ...]]:
+    """What the plane keeps of a pushed rollout until it is ingested.
+
+    A tensor of the caller's is held as it is, with its version counter, so a write into it
+    before ingestion is refused (:meth:`Unit.check_unchanged`) instead of stored. Memory whose
+    writes leave no trace (a writable NumPy array, an inference-mode tensor) is copied when
+    the unit may wait past the push (``may_wait``). Tensors the conversion made are the
+    plane's already.
+
+    Args:
+        source: The rollout as pushed.
+        data: Its fields as admitted (:func:`~conduit.spec.as_tensor`).
+        may_wait: The unit may be queued past the ``push`` call.
+
+    Returns:
+        The fields to queue and the guards of the held tensors.
+    """
+    out: Batch = {}
+    guards: list[tuple[str, torch.Tensor, int]] = []
+    for name, t in data.items():
+        src = source.get(name)
+        if isinstance(src, torch.Tensor) and t.numel() and t.data_ptr() == src.data_ptr():
+            if not t.is_inference():
+                guards.append((name, t, t._version))
+            elif may_wait:
+                t = t.clone()
+        elif (isinstance(src, np.ndarray) and may_wait and t.numel() and src.flags.writeable
+              and t.data_ptr() == src.ctypes.data):
+            t = t.clone()
+        out[name] = t
+    return out, tuple(guards)
 
 
 @dataclass

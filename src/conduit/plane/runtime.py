@@ -160,6 +160,8 @@ class OperatorRuntime:
         out = BufferOut(write)
         err = None
         try:
+            for u in units:
+                u.check_unchanged()
             self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
             self.flow.check_ingested(units, rows[0])
         except BaseException as exc:
