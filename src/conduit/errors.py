@@ -110,15 +110,23 @@ class OperatorError(ConduitError, RuntimeError):
             stop).
         lost_units: Rollout units whose ingestion failed, so their rows were not stored.
         lost_rows: Rows of those units.
+        stored_rows: Rows the failed ingestion invocation wrote before it raised that stay
+            in the buffer (0 when it wrote none, or they could be taken back); pushing the
+            lost units again stores those rows a second time.
     """
 
     def __init__(self, operator: str, original: BaseException, *, lost_units: int = 0,
-                 lost_rows: int = 0) -> None:
+                 lost_rows: int = 0, stored_rows: int = 0) -> None:
         self.operator = operator
         self.lost_units = lost_units
         self.lost_rows = lost_rows
+        self.stored_rows = stored_rows
         lost = (f" ({lost_units} rollout units, {lost_rows} rows, were not stored)"
                 if lost_units else "")
+        if lost_units and stored_rows:
+            lost = (f" ({lost_units} rollout units, {lost_rows} rows, failed to ingest; "
+                    f"{stored_rows} rows the operator wrote before it raised stay in the "
+                    f"buffer)")
         super().__init__(f"{operator} operator raised {type(original).__name__}: "
                          f"{original}{lost}")
 

@@ -429,6 +429,7 @@ def test_an_on_policy_operator_that_writes_another_row_count_fails_its_invocatio
         assert isinstance(err.value.__cause__, SpecError)
         assert "wrote 3 rows" in str(err.value) or "wrote 5 rows" in str(err.value)
         assert "of 4 rows" in str(err.value)
+        assert err.value.stored_rows == 0 and "stay in the buffer" not in str(err.value)
         if p.failed is not None:
             p.recover()
         assert len(p.buffer) == 0 and p.stats()["ingested_rows"] == 0
@@ -436,3 +437,34 @@ def test_an_on_policy_operator_that_writes_another_row_count_fails_its_invocatio
         p.push(make_rows(small_spec, 4, start=4))
         got = [b["id"].tolist() for b in p.minibatches()]
         assert sorted(got[0] + got[1]) == list(range(8))
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 2, 0, 1), Schedule(1, 2, 0, 1)],
+                         ids=lambda s: s.label())
+def test_an_off_policy_invocation_that_fails_part_way_names_the_rows_it_left(small_spec,
+                                                                           schedule):
+    """Defect: an off-policy invocation that wrote one unit and raised on the next reported
+    both units' rows as not stored, though the first unit's rows stay in the buffer (pushing
+    what the error called lost stored them twice). The error now counts the rows left."""
+    with ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2, schedule=schedule,
+                             timeout=10) as p:
+        @p.register_ingestion()
+        def ingest(actor_in, exp_out):
+            for unit in actor_in.read_units():
+                if int(unit["id"][0]) >= 100:
+                    raise ValueError("bad unit")
+                exp_out.write(unit)
+
+        with pytest.raises(OperatorError) as err:
+            p.push(make_rows(small_spec, 4))
+            p.push(make_rows(small_spec, 3, start=100))
+            p.flush()
+        assert (err.value.lost_units, err.value.lost_rows, err.value.stored_rows) == (2, 7, 4)
+        assert "4 rows the operator wrote before it raised stay in the buffer" in str(err.value)
+        assert stored_ids(p) == [0, 1, 2, 3]
+        if p.failed is not None:
+            p.recover()
+        p.push(make_rows(small_spec, 2, start=20))
+        p.push(make_rows(small_spec, 2, start=30))
+        p.flush()
+        assert stored_ids(p) == [0, 1, 2, 3, 20, 21, 30, 31]

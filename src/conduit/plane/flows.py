@@ -291,16 +291,21 @@ class Flow(abc.ABC):
         return take
 
     def ingested_locked(self, units: list[Unit], *, failed: bool,
-                        written: Sequence[tuple[int, int, int]] = ()) -> None:
+                        written: Sequence[tuple[int, int, int]] = (), rows: int = 0) -> int:
         """An ingestion invocation over ``units`` finished, or ``failed`` (its units are
         lost and counted in ``lost_units`` / ``lost_rows``). ``written``: what each of its
-        writes returned (:meth:`write`), in order."""
+        writes returned (:meth:`write`), in order; ``rows``: the rows they wrote.
+
+        Returns:
+            Rows a failed invocation wrote that stay in the buffer (0 when it did not fail).
+        """
         self.inflight_units -= len(units)
         self.counters["invocations_ing"] += 1
         key = "lost" if failed else "ingested"
         self.counters[f"{key}_units"] += len(units)
         if failed:
             self.counters["lost_rows"] += sum(u.rows for u in units)
+        return rows if failed else 0
 
     @abc.abstractmethod
     def ingestion_units(self, units: list[Unit]) -> float:
@@ -572,34 +577,37 @@ class OnPolicyFlow(Flow):
         return self._taken_locked(take)
 
     def ingested_locked(self, units: list[Unit], *, failed: bool,
-                        written: Sequence[tuple[int, int, int]] = ()) -> None:
+                        written: Sequence[tuple[int, int, int]] = (), rows: int = 0) -> int:
         """Failed units leave the iteration, so it can still fill up with new pushes; so do
         the rows their invocation wrote before it failed, where nothing depends on them yet
         (:meth:`_take_back_locked`)."""
-        super().ingested_locked(units, failed=failed)
+        kept = super().ingested_locked(units, failed=failed, rows=rows)
         if failed:
             self.iter_pushed_rows -= sum(u.rows for u in units)
-            self._take_back_locked(written)
+            if self._take_back_locked(written):
+                kept = 0
+        return kept
 
-    def _take_back_locked(self, written: Sequence[tuple[int, int, int]]) -> None:
+    def _take_back_locked(self, written: Sequence[tuple[int, int, int]]) -> bool:
         """Drop the rows of a failed invocation's writes ``(version, start, n)`` from the
         iteration, as if never written: a push of the same rollout then lands each row once.
         Kept where something depends on them: a later write of another invocation, or a
-        mini-batch already drawn (which may hold them)."""
+        mini-batch already drawn (which may hold them). True when none is kept."""
         if not written:
-            return
+            return True
         start, total = written[0][1], sum(n for _, _, n in written)
         if (any(v != self.policy_version for v, _, _ in written) or self.drawn_in_iter
                 or self.iter_written_rows != start + total
                 or self.iter_landed_rows != self.iter_written_rows):
-            return
+            return False
         try:
             self.buffer.drop_newest(total)
         except ConfigError:  # a sampler with per-row state: the rows stay, as they were
-            return
+            return False
         self.iter_written_rows = self.iter_landed_rows = start
         self.counters["ingested_rows"] -= total
         self.early = {}  # they may hold the dropped rows: the iteration gathers instead
+        return True
 
     def check_ingested(self, units: Sequence[Unit], rows: int) -> None:
         """An iteration is complete when its pushed rows are written, so an invocation must

@@ -67,20 +67,21 @@ class OperatorRuntime:
 
     # -- errors ------------------------------------------------------------------------------
 
-    def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = ()
-             ) -> OperatorError:
+    def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = (),
+             stored_rows: int = 0) -> OperatorError:
         """Latch ``exc`` as the plane's operator error (the first one wins) and wake all.
 
         Args:
             operator: Which operator raised.
             exc: What it raised.
             units: The rollout units whose ingestion failed (their rows are lost).
+            stored_rows: Rows the failed invocation wrote that stay in the buffer.
 
         Returns:
             The error made for ``exc``.
         """
         err = OperatorError(operator, exc, lost_units=len(units),
-                            lost_rows=sum(u.rows for u in units))
+                            lost_rows=sum(u.rows for u in units), stored_rows=stored_rows)
         err.__cause__ = exc
         with self.signals.lock:
             if self.error is None:
@@ -159,18 +160,22 @@ class OperatorRuntime:
 
         out = BufferOut(write)
         err = None
+        raised: BaseException | None = None
         try:
             for u in units:
                 u.check_unchanged()
             self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
             self.flow.check_ingested(units, rows[0])
         except BaseException as exc:
-            err = self.fail("ingestion", exc, units=units)
+            raised = exc
         finally:
             self.timings.record("ingestion", time.perf_counter() - t0,
                                 units=self.flow.ingestion_units(units), start=t0)
             with self.signals.lock:
-                self.flow.ingested_locked(units, failed=err is not None, written=written)
+                kept = self.flow.ingested_locked(units, failed=raised is not None,
+                                                 written=written, rows=rows[0])
+                if raised is not None:  # latched with the rows the invocation left
+                    err = self.fail("ingestion", raised, units=units, stored_rows=kept)
                 self.busy -= 1
                 self.ingesting -= 1
                 self.signals.wake(callers=True)
