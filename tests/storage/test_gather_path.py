@@ -195,3 +195,19 @@ def test_prefetched_pull_hands_over_the_gathered_memory(small_spec):
             del batch
         # Dropped batches go back to the store's outputs: a few buffers, not one per pull.
         assert len(seen) <= 4
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.kind)
+@pytest.mark.parametrize("indices", [[6], [8], [-1], [1, 9], [1.0]])
+def test_a_gather_of_slots_that_hold_no_row_is_refused(small_spec, placement, indices):
+    # Defect: an unfilled slot came back as its leftovers, and on a sharded store an index
+    # no shard holds came back as an output row nothing wrote (uninitialised memory).
+    from conduit import ConfigError
+    buf = ExperienceBuffer(spec=small_spec, capacity=8, placement=placement)
+    buf.extend(make_rows(small_spec, 4, start=100))
+    buf.sample(3)
+    with pytest.raises(ConfigError) as ei:
+        buf.gather(torch.tensor(indices))
+    assert ei.value.field == "indices"
+    got = buf.gather(torch.tensor([3, 0], dtype=torch.int32))
+    assert got["id"].tolist() == [103, 100] and got["_index"].dtype == torch.int64

@@ -133,11 +133,31 @@ class ExperienceBuffer:
 
         The returned tensors are the caller's: later gathers never write into them while
         anything refers to them (see :class:`~conduit.storage.column_store.GatherOutputs`).
+
+        Raises:
+            ConfigError: ``info`` is a tensor of slots that are not integers on the CPU, or
+                not filled slots in ``[0, len(self))`` (field ``indices``).
         """
-        if isinstance(info, torch.Tensor):
-            info = SampleInfo(info)
         with self._lock:
+            if isinstance(info, torch.Tensor):
+                info = SampleInfo(self._checked_slots(info))
             return self._gather_locked(info, device)
+
+    def _checked_slots(self, indices: torch.Tensor) -> torch.Tensor:
+        """Slots given by a caller, as int64: integers in ``[0, len(self))`` (checked before
+        a gather, which would read an unfilled slot's leftovers, or on a sharded store an
+        output row no shard fills)."""
+        if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
+                                 torch.uint8):
+            raise ConfigError("indices", f"must be integer slots (a batch's _index), got "
+                                         f"dtype {indices.dtype}")
+        if indices.device.type != "cpu":
+            raise ConfigError("indices", f"must be on the CPU, got {indices.device}")
+        size = self.writer.size
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
+            raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
+                                         f"[{int(indices.min())}, {int(indices.max())}]")
+        return indices.to(torch.int64)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
         """Draw and gather one batch."""
