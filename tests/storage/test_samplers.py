@@ -258,3 +258,35 @@ def test_fifo_leading_draws_the_first_minibatch_from_every_unit_but_the_last():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ConfigError, match="units"):
             FifoSampler.leading(units=bad)
+
+
+def test_a_late_update_skips_rows_that_took_its_slots_even_once_they_were_delivered():
+    # Defect: a slot remembered only the row last delivered from it, so once the row that
+    # overwrote a sampled one was delivered too, the older batch's update landed on it.
+    from conduit import ExperienceDataPlane, ExperienceSpec
+    spec = ExperienceSpec.of(id=((), torch.int64))
+    buf = ExperienceBuffer(spec=spec, capacity=8, sampler=PrioritizedSampler(seed=0))
+    buf.extend({"id": torch.arange(8)})
+    a = buf.sample(8)
+    buf.extend({"id": torch.arange(100, 104)})  # takes slots 0..3
+    b = buf.sample(8)
+    assert set(b["_index"].tolist()) & {0, 1, 2, 3}
+    before = buf.sampler.priorities(torch.arange(8)).clone()
+    kept = set(range(4, 8)) & set(a["_index"].tolist())
+    assert buf.update_priorities(a["_index"], torch.full((8,), 50.0)) == sum(
+        1 for s in a["_index"].tolist() if s in kept)
+    after = buf.sampler.priorities(torch.arange(8))
+    assert torch.equal(after[:4], before[:4])  # the new rows keep their own priorities
+    assert buf.update_priorities(b["_index"], torch.full((8,), 7.0)) == 8
+    half = b["_index"][:4]  # a slice of a delivered _index (a mini-batch of it) matches too
+    assert buf.update_priorities(half, torch.full((4,), 9.0)) == 4
+
+    with ExperienceDataPlane(spec=spec, capacity=8, batch_size=8, sampler="prioritized",
+                             timeout=5) as plane:
+        plane.push({"id": torch.arange(8)})
+        first = plane.pull()
+        plane.push({"id": torch.arange(100, 108)})  # every row of the first batch goes
+        plane.pull()  # the learner pulls the next batch before updating the first
+        leaves = plane.buffer.sampler.priorities(torch.arange(8)).clone()
+        plane.update_priorities(first["_index"], torch.full((8,), 1e6))
+        assert torch.equal(plane.buffer.sampler.priorities(torch.arange(8)), leaves)

@@ -166,6 +166,43 @@ class ExperienceBuffer:
                                        device)
 
     _workers: GatherWorkers | None = None
+    #: The row ids of the latest deliveries, by the address of their ``_index`` memory.
+    _recent: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+    _RECENT = 64
+
+    def _remember_locked(self, indices: torch.Tensor, ids: np.ndarray) -> None:
+        """Record which rows a delivery's ``_index`` tensor named (see
+        :meth:`_delivered_ids_locked`); the latest of :attr:`_RECENT` deliveries are kept."""
+        recent = self._recent
+        if recent is None:
+            recent = self._recent = {}
+        key = indices.untyped_storage().data_ptr()
+        recent.pop(key, None)
+        recent[key] = (indices.numpy(), ids)
+        if len(recent) > self._RECENT:
+            del recent[next(iter(recent))]
+
+    def _delivered_ids_locked(self, indices: Any, slots: np.ndarray) -> np.ndarray | None:
+        """The row ids a recent delivery gave for ``indices``, when ``indices`` is (a slice
+        of) that delivery's ``_index`` tensor, else None.
+
+        Memory is matched by address and checked by content; a delivery into the memory of
+        one dropped earlier replaces its record, so a match is the latest batch there.
+        """
+        if (self._recent is None or not isinstance(indices, torch.Tensor)
+                or indices.device.type != "cpu" or indices.dtype != torch.int64
+                or not indices.is_contiguous()):
+            return None
+        hit = self._recent.get(indices.untyped_storage().data_ptr())
+        if hit is None:
+            return None
+        delivered, ids = hit
+        at = indices.storage_offset()
+        if at + slots.shape[0] > delivered.shape[0]:
+            return None
+        if not np.array_equal(delivered[at:at + slots.shape[0]], slots):
+            return None
+        return ids[at:at + slots.shape[0]]
 
     def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
         indices = info.indices
@@ -186,7 +223,9 @@ class ExperienceBuffer:
             slots = indices.numpy()
             for snap in self._snapshots:
                 snap.preserve_ids("delivered_id", slots)
-            self._delivered_id[slots] = self._row_id[slots]
+            ids = self._row_id[slots]
+            self._delivered_id[slots] = ids
+            self._remember_locked(indices, ids)
         out["_index"] = indices
         if info.weights is not None:
             out["_weight"] = info.weights
@@ -196,7 +235,11 @@ class ExperienceBuffer:
         """Set the priorities of delivered rows (prioritized samplers only).
 
         An update for a slot whose delivered row has been overwritten since is skipped: it
-        belongs to a row that is gone, not to the row that took its slot.
+        belongs to a row that is gone, not to the row that took its slot. Given a recent
+        batch's ``_index`` tensor (or a slice of it) as delivered, the update is matched to
+        that batch's rows exactly, even when the row that took a slot was delivered too;
+        given other indices (a copy, a list, a tensor moved between devices), to the row
+        last delivered from each slot.
 
         Args:
             indices: Slots, as delivered in a batch's ``_index`` (integers).
@@ -220,7 +263,13 @@ class ExperienceBuffer:
             size = self.writer.size
             current = np.empty(slots.shape[0], dtype=np.bool_)
             kernels = compiled.load("_row_kernels")
-            if kernels is not None:
+            ids = self._delivered_ids_locked(indices, slots)
+            if ids is not None:  # a delivered _index: its own rows, exactly
+                kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
+                if kept == 0:
+                    np.equal(self._row_id[slots], ids, out=current)
+                    kept = int(current.sum())
+            elif kernels is not None:
                 kept = kernels.current_rows(slots, size, self._delivered_id, self._row_id,
                                             current)
             else:
