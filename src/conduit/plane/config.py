@@ -93,6 +93,11 @@ class PlaneConfig:
             if self.mode != "on_policy":
                 raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
                                                   "granularity already counts rollout units")
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                or self.seed < 0):
+            raise ConfigError("seed", f"must be an integer >= 0 (the sampler's seed), got "
+                                      f"{self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer as JSON's int
 
     def wait_for(self, timeout: float | None) -> float:
         """Seconds a call may wait: ``timeout``, or the plane's when None.

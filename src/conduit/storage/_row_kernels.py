@@ -1,5 +1,5 @@
 """Compiled row kernels (Numba): row copies for host tensors with large rows, such as image
-payloads, and the check of which delivered rows a priority update may still touch.
+payloads, and the checks of which delivered rows a priority update may still touch.
 
 ``dst[dst_rows[k]] = src[src_rows[k]]`` row by row, as bytes, in one call that does not hold
 the GIL, where a Python loop would take it once per row (``docs/design.md §7``).
@@ -52,6 +52,29 @@ def current_rows(slots: np.ndarray, size: int, delivered: np.ndarray, row_id: np
     for k in range(n):
         d = delivered[slots[k]]
         ok = d == -1 or d == row_id[slots[k]]
+        keep[k] = ok
+        kept += ok
+    return kept
+
+
+@numba.njit(cache=True, nogil=True)
+def delivered_rows(slots: np.ndarray, size: int, ids: np.ndarray, row_id: np.ndarray,
+                   keep: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Which slots still hold the rows one delivery gave from them (``ids``, in order).
+
+    Sets ``keep[k]`` for slot ``slots[k]``.
+
+    Returns:
+        How many slots were kept, or -1 if a slot lies outside ``[0, size)`` (``keep`` is
+        then unset).
+    """
+    n = slots.shape[0]
+    for k in range(n):
+        if slots[k] < 0 or slots[k] >= size:
+            return -1
+    kept = 0
+    for k in range(n):
+        ok = row_id[slots[k]] == ids[k]
         keep[k] = ok
         kept += ok
     return kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,17 @@ from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
+
+#: The attribute of a delivered ``_index`` tensor holding the ids of the rows it names.
+_ROW_IDS = "_conduit_row_ids"
+
+
+def _batch_size(value: Any) -> int:
+    """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
+    integer (a Python or NumPy integer; not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError("batch_size", f"must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _flat_host(values: Any) -> torch.Tensor:
@@ -50,11 +62,21 @@ class ExperienceBuffer:
             :func:`~conduit.storage.threads.data_path_threads`). Above one, a large gather
             from a single-device store may be split over row ranges on a pool the buffer owns,
             where that measures faster (:class:`~conduit.storage.threads.GatherWorkers`).
+
+    Raises:
+        ConfigError: ``threads`` is not a positive integer, ``store`` does not match
+            ``spec`` and ``capacity``, or ``sampler`` needs a field ``spec`` lacks (such as a
+            :class:`~conduit.storage.SequenceSampler`'s ``boundary_key``).
     """
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, sampler: Sampler | None = None,
                  placement: Placement | None = None, threads: int = 1,
                  store: Store | None = None) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+            raise ConfigError("threads", f"must be a positive integer (data-path threads), got "
+                                         f"{threads!r}")
+        sampler = sampler or UniformSampler()
+        sampler.check_spec(spec)
         self.spec = spec
         if store is None:
             store = make_store(spec=spec, capacity=capacity, placement=placement)
@@ -64,9 +86,9 @@ class ExperienceBuffer:
         self.store = store
         self.capacity = self.store.capacity
         self.writer = RingWriter(capacity=self.capacity)
-        self.sampler = sampler or UniformSampler()
+        self.sampler = sampler
         self.sampler.bind(self.capacity)
-        self.threads = threads
+        self.threads = int(threads)
         self._lock = threading.RLock()
         self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
         self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
@@ -160,49 +182,35 @@ class ExperienceBuffer:
         return indices.to(torch.int64)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
-        """Draw and gather one batch."""
+        """Draw and gather one batch.
+
+        Raises:
+            ConfigError: ``batch_size`` is not a positive integer.
+            EmptyBufferError: The sampler has nothing to draw from.
+        """
+        batch_size = _batch_size(batch_size)
         with self._lock:
             return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
                                        device)
 
     _workers: GatherWorkers | None = None
-    #: The row ids of the latest deliveries, by the address of their ``_index`` memory.
-    _recent: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-    _RECENT = 64
-
-    def _remember_locked(self, indices: torch.Tensor, ids: np.ndarray) -> None:
-        """Record which rows a delivery's ``_index`` tensor named (see
-        :meth:`_delivered_ids_locked`); the latest of :attr:`_RECENT` deliveries are kept."""
-        recent = self._recent
-        if recent is None:
-            recent = self._recent = {}
-        key = indices.untyped_storage().data_ptr()
-        recent.pop(key, None)
-        recent[key] = (indices.numpy(), ids)
-        if len(recent) > self._RECENT:
-            del recent[next(iter(recent))]
-
-    def _delivered_ids_locked(self, indices: Any, slots: np.ndarray) -> np.ndarray | None:
-        """The row ids a recent delivery gave for ``indices``, when ``indices`` is (a slice
-        of) that delivery's ``_index`` tensor, else None.
-
-        Memory is matched by address and checked by content; a delivery into the memory of
-        one dropped earlier replaces its record, so a match is the latest batch there.
-        """
-        if (self._recent is None or not isinstance(indices, torch.Tensor)
-                or indices.device.type != "cpu" or indices.dtype != torch.int64
-                or not indices.is_contiguous()):
+    @staticmethod
+    def _delivered_ids(indices: Any) -> np.ndarray | None:
+        """The row ids a gather gave with ``indices``, when ``indices`` is the ``_index``
+        tensor of a delivered batch (or a slice of one): the gather keeps them on that tensor
+        as ``_conduit_row_ids``. None for indices in any other form."""
+        if not isinstance(indices, torch.Tensor):
             return None
-        hit = self._recent.get(indices.untyped_storage().data_ptr())
-        if hit is None:
+        ids = getattr(indices, _ROW_IDS, None)
+        if ids is not None:
+            return ids if ids.shape[0] == indices.numel() else None
+        base = indices._base
+        ids = None if base is None else getattr(base, _ROW_IDS, None)
+        if ids is None or indices.dim() != 1 or indices.stride(0) != 1 or base.dim() != 1:
             return None
-        delivered, ids = hit
-        at = indices.storage_offset()
-        if at + slots.shape[0] > delivered.shape[0]:
-            return None
-        if not np.array_equal(delivered[at:at + slots.shape[0]], slots):
-            return None
-        return ids[at:at + slots.shape[0]]
+        at = indices.storage_offset() - base.storage_offset()
+        n = indices.shape[0]
+        return ids[at:at + n] if at >= 0 and at + n <= ids.shape[0] else None
 
     def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
         indices = info.indices
@@ -225,7 +233,7 @@ class ExperienceBuffer:
                 snap.preserve_ids("delivered_id", slots)
             ids = self._row_id[slots]
             self._delivered_id[slots] = ids
-            self._remember_locked(indices, ids)
+            setattr(indices, _ROW_IDS, ids)  # the batch's own rows (update_priorities)
         out["_index"] = indices
         if info.weights is not None:
             out["_weight"] = info.weights
@@ -263,16 +271,19 @@ class ExperienceBuffer:
             size = self.writer.size
             current = np.empty(slots.shape[0], dtype=np.bool_)
             kernels = compiled.load("_row_kernels")
-            ids = self._delivered_ids_locked(indices, slots)
-            if ids is not None:  # a delivered _index: its own rows, exactly
+            ids = self._delivered_ids(indices)
+            kept = -2  # -2: not matched to a delivery of its own
+            if ids is not None and kernels is not None:  # its own rows, exactly
+                kept = kernels.delivered_rows(slots, size, ids, self._row_id, current)
+            elif ids is not None:
                 kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
                 if kept == 0:
                     np.equal(self._row_id[slots], ids, out=current)
                     kept = int(current.sum())
-            elif kernels is not None:
+            if kept == -2 and kernels is not None:
                 kept = kernels.current_rows(slots, size, self._delivered_id, self._row_id,
                                             current)
-            else:
+            elif kept == -2:
                 kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
                 if kept == 0:
                     delivered = self._delivered_id[slots]
@@ -443,8 +454,8 @@ class ExperienceBuffer:
             writer = RingWriter(capacity=self.capacity)
             writer.load_state_dict(entry(state, "writer", "buffer"))
             before = self.sampler.state_dict()
-            self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
-            try:
+            try:  # a sampler that refuses part way is put back too
+                self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
                 if rows:
                     for snap in self._snapshots:
                         snap.preserve(0, snap.size)

@@ -7,6 +7,8 @@ layer importing the planner.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +31,12 @@ class Placement:
         kind: ``"pageable"`` (CPU, ordinary memory), ``"pinned"`` (CPU, page-locked),
             ``"device"`` (one accelerator), ``"sharded"`` (rows split over several devices).
         devices: Device names (``"cpu"``, ``"cuda:0"``...). One for every kind but sharded.
-        shares: For sharded placements, the fraction of rows on each device (sums to 1).
+        shares: For sharded placements, the fraction of rows on each device (each > 0, sum
+            1).
+
+    Raises:
+        PlacementError: An unknown kind or device, the wrong number of devices for the kind,
+            or shares that are not finite, positive and summing to 1.
     """
 
     kind: PlacementKind
@@ -61,9 +68,11 @@ class Placement:
             if len(shares) != len(devs):
                 raise PlacementError(f"placement.shares: {len(shares)} shares for "
                                      f"{len(devs)} devices")
-            if any(s < 0 for s in shares) or abs(sum(shares) - 1.0) > 1e-6:
-                raise PlacementError(f"placement.shares: must be non-negative and sum to 1, "
-                                     f"got {shares}")
+            if any(isinstance(s, bool) or not isinstance(s, numbers.Real)
+                   or not (math.isfinite(s) and s > 0) for s in shares) \
+                    or abs(sum(shares) - 1.0) > 1e-6:
+                raise PlacementError(f"placement.shares: must be finite numbers > 0 (one per "
+                                     f"device) that sum to 1, got {shares}")
             object.__setattr__(self, "shares", tuple(float(s) for s in shares))
         elif self.shares is not None:
             raise PlacementError("placement.shares: only sharded placements take shares")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, PriorityError, StateError
-from conduit.spec import Batch
+from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.state import JSON, StateDict, entry
 
 
@@ -47,6 +48,9 @@ class Sampler(abc.ABC):
 
     Args:
         seed: Seed of the sampler's own generator.
+
+    Raises:
+        ConfigError: ``seed`` is not an integer >= 0.
     """
 
     #: Rows are delivered exactly once per epoch (on-policy samplers).
@@ -61,13 +65,24 @@ class Sampler(abc.ABC):
         cls.accepts_priorities = cls.update_priorities is not Sampler.update_priorities
 
     def __init__(self, *, seed: int = 0) -> None:
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
+        self.seed = int(seed)
+        self._rng = np.random.default_rng(self.seed)
         self.capacity = 0
 
     def bind(self, capacity: int) -> None:
         """Called once by the buffer with its capacity, before any write."""
         self.capacity = capacity
+
+    def check_spec(self, spec: ExperienceSpec) -> None:
+        """Called by the buffer with its spec, before it allocates anything: a sampler that
+        reads fields of the rows written refuses a spec without them here, not at a write.
+
+        Raises:
+            ConfigError: The sampler needs a field the spec lacks.
+        """
+        return None
 
     def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
         """Called after rows were written at ``indices``; ``size`` is the new fill level."""
@@ -120,12 +135,22 @@ class Sampler(abc.ABC):
         Raises:
             StateError: A key is missing or a value is out of range.
         """
+        self._rng.bit_generator.state = self._checked_rng(state)
+
+    def _checked_rng(self, state: StateDict) -> dict:
+        """The generator state in ``state``, checked on a scratch generator, so that a
+        subclass can check it before it changes anything.
+
+        Raises:
+            StateError: The entry is missing or not a state of the sampler's generator.
+        """
         rng = entry(state, "rng", "sampler")
         try:
-            self._rng.bit_generator.state = rng
+            type(self._rng.bit_generator)().state = rng
         except (TypeError, ValueError, KeyError) as exc:
             raise StateError("sampler.rng", f"not a {type(self._rng.bit_generator).__name__} "
                                             f"state: {exc}") from exc
+        return rng
 
 
 def need_rows(size: int, n: int, what: str) -> None:

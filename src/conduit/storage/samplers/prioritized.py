@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, ClassVar
 
 import numpy as np
@@ -14,6 +16,14 @@ from conduit.storage.state import JSON, StateDict, entry, number
 from conduit.storage.sum_tree import SumTree
 
 _F64_MAX = float(np.finfo(np.float64).max)
+
+
+def _finite(name: str, value: Any) -> float:
+    """``value`` as a float, or ConfigError naming ``name`` when it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _host(values: Any) -> np.ndarray:
@@ -40,6 +50,11 @@ class PrioritizedSampler(Sampler):
         beta: Importance-weight exponent.
         eps: Added to every priority so no row becomes unreachable.
         seed: Generator seed.
+
+    Raises:
+        ConfigError: ``alpha``, ``beta`` or ``eps`` is not a finite number (``alpha`` and
+            ``beta`` >= 0, ``eps`` > 0), or ``eps ** alpha`` leaves float range, so that no
+            row could be drawn.
     """
 
     invalidates_prefetch: ClassVar[bool] = True
@@ -47,13 +62,26 @@ class PrioritizedSampler(Sampler):
     def __init__(self, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  seed: int = 0) -> None:
         super().__init__(seed=seed)
+        alpha, beta, eps = _finite("alpha", alpha), _finite("beta", beta), _finite("eps", eps)
         if not alpha >= 0:
             raise ConfigError("alpha", f"must be >= 0, got {alpha}")
         if not beta >= 0:
             raise ConfigError("beta", f"must be >= 0, got {beta}")
         if not eps > 0:
             raise ConfigError("eps", f"must be > 0, got {eps}")
-        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        try:
+            smallest, first = eps ** alpha, (1 + eps) ** alpha
+        except OverflowError:
+            smallest = first = math.inf
+        if not smallest > 0:
+            raise ConfigError("alpha", f"eps ** alpha = {eps:g} ** {alpha:g} underflows to 0, "
+                                       f"so no row could ever be drawn; lower alpha or raise "
+                                       f"eps")
+        if not math.isfinite(first):
+            raise ConfigError("alpha", f"(1 + eps) ** alpha = {1 + eps:g} ** {alpha:g} "
+                                       f"overflows, so every new row's priority would be "
+                                       f"infinite; lower alpha or eps")
+        self.alpha, self.beta, self.eps = alpha, beta, eps
         self.max_priority = 1.0
         self._tree: SumTree | None = None
 
@@ -90,10 +118,15 @@ class PrioritizedSampler(Sampler):
         """Set new priorities for ``indices``.
 
         Raises:
-            PriorityError: NaN, infinite or negative priorities, or mismatched lengths.
+            PriorityError: Priorities that are not real numbers (complex, None, text), NaN,
+                infinite or negative; mismatched lengths.
         """
         idx = np.ascontiguousarray(_host(indices), dtype=np.int64)
-        pr = np.ascontiguousarray(_host(priorities), dtype=np.float64)
+        pr = _host(priorities)
+        if pr.dtype.kind not in "biuf":
+            raise PriorityError(f"priorities: must be real numbers (|TD errors|), got "
+                                f"{pr.dtype} values")
+        pr = np.ascontiguousarray(pr, dtype=np.float64)
         if idx.shape != pr.shape:
             raise PriorityError(f"priorities: {pr.size} values for {idx.size} indices")
         if not pr.size:
@@ -119,8 +152,10 @@ class PrioritizedSampler(Sampler):
         smallest importance weight, ``(min_leaf / leaf) ** beta`` with ``min_leaf =
         eps ** alpha``, stays above 1e-30."""
         bound = _F64_MAX / (4 * max(self.capacity, 1))
-        if self.beta > 0:
-            bound = min(bound, self.eps ** self.alpha * 1e30 ** (1 / self.beta))
+        if self.beta > 0:  # in log10: 1e30 ** (1 / beta) alone may leave float range
+            exponent = self.alpha * math.log10(self.eps) + 30 / self.beta
+            if exponent < 308:
+                bound = min(bound, 10.0 ** exponent)
         return bound
 
     def priorities(self, indices: torch.Tensor) -> torch.Tensor:
@@ -142,8 +177,13 @@ class PrioritizedSampler(Sampler):
                 "max_priority": self.max_priority}
 
     def load_state_dict(self, state: StateDict) -> None:
-        """Restore from :meth:`state_dict`."""
+        """Restore from :meth:`state_dict`; a refused state changes nothing.
+
+        Raises:
+            StateError: A key is missing or a value is out of range.
+        """
         max_priority = number(state, "max_priority", "sampler")
-        super().load_state_dict(state)
-        self.tree.load_state_dict(entry(state, "tree", "sampler"))
+        rng = self._checked_rng(state)
+        self.tree.load_state_dict(entry(state, "tree", "sampler"))  # checks all, then loads
+        self._rng.bit_generator.state = rng
         self.max_priority = max_priority

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, SpecError
-from conduit.spec import Batch
+from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict, array, integer, tensor
 
@@ -40,6 +40,17 @@ class SequenceSampler(Sampler):
             return
         super().bind(capacity)
         self._ends = np.zeros(capacity, dtype=bool)
+
+    def check_spec(self, spec: ExperienceSpec) -> None:
+        """Refuse a spec without the boundary field (every write would fail after storing).
+
+        Raises:
+            ConfigError: ``boundary_key`` is not a field of ``spec``.
+        """
+        if not isinstance(self.boundary_key, str) or self.boundary_key not in spec.fields:
+            raise ConfigError("boundary_key", f"{self.boundary_key!r} is not a field of the "
+                                              f"spec {list(spec.fields)}; pass boundary_key= "
+                                              f"the field that marks an episode's last step")
 
     def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
         """Record episode ends of the new rows."""

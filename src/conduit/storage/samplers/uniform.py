@@ -60,10 +60,19 @@ class UniformSampler(Sampler):
         Raises:
             StateError: A generator state is missing or malformed.
         """
-        super().load_state_dict(state)
-        if "draws" not in state:
+        rng = self._checked_rng(state)
+        draws = self._checked_draws(state)
+        self._rng.bit_generator.state = rng
+        if draws is None:
             self._draws.manual_seed(_torch_seed(self._rng))
-            return
+        else:
+            self._draws.set_state(draws)
+
+    def _checked_draws(self, state: StateDict) -> torch.Tensor | None:
+        """The draws' generator state in ``state`` (None when absent), checked on a scratch
+        generator so that a refused state changes nothing."""
+        if "draws" not in state:
+            return None
         draws = state["draws"]
         want = self._draws.get_state()
         if (not isinstance(draws, torch.Tensor) or draws.dtype != want.dtype
@@ -71,10 +80,12 @@ class UniformSampler(Sampler):
             raise StateError("sampler.draws", f"expected a torch generator state ({want.dtype}, "
                                               f"{tuple(want.shape)}), got "
                                               f"{getattr(draws, 'shape', type(draws).__name__)}")
+        draws = draws.cpu()
         try:
-            self._draws.set_state(draws.cpu())
+            torch.Generator().set_state(draws)
         except RuntimeError as exc:
             raise StateError("sampler.draws", f"not a torch generator state: {exc}") from exc
+        return draws
 
 
 def _torch_seed(rng: np.random.Generator) -> int:
