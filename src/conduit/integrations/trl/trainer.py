@@ -19,7 +19,11 @@ step), so it is counted per iteration.
 
 The order of the mini-batches, the advantages and the loss are TRL's: the shuffle draws the same
 permutation from torch's RNG, right after generation (reward functions must not draw from
-torch's global RNG for the two paths to match draw for draw).
+torch's global RNG for the two paths to match draw for draw). Where that cannot hold, the
+constructor refuses the configuration: a policy that drops out in training while old log-probs
+are computed (TRL computes them in training mode, drawing dropout masks from torch's RNG), and
+a reference model that TRL syncs during training (``sync_ref_model``: its log-probs are
+computed per mini-batch in delivery, after the sync may have moved it).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd as trl_nanstd
 
-from conduit.errors import ConfigError
+from conduit.errors import ConfigError, ScheduleError
 from conduit.integrations.grpo import GroupExperiencePath, LogProbSource, combine_rewards
+from conduit.plane.config import PlaneConfig
 from conduit.scheduling.space import Schedule
+from conduit.spec import ExperienceSpec
 from conduit.storage import data_path_threads
 
 PREFETCH_GATE_S = 1.0
@@ -58,8 +64,13 @@ class ConduitGRPOTrainer(GRPOTrainer):
             unknown (both checked before TRL's constructor runs), or a feature the Conduit
             path does not carry is enabled (vLLM, tools, environments, images,
             ``scale_rewards="batch"``, ``normalize_then_sum``, ``mask_truncated_completions``,
-            ``pad_to_multiple_of``, several processes), or the tokenizer's pad token is not
-            an int.
+            ``pad_to_multiple_of``, ``sync_ref_model``, several processes), or the policy drops
+            out in training while old log-probs are computed (``disable_dropout``, or the
+            model's own dropout setting that ``disable_dropout`` does not reset), or the
+            tokenizer's pad token is not an int.
+        ScheduleError: ``conduit_schedule`` lies outside the plane's feasible space for this
+            configuration (``steps_per_generation``, ``generation_batch_size`` and
+            ``num_generations`` fix it).
     """
 
     def __init__(self, *args: Any, conduit_schedule: Schedule | None = None,
@@ -73,6 +84,9 @@ class ConduitGRPOTrainer(GRPOTrainer):
                                                     f"{pad_completions_to!r}")
         super().__init__(*args, **kwargs)
         self._check_supported()
+        self._check_dropout()
+        if conduit_schedule is not None:
+            self._check_schedule(conduit_schedule)
         self._conduit_schedule = conduit_schedule
         self._pad_completions_to = pad_completions_to
         self._conduit: GroupExperiencePath | None = None
@@ -102,6 +116,9 @@ class ConduitGRPOTrainer(GRPOTrainer):
             ("mask_truncated_completions", bool(self.mask_truncated_completions),
              "set it to False"),
             ("pad_to_multiple_of", self.pad_to_multiple_of is not None, "leave it unset"),
+            # TRL computes reference log-probs at generation; the path computes them per
+            # mini-batch in delivery, after SyncRefModelCallback may have moved the model
+            ("sync_ref_model", bool(getattr(a, "sync_ref_model", False)), "set it to False"),
             ("num_processes", self.accelerator.num_processes != 1, "run one process"),
             ("beta", self.beta != 0.0 and self.ref_model is None,
              "give a reference model (PEFT adapters are not carried)"),
@@ -116,14 +133,80 @@ class ConduitGRPOTrainer(GRPOTrainer):
             raise ConfigError("pad_token_id", f"the tokenizer's pad token id must be an int, "
                                               f"got {pad!r}")
 
+    def _needs_old_logps(self) -> bool:
+        """TRL's rule for when old log-probs are computed: ``gradient_accumulation_steps`` not
+        a multiple of ``steps_per_generation × num_iterations``."""
+        a = self.args
+        return a.gradient_accumulation_steps % (a.steps_per_generation * self.num_iterations) != 0
+
+    def _check_dropout(self) -> None:
+        """Refuse a policy that drops out in training where old log-probs are computed.
+
+        TRL computes them with the policy in training mode, drawing dropout masks from torch's
+        RNG; the path takes the learner's own for the mini-batches trained before an optimizer
+        step and computes the rest on a snapshot in eval mode, in delivery. The log-probs, and
+        torch's RNG stream after them (so the next shuffle), would differ. Without old log-probs
+        both paths draw the same masks in the same order (in the learner's updates).
+
+        Raises:
+            ConfigError: ``disable_dropout`` is False and a ``torch.nn.Dropout`` of the policy
+                has ``p > 0``; or a dropout ``disable_dropout`` does not reset (another kind of
+                dropout module, or a dropout probability the model keeps as a number, such as
+                Llama's ``attention_dropout``) is above 0.
+        """
+        if not self._needs_old_logps():
+            return
+        why = ("old log-probs are computed (gradient_accumulation_steps is not a multiple of "
+               "steps_per_generation × num_iterations), and TRL computes them in training "
+               "mode, drawing dropout masks that ConduitGRPOTrainer does not reproduce")
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+                if isinstance(module, torch.nn.Dropout):  # what disable_dropout resets
+                    raise ConfigError(
+                        "disable_dropout", f"the model drops out in training ({name or 'model'}: "
+                        f"p={module.p}) while {why}; set disable_dropout=True (or make "
+                        f"gradient_accumulation_steps a multiple of steps_per_generation × "
+                        f"num_iterations)")
+                raise ConfigError(
+                    "model", f"{name or 'model'} ({type(module).__name__}) drops out with "
+                    f"p={module.p}, which disable_dropout does not reset, while {why}; set its "
+                    f"p to 0 (or make gradient_accumulation_steps a multiple of "
+                    f"steps_per_generation × num_iterations)")
+            for attr, v in vars(module).items():
+                if ("dropout" in attr and isinstance(v, float) and v > 0):
+                    raise ConfigError(
+                        attr, f"the model drops out in training ({name or 'model'}.{attr}={v}, "
+                        f"which disable_dropout does not reset) while {why}; set {attr}=0 in the "
+                        f"model's config (or make gradient_accumulation_steps a multiple of "
+                        f"steps_per_generation × num_iterations)")
+
+    def _check_schedule(self, schedule: Schedule) -> None:
+        """Check ``schedule`` against the feasible space of the plane that :meth:`_build_path`
+        builds (the same geometry: one on-policy iteration of ``generation_batch_size`` rows in
+        ``steps_per_generation`` mini-batches, pushed in groups of ``num_generations``).
+
+        Raises:
+            ScheduleError: ``schedule`` is outside that space.
+        """
+        a = self.args
+        space = PlaneConfig(
+            spec=ExperienceSpec.of(advantage=((), torch.float32)), capacity=a.generation_batch_size,
+            mode="on_policy", num_minibatches=a.steps_per_generation,
+            num_epochs=self.num_iterations, rollout_rows=self.num_generations).schedule_space()
+        try:
+            space.check(schedule)
+        except ScheduleError as exc:
+            raise ScheduleError(
+                f"conduit_schedule: {exc} (steps_per_generation={a.steps_per_generation}, "
+                f"generation_batch_size={a.generation_batch_size}, num_generations="
+                f"{self.num_generations})") from exc
+
     # -- the experience path ------------------------------------------------------------------
 
     def _build_path(self) -> GroupExperiencePath:
         a = self.args
-        ga = a.gradient_accumulation_steps
-        generate_every = a.steps_per_generation * self.num_iterations
         sources = []
-        if ga % generate_every != 0:  # TRL's rule for when old log-probs are needed
+        if self._needs_old_logps():
             self._old_policy = copy.deepcopy(self.model).eval()
             for p in self._old_policy.parameters():
                 p.requires_grad_(False)
