@@ -9,7 +9,11 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from conduit import CapacityError, ConfigError, SpecError  # noqa: E402
-from conduit.integrations.verl import ConduitReplayBuffer, GRPOBuffer  # noqa: E402
+from conduit.integrations.verl import (  # noqa: E402
+    ConduitReplayBuffer,
+    ConduitSamplerConfig,
+    GRPOBuffer,
+)
 from tests.verl.conftest import make_step  # noqa: E402
 
 
@@ -91,3 +95,59 @@ def test_bad_configuration():
         ConduitReplayBuffer(**args, sampler_kwargs=OmegaConf.create({"group_sise": 4}))
     with pytest.raises(ConfigError, match="trainer_mode"):
         ConduitReplayBuffer(**{**args, "trainer_mode": "separate_async"}, sampler_kwargs=None)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"group_size": True}, "group_size"),
+    ({"mini_batch_size": False}, "mini_batch_size"),
+    ({"poll_interval": "0.5"}, "poll_interval"),
+    ({"poll_interval": 0}, "poll_interval"),
+    ({"timeout": float("nan")}, "timeout"),
+    ({"timeout": float("inf")}, "timeout"),
+    ({"epsilon": float("nan")}, "epsilon"),
+    ({"epsilon": -1.0}, "epsilon"),
+    ({"epsilon": "1e-6"}, "epsilon"),
+    ({"epsilon": 0.0}, "epsilon"),  # a group of equal scores would divide 0 by 0
+    ({"norm_adv_by_std_in_grpo": "no"}, "norm_adv_by_std_in_grpo"),
+    ({"reward_key": 3}, "reward_key"),
+])
+def test_bad_sampler_kwargs_name_their_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        ConduitSamplerConfig(**kwargs)
+    assert err.value.field == f"sampler_kwargs.{field}"
+
+
+def test_good_sampler_kwargs():
+    config = ConduitSamplerConfig(group_size=8, epsilon=0, norm_adv_by_std_in_grpo=False,
+                                  poll_interval=1, timeout=10)
+    assert config.epsilon == 0.0 and isinstance(config.poll_interval, float)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"epsilon": "1e-6"}, "epsilon"),
+    ({"epsilon": float("inf")}, "epsilon"),
+    ({"epsilon": float("nan")}, "epsilon"),
+    ({"epsilon": -1e-6}, "epsilon"),
+    ({"epsilon": 0}, "epsilon"),
+    ({"epsilon": True}, "epsilon"),
+    ({"timeout": -1}, "timeout"),
+    ({"timeout": "60"}, "timeout"),
+    ({"seed": "x"}, "seed"),
+    ({"shuffle": "yes"}, "shuffle"),
+    ({"norm_adv_by_std_in_grpo": "no"}, "norm_adv_by_std_in_grpo"),
+    ({"reward_key": ""}, "reward_key"),
+    ({"epochs": True}, "epochs"),
+])
+def test_bad_buffer_arguments_name_their_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        GRPOBuffer(group_size=2, groups_per_step=2, mini_batch_size=2, **kwargs)
+    assert err.value.field == field
+
+
+def test_dr_grpo_takes_epsilon_zero():
+    step = make_step(groups=1, group_size=3)
+    with GRPOBuffer(group_size=3, groups_per_step=1, mini_batch_size=3, epsilon=0,
+                    norm_adv_by_std_in_grpo=False, timeout=5) as buf:
+        buf.put(step)
+        (mb,) = buf.minibatches()
+    assert bool(torch.isfinite(mb.batch["advantages"]).all())

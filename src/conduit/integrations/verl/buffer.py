@@ -13,6 +13,7 @@ they are placed (``placement``) and when ingestion and delivery run (``schedule`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,13 @@ import torch
 from verl import DataProto
 
 from conduit.errors import CapacityError, ConfigError, SpecError
+from conduit.integrations.verl._checks import (
+    check_bool,
+    check_epsilon,
+    check_int,
+    check_key,
+    check_real,
+)
 from conduit.integrations.verl.advantages import (
     group_scores,
     grpo_group_advantage,
@@ -37,22 +45,50 @@ _ADDED = ("advantages", "returns")
 
 
 class _Step:
-    """Host-side bookkeeping of one step: its groups and its non-tensor entries."""
+    """Host-side bookkeeping of one step: its groups, their non-tensor entries, and the
+    mini-batches pulled from the plane so far.
+
+    A put records its groups here before it pushes them (a mini-batch of its rows may be
+    delivered as soon as the push returns) and takes them back if the push raises. Pulled
+    mini-batches stay here until the whole step is pulled, so a :meth:`GRPOBuffer.minibatches`
+    that raised (a timeout) loses none of them and a retry resumes where it stopped.
+    """
 
     def __init__(self, meta_info: Mapping[str, Any]) -> None:
         self.rows = 0
         self.uids: set[Any] = set()
         self.parts: list[dict[str, np.ndarray]] = []
         self.meta_info = dict(meta_info)
+        self.pulled: list[Batch] = []  # the step's mini-batches, as the plane delivered them
+        self.pulled_all = False  # the plane has moved on to the next step
         self._joined: dict[str, np.ndarray] | None = None
+
+    def add(self, uids: list[Any], part: dict[str, np.ndarray], rows: int,
+            meta_info: Mapping[str, Any]) -> None:
+        """Record one put's groups (its rows follow the step's earlier rows)."""
+        if self.rows == 0:
+            self.meta_info = dict(meta_info)
+        self.uids.update(uids)
+        self.parts.append(part)
+        self.rows += rows
+        self._joined = None
+
+    def remove_last(self, uids: list[Any], rows: int) -> None:
+        """Take back the last :meth:`add` (its push raised)."""
+        self.uids.difference_update(uids)
+        self.parts.pop()
+        self.rows -= rows
+        self._joined = None
 
     def non_tensors(self, row_ids: torch.Tensor) -> dict[str, np.ndarray]:
         """The non-tensor entries of the given rows of the step."""
-        if self._joined is None:
+        joined = self._joined
+        if joined is None:  # joined again after every put: later rows follow the earlier
             keys = self.parts[0].keys()
-            self._joined = {k: np.concatenate([p[k] for p in self.parts]) for k in keys}
+            joined = {k: np.concatenate([p[k] for p in self.parts]) for k in keys}
+            self._joined = joined
         idx = row_ids.cpu().numpy()
-        return {k: v[idx] for k, v in self._joined.items()}
+        return {k: v[idx] for k, v in joined.items()}
 
 
 class GRPOBuffer:
@@ -73,8 +109,9 @@ class GRPOBuffer:
         shuffle: Shuffle each epoch as verl's ``dataloader_kwargs={"shuffle": True}`` does;
             otherwise the mini-batches are ``DataProto.split(mini_batch_size)`` of the step.
         seed: Seed of that shuffle (verl's update passes 42).
-        reward_key: Token-level reward field of the put batches.
-        epsilon: Added to each group's standard deviation.
+        reward_key: Token-level reward field of the put batches (floating point).
+        epsilon: Added to each group's standard deviation: a finite number, > 0 when
+            ``norm_adv_by_std_in_grpo`` (verl's default 1e-6).
         norm_adv_by_std_in_grpo: Divide by it (GRPO) or only centre (Dr. GRPO).
         placement: Where the step's rows live: ``"auto"`` (default) lets Conduit decide from
             this machine's topology and the rows' size (Alg. 1), or any placement
@@ -93,23 +130,27 @@ class GRPOBuffer:
                  norm_adv_by_std_in_grpo: bool = True, placement: PlacementArg = "auto",
                  schedule: Schedule | None = None, learner_device: str | torch.device = "cpu",
                  timeout: float = 60.0) -> None:
-        for name, value in (("group_size", group_size), ("groups_per_step", groups_per_step),
-                            ("mini_batch_size", mini_batch_size), ("epochs", epochs)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        group_size = check_int("group_size", group_size, minimum=1)
+        groups_per_step = check_int("groups_per_step", groups_per_step, minimum=1)
+        mini_batch_size = check_int("mini_batch_size", mini_batch_size, minimum=1)
+        epochs = check_int("epochs", epochs, minimum=1)
+        shuffle = check_bool("shuffle", shuffle)
+        seed = check_int("seed", seed, minimum=0)
+        reward_key = check_key("reward_key", reward_key)
+        norm_adv_by_std_in_grpo = check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+        epsilon = check_epsilon("epsilon", epsilon, norm_by_std=norm_adv_by_std_in_grpo)
+        timeout = check_real("timeout", timeout, positive=True, what="a number of seconds")
         self.group_size, self.groups_per_step = group_size, groups_per_step
         self.rows_per_step = group_size * groups_per_step
         if self.rows_per_step % mini_batch_size:
             raise ConfigError("mini_batch_size", f"{mini_batch_size} does not divide the "
                                                  f"{self.rows_per_step} rows of a step "
                                                  f"(group_size × groups_per_step)")
-        if not epsilon >= 0:
-            raise ConfigError("epsilon", f"must be >= 0, got {epsilon!r}")
         self.mini_batch_size, self.epochs = mini_batch_size, epochs
         self.num_minibatches = self.rows_per_step // mini_batch_size
-        self.shuffle, self.seed = bool(shuffle), seed
+        self.shuffle, self.seed = shuffle, seed
         self.reward_key, self.epsilon = reward_key, epsilon
-        self.norm_by_std = bool(norm_adv_by_std_in_grpo)
+        self.norm_by_std = norm_adv_by_std_in_grpo
         self._plane_args: dict[str, Any] = dict(
             placement=placement, schedule=schedule, learner_device=learner_device,
             timeout=timeout)
@@ -117,6 +158,7 @@ class GRPOBuffer:
         self._steps: dict[int, _Step] = {}
         self._filling = 0  # step that puts go to
         self._delivering = 0  # step that minibatches() reads
+        self._put_lock = threading.Lock()  # puts one at a time: a failed one is taken back
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
@@ -129,49 +171,74 @@ class GRPOBuffer:
         the next step, which waits until this one is delivered.
 
         Args:
-            data: Responses with ``batch[reward_key]`` and ``batch["response_mask"]``
-                (``[rows, response_length]``) and ``non_tensor_batch["uid"]`` (the prompt of
-                each response); every uid has exactly ``group_size`` rows, each with at least
-                one response token. Other tensor and non-tensor entries travel along.
+            data: Responses with ``batch[reward_key]`` (floating point, finite) and
+                ``batch["response_mask"]`` (``[rows, response_length]``) and
+                ``non_tensor_batch["uid"]`` (the prompt of each response); every uid has
+                exactly ``group_size`` rows, each with at least one response token. Other
+                tensor and non-tensor entries travel along.
+
+        A put that raises leaves the step as it was: its groups can be put again.
 
         Raises:
             SpecError: ``data`` is not a ``DataProto``, lacks a field, has a group of the wrong
-                size or already put this step, an empty response, or a field whose shape or
-                dtype differs from the first put's.
+                size or already put this step, an empty response, rewards that are not
+                floating point or whose sum over a response is not finite (field
+                ``reward_key``), or a field whose shape or dtype differs from the first put's.
             CapacityError: The groups overflow the step being filled.
             BackpressureTimeout: The next step could not start within the timeout.
         """
-        tensors, group = self._check(data)
-        step = self._steps.setdefault(self._filling, _Step(data.meta_info))
-        rows = len(data)
-        if step.rows + rows > self.rows_per_step:
-            raise CapacityError(f"a put of {rows} rows overflows the step, which has "
-                                f"{self.rows_per_step - step.rows} rows left; put whole steps "
-                                f"of {self.groups_per_step} groups", needed=rows,
-                                available=self.rows_per_step - step.rows)
-        plane = self._plane or self._build(tensors)
-        unit = {**tensors, _ROW: torch.arange(step.rows, step.rows + rows), _GROUP: group}
-        plane.push(unit, policy_version=self._filling)
-        step.uids.update(data.non_tensor_batch["uid"].tolist())
-        step.parts.append({k: np.asarray(v) for k, v in data.non_tensor_batch.items()})
-        step.rows += rows
-        if step.rows == self.rows_per_step:
-            self._filling += 1
+        with self._put_lock:
+            tensors, group = self._check(data)
+            step = self._steps.get(self._filling) or _Step(data.meta_info)
+            rows = len(data)
+            if step.rows + rows > self.rows_per_step:
+                raise CapacityError(f"a put of {rows} rows overflows the step, which has "
+                                    f"{self.rows_per_step - step.rows} rows left; put whole "
+                                    f"steps of {self.groups_per_step} groups", needed=rows,
+                                    available=self.rows_per_step - step.rows)
+            plane = self._plane or self._build(tensors)
+            unit = {**tensors, _ROW: torch.arange(step.rows, step.rows + rows), _GROUP: group}
+            uids = data.non_tensor_batch["uid"].tolist()
+            # Recorded before the push: its rows may be delivered as soon as it returns.
+            step.add(uids, {k: np.asarray(v) for k, v in data.non_tensor_batch.items()}, rows,
+                     data.meta_info)
+            self._steps[self._filling] = step  # minibatches() sees it with the plane built
+            try:
+                plane.push(unit, policy_version=self._filling)
+            except BaseException:
+                step.remove_last(uids, rows)
+                raise
+            if step.rows == self.rows_per_step:
+                self._filling += 1
 
     def minibatches(self, *, timeout: float | None = None) -> list[DataProto]:
         """Every mini-batch of the oldest undelivered step (``epochs × num_minibatches``),
         in verl's order; the step is then released.
 
+        It may be called while the step's groups are still being put (from another thread,
+        with an overlapped schedule): it returns once the whole step is delivered. If it
+        raises, the mini-batches it pulled so far stay with the step, and the next call
+        resumes there and returns all of them.
+
+        Args:
+            timeout: Seconds to wait for each mini-batch (default: the buffer's ``timeout``).
+
         Raises:
-            EmptyBufferError: The step did not fill within the timeout.
+            EmptyBufferError: A mini-batch was not ready within the timeout (the step is not
+                full yet); call again once its groups are put.
             ConfigError: Nothing was put yet.
         """
         if self._plane is None:
             raise ConfigError("put", "no group was put yet; put a step's groups first")
         step = self._steps.get(self._delivering)
-        if step is None:
+        if step is None or step.rows == 0:
             raise ConfigError("put", f"step {self._delivering} has no groups yet")
-        out = [self._to_dataproto(b, step) for b in self._plane.minibatches(timeout=timeout)]
+        if not step.pulled_all:
+            for batch in self._plane.minibatches(timeout=timeout):
+                step.pulled.append(batch)
+            step.pulled_all = True
+        # Converted once the step is whole: every row's non-tensor entries are recorded.
+        out = [self._to_dataproto(b, step) for b in step.pulled]
         del self._steps[self._delivering]
         self._delivering += 1
         return out
@@ -201,11 +268,16 @@ class GRPOBuffer:
         for name in (_ROW, _GROUP, *_ADDED):
             if name in tensors:
                 raise SpecError(name, "is computed by the buffer; drop it from the put batch")
-        mask = tensors["response_mask"]
-        if mask.dim() != 2 or tuple(tensors[self.reward_key].shape) != tuple(mask.shape):
+        mask, reward = tensors["response_mask"], tensors[self.reward_key]
+        if mask.dim() != 2 or tuple(reward.shape) != tuple(mask.shape):
             raise SpecError(self.reward_key, f"expected [rows, response_length] like "
                                              f"response_mask {tuple(mask.shape)}, got "
-                                             f"{tuple(tensors[self.reward_key].shape)}")
+                                             f"{tuple(reward.shape)}")
+        if not reward.is_floating_point():
+            raise SpecError(self.reward_key, f"must have a floating-point dtype (GRPO takes "
+                                             f"the mean and standard deviation of the "
+                                             f"scores), got {reward.dtype}; convert it with "
+                                             f".float()")
         uid = data.non_tensor_batch.get("uid")
         if uid is None or len(uid) != len(data):
             raise SpecError("uid", "non_tensor_batch['uid'] must name the prompt of each row")
@@ -231,6 +303,13 @@ class GRPOBuffer:
             raise SpecError("response_mask", f"response {empty[0]} (group {uid[empty[0]]!r}) "
                                              f"is empty; every response needs at least one "
                                              f"token")
+        scores = group_scores(reward)
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            r = bad[0]
+            raise SpecError(self.reward_key, f"response {r} (group {uid[r]!r}) has a "
+                                             f"non-finite score {float(scores[r])} (the sum of "
+                                             f"its rewards); rewards must be finite")
         return tensors, group
 
     def _build(self, tensors: Batch) -> ExperienceDataPlane:

@@ -22,17 +22,25 @@ each tag carries ``conduit_score`` and ``conduit_advantage`` (equal to what verl
 keys across data-parallel ranks; set ``trainer.balance_batch=False`` to train in this order.
 """
 
+import contextlib
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from itertools import pairwise
 from typing import Any
 
 import torch
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 
-from conduit.errors import ConfigError, EmptyBufferError, SpecError
+from conduit.errors import ConduitError, ConfigError, EmptyBufferError, SpecError
+from conduit.integrations.verl._checks import (
+    check_bool,
+    check_epsilon,
+    check_int,
+    check_key,
+    check_real,
+)
 from conduit.integrations.verl.advantages import grpo_group_advantage
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.spec import Batch, ExperienceSpec
@@ -51,11 +59,16 @@ class ConduitSamplerConfig:
         group_size: Responses per prompt (``actor_rollout_ref.rollout.n``).
         mini_batch_size: Rows per mini-batch (0: the whole step is one mini-batch).
         reward_key: Token-level reward field the rollout writes.
-        epsilon: Added to each group's standard deviation.
+        epsilon: Added to each group's standard deviation: a finite number, > 0 when
+            ``norm_adv_by_std_in_grpo`` (verl's default 1e-6).
         norm_adv_by_std_in_grpo: GRPO (True) or Dr. GRPO (False).
         placement: ``"auto"`` (Conduit decides from the topology) or None (CPU memory).
         poll_interval: Seconds between looks at TransferQueue while groups are running.
         timeout: Seconds ``sample`` waits for enough finished groups before raising.
+
+    Raises:
+        ConfigError: A value of the wrong type or out of range; the field is
+            ``sampler_kwargs.<name>``.
     """
 
     group_size: int = 1
@@ -68,18 +81,28 @@ class ConduitSamplerConfig:
     timeout: float = 3600.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ConfigError("sampler_kwargs.group_size", f"must be a positive integer, got "
-                                                           f"{self.group_size!r}")
-        if not isinstance(self.mini_batch_size, int) or self.mini_batch_size < 0:
-            raise ConfigError("sampler_kwargs.mini_batch_size", f"must be an integer >= 0, got "
-                                                                f"{self.mini_batch_size!r}")
+        def name(f: str) -> str:
+            return f"sampler_kwargs.{f}"
+
+        checked = {
+            "group_size": check_int(name("group_size"), self.group_size, minimum=1),
+            "mini_batch_size": check_int(name("mini_batch_size"), self.mini_batch_size,
+                                         minimum=0),
+            "reward_key": check_key(name("reward_key"), self.reward_key),
+            "norm_adv_by_std_in_grpo": check_bool(name("norm_adv_by_std_in_grpo"),
+                                                  self.norm_adv_by_std_in_grpo),
+            "poll_interval": check_real(name("poll_interval"), self.poll_interval,
+                                        positive=True, what="a number of seconds"),
+            "timeout": check_real(name("timeout"), self.timeout, positive=True,
+                                  what="a number of seconds"),
+        }
+        checked["epsilon"] = check_epsilon(name("epsilon"), self.epsilon,
+                                           norm_by_std=self.norm_adv_by_std_in_grpo)
         if self.placement not in (None, "auto"):
-            raise ConfigError("sampler_kwargs.placement", f"must be 'auto' or null, got "
-                                                          f"{self.placement!r}")
-        if not self.poll_interval > 0 or not self.timeout > 0:
-            raise ConfigError("sampler_kwargs.poll_interval", "poll_interval and timeout must "
-                                                              "be positive")
+            raise ConfigError(name("placement"), f"must be 'auto' or null, got "
+                                                 f"{self.placement!r}")
+        for key, value in checked.items():  # plain Python values (a NumPy int as an int)
+            object.__setattr__(self, key, value)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "ConduitSamplerConfig":
@@ -104,9 +127,18 @@ class ConduitReplayBuffer:
     custom sampler. It serves verl's ``sync`` trainer mode, where groups are on-policy and
     ``max_off_policy_threshold`` has no effect (as in verl's own sync buffer). Failed groups (a
     rollout that errored) are evicted and replaced through ``refill_fn``, as verl's async
-    buffer does. Keyword arguments a later verl adds are accepted and ignored. ``sample`` needs
-    the rewards in TransferQueue when it runs, as verl's streaming reward loop writes them
-    (rule-based rewards, or a reward model on its own resource pool).
+    buffer does. A malformed finished group (trajectories other than ``group_size`` of them,
+    an empty response, a reward that is not finite) is evicted and replaced the same way, and
+    ``sample`` raises a :class:`~conduit.errors.SpecError` naming it, once: the next
+    ``sample`` goes on with the other groups. Keyword arguments a later verl adds are accepted
+    and ignored. ``sample`` needs the rewards in TransferQueue when it runs, as verl's
+    streaming reward loop writes them (rule-based rewards, or a reward model on its own
+    resource pool).
+
+    verl's multi-output agent loops (several outputs of one trajectory, keys
+    ``{uid}_{trajectory}_{index}`` with ``index > 0``) give groups of varying size, which a
+    step of ``group_size`` rows per group cannot hold; such a group counts as malformed unless
+    it has exactly ``group_size`` keys.
 
     Raises:
         ConfigError: ``sampler_kwargs`` is invalid, or the trainer mode is not ``sync``.
@@ -127,6 +159,7 @@ class ConduitReplayBuffer:
         self.refill_fn = refill_fn
         self._plane: ExperienceDataPlane | None = None
         self._step_rows = 0
+        self._evicted: dict[str, int] = {}  # malformed groups evicted since the last metrics
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
@@ -160,25 +193,46 @@ class ConduitReplayBuffer:
                ) -> tuple[KVBatchMeta, dict]:
         """The ``batch_size`` oldest finished groups, keys in Conduit's mini-batch order.
 
+        Every chosen group is checked before any of it enters the plane. A malformed one is
+        evicted from TransferQueue (its prompt and trajectory keys; counted in the next
+        metrics as ``{training,validation}/conduit/evicted_malformed`` and replaced through
+        ``refill_fn`` on ``train``) and this call raises; the groups that were fine stay in
+        the pool for the next call. If the plane fails once rows were pushed, it is closed and
+        the next call builds a fresh one.
+
         Raises:
-            SpecError: A selected group has a number of trajectories other than
-                ``group_size``, or an empty response.
+            ConfigError: ``batch_size`` is not a positive integer, or differs from the
+                earlier steps'.
+            SpecError: A chosen group is malformed (and was evicted): a number of
+                trajectories other than ``group_size`` (none found at all on a validation
+                partition; field ``uid``), an empty response (``response_mask``), or a
+                reward whose sum over a response is not finite (``reward_key``).
             EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
         """
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                or batch_size < 1):
+            raise ConfigError("batch_size", f"must be a positive integer (groups per step), "
+                                            f"got {batch_size!r}")
         t0 = time.perf_counter()
         _, metrics = self.wait_for_sampleable(global_steps, partition_id, batch_size)
         listing = tq.kv_list(partition_id).get(partition_id, {})
         finished = self._finished(partition_id, metrics, listing=listing)
         chosen = sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
         keys, tags = self._trajectories(listing, chosen)
-        if partition_id != "train":
+        train = partition_id == "train"
+        self._evict_malformed(self._miscounted(keys, chosen, exact=train), partition_id)
+        if not train:
             tq.kv_clear(keys=chosen, partition_id=partition_id)
+            metrics.update(self._evicted_metrics())
             return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
-        order, scores = self._through_plane(keys, tags, partition_id, batch_size)
+        mask, scores = self._read(keys, partition_id)
+        self._evict_malformed(self._bad_rows(keys, mask, scores), partition_id)
+        order = self._through_plane(mask, scores, tags, batch_size)
         tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
         prefix = "training/conduit"
         metrics.update({f"{prefix}/score_mean": float(scores.mean()),
-                        f"{prefix}/sample_s": time.perf_counter() - t0})
+                        f"{prefix}/sample_s": time.perf_counter() - t0,
+                        **self._evicted_metrics()})
         return KVBatchMeta(partition_id=partition_id, keys=[keys[i] for i in order],
                            tags=[tags[i] for i in order]), metrics
 
@@ -225,36 +279,110 @@ class ConduitReplayBuffer:
         keys = sorted(found, key=position)
         return keys, [dict(listing[k]) for k in keys]
 
-    def _through_plane(self, keys: list[str], tags: list[dict], partition_id: str,
-                       groups: int) -> tuple[list[int], torch.Tensor]:
-        """Push each group through the plane; the rows' order over its mini-batches, and
-        their scores. Writes each tag's ``conduit_score`` and ``conduit_advantage``."""
-        plane = self._plane_for(groups * self.config.group_size)
+    def _miscounted(self, keys: list[str], chosen: list[str], *, exact: bool
+                    ) -> dict[str, tuple[str, str]]:
+        """Chosen groups without ``group_size`` trajectories (``exact``) or without any:
+        uid -> (field, message)."""
+        count = dict.fromkeys(chosen, 0)
+        multi: set[str] = set()
+        for key in keys:
+            uid, *rest = key.split("_")
+            count[uid] += 1
+            if len(rest) >= 2 and rest[-1].isdigit() and int(rest[-1]) > 0:
+                multi.add(uid)
+        bad = {}
+        n = self.config.group_size
+        for uid, found in count.items():
+            if found == 0 or (exact and found != n):
+                want = f"group_size={n}" if exact else "at least one"
+                hint = (" (keys {uid}_{trajectory}_{index} with index > 0 come from a "
+                        "multi-output agent loop, which gives groups of varying size)"
+                        if uid in multi else "")
+                bad[uid] = ("uid", f"finished group {uid!r} has {found} trajectories "
+                                   f"in TransferQueue, expected {want}{hint}")
+        return bad
+
+    def _read(self, keys: list[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trajectories' response masks (padded) and scores (their rewards summed)."""
         data = tq.kv_batch_get(keys=keys, partition_id=partition_id,
                                select_fields=["response_mask", self.config.reward_key])
         mask = _padded(data["response_mask"])
         scores = _padded(data[self.config.reward_key]).sum(dim=-1).to(torch.float32)
-        empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
-        if empty:
-            raise SpecError("response_mask", f"trajectory {keys[empty[0]]!r} has an empty "
-                                             f"response; every response needs a token")
-        uids = [k.split("_")[0] for k in keys]
-        bounds = [i for i in range(len(keys) + 1)
-                  if i in (0, len(keys)) or uids[i] != uids[i - 1]]
-        for start, stop in pairwise(bounds):
-            if stop - start != self.config.group_size:
-                raise SpecError("uid", f"group {uids[start]!r} has {stop - start} trajectories, "
-                                       f"expected group_size={self.config.group_size}")
-        for start, stop in pairwise(bounds):  # one rollout unit per group
-            plane.push({"key": torch.arange(start, stop), "seq_len": mask[start:stop].sum(-1),
-                        "score": scores[start:stop]}, policy_version=plane.policy_version)
-        order: list[int] = []
-        for mb in plane.minibatches():
-            for k, s, a in zip(mb["key"].tolist(), mb["score"].tolist(),
-                               mb["advantage"].tolist()):
-                tags[k]["conduit_score"], tags[k]["conduit_advantage"] = s, a
-                order.append(k)
-        return order, scores
+        return mask, scores
+
+    def _bad_rows(self, keys: list[str], mask: torch.Tensor, scores: torch.Tensor
+                  ) -> dict[str, tuple[str, str]]:
+        """Groups with an empty response or a score that is not finite: uid -> (field,
+        message), for the first such trajectory of each."""
+        bad: dict[str, tuple[str, str]] = {}
+        reward = self.config.reward_key
+        for i in (mask.sum(dim=-1) == 0).nonzero().flatten().tolist():
+            bad.setdefault(keys[i].split("_")[0], (
+                "response_mask", f"trajectory {keys[i]!r} has an empty response; every "
+                                 f"response needs a token"))
+        for i in (~torch.isfinite(scores)).nonzero().flatten().tolist():
+            bad.setdefault(keys[i].split("_")[0], (
+                reward, f"trajectory {keys[i]!r} has a non-finite score {float(scores[i])} "
+                        f"(the sum of its {reward}); rewards must be finite"))
+        return bad
+
+    def _evict_malformed(self, bad: Mapping[str, tuple[str, str]], partition_id: str) -> None:
+        """Evict the ``bad`` groups as failed ones are, and raise for the first of them.
+
+        Raises:
+            SpecError: ``bad`` is not empty.
+        """
+        if not bad:
+            return
+        listing = tq.kv_list(partition_id).get(partition_id, {})  # what landed meanwhile too
+        tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in bad],
+                    partition_id=partition_id)
+        kind = "training" if partition_id == "train" else "validation"
+        name = f"{kind}/conduit/evicted_malformed"
+        self._evicted[name] = self._evicted.get(name, 0) + len(bad)
+        if self.refill_fn is not None and partition_id == "train":
+            self.refill_fn(len(bad))
+        field, message = next(iter(bad.values()))
+        others = f"; {len(bad) - 1} other malformed group(s) too" if len(bad) > 1 else ""
+        raise SpecError(field, f"{message}. The group was evicted from partition "
+                               f"{partition_id!r}{others}; the next sample goes on without it")
+
+    def _evicted_metrics(self) -> dict[str, int]:
+        """Malformed groups evicted since the last metrics (reported once)."""
+        out, self._evicted = self._evicted, {}
+        return out
+
+    def _through_plane(self, mask: torch.Tensor, scores: torch.Tensor, tags: list[dict],
+                       groups: int) -> list[int]:
+        """Push each group (checked: ``group_size`` rows each) through the plane; the rows'
+        order over its mini-batches. Writes each tag's ``conduit_score`` and
+        ``conduit_advantage``. If anything fails once a row was pushed, the plane is closed
+        (the next call builds a fresh one), so no pushed row outlives the call."""
+        plane = self._plane_for(groups * self.config.group_size)
+        n = self.config.group_size
+        try:
+            for start in range(0, len(tags), n):  # one rollout unit per group
+                stop = start + n
+                plane.push({"key": torch.arange(start, stop),
+                            "seq_len": mask[start:stop].sum(-1), "score": scores[start:stop]},
+                           policy_version=plane.policy_version)
+            order: list[int] = []
+            for mb in plane.minibatches():
+                for k, s, a in zip(mb["key"].tolist(), mb["score"].tolist(),
+                                   mb["advantage"].tolist()):
+                    tags[k]["conduit_score"], tags[k]["conduit_advantage"] = s, a
+                    order.append(k)
+        except BaseException:
+            self._reset_plane()
+            raise
+        return order
+
+    def _reset_plane(self) -> None:
+        """Drop the plane and the rows it holds; the next step builds a fresh one."""
+        plane, self._plane = self._plane, None
+        if plane is not None:
+            with contextlib.suppress(ConduitError):  # e.g. DataLossError: dropped on purpose
+                plane.close()
 
     def _plane_for(self, rows: int) -> ExperienceDataPlane:
         if self._plane is not None:
