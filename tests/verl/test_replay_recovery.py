@@ -94,19 +94,6 @@ def test_a_non_finite_reward_is_refused_and_its_group_evicted(kv_store, value):
     assert bool(torch.isfinite(got).all()) and torch.equal(got, _verl_advantage(batch))
 
 
-def test_an_empty_response_evicts_its_group(kv_store):
-    buffer = _build(_config())
-    _rollout("empty", 1, seed=1)
-    data = kv_store.fields[("train", "empty_1_0")]
-    data["response_mask"] = torch.zeros_like(data["response_mask"])
-    with pytest.raises(SpecError, match="empty_1_0") as err:
-        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
-    assert err.value.field == "response_mask"
-    _rollout("fine", 1, seed=2)
-    batch, _ = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
-    assert _uids(batch) == {"fine"}
-
-
 def test_a_plane_failure_after_a_push_leaves_no_rows_behind(kv_store, monkeypatch):
     buffer = _build(_config())
     _rollout("a", 1, seed=1)

@@ -23,7 +23,6 @@ keys across data-parallel ranks; set ``trainer.balance_batch=False`` to train in
 """
 
 import contextlib
-import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -209,10 +208,7 @@ class ConduitReplayBuffer:
                 reward whose sum over a response is not finite (``reward_key``).
             EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
         """
-        if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                or batch_size < 1):
-            raise ConfigError("batch_size", f"must be a positive integer (groups per step), "
-                                            f"got {batch_size!r}")
+        batch_size = check_int("batch_size", batch_size, minimum=1)
         t0 = time.perf_counter()
         _, metrics = self.wait_for_sampleable(global_steps, partition_id, batch_size)
         listing = tq.kv_list(partition_id).get(partition_id, {})
