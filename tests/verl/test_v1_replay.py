@@ -173,7 +173,7 @@ def test_bad_groups_get_typed_errors(kv_store):
     assert err.value.field == "response_mask"
     _rollout("fine", 1, seed=3)  # both bad groups were evicted, not picked again
     batch, _ = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
-    assert {t["uid"] for t in batch.tags} == {"fine"}
+    assert {k.split("_")[0] for k in batch.keys} == {"fine"}
 
 
 def test_sample_raises_when_groups_never_finish(kv_store):
