@@ -152,6 +152,24 @@ def test_sampler_refuses_priorities_that_are_not_real_numbers(priorities):
         sampler.update_priorities(torch.tensor([0, 1]), priorities)
 
 
+@pytest.mark.parametrize(("indices", "priorities", "field"), [
+    (None, [1.0], "indices"), ("ab", [1.0, 2.0], "indices"), ([[0], [1, 2]], [1.0], "indices"),
+    ([0, 1], None, "priorities"), ([0, 1], ["a", "b"], "priorities"),
+    ([0, 1], object(), "priorities")],
+    ids=["None-indices", "text-indices", "ragged-indices", "None", "text", "object"])
+def test_buffer_refuses_priority_updates_that_are_not_numbers(small_spec, indices, priorities,
+                                                              field):
+    buf = ExperienceBuffer(spec=small_spec, capacity=8, sampler=PrioritizedSampler())
+    buf.extend(make_rows(small_spec, 8))
+    buf.sample(4)
+    before = buf.sampler.priorities(torch.arange(8))
+    with pytest.raises(PriorityError, match=f"^{field}: must be a tensor"):
+        buf.update_priorities(indices, priorities)
+    assert torch.equal(buf.sampler.priorities(torch.arange(8)), before)
+    # The buffer goes on taking updates.
+    assert buf.update_priorities([0, 1], [3.0, 4.0]) == 2
+
+
 # -- ExperienceBuffer.sample(batch_size) -------------------------------------------------------
 
 
@@ -164,6 +182,16 @@ def test_sample_needs_a_positive_integer_batch_size(small_spec, batch_size, rows
     with pytest.raises(ConfigError) as err:
         buf.sample(batch_size)
     assert err.value.field == "batch_size"
+
+
+@pytest.mark.parametrize("batch_size", [True, 2.5, "3", None, 0, -1])
+def test_draw_needs_a_positive_integer_batch_size(small_spec, batch_size):
+    buf = ExperienceBuffer(spec=small_spec, capacity=8)
+    buf.extend(make_rows(small_spec, 4))
+    with pytest.raises(ConfigError) as err:
+        buf.draw(batch_size)
+    assert err.value.field == "batch_size"
+    assert buf.draw(np.int64(3)).indices.shape == (3,)
 
 
 def test_sample_takes_numpy_integers(small_spec):

@@ -33,12 +33,17 @@ def _batch_size(value: Any) -> int:
     return int(value)
 
 
-def _flat_host(values: Any) -> torch.Tensor:
-    """``values`` as a flat CPU tensor without autograd history (no copy when it is one)."""
+def _flat_host(values: Any, field: str) -> torch.Tensor:
+    """``values`` as a flat CPU tensor without autograd history (no copy when it is one), or
+    PriorityError naming ``field`` when they are not numbers (None, text, ragged lists)."""
     if (isinstance(values, torch.Tensor) and values.dim() == 1 and values.device.type == "cpu"
             and not values.requires_grad):
         return values
-    return torch.as_tensor(values).detach().cpu().reshape(-1)
+    try:
+        return torch.as_tensor(values).detach().cpu().reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise PriorityError(f"{field}: must be a tensor, array or list of numbers, got "
+                            f"{type(values).__name__} ({e})") from None
 
 
 class ExperienceBuffer:
@@ -145,7 +150,13 @@ class ExperienceBuffer:
         return idx
 
     def draw(self, batch_size: int) -> SampleInfo:
-        """Pick indices (no gather)."""
+        """Pick indices (no gather).
+
+        Raises:
+            ConfigError: ``batch_size`` is not a positive integer.
+            EmptyBufferError: The sampler has nothing to draw from.
+        """
+        batch_size = _batch_size(batch_size)
         with self._lock:
             return self.sampler.sample(self.writer.size, batch_size)
 
@@ -260,7 +271,7 @@ class ExperienceBuffer:
             PriorityError: Indices that are not integers or not filled slots; priorities that
                 are not finite and non-negative; mismatched lengths.
         """
-        idx, pr = _flat_host(indices), _flat_host(priorities)
+        idx, pr = _flat_host(indices, "indices"), _flat_host(priorities, "priorities")
         if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise PriorityError(f"indices: must be integer slots (a batch's _index), got dtype "
                                 f"{idx.dtype}")
