@@ -3,6 +3,7 @@
 import math
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 import torch
@@ -112,6 +113,28 @@ def test_schedules_deliver_the_same_minibatches():
             for x, y in zip(xs, ys):
                 assert x.keys() == y.keys()
                 assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize(("group_size", "groups", "m"), [(3, 2, 3), (3, 4, 6), (5, 2, 5)])
+def test_default_schedule_fits_groups_that_straddle_minibatches(group_size, groups, m):
+    """A group need not end on a mini-batch boundary (TRL: num_generations=3,
+    per_device_train_batch_size=2, steps_per_generation=3): the default schedule is still
+    feasible and delivers the iteration's rows in order, each once per epoch."""
+    rows = group_size * groups
+    with _path(group_size=group_size, groups=groups, num_minibatches=m, num_epochs=1) as path:
+        assert path.plane.schedule.g_ing <= Fraction(group_size, rows)
+        for it in range(2):
+            order = torch.randperm(rows, generator=torch.Generator().manual_seed(it))
+            path.begin_iteration(order, prompt_width=2)
+            comps = [[7 + r] * (1 + (r + it) % 5) for r in range(rows)]
+            for g in range(groups):
+                path.push_group(prompt_ids=[[1, 2]] * group_size,
+                                completion_ids=comps[g * group_size:(g + 1) * group_size])
+            got = [path.pull() for _ in range(m)]
+            assert torch.equal(torch.cat([mb["row"] for mb in got]), order)
+            for mb in got:
+                for i, r in enumerate(mb["row"].tolist()):
+                    assert mb["completion_ids"][i, :len(comps[r])].tolist() == comps[r]
 
 
 @pytest.mark.parametrize("epochs", [1, 2])

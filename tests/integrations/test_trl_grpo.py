@@ -95,13 +95,19 @@ def _both(args, **conduit_kwargs):
     return ref, got
 
 
-@pytest.mark.parametrize("pad", ["minibatch", "iteration"])
-def test_minibatches_equal_trls_for_a_seed(pad):
-    ref, got = _both(SMALL, pad_completions_to=pad)
-    s = SMALL.steps_per_generation
+#: Groups of 3 over mini-batches of 2: a group straddles a mini-batch boundary.
+STRADDLE = dataclasses.replace(SMALL, batch_size=2, num_generations=3, steps_per_generation=3)
+
+
+@pytest.mark.parametrize(("args", "pad"), [(SMALL, "minibatch"), (SMALL, "iteration"),
+                                           (STRADDLE, "minibatch")],
+                         ids=["minibatch", "iteration", "straddling-groups"])
+def test_minibatches_equal_trls_for_a_seed(args, pad):
+    ref, got = _both(args, pad_completions_to=pad)
+    s = args.steps_per_generation
     for t in (ref, got):
         t.model.train()
-    batch = _generation_batch(ref, SMALL.batch_size * s // SMALL.num_generations, seed=9)
+    batch = _generation_batch(ref, args.batch_size * s // args.num_generations, seed=9)
     torch.manual_seed(11)
     want = []
     for step in range(s):

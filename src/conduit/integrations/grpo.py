@@ -31,7 +31,7 @@ import torch
 
 from conduit.errors import ConfigError, EmptyBufferError, OperatorError, SpecError, StateError
 from conduit.plane import ExperienceDataPlane
-from conduit.scheduling.space import Schedule
+from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices
 from conduit.storage import FifoSampler, data_path_threads
 from conduit.storage.ragged import RaggedStore
@@ -372,7 +372,7 @@ class GroupExperiencePath:
             spec=spec, capacity=rows, mode="on_policy", num_minibatches=m, num_epochs=num_epochs,
             sampler=self._sampler, rollout_rows=group_size, learner_device=learner_device,
             rollout_spec=ExperienceSpec.of(unit=((), torch.int64)), timeout=timeout,
-            schedule=schedule or Schedule(0, Fraction(group_size, rows), 1, Fraction(1, m)))
+            schedule=schedule or self._default_schedule(group_size, rows, m))
         self.plane.register_ingestion()(self._ingest)
         self.plane.register_delivery(
             whole_iteration=pad_completions_to == "iteration")(self._deliver)
@@ -389,6 +389,17 @@ class GroupExperiencePath:
         self._pushed = 0
         self._rewards = torch.full((rows,), float("nan"))
         self._advantages = torch.zeros(rows)
+
+    @staticmethod
+    def _default_schedule(group_size: int, rows: int, m: int) -> Schedule:
+        """Inline ingestion of one group per invocation, overlapped delivery of one
+        mini-batch: the largest feasible ingestion granularity that a single group fills
+        (a group's share of the iteration itself, or a multiple of 1/M below it when a group
+        does not end on a mini-batch boundary)."""
+        unit = Fraction(group_size, rows)
+        space = feasible_space(mode="on_policy", num_minibatches=m, unit_fraction_ing=unit)
+        g_ing = max(g for g in space.g_ing if g <= unit)
+        return Schedule(0, g_ing, 1, Fraction(1, m))
 
     # -- the trainer's side -------------------------------------------------------------------
 
