@@ -101,6 +101,19 @@ def test_integer_rewards_are_refused_by_the_put_that_brings_them():
         assert len(buf.minibatches()) == 2
 
 
+def test_a_field_named_like_the_planes_own_keys_is_refused_by_the_put():
+    with GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=3, timeout=5) as buf:
+        step = make_step(groups=2, group_size=3)
+        bad = step.slice(0, 3)
+        bad.batch["_private"] = bad.batch["prompts"].clone()
+        with pytest.raises(SpecError, match="reserved") as err:
+            buf.put(bad)
+        assert err.value.field == "_private"
+        buf.put(step.slice(0, 3))
+        buf.put(step.slice(3, 6))
+        assert len(buf.minibatches()) == 2
+
+
 def test_a_put_whose_push_fails_is_taken_back():
     with GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=3, timeout=5) as buf:
         step = make_step(groups=2, group_size=3)

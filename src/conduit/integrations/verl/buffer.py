@@ -181,9 +181,10 @@ class GRPOBuffer:
 
         Raises:
             SpecError: ``data`` is not a ``DataProto``, lacks a field, has a group of the wrong
-                size or already put this step, an empty response, rewards that are not
-                floating point or whose sum over a response is not finite (field
-                ``reward_key``), or a field whose shape or dtype differs from the first put's.
+                size or already put this step, a field whose name starts with ``_``, an
+                empty response, rewards that are not floating point or whose sum over a
+                response is not finite (field ``reward_key``), or a field whose shape or
+                dtype differs from the first put's.
             CapacityError: The groups overflow the step being filled.
             BackpressureTimeout: The next step could not start within the timeout.
         """
@@ -268,6 +269,10 @@ class GRPOBuffer:
         for name in (_ROW, _GROUP, *_ADDED):
             if name in tensors:
                 raise SpecError(name, "is computed by the buffer; drop it from the put batch")
+        for name in tensors:
+            if name.startswith("_"):
+                raise SpecError(name, "names starting with '_' are reserved for keys the "
+                                      "plane adds; rename the field")
         mask, reward = tensors["response_mask"], tensors[self.reward_key]
         if mask.dim() != 2 or tuple(reward.shape) != tuple(mask.shape):
             raise SpecError(self.reward_key, f"expected [rows, response_length] like "
