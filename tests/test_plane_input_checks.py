@@ -41,3 +41,26 @@ def test_plane_takes_a_numpy_seed():
         a.push(rows)
         b.push(rows)
         assert a.pull()["id"].tolist() == b.pull()["id"].tolist()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("capacity", True), ("batch_size", 2.0), ("num_epochs", "1"), ("g_max", 0),
+    ("min_size", True), ("min_size", 9), ("max_priority_lag", -1), ("max_priority_lag", False),
+    ("timeout", True), ("timeout", float("nan"))])
+def test_plane_config_refuses_bools_and_out_of_range_values(field, value):
+    with pytest.raises(ConfigError) as err:
+        PlaneConfig(spec=SPEC, **{"capacity": 8, "batch_size": 2, field: value})
+    assert err.value.field == field
+
+
+def test_plane_config_keeps_numpy_integers_as_python_ints():
+    config = PlaneConfig(spec=SPEC, capacity=np.int64(8), batch_size=np.int32(2),
+                         min_size=np.int64(4), max_priority_lag=np.int64(1))
+    for name, want in (("capacity", 8), ("batch_size", 2), ("min_size", 4),
+                       ("max_priority_lag", 1)):
+        assert type(getattr(config, name)) is int and getattr(config, name) == want
+    with ExperienceDataPlane(spec=SPEC, capacity=np.int64(8), batch_size=np.int64(2),
+                             timeout=5) as plane:
+        plane.push({"id": torch.arange(4), "terminated": torch.zeros(4, dtype=torch.bool)})
+        plane.flush()
+        assert plane.pull()["id"].shape == (2,)

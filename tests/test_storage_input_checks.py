@@ -255,3 +255,30 @@ def test_sharded_shares_that_fit_are_kept(small_spec):
     buf = ExperienceBuffer(spec=small_spec, capacity=8, placement=p)
     buf.extend(make_rows(small_spec, 8))
     assert set(buf.sample(8)["id"].tolist()) <= set(range(8))
+
+
+# -- sampler sizes and flags -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: FifoSampler(num_minibatches=True), "num_minibatches"),
+    (lambda: FifoSampler(num_minibatches=2.0), "num_minibatches"),
+    (lambda: FifoSampler(shuffle="no"), "shuffle"),
+    (lambda: FifoSampler(first_within="1"), "first_within"),
+    (lambda: FifoSampler(first_within=True), "first_within"),
+    (lambda: FifoSampler.leading(units=True, num_minibatches=2), "units"),
+    (lambda: SequenceSampler(length=True), "length"),
+    (lambda: SequenceSampler(length=0), "length")])
+def test_samplers_refuse_bools_and_text_for_sizes_and_flags(make, field):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert err.value.field == field
+
+
+def test_samplers_take_numpy_sizes(small_spec):
+    fifo = FifoSampler(num_minibatches=np.int64(2))
+    seq = SequenceSampler(length=np.int64(2))
+    assert type(fifo.num_minibatches) is int and type(seq.length) is int
+    buf = ExperienceBuffer(spec=small_spec, capacity=8, sampler=seq)
+    buf.extend(make_rows(small_spec, 8))
+    assert buf.sample(3)["id"].shape == (3, 2)

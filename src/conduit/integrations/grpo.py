@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, EmptyBufferError, OperatorError, SpecError, StateError
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule, feasible_space
@@ -41,11 +42,6 @@ ADV_EPS = 1e-4
 """Added to the group's standard deviation before dividing (TRL's and verl's epsilon)."""
 _SMALL = 4096
 """Elements up to which a CPU check runs in Python (see :func:`_has_nan`)."""
-
-
-def _positive_int(v: object) -> bool:
-    """Whether ``v`` is an int >= 1 (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -142,8 +138,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
             groups of ``group_size``, or holds an infinite reward.
         ConfigError: ``scale`` is unknown or ``group_size`` is not a positive int.
     """
-    if not _positive_int(group_size):
-        raise ConfigError("group_size", f"must be a positive int, got {group_size!r}")
+    group_size = check_int("group_size", group_size, minimum=1)
     if scale not in ("group", "none"):
         raise ConfigError("scale_rewards", f"must be 'group' or 'none', got {scale!r}")
     _check_tensor(rewards, "rewards", floating=True)
@@ -313,12 +308,12 @@ class GroupExperiencePath:
                  pad_completions_to: Literal["minibatch", "iteration"] = "minibatch",
                  learner_device: str | torch.device = "cpu", schedule: Schedule | None = None,
                  timeout: float = 600.0, gate_prefetch: float = 0.0) -> None:
-        for name, v in (("group_size", group_size), ("groups", groups),
-                        ("num_minibatches", num_minibatches), ("num_epochs", num_epochs),
-                        ("max_prompt_length", max_prompt_length),
-                        ("max_completion_length", max_completion_length)):
-            if not _positive_int(v):
-                raise ConfigError(name, f"must be a positive int, got {v!r}")
+        (group_size, groups, num_minibatches, num_epochs, max_prompt_length,
+         max_completion_length) = (check_int(name, v, minimum=1) for name, v in (
+            ("group_size", group_size), ("groups", groups),
+            ("num_minibatches", num_minibatches), ("num_epochs", num_epochs),
+            ("max_prompt_length", max_prompt_length),
+            ("max_completion_length", max_completion_length)))
         if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
                 or not -(1 << 63) <= int(pad_token_id) < 1 << 63):
             raise ConfigError("pad_token_id", f"must be an int within int64, got "

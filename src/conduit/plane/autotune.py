@@ -40,6 +40,7 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, ScheduleError
 from conduit.scheduling import (
     MIN_COPY,
@@ -70,12 +71,6 @@ _PROFILE_NAMES = ("rollout", "update", "ingestion", "delivery", "sync_ing", "syn
 #: Timing names :meth:`AutoScheduler.observe` watches by default (sync costs depend on the
 #: schedule in force, so they are not watched unless asked for).
 DEFAULT_WATCH = ("rollout", "update", "ingestion", "delivery")
-
-
-def _check_positive_int(name: str, v: object, *, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(name, f"must be an integer >= {minimum}, got {v!r}")
-    return v
 
 
 def profiling_schedules(space: ScheduleSpace,
@@ -165,8 +160,8 @@ def profile_plane(plane: ExperienceDataPlane, step: Step, *, space: ScheduleSpac
         ScheduleError: ``space`` holds a granularity the plane cannot run.
         ProfileError: The step never timed a rollout or update, or no operator ran.
     """
-    _check_positive_int("iterations_per_g", iterations_per_g)
-    _check_positive_int("warmup", warmup, minimum=0)
+    check_int("iterations_per_g", iterations_per_g, minimum=1)
+    check_int("warmup", warmup, minimum=0)
     space = plane.space if space is None else space
     schedules = profiling_schedules(space, granularities)
     for s in schedules:

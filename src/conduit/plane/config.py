@@ -9,15 +9,10 @@ from fractions import Fraction
 
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError
 from conduit.scheduling.space import MAX_MINIBATCHES, Mode, Schedule, ScheduleSpace, feasible_space
 from conduit.spec import ExperienceSpec
-
-
-def _positive_int(name: str, v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(name, f"must be a positive integer, got {v!r}")
-    return v
 
 
 def policy_version(v: object) -> int | None:
@@ -66,38 +61,32 @@ class PlaneConfig:
                                       f"{type(self.spec).__name__}")
         if self.mode not in ("off_policy", "on_policy"):
             raise ConfigError("mode", f"must be 'off_policy' or 'on_policy', got {self.mode!r}")
+        # Integers are stored as Python ints (a NumPy integer is taken, and kept as JSON's int).
         for name in ("capacity", "batch_size", "num_minibatches", "num_epochs", "g_max"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.mode == "off_policy" and self.batch_size > self.capacity:
             raise ConfigError("batch_size", f"{self.batch_size} exceeds capacity {self.capacity}")
         if self.mode == "on_policy" and self.num_minibatches > self.capacity:
             raise ConfigError("num_minibatches", f"{self.num_minibatches} mini-batches cannot be "
                                                  f"cut from {self.capacity} rows per iteration")
-        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout)
-                and self.timeout > 0):
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or not math.isfinite(self.timeout) or self.timeout <= 0):
             raise ConfigError("timeout", f"must be a finite number of seconds > 0, got "
                                          f"{self.timeout!r}")
-        if (not isinstance(self.max_priority_lag, int) or isinstance(self.max_priority_lag, bool)
-                or self.max_priority_lag < 0):
-            raise ConfigError("max_priority_lag", f"must be an integer >= 0, got "
-                                                  f"{self.max_priority_lag!r}")
-        if self.min_size is not None and (not isinstance(self.min_size, int)
-                                          or not 1 <= self.min_size <= self.capacity):
-            raise ConfigError("min_size", f"must be an integer in [1, capacity={self.capacity}], "
-                                          f"got {self.min_size!r}")
-        if self.rollout_rows is not None:
-            if (not isinstance(self.rollout_rows, int) or isinstance(self.rollout_rows, bool)
-                    or not 1 <= self.rollout_rows <= self.capacity):
-                raise ConfigError("rollout_rows", f"must be an integer in [1, capacity="
-                                                  f"{self.capacity}], got {self.rollout_rows!r}")
-            if self.mode != "on_policy":
-                raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
-                                                  "granularity already counts rollout units")
-        if (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                or self.seed < 0):
-            raise ConfigError("seed", f"must be an integer >= 0 (the sampler's seed), got "
-                                      f"{self.seed!r}")
-        object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer as JSON's int
+        object.__setattr__(self, "max_priority_lag",
+                           check_int("max_priority_lag", self.max_priority_lag, minimum=0))
+        for name in ("min_size", "rollout_rows"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                  or not 1 <= v <= self.capacity):
+                raise ConfigError(name, f"must be an integer in [1, capacity={self.capacity}], "
+                                        f"got {v!r}")
+            if v is not None:
+                object.__setattr__(self, name, int(v))
+        if self.rollout_rows is not None and self.mode != "on_policy":
+            raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
+                                              "granularity already counts rollout units")
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
 
     def wait_for(self, timeout: float | None) -> float:
         """Seconds a call may wait: ``timeout``, or the plane's when None.

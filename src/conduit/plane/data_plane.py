@@ -224,7 +224,7 @@ class ExperienceDataPlane:
         where = initial_placement(placement, cfg)
         self.placement_decision: PlacementDecision | None = where.decision  # "auto": Alg. 1's
         self.placement_map: PlacementMap | None = where.placement_map  # what grow() follows
-        buffer = ExperienceBuffer(spec=spec, capacity=capacity, store=store,
+        buffer = ExperienceBuffer(spec=spec, capacity=cfg.capacity, store=store,
                                   sampler=make_sampler(sampler, cfg), placement=where.placement)
         self.actor_port, self.learner_port = ActorPort(self), LearnerPort(self)
         self._engine = PlaneEngine.build(cfg, buffer, self.timings)

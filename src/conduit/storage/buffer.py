@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
@@ -28,9 +28,7 @@ _ROW_IDS = "_conduit_row_ids"
 def _batch_size(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
     integer (a Python or NumPy integer; not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {value!r}")
-    return int(value)
+    return check_int("batch_size", value, minimum=1)
 
 
 def _flat_host(values: Any, field: str) -> torch.Tensor:
@@ -77,9 +75,7 @@ class ExperienceBuffer:
     def __init__(self, *, spec: ExperienceSpec, capacity: int, sampler: Sampler | None = None,
                  placement: Placement | None = None, threads: int = 1,
                  store: Store | None = None) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
-            raise ConfigError("threads", f"must be a positive integer (data-path threads), got "
-                                         f"{threads!r}")
+        threads = check_int("threads", threads, minimum=1)
         sampler = sampler or UniformSampler()
         sampler.check_spec(spec)
         self.spec = spec

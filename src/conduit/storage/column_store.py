@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError, StateError
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
 from conduit.storage import compiled
@@ -184,9 +185,7 @@ class GatherOutputs:
 
 
 def _check_capacity(capacity: int) -> int:
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-        raise ConfigError("capacity", f"must be a positive integer, got {capacity!r}")
-    return capacity
+    return check_int("capacity", capacity, minimum=1)
 
 
 class ColumnStore:

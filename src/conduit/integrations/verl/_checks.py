@@ -1,57 +1,12 @@
-"""Argument checks shared by the verl integration's constructors: each bad value gets a
-:class:`~conduit.errors.ConfigError` naming the field and saying what to pass instead."""
+"""Argument checks of the verl integration's own settings (the common ones live in
+:mod:`conduit._checks`)."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
+from conduit._checks import check_real
 from conduit.errors import ConfigError
-
-
-def check_int(field: str, value: Any, *, minimum: int) -> int:
-    """``value`` as an ``int`` (a bool is not one).
-
-    Raises:
-        ConfigError: ``value`` is not an integer ``>= minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(field, f"must be {what}, got {value!r}")
-    return int(value)
-
-
-def check_real(field: str, value: Any, *, positive: bool, what: str = "a number") -> float:
-    """``value`` as a finite ``float`` (a bool or a string is not one).
-
-    Args:
-        field: Name the error gives.
-        value: The value to check.
-        positive: Require ``> 0``; otherwise ``>= 0``.
-        what: What the number is, for the message (e.g. ``"a number of seconds"``).
-
-    Raises:
-        ConfigError: ``value`` is not a finite real number in range.
-    """
-    bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
-        raise ConfigError(field, f"must be a finite {what.removeprefix('a ')} {bound}, got "
-                                 f"{value!r}")
-    return float(value)
-
-
-def check_bool(field: str, value: Any) -> bool:
-    """``value`` as a ``bool``.
-
-    Raises:
-        ConfigError: ``value`` is not a bool (a string such as ``"no"`` is refused, not read
-            as true).
-    """
-    if not isinstance(value, bool):
-        raise ConfigError(field, f"must be True or False, got {value!r}")
-    return value
 
 
 def check_epsilon(field: str, value: Any, *, norm_by_std: bool) -> float:
@@ -67,15 +22,3 @@ def check_epsilon(field: str, value: Any, *, norm_by_std: bool) -> float:
                                  "standard deviation (a group of equal scores has deviation "
                                  "0); verl's default is 1e-6")
     return eps
-
-
-def check_key(field: str, value: Any) -> str:
-    """A field name: a non-empty string.
-
-    Raises:
-        ConfigError: ``value`` is not a non-empty string.
-    """
-    if not isinstance(value, str) or not value:
-        raise ConfigError(field, f"must be the name of a field (a non-empty string), got "
-                                 f"{value!r}")
-    return value

@@ -21,14 +21,9 @@ import numpy as np
 import torch
 from verl import DataProto
 
+from conduit._checks import check_bool, check_int, check_key, check_real
 from conduit.errors import CapacityError, ConfigError, SpecError
-from conduit.integrations.verl._checks import (
-    check_bool,
-    check_epsilon,
-    check_int,
-    check_key,
-    check_real,
-)
+from conduit.integrations.verl._checks import check_epsilon
 from conduit.integrations.verl.advantages import (
     group_scores,
     grpo_group_advantage,

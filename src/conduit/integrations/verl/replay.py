@@ -32,14 +32,9 @@ import torch
 import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 
+from conduit._checks import check_bool, check_int, check_key, check_real
 from conduit.errors import ConduitError, ConfigError, EmptyBufferError, SpecError
-from conduit.integrations.verl._checks import (
-    check_bool,
-    check_epsilon,
-    check_int,
-    check_key,
-    check_real,
-)
+from conduit.integrations.verl._checks import check_epsilon
 from conduit.integrations.verl.advantages import grpo_group_advantage
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.spec import Batch, ExperienceSpec

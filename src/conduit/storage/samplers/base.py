@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import abc
-import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, EmptyBufferError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.state import JSON, StateDict, entry
@@ -65,9 +65,7 @@ class Sampler(abc.ABC):
         cls.accepts_priorities = cls.update_priorities is not Sampler.update_priorities
 
     def __init__(self, *, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed, minimum=0)
         self._rng = np.random.default_rng(self.seed)
         self.capacity = 0
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from conduit._checks import check_bool, check_int
 from conduit.errors import ConfigError, EmptyBufferError, StateError
 from conduit.storage.samplers.base import SampleInfo, Sampler
 from conduit.storage.state import JSON, StateDict, entry, integer
@@ -44,10 +46,10 @@ class FifoSampler(Sampler):
     def __init__(self, *, num_minibatches: int = 1, shuffle: bool = True, seed: int = 0,
                  first_within: float = 1.0) -> None:
         super().__init__(seed=seed)
-        if not isinstance(num_minibatches, int) or num_minibatches < 1:
-            raise ConfigError("num_minibatches", f"must be a positive integer, got "
-                                                 f"{num_minibatches!r}")
-        if not 0 < first_within <= 1:
+        num_minibatches = check_int("num_minibatches", num_minibatches, minimum=1)
+        check_bool("shuffle", shuffle)
+        if (isinstance(first_within, bool) or not isinstance(first_within, numbers.Real)
+                or not 0 < first_within <= 1):
             raise ConfigError("first_within", f"must lie in (0, 1], got {first_within!r}; "
                                               f"FifoSampler.leading(units=U) sets it for "
                                               f"an iteration of U rollout units")
@@ -69,9 +71,7 @@ class FifoSampler(Sampler):
         Raises:
             ConfigError: ``units`` is not a positive integer (or as the constructor).
         """
-        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
-            raise ConfigError("units", f"must be a positive integer (rollout units per "
-                                       f"iteration), got {units!r}")
+        units = check_int("units", units, minimum=1)
         return cls(num_minibatches=num_minibatches, seed=seed,
                    first_within=1 - 1 / units if units > 1 else 1.0)
 

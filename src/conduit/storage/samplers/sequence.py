@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, EmptyBufferError, SpecError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
@@ -25,9 +26,7 @@ class SequenceSampler(Sampler):
 
     def __init__(self, *, length: int, boundary_key: str = "done", seed: int = 0) -> None:
         super().__init__(seed=seed)
-        if not isinstance(length, int) or length < 1:
-            raise ConfigError("length", f"must be a positive integer, got {length!r}")
-        self.length = length
+        self.length = check_int("length", length, minimum=1)
         self.boundary_key = boundary_key
         self._ends = np.zeros(0, dtype=bool)
         self._cursor = 0

@@ -1,0 +1,66 @@
+"""Argument checks shared across the layers: each bad value gets a
+:class:`~conduit.errors.ConfigError` naming the field and saying what to pass instead."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from conduit.errors import ConfigError
+
+
+def check_int(field: str, value: Any, *, minimum: int) -> int:
+    """``value`` as an ``int`` (a bool is not one).
+
+    Raises:
+        ConfigError: ``value`` is not an integer ``>= minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(field, f"must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_real(field: str, value: Any, *, positive: bool, what: str = "a number") -> float:
+    """``value`` as a finite ``float`` (a bool or a string is not one).
+
+    Args:
+        field: Name the error gives.
+        value: The value to check.
+        positive: Require ``> 0``; otherwise ``>= 0``.
+        what: What the number is, for the message (e.g. ``"a number of seconds"``).
+
+    Raises:
+        ConfigError: ``value`` is not a finite real number in range.
+    """
+    bound = "> 0" if positive else ">= 0"
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ConfigError(field, f"must be a finite {what.removeprefix('a ')} {bound}, got "
+                                 f"{value!r}")
+    return float(value)
+
+
+def check_bool(field: str, value: Any) -> bool:
+    """``value`` as a ``bool``.
+
+    Raises:
+        ConfigError: ``value`` is not a bool (a string such as ``"no"`` is refused, not read
+            as true).
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(field, f"must be True or False, got {value!r}")
+    return value
+
+
+def check_key(field: str, value: Any) -> str:
+    """A field name: a non-empty string.
+
+    Raises:
+        ConfigError: ``value`` is not a non-empty string.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigError(field, f"must be the name of a field (a non-empty string), got "
+                                 f"{value!r}")
+    return value
