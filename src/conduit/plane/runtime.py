@@ -7,6 +7,7 @@ an invocation may take is the flow's (:mod:`conduit.plane.flows`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -63,6 +64,7 @@ class OperatorRuntime:
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
+        self._inline_order = threading.RLock()  # see drain_inline
         flow.deliver_ready = self.deliver_ready
 
     # -- errors ------------------------------------------------------------------------------
@@ -132,13 +134,16 @@ class OperatorRuntime:
                 or an operator failed earlier on a worker (the error stays latched).
         """
         while True:
-            with self.signals.lock:
-                self.raise_if_failed()
-                units = self.take_ingestion_locked(force=force)
-            if units is None:
-                return
-            with data_path_threads(1):
-                self.raise_own(self.run_ingestion(units))
+            # Invocations on different callers' threads (a push, a flush or save on another)
+            # run one at a time, in the order they took their units: rows land in push order.
+            with self._inline_order:
+                with self.signals.lock:
+                    self.raise_if_failed()
+                    units = self.take_ingestion_locked(force=force)
+                if units is None:
+                    return
+                with data_path_threads(1):
+                    self.raise_own(self.run_ingestion(units))
 
     def run_ingestion(self, units: list[Unit]) -> OperatorError | None:
         """One ingestion invocation over ``units`` (taken with :meth:`take_ingestion_locked`).
