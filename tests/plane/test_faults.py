@@ -25,7 +25,7 @@ from conduit import (
     ScheduleError,
     SpecError,
 )
-from conduit.storage import UniformSampler
+from conduit.storage import FifoSampler, UniformSampler
 from tests.conftest import make_rows
 
 
@@ -362,6 +362,39 @@ def test_minibatches_resumes_a_loop_left_early_and_stays_in_its_iteration(small_
         assert len(nxt) == 4 and all(100 <= i < 108 for ids in nxt for i in ids)
 
 
+def test_a_minibatch_assembled_early_from_earlier_rows_does_not_keep_failed_rows(small_spec):
+    """A mini-batch assembled early from the rows before a failed invocation's cannot hold
+    them: they are still taken back, and the rollout pushed again lands once."""
+    with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
+                             schedule=Schedule(1, 0.5, 1, 0.5), timeout=10,
+                             sampler=FifoSampler.leading(units=2, num_minibatches=2)) as p:
+        failures = [1]
+
+        @p.register_ingestion()
+        def ingest(actor_in, exp_out):
+            rows = actor_in.read()
+            exp_out.write({k: v[:2] for k, v in rows.items()})
+            if failures and int(rows["id"][0]) == 4:
+                failures.pop()
+                raise RuntimeError("scorer down")
+            exp_out.write({k: v[2:] for k, v in rows.items()})
+
+        p.push(make_rows(small_spec, 4))
+        deadline = time.monotonic() + 10
+        while p.stats()["early_batches"] < 1:  # the first mini-batch, from rows 0..3
+            assert time.monotonic() < deadline, "no mini-batch was assembled early"
+            time.sleep(0.005)
+        with pytest.raises(OperatorError):
+            p.push(make_rows(small_spec, 4, start=4))
+            p.flush()
+        p.recover()
+        assert len(p.buffer) == 4 and p.stats()["ingested_rows"] == 4
+        p.push(make_rows(small_spec, 4, start=4))
+        got = [b["id"].tolist() for b in p.minibatches()]
+        assert sorted(got[0]) == [0, 1, 2, 3]
+        assert sorted(got[0] + got[1]) == list(range(8))
+
+
 @pytest.mark.parametrize("schedule", [Schedule(0, 0.5, 0, 0.5), Schedule(1, 0.5, 1, 0.5)],
                          ids=lambda s: s.label())
 def test_an_on_policy_ingestion_that_fails_part_way_takes_its_rows_back(small_spec, schedule):
@@ -383,6 +416,7 @@ def test_an_on_policy_ingestion_that_fails_part_way_takes_its_rows_back(small_sp
             exp_out.write({k: v[2:] for k, v in rows.items()})
 
         p.push(make_rows(small_spec, 4))
+        p.flush()  # its own invocation (an overlapped worker could take both units at once)
         try:
             p.push(make_rows(small_spec, 4, start=4))
             p.flush()

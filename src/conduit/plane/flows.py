@@ -529,6 +529,7 @@ class OnPolicyFlow(Flow):
         self.iter_written_rows = 0
         self.iter_landed_rows = 0  # rows whose buffer write finished (<= written)
         self.drawn_in_iter = 0
+        self.drawn_rows = 0  # rows [0, drawn_rows) may be in a mini-batch drawn this iteration
         self.delivered_in_iter = 0
         self.early: dict[int, EarlyBatch] = {}
         self._write_lock = threading.Lock()  # slot order = write order within an iteration
@@ -592,11 +593,12 @@ class OnPolicyFlow(Flow):
         """Drop the rows of a failed invocation's writes ``(version, start, n)`` from the
         iteration, as if never written: a push of the same rollout then lands each row once.
         Kept where something depends on them: a later write of another invocation, or a
-        mini-batch already drawn (which may hold them). True when none is kept."""
+        mini-batch already drawn that may hold them (one assembled early from the rows before
+        them does not). True when none is kept."""
         if not written:
             return True
         start, total = written[0][1], sum(n for _, _, n in written)
-        if (any(v != self.policy_version for v, _, _ in written) or self.drawn_in_iter
+        if (any(v != self.policy_version for v, _, _ in written) or self.drawn_rows > start
                 or self.iter_written_rows != start + total
                 or self.iter_landed_rows != self.iter_written_rows):
             return False
@@ -725,6 +727,10 @@ class OnPolicyFlow(Flow):
         self.early.pop(self.drawn_in_iter, None)
         if early is not None:
             self.counters["early_batches"] += 1
+            if info.indices.numel():
+                self.drawn_rows = max(self.drawn_rows, int(info.indices.max()) + 1)
+        else:
+            self.drawn_rows = cap  # drawn from the landed iteration: any row
         self.drawn_in_iter += 1
         return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early,
                            position=self.drawn_in_iter - 1)
@@ -759,7 +765,7 @@ class OnPolicyFlow(Flow):
         self.policy_version += 1
         self.iter_pushed_rows = sum(u.rows for u in self.pending)
         self.iter_written_rows = self.iter_landed_rows = 0
-        self.drawn_in_iter = self.delivered_in_iter = 0
+        self.drawn_in_iter = self.delivered_in_iter = self.drawn_rows = 0
         self.early = {}
 
     def pause_locked(self) -> None:
@@ -805,6 +811,7 @@ class OnPolicyFlow(Flow):
         self.policy_version = version
         self.iter_pushed_rows = self.iter_written_rows = self.iter_landed_rows = written
         self.delivered_in_iter = self.drawn_in_iter = delivered
+        self.drawn_rows = written if delivered else 0
         self.early = {}
         if self.drawn_in_iter:
             m = self.config.num_minibatches
