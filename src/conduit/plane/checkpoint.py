@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 import os
 import threading
 import time
@@ -35,12 +36,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from conduit._checks import check_bool
 from conduit.errors import (
     ConduitError,
     ConfigError,
     PlacementError,
     PlaneClosedError,
     ScheduleError,
+    SpecError,
     StateError,
 )
 from conduit.scheduling.space import Schedule
@@ -55,7 +58,7 @@ from conduit.storage import (
     sampler_from_config,
     write_checkpoint,
 )
-from conduit.storage.checkpoint import Layout
+from conduit.storage.checkpoint import Layout, check_path
 from conduit.storage.snapshot import RowSnapshot, SnapshotSource
 from conduit.storage.state import JSON, StateDict, StateValue
 
@@ -127,9 +130,32 @@ def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
         return write_checkpoint(path, tensors=parts, meta=meta)
 
 
-def _schedule(d: Mapping[str, JSON]) -> Schedule:
-    return Schedule(int(d["overlap_ing"]), Fraction(d["g_ing"]), int(d["overlap_del"]),
-                    Fraction(d["g_del"]))
+def _schedule(d: Any, path: Path) -> Schedule:
+    """The schedule a header holds.
+
+    Raises:
+        CheckpointError: A value is missing, of the wrong type or out of range (the part
+            names it, e.g. ``schedule.g_ing``).
+    """
+    if not isinstance(d, Mapping):
+        raise CheckpointError(path, f"expected a mapping, got {type(d).__name__}",
+                              part="schedule")
+    values: dict[str, Any] = {}
+    for key, kind in (("overlap_ing", int), ("g_ing", Fraction), ("overlap_del", int),
+                      ("g_del", Fraction)):
+        try:
+            values[key] = kind(d[key])
+            float(values[key])  # "1/0" or "1e999" parse (or not) but are no granularity
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            raise CheckpointError(path, f"{d.get(key)!r} is not a schedule value "
+                                        f"({type(exc).__name__}: {exc})",
+                                  part=f"schedule.{key}") from exc
+    try:
+        return Schedule(**values)
+    except ScheduleError as exc:
+        key = str(exc).partition(":")[0]
+        raise CheckpointError(path, str(exc), part=f"schedule.{key}" if key in values
+                              else "schedule") from exc
 
 
 def load(cls: type[ExperienceDataPlane], path: str | Path,
@@ -137,21 +163,34 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
     """Build a ``cls`` plane from a checkpoint (see :meth:`ExperienceDataPlane.load`).
 
     The plane is built from the header before any row is read, so that the rows are read
-    straight into its columns where they are host memory (no mapping, no second copy).
+    straight into its columns where they are host memory (no mapping, no second copy). A
+    caller's ``store`` is written only once the whole file has been checked: a refused load
+    changes nothing (its rows are mapped, then copied in).
+
+    Raises:
+        CheckpointError: The file is corrupt, of another version, or holds a value out of
+            range, such as row parts of another dtype or shape than their fields (named).
+        ConfigError: An override is not a constructor argument or does not fit the file
+            (``capacity``, ``mode``, a ``sampler`` that cannot take the saved sampler's
+            state), or is refused by the constructor; ``field`` names it.
+        SpecError: A ``spec`` override differs from the saved spec (the field is named).
     """
-    path = Path(path)
+    path = check_path("path", path)
     made: list[ExperienceDataPlane] = []
     in_place: set[str] = set()
 
     def destinations(meta: dict[str, Any], layout: Layout) -> dict[str, torch.Tensor]:
         made.append(_build(cls, meta, path, overrides))
+        _check_row_parts(made[0], layout, path)
+        if "store" in overrides:
+            return {}  # the caller's rows: written by _restore once everything is checked
         dest = _row_destinations(made[0], meta, layout)
         in_place.update(dest)
         return dest
 
     try:
         meta, parts = read_checkpoint(path, mmap=True, into=destinations)
-        _restore(made[0], meta, parts, path, in_place=in_place)
+        _restore(made[0], meta, parts, path, in_place=in_place, overrides=overrides)
     except BaseException:
         if made:
             made[0].close()
@@ -176,15 +215,78 @@ def _check_capacity(meta: Mapping[str, Any], capacity: Any) -> None:
                                       f"override or pass capacity={saved}")
 
 
+def _check_mode(meta: Mapping[str, Any], mode: Any) -> None:
+    """Refuse a ``mode`` override: the sampler, the iteration state and the rows are those of
+    the saved mode.
+
+    Raises:
+        ConfigError: ``mode`` differs from the checkpoint's.
+    """
+    try:
+        saved = meta["config"]["mode"]
+    except (KeyError, TypeError):
+        return  # a malformed header is reported as such when the plane is built
+    if mode != saved:
+        raise ConfigError("mode", f"a checkpoint loads in the mode it was saved in "
+                                  f"({saved!r}: its sampler, iteration state and rows are "
+                                  f"laid out for it), got {mode!r}; drop the override or "
+                                  f"pass mode={saved!r}")
+
+
+def _check_spec(meta: Mapping[str, Any], spec: Any) -> None:
+    """Refuse a ``spec`` override that does not describe the saved rows: a load neither
+    converts a field's dtype nor reshapes it (``plane.migrate(..., spec=)`` widens a loaded
+    plane).
+
+    Raises:
+        SpecError: A field of ``spec`` differs from the saved one, or is missing from either
+            (named).
+    """
+    try:
+        saved = ExperienceSpec.from_dict(meta["spec"]).fields
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return  # a malformed header is reported as such when the plane is built
+    if not isinstance(spec, ExperienceSpec):
+        return  # the constructor names it
+    for name in {**saved, **spec.fields}:
+        old, new = saved.get(name), spec.fields.get(name)
+        if old == new:
+            continue
+        if new is None:
+            raise SpecError(name, f"is saved in the checkpoint ({old}) but missing from the "
+                                  f"spec override; drop the override to load the saved spec")
+        if old is None:
+            raise SpecError(name, "is in the spec override but not in the checkpoint; load "
+                                  "with the saved spec (drop the override), then add it with "
+                                  "plane.migrate(..., spec=spec)")
+        if old.dtype != new.dtype:
+            raise SpecError(name, f"saved as {old.dtype}, the spec override gives {new.dtype}; "
+                                  f"a load does not convert rows (as migrate() refuses dtype "
+                                  f"changes): pass dtype {old.dtype} or drop the override")
+        raise SpecError(name, f"saved with shape {old.shape}, the spec override gives "
+                              f"{new.shape}; load with the saved spec (drop the override), "
+                              f"then widen it with plane.migrate(..., spec=spec)")
+
+
 def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
            overrides: Mapping[str, Any]) -> ExperienceDataPlane:
-    """The plane a checkpoint's header describes, with ``overrides``, holding no rows yet."""
+    """The plane a checkpoint's header describes, with ``overrides``, holding no rows yet.
+
+    Raises:
+        CheckpointError: The header does not describe a plane.
+        ConfigError, SpecError: An override does not fit the file or is refused by the
+            constructor (named).
+    """
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(path, f"not a {FORMAT} checkpoint of version {VERSION} "
                                     f"(format {meta.get('format')!r}, version "
                                     f"{meta.get('version')!r})")
     if "capacity" in overrides:
         _check_capacity(meta, overrides["capacity"])
+    if "mode" in overrides:
+        _check_mode(meta, overrides["mode"])
+    if "spec" in overrides:
+        _check_spec(meta, overrides["spec"])
     known = inspect.signature(cls).parameters
     for name in overrides:
         if name not in known:
@@ -195,7 +297,7 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
             **meta["config"], "spec": ExperienceSpec.from_dict(meta["spec"]),
             "rollout_spec": (ExperienceSpec.from_dict(meta["rollout_spec"])
                              if meta["rollout_spec"] else None),
-            "schedule": _schedule(meta["schedule"]),
+            "schedule": _schedule(meta["schedule"], path),
             "placement": Placement.from_dict(meta["placement"])}
         if "sampler" not in overrides:
             kwargs["sampler"] = sampler_from_config(meta["sampler"]["kind"],
@@ -204,6 +306,11 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if _blames_override(exc, overrides):
             raise  # the caller's argument, not the file
+        name = _refuses_saved_sampler(exc, meta, overrides)
+        if name is not None:
+            raise ConfigError(name, f"{overrides[name]!r} does not fit the saved sampler "
+                                    f"({exc}); drop the override, or pass a sampler= made "
+                                    f"for it") from exc
         raise CheckpointError(path, f"the header does not describe a plane: {exc}") from exc
 
 
@@ -217,6 +324,37 @@ def _blames_override(exc: BaseException, overrides: Mapping[str, Any]) -> bool:
         return field.split(".")[0].split("[")[0] in overrides
     return ((isinstance(exc, ScheduleError) and "schedule" in overrides)
             or (isinstance(exc, PlacementError) and "placement" in overrides))
+
+
+def _check_row_parts(plane: ExperienceDataPlane, layout: Layout, path: Path) -> None:
+    """Every saved row part holds its field's dtype and row shape (before any is read: a part
+    of another dtype would be cast, or its bytes read as another type).
+
+    Raises:
+        CheckpointError: A row part does not (named).
+    """
+    fields = plane.spec.fields
+    for name, (dtype, shape) in layout.items():
+        block, _, f = name.rpartition("/")
+        if not block.startswith("rows/") or f not in fields:
+            continue
+        fs = fields[f]
+        if dtype != fs.dtype or tuple(shape[1:]) != fs.shape or len(shape) != len(fs.shape) + 1:
+            raise CheckpointError(path, f"saved as {dtype} of shape {tuple(shape)}, but field "
+                                        f"{f!r} holds {fs.dtype} rows of shape {fs.shape}",
+                                  part=name)
+
+
+def _refuses_saved_sampler(exc: BaseException, meta: Mapping[str, Any],
+                           overrides: Mapping[str, Any]) -> str | None:
+    """The override that made the plane refuse the header's sampler (a ``ConfigError`` for
+    ``sampler``, where the header's configuration was changed by an override), if any."""
+    if not isinstance(exc, ConfigError) or exc.field != "sampler" or "sampler" in overrides:
+        return None
+    saved = meta.get("config")
+    changed = [k for k in _CONFIG_KEYS if k in overrides and isinstance(saved, Mapping)
+               and k in saved and saved[k] != overrides[k]]
+    return changed[0] if changed else None
 
 
 def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],
@@ -243,42 +381,70 @@ def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],
 
 
 def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
-             parts: Mapping[str, torch.Tensor], path: Path, *, in_place: set[str]) -> None:
+             parts: Mapping[str, torch.Tensor], path: Path, *, in_place: set[str],
+             overrides: Mapping[str, Any]) -> None:
     """Put a checkpoint's rows and state into a freshly built ``plane``; the row parts named
-    in ``in_place`` were read into its columns already.
+    in ``in_place`` were read into its columns already. The other rows are copied in last,
+    once every part and value has been checked, so a refused load leaves a caller's store
+    as it was.
 
     Raises:
         CheckpointError: A part or a state value is missing or out of range (the message
             names it).
+        ConfigError: A ``sampler`` override of another kind or configuration than the saved
+            sampler cannot take its state.
     """
     try:
         state = _from_parts(meta["state"], parts, path)
         _check_tiling(meta["rows"], plane.capacity)
-        with plane.paused():
-            for b, block in enumerate(meta["rows"]):
-                names = {f: f"rows/{b}/{f}" for f in plane.spec.fields}
-                cols = {f: parts[name] for f, name in names.items()}
-                if any(c.shape[0] != block["rows"] for c in cols.values()):
-                    raise StateError(f"rows.{b}", "blocks disagree on their row count")
-                if not in_place.issuperset(names.values()):
-                    plane.buffer.store.set_range(int(block["start"]), cols)
+        copies: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for b, block in enumerate(meta["rows"]):
+            names = {f: f"rows/{b}/{f}" for f in plane.spec.fields}
+            cols = {f: parts[name] for f, name in names.items()}
+            if any(c.shape[0] != block["rows"] for c in cols.values()):
+                raise StateError(f"rows.{b}", "blocks disagree on their row count")
+            if not in_place.issuperset(names.values()):
+                copies.append((int(block["start"]), cols))
         filled = sum(int(b["rows"]) for b in meta["rows"])
         writer = state["buffer"]["writer"]
         if not isinstance(writer, dict) or writer.get("size") != filled:
             raise StateError("buffer.writer.size", f"{writer.get('size')!r}, but {filled} "
                                                    f"rows are saved")
-        plane.load_state_dict(state, rows=False)
+        with plane.paused():  # no operator runs between the state and its rows
+            plane.load_state_dict(state, rows=False)  # all or nothing, and before any row
+            for start, cols in copies:
+                plane.buffer.store.set_range(start, cols)
     except KeyError as exc:
         raise CheckpointError(path, f"missing {exc}", part=str(exc.args[0])) from exc
     except ConduitError as exc:
         if isinstance(exc, CheckpointError):
             raise
         part = getattr(exc, "key", None) or getattr(exc, "field", None)
+        saved = (_other_sampler(plane, meta) if "sampler" in overrides
+                 and isinstance(part, str) and part.split(".")[0] == "sampler" else None)
+        if saved is not None:  # the override's fault, not the file's
+            raise ConfigError("sampler", f"a {type(plane.buffer.sampler).__name__} cannot "
+                                         f"take the saved sampler's state ({exc}); the file "
+                                         f"holds {saved}: drop the override or pass a sampler "
+                                         f"like it") from exc
         raise CheckpointError(path, str(exc), part=part) from exc
-    except (TypeError, ValueError, AttributeError, IndexError) as exc:
-        # a header whose checksum holds but whose values have the wrong types
+    except (TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+        # a header whose checksum holds but whose values have the wrong types (or nest deeper
+        # than any state does)
         raise CheckpointError(path, f"the saved state does not fit the plane: "
                                     f"{type(exc).__name__}: {exc}") from exc
+
+
+def _other_sampler(plane: ExperienceDataPlane, meta: Mapping[str, Any]) -> str | None:
+    """The header's sampler (``"a <kind> with <config>"``) where ``plane``'s is of another
+    kind or configuration, else None."""
+    saved = meta.get("sampler")
+    if not isinstance(saved, dict):
+        return None  # a malformed header is the file's fault
+    sampler = plane.buffer.sampler
+    if type(sampler).__name__ == saved.get("kind") and sampler.config() == saved.get("config"):
+        return None
+    return f"a {saved.get('kind')} with {saved.get('config')}"
 
 
 def _check_tiling(blocks: Any, capacity: int) -> None:
@@ -364,6 +530,10 @@ class Snapshotter:
             each copied by the write that overwrites it (cheaper when writes are slower than
             the disk).
 
+    Raises:
+        ConfigError: ``path`` does not name a file, ``every_s`` is not a number > 0, or
+            ``double_buffer`` is not a bool.
+
     Example:
         >>> with Snapshotter(plane, "buffer.ckpt", every_s=60):
         ...     train(plane)
@@ -371,10 +541,12 @@ class Snapshotter:
 
     def __init__(self, plane: ExperienceDataPlane, path: str | Path, *, every_s: float,
                  double_buffer: bool = True) -> None:
-        if not every_s > 0:
-            raise ConfigError("every_s", f"must be > 0 seconds, got {every_s!r}")
-        self.plane, self.path, self.every_s = plane, Path(path), float(every_s)
-        self.double_buffer = bool(double_buffer)
+        if isinstance(every_s, bool) or not isinstance(every_s, numbers.Real) or not every_s > 0:
+            raise ConfigError("every_s", f"must be a number of seconds > 0 (math.inf: only on "
+                                         f"request), got {every_s!r}")
+        self.plane, self.path = plane, check_path("path", path, file=True)
+        self.every_s = float(every_s)
+        self.double_buffer = check_bool("double_buffer", double_buffer)
         self._wake = threading.Event()
         self._stop = False
         self._pause: list[float] = []

@@ -542,6 +542,9 @@ class ExperienceDataPlane:
         """Write the plane to one file, atomically: a crash mid-save leaves the previous file
         intact. Rows stream from the buffer's memory while the operators pause; queued units
         are ingested first (unless an operator failed). Format: :mod:`conduit.plane.checkpoint`.
+
+        Raises:
+            ConfigError: ``path`` does not name a file (nothing is written).
         """
         return checkpoint.save(self, path)
 
@@ -551,13 +554,18 @@ class ExperienceDataPlane:
         arguments (``placement``, ``schedule``, ``learner_device``, a custom ``sampler``; not
         ``capacity``, which the saved slots fix).
 
+        A refused load changes nothing, a ``store`` override's rows included.
+
         Raises:
             CheckpointError: The file is corrupt, of another version, or holds a value out of
                 range; the message names the part.
-            ConfigError: A ``capacity`` override other than the saved capacity, an override
-                that is not a constructor argument, or a bad override value (as the
-                constructor raises it, with :class:`~conduit.errors.ScheduleError` and
-                :class:`~conduit.errors.PlacementError`).
+            ConfigError: ``path`` is not a path; a ``capacity`` or ``mode`` override other
+                than the saved one, a ``sampler`` (or ``num_minibatches``) override that
+                cannot take the saved sampler's state, an override that is not a constructor
+                argument, or a bad override value (as the constructor raises it, with
+                :class:`~conduit.errors.ScheduleError` and
+                :class:`~conduit.errors.PlacementError`); ``field`` names it.
+            SpecError: A ``spec`` override differs from the saved spec (the field is named).
         """
         return checkpoint.load(cls, path, **overrides)
 
@@ -567,6 +575,8 @@ class ExperienceDataPlane:
         :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop.
 
         Raises:
+            ConfigError: ``path`` does not name a file, ``every_s`` is not a number > 0, or
+                ``double_buffer`` is not a bool.
             PlaneClosedError: The plane is closed.
         """
         self._check_open()

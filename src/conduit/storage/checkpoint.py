@@ -72,6 +72,7 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES}
 _PREAMBLE = struct.Struct("<8sIII")
+_INT64_MAX = 2**63 - 1
 _CHUNK = 8 << 20  # bytes hashed and written per step: bounds the extra memory of a save
 
 
@@ -139,11 +140,12 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
     ``path`` is left untouched; if the write fails, the temporary file is removed.
 
     Args:
-        path: Target file; its folder must exist.
+        path: Target file (a ``str`` or :class:`os.PathLike`); its folder must exist.
         tensors: Part name -> dense tensor of a :data:`SUPPORTED_DTYPES` dtype, on any device
-            that holds data. They must not change until the call returns (hold the lock
-            that guards them, or pass a snapshot): a byte changed mid-write fails the part's
-            checksum when the file is read.
+            that holds data (a conjugate or negative view is written as the values it shows).
+            They must not change until the call returns (hold the lock that guards them, or
+            pass a snapshot): a byte changed mid-write fails the part's checksum when the
+            file is read.
         meta: Strict-JSON data (no NaN or infinity) stored in the header.
         sources: Part name -> a callable making that part's bytes as consecutive chunks
             (CPU tensors or numpy arrays, C order), used instead of reading ``tensors[name]``,
@@ -154,14 +156,15 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
         What was written.
 
     Raises:
-        ConfigError: ``meta`` is not strict JSON, or a tensor is not dense, holds no data
-            or has an unsupported dtype, or a source names no part (nothing is written).
+        ConfigError: ``path`` is not a non-empty ``str`` or :class:`os.PathLike` or names a
+            folder, ``meta`` is not strict JSON, or a tensor is not dense, holds no data or
+            has an unsupported dtype, or a source names no part (nothing is written).
         CheckpointError: A source made more or fewer bytes than its part holds (the
             temporary file is removed).
         OSError: The file system refused the write (the temporary file is removed).
     """
     t0 = time.perf_counter()
-    path = Path(path)
+    path = check_path("path", path, file=True)
     _require_little_endian(path)
     _check_tensors(tensors)
     sources = dict(sources or {})
@@ -229,9 +232,10 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False, verify:
         CheckpointError: The file is truncated or extended, has a bad magic number, an
             unknown version, a header that fails its checksum or does not describe a valid
             layout, non-zero padding, or a part whose bytes fail their checksum.
-        ConfigError: A tensor from ``into`` names no part, or does not fit its part (named).
+        ConfigError: ``path`` is not a non-empty ``str`` or :class:`os.PathLike`, or a tensor
+            from ``into`` names no part, or does not fit its part (named).
     """
-    path = Path(path)
+    path = check_path("path", path)
     _require_little_endian(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -276,8 +280,12 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
 
     Yields:
         The temporary file, open for binary writing (seekable).
+
+    Raises:
+        ConfigError: ``path`` is not a non-empty ``str`` or :class:`os.PathLike`, or names a
+            folder (nothing is written).
     """
-    path = Path(path)
+    path = check_path("path", path, file=True)
     _drop_cached(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
@@ -294,6 +302,31 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     _sync_folder(path.parent)
+
+
+def check_path(field: str, value: Any, *, file: bool = False) -> Path:
+    """``value``, a ``str`` or :class:`os.PathLike`, as a :class:`~pathlib.Path`.
+
+    Args:
+        field: Name the error gives (``"path"``, ``"directory"``).
+        value: The path argument.
+        file: The path is a file to write, so it must name one (``"."`` and ``"/"`` do not).
+
+    Raises:
+        ConfigError: ``value`` is not a ``str`` or an :class:`os.PathLike` of one, is empty or
+            holds a NUL character, or (with ``file``) names no file.
+    """
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise ConfigError(field, f"must be a path (a non-empty str or os.PathLike), got "
+                                 f"{value!r}")
+    path = Path(text)
+    if file and not path.name:
+        raise ConfigError(field, f"{value!r} names a folder, not a file to write")
+    return path
 
 
 def _drop_cached(path: Path) -> None:
@@ -379,7 +412,7 @@ def _header(meta: Mapping[str, Any], parts: list[_Part], file_bytes: int) -> byt
                            "file_bytes": file_bytes, "meta": dict(meta),
                            "parts": [p.entry() for p in parts]},
                           allow_nan=False, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ConfigError("meta", f"must be strict JSON (no NaN, infinity or objects): "
                                   f"{exc}") from exc
 
@@ -390,23 +423,30 @@ def _preamble(header: bytes) -> bytes:
 
 
 def _byte_chunks(t: torch.Tensor) -> Iterator[memoryview]:
-    """The bytes of ``t`` in C order, a chunk of about :data:`_CHUNK` bytes at a time."""
+    """The bytes of ``t`` in C order, a chunk of about :data:`_CHUNK` bytes at a time (a
+    conjugate or negative view is resolved a chunk at a time)."""
     t = t.detach()
     if t.is_contiguous():
         flat = t.reshape(-1)
         step = max(1, _CHUNK // t.element_size())
         for i in range(0, flat.numel(), step):
-            yield _bytes_of(flat[i:i + step].cpu())
+            yield _bytes_of(_resolved(flat[i:i + step].cpu()))
     else:
         step = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
         for i in range(0, t.shape[0], step):
-            yield _bytes_of(t[i:i + step].cpu().contiguous())
+            yield _bytes_of(_resolved(t[i:i + step].cpu()).contiguous())
 
 
 def _bytes_of_chunk(chunk: torch.Tensor | np.ndarray) -> memoryview:
     if isinstance(chunk, np.ndarray):
         return memoryview(np.ascontiguousarray(chunk)).cast("B")
-    return _bytes_of(chunk.detach().cpu().contiguous())
+    return _bytes_of(_resolved(chunk.detach().cpu()).contiguous())
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits applied (a copy only where one is set):
+    the bytes of such a view are not the values it shows."""
+    return t.resolve_conj().resolve_neg()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -440,10 +480,23 @@ def _read_header(f: IO[bytes], path: Path,
         if header["alignment"] != ALIGNMENT or header["checksum"] != "crc32":
             raise ValueError(f"alignment {header['alignment']!r} and checksum "
                              f"{header['checksum']!r}, expected {ALIGNMENT} and 'crc32'")
-        file_bytes, meta = int(header["file_bytes"]), dict(header["meta"])
-        entries = [(str(e["name"]), str(e["dtype"]), tuple(int(s) for s in e["shape"]),
-                    int(e["offset"]), int(e["nbytes"]), int(e["crc32"], 16))
-                   for e in header["parts"]]
+        file_bytes = _header_int(header["file_bytes"], "file_bytes")
+        meta = dict(header["meta"])
+        entries = []
+        for e in header["parts"]:
+            name = str(e["name"])
+            try:
+                entries.append((name, str(e["dtype"]),
+                                tuple(_header_int(s, "shape") for s in e["shape"]),
+                                _header_int(e["offset"], "offset"),
+                                _header_int(e["nbytes"], "nbytes"), int(e["crc32"], 16)))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(path, f"header does not describe a version "
+                                            f"{FORMAT_VERSION} layout: {exc!r}",
+                                      part=name) from exc
+    except RecursionError as exc:  # json.loads of deeply nested lists or objects
+        raise CheckpointError(path, f"header does not describe a version {FORMAT_VERSION} "
+                                    f"layout: its JSON is nested too deeply to read") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(path, f"header does not describe a version "
                                     f"{FORMAT_VERSION} layout: {exc!r}") from exc
@@ -455,7 +508,10 @@ def _read_header(f: IO[bytes], path: Path,
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             raise CheckpointError(path, f"unknown dtype {dtype_name!r}", part=name)
-        if any(s < 0 for s in shape) or nbytes != math.prod(shape) * dtype.itemsize:
+        if math.prod(max(s, 1) for s in shape) > _INT64_MAX:  # torch's strides overflow
+            raise CheckpointError(path, f"shape {shape} is too large for a tensor (its "
+                                        f"dimensions multiply past 2**63 - 1)", part=name)
+        if nbytes != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(path, f"shape {shape} of {dtype_name} needs "
                                         f"{math.prod(shape) * dtype.itemsize} bytes, the "
                                         f"header says {nbytes}", part=name)
@@ -468,6 +524,13 @@ def _read_header(f: IO[bytes], path: Path,
         parts.append(_Part(name, dtype, shape, offset, nbytes, part_crc))
         pos = offset + nbytes
     return meta, parts, header_end
+
+
+def _header_int(value: Any, key: str) -> int:
+    """A header integer in ``[0, 2**63)``; ValueError naming ``key`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"{key} must be an integer in [0, 2**63), got {value!r}")
+    return value
 
 
 def _read_parts(f: IO[bytes], path: Path, parts: list[_Part], pos: int, size: int,

@@ -27,7 +27,7 @@ import torch
 
 from conduit.errors import ConfigError, SpecError
 from conduit.spec import ExperienceSpec
-from conduit.storage.checkpoint import CheckpointError, atomic_write
+from conduit.storage.checkpoint import CheckpointError, atomic_write, check_path
 from conduit.storage.column_store import ColumnStore, _check_capacity, _check_state
 from conduit.storage.layout import Placement
 
@@ -57,7 +57,8 @@ class MemmapColumnStore(ColumnStore):
         capacity: Rows; must match the manifest when reopening.
 
     Raises:
-        ConfigError: ``capacity`` is not a positive integer.
+        ConfigError: ``capacity`` is not a positive integer, or ``directory`` is not a
+            non-empty ``str`` or :class:`os.PathLike`.
         SpecError: Reopening with a spec whose fields differ from the manifest's (the
             message names the field).
         CapacityError: Reopening with another capacity.
@@ -73,7 +74,7 @@ class MemmapColumnStore(ColumnStore):
         self.placement = Placement.pageable()
         self.device = torch.device("cpu")
         self.pinned = False
-        self.directory = Path(directory)
+        self.directory = check_path("directory", directory)
         self.meta: dict[str, Any] = {}
         manifest = self.directory / MANIFEST
         if manifest.exists():
@@ -145,8 +146,11 @@ class MemmapColumnStore(ColumnStore):
                 raise ValueError(f"format, version and byte order are {found}, expected "
                                  f"{(_FORMAT, _VERSION, sys.byteorder)}")
             saved = {"spec": manifest["spec"], "capacity": manifest["capacity"]}
+            if isinstance(saved["capacity"], bool) or not isinstance(saved["capacity"], int):
+                raise TypeError(f"capacity {saved['capacity']!r} is not an integer")
+            ExperienceSpec.from_dict(saved["spec"])  # parses, so _check_state only compares
             meta = dict(manifest["meta"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise CheckpointError(path, f"not a memory-mapped store manifest: {exc!r}") from exc
         _check_state(self.spec, self.capacity, saved)
         extra = [n for n in saved["spec"] if n not in self.spec.fields]

@@ -54,7 +54,12 @@ def number(state: Mapping[str, StateValue], key: str, where: str, *, low: float 
     v = entry(state, key, where)
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = float(v)
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
+    try:  # an int too large for a float is not finite either
+        finite = (not isinstance(v, bool) and isinstance(v, (int, float, np.number))
+                  and math.isfinite(v))
+    except OverflowError:
+        finite = False
+    if not finite:
         raise StateError(f"{where}.{key}", f"expected a finite number, got {v!r}")
     if v < low:
         raise StateError(f"{where}.{key}", f"{v} is below {low}")

@@ -7,6 +7,9 @@ import torch
 from conduit.errors import CapacityError, StateError
 from conduit.storage.state import StateDict, integer
 
+_MAX_ROWS = 2**63 - 1
+"""The most rows a ring can count: row ids are int64."""
+
 
 class RingWriter:
     """Round-robin slot allocation over ``capacity`` rows.
@@ -28,12 +31,17 @@ class RingWriter:
             At most two ``(store_start, batch_start, length)`` contiguous pieces.
 
         Raises:
-            CapacityError: ``n`` exceeds the capacity (the batch would overwrite itself).
+            CapacityError: ``n`` exceeds the capacity (the batch would overwrite itself), or
+                the rows would take row ids past 2**63 - 1 (nothing changes).
         """
         if n > self.capacity:
             raise CapacityError(f"a write of {n} rows is larger than the buffer capacity "
                                 f"{self.capacity}; split it or raise capacity",
                                 needed=n, available=self.capacity)
+        if self.total_written + n > _MAX_ROWS + 1:
+            raise CapacityError(f"a write of {n} rows after {self.total_written} would take "
+                                f"row ids past 2**63 - 1", needed=n,
+                                available=_MAX_ROWS + 1 - self.total_written)
         pieces = []
         first = min(n, self.capacity - self.cursor)
         if first:
@@ -75,13 +83,13 @@ class RingWriter:
 
         Raises:
             StateError: A missing key, or a cursor, size or count that no ring of this
-                capacity can have.
+                capacity can have (a count must be below 2**63, the row ids being int64).
         """
         where = "writer"
         size = integer(state, "size", where, high=self.capacity)
         cursor = integer(state, "cursor", where, high=self.capacity - 1)
-        total = integer(state, "total_written", where, low=size) if "total_written" in state \
-            else size
+        total = integer(state, "total_written", where, low=size, high=_MAX_ROWS) \
+            if "total_written" in state else size
         if size < self.capacity and cursor != size:
             raise StateError(f"{where}.cursor", f"{cursor}, but a ring that is not full writes "
                                                 f"next at its size {size}")

@@ -145,7 +145,7 @@ class Sampler(abc.ABC):
         rng = entry(state, "rng", "sampler")
         try:
             type(self._rng.bit_generator)().state = rng
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:  # Overflow: not uint64
             raise StateError("sampler.rng", f"not a {type(self._rng.bit_generator).__name__} "
                                             f"state: {exc}") from exc
         return rng
