@@ -121,7 +121,8 @@ class ExperienceBuffer:
 
         Raises:
             SpecError: The batch does not match the spec.
-            CapacityError: The batch has more rows than the buffer.
+            CapacityError: The batch has more rows than the buffer, or would take row ids
+                past 2**63 - 1 (nothing is written).
         """
         if validate:
             data, n = self.spec.validate(batch, what="write")
