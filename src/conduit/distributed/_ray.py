@@ -78,6 +78,16 @@ def alive_nodes(ray: Any) -> list[str]:
     return sorted(ids, key=lambda n: n != here)
 
 
+def lost_object(ray: Any, exc: BaseException, ref: Any) -> bool:
+    """Whether ``exc`` says the object of ``ref`` is gone (its owner died, or every copy was
+    lost and it cannot be rebuilt): the data is lost, not the shard that read it."""
+    lost = getattr(ray.exceptions, "ObjectLostError", None)
+    if lost is None or not isinstance(exc, lost):
+        return False
+    hex_id = getattr(exc, "object_ref_hex", None)
+    return hex_id is None or hex_id == ref.hex()
+
+
 def actor_died_errors(ray: Any) -> tuple[type[BaseException], ...]:
     """Exceptions that mean a shard's actor (or its node) is gone."""
     exc = ray.exceptions

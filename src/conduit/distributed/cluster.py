@@ -6,7 +6,9 @@ shards that run on other nodes (on any other shard when there are fewer nodes th
 A shard found dead is re-created (on its node if that node lives, else on the least loaded live
 node), its primary rows are copied from a live replica, shard to shard through Ray's object
 store, and the replicas it kept for others are copied from their primaries. Without a live
-replica its rows are lost, and the count is reported (docs/design.md, distributed faults).
+replica its rows are lost, and the count is reported (docs/design.md, distributed faults); its
+new ring's row ids continue above every id it ever gave out (off-policy), so an update for a
+lost row never reaches a new one.
 
 The set also records what every holder reported after the last change it applied, so a read
 can be served by any copy that is current (:meth:`ShardSet.read_from`).
@@ -24,7 +26,7 @@ from conduit.distributed._ray import actor_died_errors, alive_nodes
 from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.sampling import nearest_copy
 from conduit.distributed.shard import BufferShard, HeldRows, RemoteError, ShardSpec
-from conduit.errors import ConfigError
+from conduit.errors import ConfigError, PlaneClosedError
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class ShardSet:
             dict.fromkeys(self.holders(k), self.held[k]) for k in range(num_shards)]
         self.recoveries: list[ShardRecovery] = []
         self._pending: dict[int, tuple[str, float]] = {}  # re-created, not yet restored
+        self.closed = False  # kill_all() ran: nothing is re-created any more
+        self._lost: dict[int, int] = {}  # re-created without a replica: rows lost with it
         self.actors = [self._spawn(k, self.nodes[k]) for k in range(num_shards)]
         self.get([a.ping.remote() for a in self.actors], time.monotonic() + timeout,
                  shard=None)
@@ -196,13 +200,27 @@ class ShardSet:
         """Shards running on ``node``."""
         return [k for k, n in enumerate(self.nodes) if n == node]
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise PlaneClosedError("the sharded plane is closed")
+
     def get(self, refs: Any, deadline: float, *, shard: int | None) -> Any:
         """``ray.get`` bounded by ``deadline``; the task's own Conduit error is re-raised.
 
         Raises:
             ShardUnavailableError: The deadline passed.
             RayActorError (and kin): A shard died (the caller heals and retries).
+            PlaneClosedError: :meth:`kill_all` ended the shards while the call waited (a
+                call in flight when the plane closed).
         """
+        try:
+            return self._get(refs, deadline, shard=shard)
+        except Exception as exc:
+            if self.closed:
+                raise PlaneClosedError("the sharded plane is closed") from exc
+            raise
+
+    def _get(self, refs: Any, deadline: float, *, shard: int | None) -> Any:
         exc_mod = self.ray.exceptions
         try:
             return self.ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
@@ -213,13 +231,13 @@ class ShardSet:
         except exc_mod.RayTaskError as exc:
             if isinstance(exc, self._died):
                 raise
-            self._settle(refs, deadline)
+            self.settle(refs, deadline)
             cause = getattr(exc, "cause", None)
             if isinstance(cause, RemoteError):
                 raise cause.rebuild() from None
             raise
 
-    def _settle(self, refs: Any, deadline: float) -> None:
+    def settle(self, refs: Any, deadline: float) -> None:
         """Fetch the outcome of every task in ``refs`` once one of them failed: ``ray.get``
         of a list stops at the first error, and Ray logs the errors nobody fetched (the other
         holders refusing the same rows) as unhandled. Bounded by ``deadline``."""
@@ -257,8 +275,12 @@ class ShardSet:
         Raises:
             ShardUnavailableError: A shard could not be re-created or restored before
                 ``deadline``.
+            PlaneClosedError: :meth:`kill_all` ran (the shards were ended on purpose; nothing
+                is re-created).
         """
+        self._check_open()
         dead = self.dead(deadline)
+        self._check_open()
         now = time.monotonic()
         if dead:
             live = alive_nodes(self.ray)
@@ -279,7 +301,11 @@ class ShardSet:
                 state = self.actors[sources[k]].export.remote(k)
                 self.held[k] = self.get(self.actors[k].restore.remote(k, state), deadline,
                                         shard=k)
-                self.copies[k][k] = self.held[k]
+            else:  # a fresh ring, its ids above all the lost ones (on-policy: from 0)
+                self._lost.setdefault(k, self.held[k].size)
+                self.held[k] = self.get(self.actors[k].start_at.remote(k, self._fresh_id(k)),
+                                        deadline, shard=k)
+            self.copies[k][k] = self.held[k]
         for k in todo:  # the replicas the dead shard kept for others
             owners = [o for o in range(len(self)) if k in self.replicas[o]]
             refs = [self.actors[k].restore.remote(o, self.actors[o].export.remote(o))
@@ -289,14 +315,20 @@ class ShardSet:
         out = []
         for k in todo:
             old_node, since = self._pending.pop(k)
-            lost = 0
-            if sources[k] is None:
-                lost, self.held[k] = self.held[k].size, HeldRows(0, 0, 0.0, 1.0)  # a fresh ring
-                self.copies[k][k] = self.held[k]
             out.append(ShardRecovery(k, old_node, self.nodes[k], sources[k], self.held[k].size,
-                                     lost, time.monotonic() - since))
+                                     self._lost.pop(k, 0), time.monotonic() - since))
         self.recoveries.extend(out)
         return out
+
+    def _fresh_id(self, k: int) -> int:
+        """The first row id of shard ``k``'s re-created ring when every copy was lost: the
+        next multiple of its capacity at or above every id it gave out (0 on-policy, where
+        each iteration's rows count from 0 again)."""
+        if self.config.sampler == "fifo":
+            return 0
+        cap = self.config.capacity
+        top = max(self.high_water[k], self.held[k].total_written)
+        return -(-top // cap) * cap
 
     def _home(self, k: int, live: list[str]) -> str:
         """Where shard ``k`` is re-created: its node if alive, else the live node with the
@@ -310,7 +342,10 @@ class ShardSet:
         return min(live, key=lambda n: (n in avoid, load[n], live.index(n)))
 
     def kill_all(self) -> None:
-        """End every shard actor."""
+        """End every shard actor; from now on :meth:`heal` re-creates none and every call
+        waiting on a shard raises :class:`PlaneClosedError` (call with the front's lock held,
+        so that no heal is half way)."""
+        self.closed = True
         for a in self.actors:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)

@@ -12,10 +12,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from conduit.distributed._ray import lost_object
 from conduit.distributed.cluster import ShardSet
 from conduit.distributed.iteration import IterationGate
 from conduit.distributed.operators import FrontIngestion, QueuedUnit
-from conduit.distributed.replication import Replicator
+from conduit.distributed.replication import Replicator, rollout_lost
 from conduit.distributed.shard import to_wire
 from conduit.errors import CapacityError, ConfigError
 from conduit.plane.config import PlaneConfig
@@ -79,7 +80,13 @@ class Ingress:
                 self._store(rollout, 0, node, deadline, validate=True)
                 self._acknowledged()
                 return
-            rollout = self._shards.get(rollout, deadline, shard=None)
+            ref = rollout
+            try:
+                rollout = self._shards.get(ref, deadline, shard=None)
+            except Exception as exc:
+                if lost_object(self._ray, exc, ref):
+                    raise rollout_lost(exc) from exc
+                raise
         if ing.registered or cfg.rollout_spec is not None:
             data, rows = admit_rollout(rollout, spec=cfg.spec, rollout_spec=cfg.rollout_spec,
                                        capacity=self.row_limit, raw=True)

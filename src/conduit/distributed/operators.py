@@ -263,10 +263,14 @@ class FrontIngestion:
         prepare, commit = self._prepare, self._commit
         hold = self.iteration is not None and prepare is not None and commit is not None
         held: list[tuple[Any, int]] = []
+        stored = 0  # rows of this invocation's acknowledged writes (they stay on failure)
 
         def write(batch: Mapping[str, Any]) -> int:
+            nonlocal stored
             if not hold:
-                return self._store(batch, first, deadline)
+                rows = self._store(batch, first, deadline)
+                stored += rows
+                return rows
             held.append(prepare(batch))
             return held[-1][1]
 
@@ -279,9 +283,10 @@ class FrontIngestion:
                 check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
                 for payload, rows in held:
                     commit(payload, rows, first, deadline)
+                    stored += rows
         except Exception as exc:
             err = OperatorError("ingestion", exc, lost_units=len(units),
-                                lost_rows=sum(u.rows for u in units))
+                                lost_rows=sum(u.rows for u in units), stored_rows=stored)
             err.__cause__ = exc
         with self._cond:
             self._inflight -= len(units)

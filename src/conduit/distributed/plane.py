@@ -150,6 +150,9 @@ class RayExperienceDataPlane(ScheduledOperators):
         if replication > num_shards:
             raise ConfigError("replication", f"{replication} copies need at least as many "
                                              f"shards, got num_shards={num_shards}")
+        if shard_resources is not None and not isinstance(shard_resources, ShardResources):
+            raise ConfigError("shard_resources", f"expected a ShardResources or None, got "
+                                                 f"{shard_resources!r}")
         if placement is not None and not isinstance(placement, Placement):
             raise ConfigError("placement", f"a sharded plane takes a Placement or None, got "
                                            f"{placement!r}")
@@ -250,7 +253,11 @@ class RayExperienceDataPlane(ScheduledOperators):
         Raises:
             ConfigError: ``node`` is not a node of the cluster.
         """
-        if node is None or node in self._known_nodes:
+        if node is None:
+            return
+        if not isinstance(node, str):
+            raise ConfigError("node", f"expected a Ray node id (a str) or None, got {node!r}")
+        if node in self._known_nodes:
             return
         self._known_nodes = {n["NodeID"] for n in self._ray.nodes()}
         if node not in self._known_nodes:
@@ -298,7 +305,9 @@ class RayExperienceDataPlane(ScheduledOperators):
                 iteration was not consumed in time.
             OperatorError: The ingestion operator raised (here, or earlier on the thread).
             ShardUnavailableError: The shard could not be written or restored in time.
-            ConfigError: ``node`` is not a node of the cluster.
+            ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
+                ``ObjectRef``'s object is gone: the actor that put it died, or every copy
+                was lost (field ``rollout``; nothing was stored).
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
@@ -320,6 +329,7 @@ class RayExperienceDataPlane(ScheduledOperators):
 
         Raises:
             ShardUnavailableError: A shard could not be restored within ``timeout``.
+            PlaneClosedError: The plane is closed.
         """
         self._check_open()
         return self._replicator.heal(time.monotonic() + self.config.wait_for(timeout))
@@ -343,11 +353,14 @@ class RayExperienceDataPlane(ScheduledOperators):
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Give new priorities to delivered rows, on the shard that owns each row and on its
-        replicas. Rows overwritten since they were sampled are skipped.
+        replicas, all or nothing (the whole update is checked first). Rows overwritten since
+        they were sampled, or lost with a shard that had no replica, are skipped.
 
         Raises:
             PriorityError: Not a prioritized plane; indices that are not a batch's
-                ``_index``; NaN, infinite or negative priorities; mismatched lengths.
+                ``_index``; NaN, infinite or negative priorities, or priorities too large for
+                the shards' sum trees; mismatched lengths. Nothing is changed then.
+            ShardUnavailableError: A shard could not be updated or restored in time.
         """
         self._check_open()
         if not self._prioritized:
@@ -402,7 +415,8 @@ class RayExperienceDataPlane(ScheduledOperators):
         try:
             self._ingestion.close()
         finally:
-            self._shards.kill_all()
+            with self._cond:  # after any heal in progress; no heal re-creates a shard after
+                self._shards.kill_all()
             if self._started:
                 self._ray.shutdown()
 

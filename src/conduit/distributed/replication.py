@@ -9,6 +9,12 @@ shards), and what each holder reports is recorded for reads (:meth:`ShardSet.rea
 A change that finds a shard dead heals the set (re-create it, restore its rows from a replica)
 and is tried again. A write carries the owner's write count from before it, so a retry that the
 restore already carried is a no-op on every holder and each write is applied once.
+
+A change that was sent but not acknowledged (it timed out, or raised) may still be applied by
+the holders, so the front's record of the owner's rows is no longer known to be exact; the
+next change of that owner first asks its holders for their state again (each holder answers
+after the changes sent before, in order). A write's count is therefore always the holders'
+own, and only a true retry of that write is skipped.
 """
 
 from __future__ import annotations
@@ -20,10 +26,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from conduit.distributed._ray import lost_object
 from conduit.distributed.cluster import ShardRecovery, ShardSet
 from conduit.distributed.errors import ShardUnavailableError
+from conduit.errors import ConfigError, PriorityError
 
 T = TypeVar("T")
+
+
+def rollout_lost(exc: BaseException) -> ConfigError:
+    """The error for a pushed ``ObjectRef`` whose object is gone (``exc`` says so)."""
+    return ConfigError("rollout", f"the ObjectRef's object is gone ({type(exc).__name__}: the "
+                                  f"actor that put it died, or every copy was lost); put the "
+                                  f"rollout again and push the new ObjectRef")
 
 
 class Replicator:
@@ -46,6 +61,10 @@ class Replicator:
         self._on_lost = on_lost
         self.priority_updates = 0  # how many updates went out (delivery checks its draws)
         self.max_priority = 1.0  # prioritized: the largest priority given to any shard
+        # owners a change was sent to but not acknowledged: the holders may have applied it,
+        # so the front's record of their rows is re-read before the next change
+        self._unsure: set[int] = set()
+        self._leaf_bound: float | None = None  # prioritized: the shards' largest leaf
 
     def run(self, fn: Callable[[], T], deadline: float) -> T:
         """Run ``fn`` (remote calls to shards); when a shard is found dead, heal and retry.
@@ -65,6 +84,72 @@ class Replicator:
                     raise
                 self.heal(deadline)
 
+    def _sync(self, owners: list[int], deadline: float) -> None:
+        """Re-read what every holder of the ``owners`` not known exactly holds (after a change
+        that was sent but not acknowledged), so the next change starts from their real state.
+
+        Raises:
+            ShardUnavailableError: A holder could not be reached or restored by ``deadline``.
+        """
+        shards = self.shards
+        todo = [o for o in owners if o in self._unsure]
+        if not todo:
+            return
+
+        def read() -> None:
+            refs = {o: [shards.actors[h].rows.remote(o) for h in shards.holders(o)]
+                    for o in todo}
+            flat = shards.get([r for rs in refs.values() for r in rs], deadline, shard=None)
+            at = 0
+            for o, rs in refs.items():
+                states = flat[at:at + len(rs)]
+                at += len(rs)
+                # A copy that differs from the primary (a change only some holders applied)
+                # becomes the primary's again: copies must stay the same ring.
+                stale = [h for h, st in zip(shards.holders(o), states, strict=True)
+                         if st != states[0]]
+                if stale:
+                    self._copy(o, o, stale, deadline)
+                    states = shards.get([shards.actors[h].rows.remote(o)
+                                         for h in shards.holders(o)], deadline, shard=o)
+                shards.acknowledged(o, states)
+        self.run(read, deadline)
+        self._unsure.difference_update(todo)
+
+    def _copy(self, owner: int, source: int, targets: list[int], deadline: float) -> None:
+        """Replace ``owner``'s rows on the holders ``targets`` with holder ``source``'s."""
+        shards = self.shards
+        state = shards.actors[source].export.remote(owner)
+        shards.get([shards.actors[h].restore.remote(owner, state) for h in targets], deadline,
+                   shard=owner)
+
+    def _roll_back(self, owner: int, refs: list[Any], payload: Any, deadline: float) -> None:
+        """A write whose payload is gone was refused by some holders: the holders
+        that applied it (they read the object before it went) get the rows of one that did
+        not, so no holder keeps rows of a write that was refused."""
+        shards = self.shards
+        applied, refused = [], []
+        for h, ref in zip(shards.holders(owner), refs, strict=True):
+            try:
+                shards.get(ref, deadline, shard=h)
+                applied.append(h)
+            except Exception as err:
+                if not lost_object(shards.ray, err, payload):
+                    raise  # a dead holder: heal, and the write is tried again
+                refused.append(h)
+        if applied and refused:
+            self._copy(owner, refused[0], applied, deadline)
+
+    def _change(self, owners: list[int], fn: Callable[[], T], deadline: float) -> T:
+        """:meth:`run` a change of ``owners``' rows from their holders' real state; when it is
+        not acknowledged, they are re-read before the next change."""
+        self._sync(owners, deadline)
+        try:
+            return self.run(fn, deadline)
+        except BaseException:
+            self._unsure.update(owners)
+            raise
+
     def write(self, owner: int, payload: Any, validate: bool, deadline: float) -> int:
         """Append ``payload`` (a wire batch, or an actor's ``ObjectRef`` to ``validate``) to
         ``owner``'s rows on every holder.
@@ -74,12 +159,16 @@ class Replicator:
 
         Raises:
             SpecError: ``validate`` and the rows do not match the spec (no holder took them).
+            ConfigError: ``validate`` and the ``ObjectRef``'s object is gone (its owner died
+                or every copy was lost; field ``rollout``; no holder took it).
             ShardUnavailableError: Not done by ``deadline``.
         """
         shards = self.shards
-        # The owner's write count before this write: a retry after a restore that already
-        # carried the rows is then a no-op on every holder. A restore with nothing to copy
-        # from (all holders lost) starts a fresh ring, and the write goes there.
+        # The owner's write count before this write (re-read from the holders when an earlier
+        # change was not acknowledged): a retry after a restore that already carried the rows
+        # is then a no-op on every holder. A restore with nothing to copy from (all holders
+        # lost) starts a fresh ring, and the write goes there.
+        self._sync([owner], deadline)
         before = shards.held[owner].total_written
 
         def attempt() -> int:
@@ -87,9 +176,17 @@ class Replicator:
             refs = [shards.actors[h].write.remote(owner, payload, validate, first,
                                                   self.max_priority)
                     for h in shards.holders(owner)]
-            shards.acknowledged(owner, shards.get(refs, deadline, shard=owner))
+            try:
+                states = shards.get(refs, deadline, shard=owner)
+            except Exception as exc:
+                # The rollout's object, not a shard, is gone: no retry can write it.
+                if validate and lost_object(shards.ray, exc, payload):
+                    self._roll_back(owner, refs, payload, deadline)
+                    raise rollout_lost(exc) from exc
+                raise
+            shards.acknowledged(owner, states)
             return shards.held[owner].total_written - first
-        return self.run(attempt, deadline)
+        return self._change([owner], attempt, deadline)
 
     def clear_all(self, deadline: float) -> None:
         """Forget every shard's rows on every holder (an on-policy iteration was consumed)."""
@@ -103,12 +200,21 @@ class Replicator:
             for o, rs in refs.items():
                 shards.acknowledged(o, flat[at:at + len(rs)])
                 at += len(rs)
-        self.run(clear, deadline)
+        self._change(list(range(len(shards))), clear, deadline)
 
     def update_priorities(self, owners: np.ndarray, rows: np.ndarray, priorities: np.ndarray,
                           deadline: float) -> None:
-        """Give ``priorities`` to the rows ``rows`` of ``owners`` on every holder."""
+        """Give ``priorities`` to the rows ``rows`` of ``owners`` on every holder, all or
+        nothing: the whole update is checked before any shard gets its part.
+
+        Raises:
+            PriorityError: A priority of a row still held is too large for the shards' sum
+                trees (nothing was changed).
+            ShardUnavailableError: Not done by ``deadline``.
+        """
         shards = self.shards
+        self._sync(np.unique(owners).tolist(), deadline)
+        self._check_priorities(owners, rows, priorities)
 
         def update() -> None:
             for o in np.unique(owners).tolist():
@@ -116,16 +222,42 @@ class Replicator:
                 refs = [shards.actors[h].update_priorities.remote(o, rows[sel], priorities[sel])
                         for h in shards.holders(o)]
                 shards.acknowledged(o, shards.get(refs, deadline, shard=o))
-        self.run(update, deadline)
+        self._change(np.unique(owners).tolist(), update, deadline)
         self.priority_updates += 1
         if priorities.size:
             self.max_priority = max(self.max_priority, float(priorities.max()))
+
+    def _check_priorities(self, owners: np.ndarray, rows: np.ndarray, priorities: np.ndarray
+                          ) -> None:
+        """Refuse an update a shard's sum tree would refuse (a leaf above its bound), checked
+        over the rows each shard still holds (it skips the others), as one buffer checks all
+        of an update before it changes anything.
+
+        Raises:
+            PriorityError: A priority is too large.
+        """
+        if not priorities.size:
+            return
+        cfg = self.shards.config
+        if self._leaf_bound is None:
+            self._leaf_bound = cfg.leaf_bound()
+        written = np.array([h.total_written for h in self.shards.held], dtype=np.int64)[owners]
+        size = np.array([h.size for h in self.shards.held], dtype=np.int64)[owners]
+        pr = priorities[(rows >= written - size) & (rows < written)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            leaves = (pr + cfg.eps) ** cfg.alpha
+        if not np.all(leaves <= self._leaf_bound):
+            raise PriorityError(f"priorities: up to {pr.max():.3g}, too large next to the "
+                                f"smallest possible priority (eps={cfg.eps:g}): the sum over "
+                                f"a shard or the importance weights would leave float range; "
+                                f"rescale them (for example clip |TD errors|)")
 
     def heal(self, deadline: float) -> list[ShardRecovery]:
         """Re-create dead shards and restore their rows; warn about and report rows lost.
 
         Raises:
             ShardUnavailableError: A shard could not be restored by ``deadline``.
+            PlaneClosedError: The plane closed (its shards were ended; none is re-created).
         """
         with self._cond:
             done = self.shards.heal(deadline)

@@ -107,6 +107,16 @@ def nearest_copy(owner: int, holders: list[int], nodes: list[str], node: str | N
     return owner
 
 
+def _flat(values: Any, field: str) -> torch.Tensor:
+    """``values`` as a flat CPU tensor, or PriorityError naming ``field`` when they are not
+    numbers (None, text, ragged lists), as a local buffer answers them."""
+    try:
+        return torch.as_tensor(values).detach().cpu().reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise PriorityError(f"{field}: must be a tensor, array or list of numbers, got "
+                            f"{type(values).__name__} ({exc})") from None
+
+
 def priority_updates(indices: Any, priorities: Any, written: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(owners, row ids, priorities as float64)`` of a priority update, checked.
@@ -118,15 +128,20 @@ def priority_updates(indices: Any, priorities: Any, written: Sequence[int]
             below that).
 
     Raises:
-        PriorityError: Indices that are not a delivered ``_index`` of one of the shards (an
-            owner outside them, or a row its shard has not written); NaN, infinite or
+        PriorityError: Indices or priorities that are not numbers (None, text); indices that
+            are not a delivered ``_index`` of one of the shards (not integers, an owner
+            outside them, or a row its shard has not written); complex, NaN, infinite or
             negative priorities; mismatched lengths.
     """
     num_shards = len(written)
-    idx = torch.as_tensor(indices).detach().cpu().reshape(-1)
-    if idx.is_floating_point() or idx.dtype == torch.bool:
+    idx = _flat(indices, "indices")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise PriorityError(f"indices: must be a batch's integer _index, got {idx.dtype}")
-    pr = torch.as_tensor(priorities).detach().cpu().reshape(-1).to(torch.float64).numpy()
+    raw = _flat(priorities, "priorities")
+    if raw.is_complex():
+        raise PriorityError(f"priorities: must be real numbers (|TD errors|), got {raw.dtype} "
+                            f"values")
+    pr = raw.to(torch.float64).numpy()
     if pr.size != idx.numel():
         raise PriorityError(f"priorities: {pr.size} values for {idx.numel()} indices")
     if not np.isfinite(pr).all() or (pr < 0).any():

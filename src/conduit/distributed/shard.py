@@ -65,6 +65,13 @@ class ShardSpec:
     placement: Placement | None = None
     seed: int = 0
 
+    def leaf_bound(self) -> float:
+        """Prioritized: the largest leaf, ``(priority + eps) ** alpha``, a shard's sum tree
+        accepts (every shard's is the same), so the front refuses an update before any shard
+        applies part of it."""
+        return PrioritizedSampler(alpha=self.alpha, beta=self.beta,
+                                  eps=self.eps).leaf_bound(self.capacity)
+
     def make_sampler(self, seed: int) -> Sampler:
         """A fresh sampler of this spec's kind."""
         if self.sampler == "prioritized":
@@ -292,6 +299,11 @@ class BufferShard:
                           ) -> HeldRows:
         """Set priorities of ``owner``'s rows by id; ids of rows no longer held are skipped.
 
+        The row ids say exactly which rows are meant, so the update goes to the sampler as
+        is: every holder applies the same update to the same rows whatever it delivered
+        itself (a buffer's own filter by the row last delivered from a slot differs between
+        a primary, the copies learners read and a restored copy), and the copies stay equal.
+
         Raises:
             PriorityError: Priorities that are not finite and non-negative, or mismatched
                 lengths.
@@ -302,7 +314,26 @@ class BufferShard:
         keep = (ids >= buf.total_written - len(buf)) & (ids < buf.total_written)
         if pr.shape == ids.shape and not keep.all():
             ids, pr = ids[keep], pr[keep]
-        buf.update_priorities(torch.from_numpy(ids % buf.capacity), torch.from_numpy(pr))
+        buf.sampler.update_priorities(torch.from_numpy(ids % buf.capacity),
+                                      torch.from_numpy(pr))
+        return self.rows(owner)
+
+    @_sent_back
+    def start_at(self, owner: int, first_id: int) -> HeldRows:
+        """Make ``owner``'s rows an empty ring whose first row gets id ``first_id`` (a multiple
+        of the capacity, so row ``i`` still lives in slot ``i mod capacity``): a ring
+        re-created after every copy of it was lost does not give its new rows the ids of the
+        lost ones, and an update for a lost row is skipped as for any row no longer held.
+
+        Raises:
+            StateError: ``first_id`` is negative or not a multiple of the capacity.
+        """
+        buf = self.held(owner)
+        if first_id < 0 or first_id % buf.capacity:
+            raise StateError(f"shard{self.shard_id}.rows[{owner}]",
+                             f"a ring of {buf.capacity} rows cannot start at row {first_id}")
+        buf.clear()
+        buf.writer.total_written = first_id
         return self.rows(owner)
 
     def clear(self, owner: int) -> HeldRows:

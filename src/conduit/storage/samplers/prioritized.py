@@ -132,7 +132,7 @@ class PrioritizedSampler(Sampler):
         if not pr.size:
             return
         problem, pmax = self.tree.set_priorities(idx, pr, alpha=self.alpha, eps=self.eps,
-                                                 bound=self._leaf_bound())
+                                                 bound=self.leaf_bound())
         if problem == "not finite":
             raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
         if problem == "negative":
@@ -147,11 +147,13 @@ class PrioritizedSampler(Sampler):
                                 f"range; rescale them (for example clip |TD errors|)")
         self.max_priority = max(self.max_priority, pmax)
 
-    def _leaf_bound(self) -> float:
-        """The largest leaf the tree accepts: its sum over the buffer stays finite, and the
-        smallest importance weight, ``(min_leaf / leaf) ** beta`` with ``min_leaf =
-        eps ** alpha``, stays above 1e-30."""
-        bound = _F64_MAX / (4 * max(self.capacity, 1))
+    def leaf_bound(self, capacity: int | None = None) -> float:
+        """The largest leaf, ``(priority + eps) ** alpha``, the tree accepts: its sum over
+        ``capacity`` rows (default: the bound buffer's) stays finite, and the smallest
+        importance weight, ``(min_leaf / leaf) ** beta`` with ``min_leaf = eps ** alpha``,
+        stays above 1e-30."""
+        rows = self.capacity if capacity is None else capacity
+        bound = _F64_MAX / (4 * max(rows, 1))
         if self.beta > 0:  # in log10: 1e30 ** (1 / beta) alone may leave float range
             exponent = self.alpha * math.log10(self.eps) + 30 / self.beta
             if exponent < 308:
