@@ -51,7 +51,8 @@ _COMMANDS = {
     "demo": ("conduit.workloads.cli", "demo_main",
              "the main job: heavy-payload training on Ray actors, inline then Conduit"),
     "train": ("conduit.workloads.cli", "train_main",
-              "train DQN, SAC or PPO on Ray actors through an inline or Conduit buffer"),
+              "train DQN, SAC or PPO on Ray actors through an inline or Conduit buffer, or "
+              "GRPO with TRL (--algo grpo)"),
     "profile": ("conduit.placement.bandwidth", "run_profile_cli",
                 "measure and cache this machine's copy bandwidths"),
     "plan": ("conduit.plan_cli", "main",
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     for name, (_, help_text) in _BENCHES.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):  # help asked for, or the command to choose
         parser.print_help()
-        return 0 if argv else 2
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in _COMMANDS:
         module, func, _ = _COMMANDS[cmd]
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         if not rest or rest[0] in ("-h", "--help"):
             bench.print_help()
-            return 0 if rest else 2
+            return 0
         if rest[0] not in _BENCHES:
             bench.error(f"unknown benchmark {rest[0]!r} (choose from {', '.join(_BENCHES)})")
         # The first plane would set it part-way through a run: every system a benchmark

@@ -4,10 +4,15 @@ Each dataclass field becomes ``--field-name``; its help text comes from
 ``field(metadata={"help": ...})``; ``Literal`` types become ``choices``; ``bool`` fields become
 ``--flag/--no-flag``. Numeric flags are checked as they are parsed: an ``int`` is at least
 ``metadata["min"]`` (0 when unset), a ``float`` is a number (not NaN) and at least
-``metadata["min"]`` when set, and a ``float`` with ``metadata["positive"]`` is finite and
-above 0, so a bad value is a usage error naming the flag. A field with ``metadata["output"]``
-(``"file"`` or ``"dir"``) names an output path, checked by :func:`parse_dataclass` before any
-work is done. Docstrings used as help are turned into plain text (:func:`plain_text`).
+``metadata["min"]`` when set, a ``float`` with ``metadata["finite"]`` is not infinite, and a
+``float`` with ``metadata["positive"]`` is finite and above 0; a number is at most
+``metadata["max"]`` when set; a ``str`` (or each item of a tuple of ``str``) is one of
+``metadata["choices"]`` when set. So a bad value is a usage error naming the flag. A field with
+``metadata["output"]`` (``"file"`` or ``"dir"``) names an output path, checked by
+:func:`parse_dataclass` before any work is done. Checks that need more than one value (or a
+library) run in :func:`parse_command`, whose ``check`` turns a
+:class:`~conduit.errors.ConfigError` into a usage error naming the flag too. Docstrings used as
+help are turned into plain text (:func:`plain_text`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import dataclasses
 import math
 import re
 import typing
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -59,19 +65,23 @@ def command_parser(prog: str, doc: str | None, cls: type | None = None
 def arg(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with CLI help text: ``x: int = arg(3, "what x is")``.
 
-    Keyword arguments go into the field's metadata: ``min=`` is the smallest value the flag
-    accepts, ``positive=True`` asks a ``float`` to be finite and above 0 (see
-    :func:`add_dataclass_args`), and ``output="file"`` or ``output="dir"`` marks an output path
-    (see :func:`parse_dataclass`).
+    Keyword arguments go into the field's metadata: ``min=`` and ``max=`` are the smallest
+    and largest values the flag accepts, ``finite=True`` refuses infinities,
+    ``positive=True`` asks a ``float`` to be finite and above 0, ``choices=`` lists the values
+    a ``str`` flag (or each item of a tuple of ``str``) accepts (see
+    :func:`add_dataclass_args`), and ``output="file"`` or ``output="dir"`` marks
+    an output path (see :func:`parse_dataclass`).
     """
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
-def _number(tp: type, low: float | None, positive: bool = False) -> Any:
-    """An argparse ``type`` that parses ``tp`` and refuses NaN and values below ``low``; with
-    ``positive``, also infinities and values that are not above 0."""
+def _number(tp: type, low: float | None, positive: bool = False,
+            high: float | None = None, finite: bool = False) -> Any:
+    """An argparse ``type`` that parses ``tp`` and refuses NaN, values below ``low`` and
+    values above ``high``; with ``finite``, also infinities; with ``positive``, also
+    infinities and values that are not above 0."""
     def parse(text: str) -> Any:
         try:
             value = tp(text)
@@ -81,8 +91,12 @@ def _number(tp: type, low: float | None, positive: bool = False) -> Any:
             raise argparse.ArgumentTypeError("expected a number, got NaN")
         if low is not None and value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if finite and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if positive and not (0 < value < math.inf):
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
         return value
 
     parse.__name__ = tp.__name__
@@ -102,6 +116,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = plain_text(f.metadata.get("help", ""))
         least = (f"; at least {f.metadata['min']}" if "min" in f.metadata
                  else "; above 0" if f.metadata.get("positive") else "")
+        if "max" in f.metadata:
+            least += f"; at most {f.metadata['max']}"
         kw: dict[str, Any] = {"dest": f.name, "default": default,
                               "help": f"{help_text} (default: {default!r}{least})"}
         origin = typing.get_origin(tp)
@@ -118,16 +134,64 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         elif origin in (list, tuple):
             kw["nargs"] = "+"
             item = args[0] if args else str
-            kw["type"] = _number(item, f.metadata.get("min", 0 if item is int else None)) \
+            kw["type"] = _number(item, f.metadata.get("min", 0 if item is int else None),
+                                 f.metadata.get("positive", False), f.metadata.get("max"),
+                                 f.metadata.get("finite", False)) \
                 if item in (int, float) else item
+            if "choices" in f.metadata:  # listed once in the help, not per item in usage
+                kw["choices"] = list(f.metadata["choices"])
+                kw["metavar"] = f.name.upper()
+                kw["help"] = (f"{help_text}: any of {', '.join(map(str, kw['choices']))} "
+                              f"(default: {default!r})")
         elif tp in (int, float):
             kw["type"] = _number(tp, f.metadata.get("min", 0 if tp is int else None),
-                                 f.metadata.get("positive", False))
+                                 f.metadata.get("positive", False), f.metadata.get("max"),
+                                 f.metadata.get("finite", False))
         elif tp is str:
             kw["type"] = tp
+            if "choices" in f.metadata:
+                kw["choices"] = list(f.metadata["choices"])
         else:
             kw["type"] = str
         parser.add_argument(flag, **kw)
+
+
+def usage_error(parser: argparse.ArgumentParser, field: str, message: str) -> NoReturn:
+    """Exit with a usage error (status 2) naming the flag of dataclass field ``field``."""
+    parser.error(f"argument --{field.replace('_', '-')}: {message}")
+
+
+def parse_command(parser: argparse.ArgumentParser, cls: type[T],
+                  argv: Sequence[str] | None = None, *,
+                  check: Callable[[T], object] | None = None) -> T:
+    """Parse ``argv`` with ``parser`` into ``cls``, running ``check`` before any output folder
+    is created.
+
+    ``check`` gets the instance and raises :class:`~conduit.errors.ConfigError` naming a field
+    for a value the flags' own checks cannot judge (one that depends on another flag, on a
+    library or on this machine); it becomes a usage error naming that field's flag (exit
+    status 2). The output paths are then checked as :func:`parse_dataclass` does.
+    """
+    from conduit.errors import ConfigError
+
+    ns = parser.parse_args(argv)
+    if check is not None:
+        try:
+            check(cls(**_values(cls, ns)))
+        except ConfigError as exc:
+            usage_error(parser, exc.field, str(exc).removeprefix(f"{exc.field}: "))
+    return parse_dataclass(cls, ns)
+
+
+def _values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if f.init and hasattr(args, f.name)}
+    for f in dataclasses.fields(cls):
+        if f.name in values and isinstance(values[f.name], list):
+            hint = typing.get_type_hints(cls)[f.name]
+            if typing.get_origin(hint) is tuple:
+                values[f.name] = tuple(values[f.name])
+    return values
 
 
 def parse_dataclass(cls: type[T], args: argparse.Namespace) -> T:
@@ -140,13 +204,7 @@ def parse_dataclass(cls: type[T], args: argparse.Namespace) -> T:
     Raises:
         ConfigError: An output path cannot be written (field: the dataclass field).
     """
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-              if f.init and hasattr(args, f.name)}
-    for f in dataclasses.fields(cls):
-        if f.name in values and isinstance(values[f.name], list):
-            hint = typing.get_type_hints(cls)[f.name]
-            if typing.get_origin(hint) is tuple:
-                values[f.name] = tuple(values[f.name])
+    values = _values(cls, args)
     outputs = [(f.name, f.metadata["output"]) for f in dataclasses.fields(cls)
                if f.metadata.get("output") and values.get(f.name)]
     if outputs:

@@ -67,11 +67,15 @@ class PlanArgs:
                             "empty: detect this machine")
     learner_device: str = arg("", "learner endpoint (default: first accelerator, else cpu)")
     actor_device: str = arg("cpu", "actor endpoint")
-    t_rollout_ms: float | None = arg(None, "measured rollout time per iteration (ms)")
-    t_update_ms: float | None = arg(None, "measured update time per iteration (ms)")
+    t_rollout_ms: float | None = arg(None, "measured rollout time per iteration (ms)", min=0,
+                                     finite=True)
+    t_update_ms: float | None = arg(None, "measured update time per iteration (ms)", min=0,
+                                    finite=True)
     profile: bool = arg(False, "measure operator costs with a short synthetic warm-up here")
-    op_overhead_us: float = arg(100.0, "per-invocation operator overhead for the estimate (us)")
-    sync_us: float = arg(50.0, "sync cost of an overlapped operator for the estimate (us)")
+    op_overhead_us: float = arg(100.0, "per-invocation operator overhead for the estimate (us)",
+                                min=0, finite=True)
+    sync_us: float = arg(50.0, "sync cost of an overlapped operator for the estimate (us)",
+                         min=0, finite=True)
     top_k: int = arg(5, "schedule candidates to show", min=1)
     json_out: str = arg("", "also write the decision as JSON to this path", output="file")
 

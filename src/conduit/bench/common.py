@@ -1,4 +1,4 @@
-"""What the benchmarks share beyond :mod:`conduit.report`: progress lines.
+"""What the benchmarks share beyond :mod:`conduit.report`: progress lines, and ``--quick``.
 
 Benchmarks print a table and write JSON (and PNG where a picture reads better). They never
 assert timings; tests assert behaviour (docs/design.md §9).
@@ -6,7 +6,30 @@ assert timings; tests assert behaviour (docs/design.md §9).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
 
 def progress(msg: str) -> None:
     """Print one progress line."""
     print(f"  .. {msg}", flush=True)
+
+
+def apply_quick(args: T, quick: Mapping[str, Any]) -> T:
+    """``args`` with the ``quick`` values where ``args.quick`` is set, for the fields left at
+    their defaults only: flags given explicitly win, as in ``conduit bench schedule`` and
+    ``conduit bench peers``. (A flag given with its default value counts as left at it.)
+
+    Args:
+        args: A benchmark's arguments: a dataclass with a ``quick`` field, every field
+            defaulted.
+        quick: Field name -> the value ``--quick`` gives it.
+    """
+    if not getattr(args, "quick", False):
+        return args
+    defaults = type(args)()
+    return dataclasses.replace(args, **{k: v for k, v in quick.items()
+                                        if getattr(args, k) == getattr(defaults, k)})

@@ -20,13 +20,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.workloads import dqn, ppo
 from conduit.workloads.actors import ray_running
 from conduit.workloads.args import TrainerArgs
 from conduit.workloads.breakdown import RunResult, buffer_order
 from conduit.workloads.figures import MODE_COLORS
+from conduit.workloads.learner import resolve_device
 
 TARGETS = {"ppo": 475.0, "dqn": 195.0}
 
@@ -35,7 +37,8 @@ TARGETS = {"ppo": 475.0, "dqn": 195.0}
 class ConvergenceArgs:
     """Arguments of ``conduit bench convergence``."""
 
-    algos: tuple[str, ...] = arg(("ppo", "dqn"), "algorithms to run on CartPole-v1 (ppo, dqn)")
+    algos: tuple[str, ...] = arg(("ppo", "dqn"), "algorithms to run on CartPole-v1",
+                                 choices=tuple(TARGETS))
     seeds: tuple[int, ...] = arg((1, 2, 3), "seeds; each runs inline and with Conduit", min=1)
     ppo_iters: int = arg(120, "PPO iterations per run (1,024 env steps each)", min=1)
     dqn_iters: int = arg(250, "DQN iterations per run (128 env steps each)", min=1)
@@ -74,11 +77,25 @@ def first_reach(points: list[dict[str, float]], target: float) -> dict[str, floa
     return None
 
 
-def run(a: ConvergenceArgs) -> dict[str, Any]:
-    """Run every (algo, seed, mode) and write JSON + PNG; returns the JSON payload."""
+def check(a: ConvergenceArgs) -> None:
+    """Refuse arguments the flags' own checks let through.
+
+    Raises:
+        ConfigError: An unknown algorithm or learner device.
+    """
     bad = [x for x in a.algos if x not in TARGETS]
     if bad:
-        raise SystemExit(f"algos: {bad} not supported; choose from {sorted(TARGETS)}")
+        raise ConfigError("algos", f"{bad} not supported; choose from {sorted(TARGETS)}")
+    resolve_device(a.device)
+
+
+def run(a: ConvergenceArgs) -> dict[str, Any]:
+    """Run every (algo, seed, mode) and write JSON + PNG; returns the JSON payload.
+
+    Raises:
+        ConfigError: An argument :func:`check` refuses.
+    """
+    check(a)
     runs: list[dict[str, Any]] = []
     with ray_running(enabled=a.use_ray):
         for algo in a.algos:
@@ -167,7 +184,7 @@ def plot(runs: list[dict[str, Any]], algos: tuple[str, ...], path: Path) -> Path
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench convergence``."""
     p = command_parser("conduit bench convergence", __doc__, ConvergenceArgs)
-    run(parse_dataclass(ConvergenceArgs, p.parse_args(argv)))
+    run(parse_command(p, ConvergenceArgs, argv, check=check))
     return 0
 
 

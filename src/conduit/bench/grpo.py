@@ -19,7 +19,6 @@ every optimizer step the benchmark times:
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -28,10 +27,14 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.bench.common import apply_quick, progress
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
-from conduit.workloads import grpo
+from conduit.workloads import grpo, grpo_task
+
+#: The values of ``--pad`` (``ConduitGRPOTrainer``'s ``pad_completions_to``).
+PADS = ("minibatch", "iteration")
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,18 @@ class GRPOBenchArgs:
     rounds: int = arg(2, "runs per trainer and length, alternating which goes first", min=1)
     steps_per_generation: int = arg(4, "mini-batches per generation batch", min=1)
     batch_size: int = arg(16, "completions per mini-batch", min=1)
-    task: str = arg("target", "digit task (target or copy)")
+    task: str = arg("target", "digit task", choices=grpo_task.TASKS)
     seed: int = arg(0, "seed (the same for both trainers)")
     pad: str = arg("minibatch", "Conduit pads completions to each mini-batch's longest "
                    "('minibatch') or, as TRL, to the generation batch's ('iteration': bitwise "
-                   "identical losses)")
-    quick: bool = arg(False, "a smoke run: one length of 8, 8 steps, one round")
+                   "identical losses)", choices=PADS)
+    quick: bool = arg(False, "a smoke run: one length of 8, 8 steps, one round (flags given "
+                             "explicitly win)")
     out: str = arg("runs/bench/grpo", "folder for grpo.json / grpo.png", output="dir")
+
+
+#: What ``--quick`` gives the flags left at their defaults.
+QUICK = {"lengths": (8,), "steps": 8, "rounds": 1}
 
 
 class StepTimer:
@@ -104,12 +112,31 @@ def one_run(args: grpo.Args, *, pad: str = "minibatch") -> dict[str, Any]:
             "rewards": res.rewards, "params": res.params}
 
 
+def check(a: GRPOBenchArgs) -> None:
+    """Refuse arguments the flags' own checks let through (for callers of :func:`run`).
+
+    Raises:
+        ConfigError: An unknown task or padding.
+    """
+    if a.task not in grpo_task.TASKS:
+        raise ConfigError("task", f"must be one of {', '.join(grpo_task.TASKS)}, got {a.task!r}")
+    if a.pad not in PADS:
+        raise ConfigError("pad", f"must be one of {', '.join(PADS)}, got {a.pad!r}")
+
+
+def effective(args: GRPOBenchArgs) -> GRPOBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
+    return apply_quick(args, QUICK)
+
+
 def run(a: GRPOBenchArgs) -> dict[str, Any]:
-    """Every (length, round, trainer), then the table, JSON and PNG; returns the payload."""
-    if a.quick:
-        a = dataclasses.replace(a, lengths=(8,), steps=8, rounds=1)
-    if a.pad not in ("minibatch", "iteration"):
-        raise SystemExit(f"--pad: must be 'minibatch' or 'iteration', got {a.pad!r}")
+    """Every (length, round, trainer), then the table, JSON and PNG; returns the payload.
+
+    Raises:
+        ConfigError: An argument :func:`check` refuses (before any model is built).
+    """
+    check(a)
+    a = effective(a)
     runs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for buffer in ("trl", "conduit"):  # first-run costs (imports, allocator, threads) untimed
@@ -211,7 +238,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench grpo``."""
     p = command_parser("conduit bench grpo", __doc__, GRPOBenchArgs)
-    run(parse_dataclass(GRPOBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, GRPOBenchArgs, argv, check=check))
     return 0
 
 

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from conduit.bench.common import progress
+from conduit.bench.common import apply_quick, progress
 from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
@@ -77,19 +77,26 @@ class PersistBenchArgs:
     compute_threads: int = arg(1, "torch threads for the loop's rollout and update compute", min=1)
     repeats: int = arg(5, "repetitions of every save and load, each starting with the next "
                           "system (medians are reported)", min=1)
-    loop_s: float = arg(20.0, "seconds of training without snapshots, and again with them")
+    loop_s: float = arg(20.0, "seconds of training without snapshots, and again with them",
+                        positive=True)
     segments: int = arg(6, "segments the 2 x loop_s are cut into, alternating without and "
                            "with snapshots (an even number >= 2)", min=2)
-    every_s: float = arg(1.0, "seconds between snapshots")
+    every_s: float = arg(1.0, "seconds between snapshots", positive=True)
     scratch: str = arg("", "folder for every checkpoint and dd file (default: a temporary "
                            "folder under --out, removed afterwards)", output="dir")
     out: str = arg("runs/bench/persist", "output directory for JSON and PNG", output="dir")
-    quick: bool = arg(False, "a few MB and a few seconds, for a smoke run")
+    quick: bool = arg(False, "a few MB and a few seconds, for a smoke run (flags given "
+                             "explicitly win)")
 
     def __post_init__(self) -> None:
         s = self.segments
         if isinstance(s, bool) or not isinstance(s, int) or s < 2 or s % 2:
             raise ConfigError("segments", f"must be an even number >= 2, got {s!r}")
+
+
+#: What ``--quick`` gives the flags left at their defaults.
+QUICK = {"dim": 64, "capacity": 8000, "rollout_rows": 100, "batch_size": 64, "hidden": 32,
+         "repeats": 2, "loop_s": 1.5, "every_s": 0.2, "segments": 4}
 
 
 # -- rows and files ----------------------------------------------------------------------------
@@ -531,13 +538,14 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
+def effective(args: PersistBenchArgs) -> PersistBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
+    return apply_quick(args, QUICK)
+
+
 def run(args: PersistBenchArgs) -> dict[str, Any]:
     """Run the whole benchmark; prints tables, writes JSON and PNG."""
-    if args.quick:
-        args = PersistBenchArgs(**{**asdict(args), "dim": 64, "capacity": 8000,
-                                   "rollout_rows": 100, "batch_size": 64, "hidden": 32,
-                                   "repeats": 2, "loop_s": 1.5, "every_s": 0.2,
-                                   "segments": 4, "quick": True})
+    args = effective(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plane = ExperienceDataPlane(spec=synthetic_spec(args.dim), capacity=args.capacity,

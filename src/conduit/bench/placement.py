@@ -41,8 +41,8 @@ import psutil
 import torch
 
 from conduit.bench.common import progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
-from conduit.errors import CapacityError
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import CapacityError, ConfigError
 from conduit.placement import Topology, plan_placement
 from conduit.plane import ExperienceDataPlane
 from conduit.report import pyplot, save_figure, table, write_json
@@ -50,6 +50,7 @@ from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
 from conduit.storage import Placement
 from conduit.timing import repeat_times
+from conduit.workloads.learner import resolve_device
 
 PAPER_CAPACITY = 1_000_000
 
@@ -63,9 +64,10 @@ class PlacementBenchArgs:
     batch_size: int = arg(512, "training batch size pulled by the learner", min=1)
     repeats: int = arg(30, "timed pulls per placement and d (the median is reported)", min=1)
     warmup: int = arg(3, "untimed pulls before timing")
-    max_buffer_gb: float = arg(2.0, "largest buffer allocated for one placement (GB)")
+    max_buffer_gb: float = arg(2.0, "largest buffer allocated for one placement (GB)",
+                               positive=True)
     mem_fraction: float = arg(0.3, "largest fraction of free host (or GPU) memory one buffer "
-                                   "may take")
+                                   "may take", positive=True, max=1)
     shards: tuple[int, ...] = arg((2, 4), "shard counts for CPU-sharded storage", min=1)
     overlap: bool = arg(True, "also time pull() under overlapped delivery with a stand-in "
                               "learner update between pulls")
@@ -255,14 +257,44 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
     return save_figure(fig, path)
 
 
+def learner_device(name: str) -> torch.device:
+    """The device ``--learner-device`` names: ``"auto"`` is ``cuda:0`` when CUDA is
+    available, else the CPU.
+
+    Raises:
+        ConfigError: ``name`` is not a device, or a CUDA device this machine does not have
+            (field ``learner_device``).
+    """
+    try:
+        return resolve_device(name)
+    except ConfigError as exc:
+        raise ConfigError("learner_device", str(exc).removeprefix(f"{exc.field}: ")
+                          .replace("--device", "--learner-device")) from None
+
+
+def check(args: PlacementBenchArgs) -> None:
+    """Refuse arguments the flags' own bounds let through.
+
+    Raises:
+        ConfigError: An unknown or absent learner device, or a capacity below the batch
+            size.
+    """
+    learner_device(args.learner_device)
+    if args.capacity < args.batch_size:
+        raise ConfigError("capacity", f"{args.capacity} rows hold less than one batch of "
+                                      f"--batch-size {args.batch_size}")
+
+
 def run(args: PlacementBenchArgs) -> dict[str, Any]:
-    """The whole sweep; returns the JSON payload (without writing it)."""
+    """The whole sweep; returns the JSON payload (without writing it).
+
+    Raises:
+        ConfigError: An argument :func:`check` refuses.
+    """
+    check(args)
     if args.quick:
         args = apply_quick(args)
-    if args.learner_device == "auto":
-        learner = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    else:
-        learner = torch.device(args.learner_device)
+    learner = learner_device(args.learner_device)
     targets = placements_available(learner, args.shards)
     topo = Topology.detect()
     plan_learner = str(learner) if learner.type == "cuda" else "cpu"
@@ -349,12 +381,7 @@ def format_result(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench placement``."""
     parser = command_parser("conduit bench placement", __doc__, PlacementBenchArgs)
-    args = parse_dataclass(PlacementBenchArgs, parser.parse_args(argv))
-    bad = [d for d in args.dims if d < 1]
-    if bad or args.capacity < args.batch_size or args.repeats < 1:
-        parser.error(f"need dims >= 1, capacity >= batch size and repeats >= 1 "
-                     f"(dims={list(args.dims)}, capacity={args.capacity}, "
-                     f"batch={args.batch_size}, repeats={args.repeats})")
+    args = parse_command(parser, PlacementBenchArgs, argv, check=check)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import progress
+from conduit.bench.common import apply_quick, progress
 from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
@@ -60,7 +60,12 @@ class PlaneBenchArgs:
                                  "unit but the last (FifoSampler.leading), "
                                  "the same layout under both schedules")
     out: str = arg("runs/bench/plane", "output directory for JSON and PNG", output="dir")
-    quick: bool = arg(False, "tiny sizes, for a smoke run")
+    quick: bool = arg(False, "tiny sizes, for a smoke run (flags given explicitly win)")
+
+
+#: What ``--quick`` gives the flags left at their defaults.
+QUICK = {"dim": 64, "rollout_rows": 64, "batch_size": 64, "capacity": 2000, "iters": 5,
+         "warmup": 1, "hidden": 32, "onpolicy_units": 2, "minibatches": 4, "repeats": 5}
 
 
 def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> dict[str, Any]:
@@ -158,13 +163,14 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
+def effective(args: PlaneBenchArgs) -> PlaneBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
+    return apply_quick(args, QUICK)
+
+
 def run(args: PlaneBenchArgs) -> dict[str, Any]:
     """Run the whole benchmark; prints tables, writes JSON and PNG."""
-    if args.quick:
-        args = PlaneBenchArgs(**{**asdict(args), "dim": 64, "rollout_rows": 64,
-                                 "batch_size": 64, "capacity": 2000, "iters": 5, "warmup": 1,
-                                 "hidden": 32, "onpolicy_units": 2, "minibatches": 4,
-                                 "repeats": 5, "quick": True})
+    args = effective(args)
     m = args.minibatches
     configs = {
         "off_policy": [("inline", Schedule(0, 1, 0, 1)), ("overlap", Schedule(1, 1, 1, 1))],

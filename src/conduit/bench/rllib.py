@@ -48,33 +48,19 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from conduit.bench.common import progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.bench.common import apply_quick, progress
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.workloads.envs import ImagePayload
 
 HEAVY_ENV = "conduit-CartPole-img128"
 PREFIX = "conduit.integrations.rllib."
 VARIANTS = ("rllib", "conduit")
-
-
-@dataclass(frozen=True)
-class RllibBenchArgs:
-    """Arguments of ``conduit bench rllib``."""
-
-    quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, the "
-                             "CartPole workloads unless --only, "
-                             "capacities 1e3 and 1e4")
-    seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)", min=1)
-    iters: int = arg(0, "measured training iterations per run (0: per-workload defaults)")
-    only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)")
-    schedule: str = arg("auto", "replay_buffer_config['schedule'] of Conduit's buffers: auto, "
-                                "inline or prefetch")
-    capacities: tuple[int, ...] = arg((10_000, 1_000_000), "microbenchmark capacities (rows)",
-                                      min=1)
-    repeats: int = arg(30, "microbenchmark calls per buffer and capacity", min=1)
-    num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)", min=1)
-    out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png", output="dir")
+#: Length of the microbenchmark's episodes: its capacities are multiples of it.
+EPISODE_STEPS = 100
+#: The smallest microbenchmark capacity: the two episodes each timed ``add`` inserts.
+MIN_CAPACITY = 2 * EPISODE_STEPS
 
 
 @dataclass(frozen=True)
@@ -98,6 +84,36 @@ def workloads() -> list[Workload]:
 
 #: What ``--quick`` runs unless ``--only`` says otherwise.
 QUICK = ("DQN-CP", "SAC-CP", "PPO-CP")
+
+#: The values of ``--schedule`` (``replay_buffer_config['schedule']``).
+SCHEDULES = ("auto", "inline", "prefetch")
+
+
+@dataclass(frozen=True)
+class RllibBenchArgs:
+    """Arguments of ``conduit bench rllib``."""
+
+    quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, the "
+                             "CartPole workloads, capacities 1e3 and 1e4, 3 repeats (flags "
+                             "given explicitly win)")
+    seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)", min=1)
+    iters: int = arg(0, "measured training iterations per run (0: per-workload defaults)")
+    only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)",
+                                choices=[w.name for w in workloads()])
+    schedule: str = arg("auto", "replay_buffer_config['schedule'] of Conduit's buffers",
+                        choices=SCHEDULES)
+    capacities: tuple[int, ...] = arg((10_000, 1_000_000), "microbenchmark capacities (rows): "
+                                      "multiples of 100, the length of its episodes (RLlib's "
+                                      "buffers evict whole episodes), and at least 200",
+                                      min=MIN_CAPACITY)
+    repeats: int = arg(30, "microbenchmark calls per buffer and capacity", min=1)
+    num_cpus: int = arg(2, "CPUs of the local Ray it starts (unless Ray is already up)", min=1)
+    out: str = arg("runs/bench/rllib", "folder for rllib.json and rllib.png", output="dir")
+
+
+#: What ``--quick`` gives the flags left at their defaults (besides :data:`QUICK`'s workloads
+#: and one measured iteration of small size).
+QUICK_ARGS = {"seeds": 1, "capacities": (1_000, 10_000), "repeats": 3}
 
 
 class PixelObservation(gym.ObservationWrapper):
@@ -341,6 +357,23 @@ def _episodes(rng: np.random.Generator, count: int, length: int = 100) -> list[A
     return out
 
 
+def check_capacity(capacity: int) -> int:
+    """``capacity`` if the microbenchmark can fill a buffer of that many rows: a multiple of
+    :data:`EPISODE_STEPS` (RLlib's buffers evict whole episodes, so they never hold more than
+    the largest multiple) and at least :data:`MIN_CAPACITY` (below it RLlib's prioritized
+    buffer fails in the timed ``add``).
+
+    Raises:
+        ConfigError: It is not (field ``capacities``).
+    """
+    if (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < MIN_CAPACITY
+            or capacity % EPISODE_STEPS):
+        raise ConfigError("capacities", f"each must be a multiple of {EPISODE_STEPS} (the "
+                                        f"microbenchmark's episode length) and at least "
+                                        f"{MIN_CAPACITY}, got {capacity!r}")
+    return capacity
+
+
 def micro_buffers(capacity: int) -> dict[str, Any]:
     """RLlib's and Conduit's uniform and prioritized buffers of ``capacity`` rows."""
     from ray.rllib.utils.replay_buffers import EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer
@@ -360,15 +393,23 @@ def micro_buffers(capacity: int) -> dict[str, Any]:
 
 def microbench(capacity: int, repeats: int) -> dict[str, dict[str, float]]:
     """Fill each buffer to ``capacity`` rows, then time ``add``, ``sample`` and
-    ``update_priorities`` ``repeats`` times, alternating the buffers; medians in ms."""
+    ``update_priorities`` ``repeats`` times, alternating the buffers; medians in ms.
+
+    Raises:
+        ConfigError: ``capacity`` is refused by :func:`check_capacity`.
+    """
+    check_capacity(capacity)
     rng = np.random.default_rng(capacity)
     buffers = micro_buffers(capacity)
     out: dict[str, dict[str, float]] = {}
     chunk = 100  # episodes per fill call
     for name, buf in buffers.items():
         t0 = time.perf_counter()
-        while buf.get_num_timesteps() < capacity:
-            buf.add(_episodes(rng, min(chunk, math.ceil(capacity / 100))))
+        added = 0  # counted here, not read back: a buffer that evicts never loops the fill
+        while added < capacity:
+            count = min(chunk, math.ceil((capacity - added) / EPISODE_STEPS))
+            buf.add(_episodes(rng, count, EPISODE_STEPS))
+            added += count * EPISODE_STEPS
         out[name] = {"fill_s": time.perf_counter() - t0}
     times: dict[str, dict[str, list[float]]] = {n: {"add": [], "sample": [], "update": []}
                                                 for n in buffers}
@@ -493,21 +534,43 @@ def plot(rows: dict[str, dict[str, Any]], micro: dict[int, Any], path: Path) -> 
     return save_figure(fig, path)
 
 
+def effective(a: RllibBenchArgs) -> RllibBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK_ARGS` for the flags left at their
+    defaults (the workloads and their sizes follow ``quick`` in :func:`run`)."""
+    return apply_quick(a, QUICK_ARGS)
+
+
+def check(a: RllibBenchArgs) -> None:
+    """Refuse arguments the flags' own bounds let through.
+
+    Raises:
+        ConfigError: An unknown workload or schedule, or a capacity the microbenchmark
+            cannot fill (:func:`check_capacity`).
+    """
+    known = [w.name for w in workloads()]
+    unknown = [name for name in a.only if name not in known]
+    if unknown:
+        raise ConfigError("only", f"unknown workloads {unknown}; choose from {known}")
+    if a.schedule not in SCHEDULES:
+        raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
+                                      f"{a.schedule!r}")
+    for cap in a.capacities:
+        check_capacity(cap)
+
+
 def run(a: RllibBenchArgs) -> dict[str, Any]:
-    """Run the side-by-side training runs and the microbenchmark; write JSON and PNG."""
+    """Run the side-by-side training runs and the microbenchmark; write JSON and PNG.
+
+    Raises:
+        ConfigError: An argument :func:`check` refuses.
+    """
     import ray
 
-    known = {w.name: w for w in workloads()}
-    unknown = set(a.only) - set(known)
-    if unknown:
-        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(known)}")
-    if a.schedule not in ("auto", "inline", "prefetch"):
-        raise SystemExit(f"schedule: must be auto, inline or prefetch, got {a.schedule!r}")
+    check(a)
     only = a.only or (QUICK if a.quick else ())
     chosen = [w for w in workloads() if not only or w.name in only]
-    seeds = 1 if a.quick else a.seeds
-    capacities = (1_000, 10_000) if a.quick else a.capacities
-    repeats = 3 if a.quick else a.repeats
+    quick = effective(a)
+    seeds, capacities, repeats = quick.seeds, quick.capacities, quick.repeats
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w.name: {v: [] for v in VARIANTS}
                                                         for w in chosen}
     own_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test's) is used as it is
@@ -555,7 +618,7 @@ def run(a: RllibBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench rllib``."""
     p = command_parser("conduit bench rllib", __doc__, RllibBenchArgs)
-    run(parse_dataclass(RllibBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, RllibBenchArgs, argv, check=check))
     return 0
 
 

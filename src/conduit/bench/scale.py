@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import progress
+from conduit.bench.common import apply_quick, progress
 from conduit.cli_args import arg, command_parser, parse_dataclass
 from conduit.placement import Topology
 from conduit.placement.cluster import inter_node_bandwidth
@@ -63,22 +63,25 @@ class ScaleBenchArgs:
     fill_rows: int = arg(20_000, "rows in the buffer before sampling and the shard kill", min=1)
     pushes: int = arg(40, "pushes timed per round", min=1)
     pulls: int = arg(40, "pulls timed per round", min=1)
-    update_ms: float = arg(20.0, "the learner's update time in the prefetch loop (a sleep)")
+    update_ms: float = arg(20.0, "the learner's update time in the prefetch loop (a sleep)",
+                           min=0, finite=True)
     rounds: int = arg(3, "rounds; each alternates every shard count (medians are reported)", min=1)
     node_cpus: int = arg(1, "CPUs per local Ray node", min=1)
     address: str = arg("", "an existing Ray cluster with enough nodes (default: start a "
                             "local one with max(--shards) nodes)")
     out: str = arg("runs/bench/scale", "output directory for JSON and PNG", output="dir")
-    quick: bool = arg(False, "shard counts 1 and 2, small sizes, one round: a smoke run")
+    quick: bool = arg(False, "shard counts 1 and 2, small sizes, one round: a smoke run "
+                             "(flags given explicitly win)")
 
     def effective(self) -> ScaleBenchArgs:
-        """The arguments after ``--quick``."""
-        if not self.quick:
-            return self
-        return ScaleBenchArgs(shards=(1, 2), dim=16, rollout_rows=64, batch_size=64,
-                              fill_rows=1024, pushes=6, pulls=6, update_ms=5.0, rounds=1,
-                              node_cpus=self.node_cpus, address=self.address, out=self.out,
-                              quick=True)
+        """The arguments after ``--quick`` (which changes the fields left at their defaults
+        only)."""
+        return apply_quick(self, QUICK)
+
+
+#: What ``--quick`` gives the flags left at their defaults.
+QUICK = {"shards": (1, 2), "dim": 16, "rollout_rows": 64, "batch_size": 64, "fill_rows": 1024,
+         "pushes": 6, "pulls": 6, "update_ms": 5.0, "rounds": 1}
 
 
 def _spec(dim: int) -> ExperienceSpec:

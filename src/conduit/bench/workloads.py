@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit._checks import check_int
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import ConfigError
 from conduit.report import table, write_json
 from conduit.workloads.actors import ray_running
 from conduit.workloads.breakdown import (
@@ -144,16 +146,30 @@ def _spread(values: Sequence[float]) -> str:
     return f"{100 * lo:.0f}..{100 * hi:.0f}%"
 
 
+def check(a: WorkloadBenchArgs) -> None:
+    """Refuse arguments the flags' own bounds let through.
+
+    Raises:
+        ConfigError: An unknown workload (``SAC-MW-reach`` is one without Meta-World) or
+            learner device.
+    """
+    resolve_device(a.device)
+    known = [w.name for w in workloads(gpu=False)]  # (the names do not depend on it)
+    unknown = [name for name in a.only if name not in known]
+    if unknown:
+        raise ConfigError("only", f"unknown workloads {unknown}; choose from {known}")
+    check_int("rounds", a.rounds, minimum=1)
+
+
 def run(a: WorkloadBenchArgs) -> dict[str, Any]:
-    """Run the sweep and write JSON + PNG; returns the JSON payload."""
-    if a.rounds < 1:
-        raise SystemExit(f"rounds: must be >= 1, got {a.rounds}")
+    """Run the sweep and write JSON + PNG; returns the JSON payload.
+
+    Raises:
+        ConfigError: An argument :func:`check` refuses.
+    """
+    check(a)
     gpu = resolve_device(a.device).type == "cuda"
     chosen = [w for w in workloads(gpu=gpu) if not a.only or w.name in a.only]
-    unknown = set(a.only) - {w.name for w in workloads(gpu=gpu)}
-    if unknown:
-        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from "
-                         f"{[w.name for w in workloads(gpu=gpu)]}")
     rows: dict[str, dict[str, Any]] = {}
     with ray_running(enabled=a.use_ray):
         for w in chosen:
@@ -220,7 +236,7 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench workloads``."""
     p = command_parser("conduit bench workloads", __doc__, WorkloadBenchArgs)
-    run(parse_dataclass(WorkloadBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, WorkloadBenchArgs, argv, check=check))
     return 0
 
 

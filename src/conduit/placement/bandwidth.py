@@ -341,11 +341,12 @@ def _parse_size(text: str) -> int:
             t, mult = t[:-1], f
             break
     try:
-        v = int(float(t) * mult)
-    except ValueError:
-        raise ConfigError("sizes", f"cannot parse size {text!r} (try 64K, 1M, 16M)") from None
+        v = int(float(t) * mult)  # inf: OverflowError, nan: ValueError
+    except (ValueError, OverflowError):
+        raise ConfigError("sizes", f"cannot parse --sizes value {text!r} (a finite size: try "
+                                   f"64K, 1M, 16M)") from None
     if v <= 0:
-        raise ConfigError("sizes", f"sizes must be positive, got {text!r}")
+        raise ConfigError("sizes", f"--sizes must be positive, got {text!r}")
     return v
 
 

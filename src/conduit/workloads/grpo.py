@@ -29,8 +29,9 @@ class Args:
     """Arguments of ``conduit train --algo grpo``."""
 
     task: str = arg("target", "reward: 'target' (emit the digit 7) or 'copy' (repeat the "
-                    "prompt's first digit)")
-    buffer: str = arg("conduit", "experience path: 'trl' (TRL alone) or 'conduit'")
+                    "prompt's first digit)", choices=grpo_task.TASKS)
+    buffer: str = arg("conduit", "experience path: 'trl' (TRL alone) or 'conduit'",
+                      choices=BUFFERS)
     steps: int = arg(60, "optimizer steps", min=1)
     batch_size: int = arg(16, "completions per mini-batch (per_device_train_batch_size)", min=1)
     num_generations: int = arg(8, "completions per prompt (the group size G)", min=1)

@@ -31,7 +31,8 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
-from conduit.errors import ConfigError, EmptyBufferError
+from conduit._checks import check_int
+from conduit.errors import ConfigError, EmptyBufferError, SpecError
 from conduit.scheduling import MAX_MINIBATCHES, spare_core
 from conduit.storage import ColumnStore, GatherOutputs, Placement, SampleInfo, Sampler
 
@@ -41,7 +42,16 @@ def cyclic_minibatches(size: int, *, num_epochs: int, minibatch_size: int,
     """The row indices of each mini-batch RLlib's ``MiniBatchCyclicIterator`` yields over a
     batch of ``size`` rows: consecutive slices of ``minibatch_size`` rows that wrap around the
     batch, ``num_epochs`` wraps in all, the batch shuffled at every wrap (including the last)
-    with ``np.random.permutation``."""
+    with ``np.random.permutation``. Empty for ``num_epochs`` below 1.
+
+    Raises:
+        ConfigError: ``num_epochs`` is at least 1 and ``size`` or ``minibatch_size`` is below 1
+            (no slice would ever complete an epoch).
+    """
+    if num_epochs < 1:
+        return []
+    check_int("size", size, minimum=1)
+    check_int("minibatch_size", minibatch_size, minimum=1)
     order = np.arange(size)
     start, covered, out = 0, 0, []
     while covered < num_epochs:
@@ -199,6 +209,13 @@ class ConduitMiniBatchIterator:
         overlap: Deliver on a background worker, ahead of the learner.
         columns: Where the plane's columns come from and go back to, so that updates
             share their memory (default: columns of its own).
+
+    With ``num_epochs`` below 1 it yields no mini-batches, as RLlib's iterator.
+
+    Raises:
+        SpecError: The module's batch is empty (``field`` None; RLlib's iterator raises
+            ``ValueError`` there, which this error also is).
+        ConfigError: ``minibatch_size`` is below 1.
     """
 
     def __init__(self, batch: MultiAgentBatch, *, num_epochs: int, minibatch_size: int,
@@ -211,13 +228,20 @@ class ConduitMiniBatchIterator:
         self.columns = columns
         self.spec: ExperienceSpec | None = None
         self.rllib: MiniBatchCyclicIterator | None = None
+        self.parts: list[np.ndarray] = []
+        self.num_minibatches = 0
+        if num_epochs < 1:
+            return  # nothing to deliver
+        if size == 0:
+            raise SpecError(None, f"the batch of module {self.module_id!r} is empty: no "
+                                  f"mini-batch of it would ever complete an epoch")
+        check_int("minibatch_size", minibatch_size, minimum=1)
         try:
             self.spec = _spec({k: v for k, v in self.rows.items() if _plane_column(k, v, size)})
         except ConfigError:
             self.rllib = MiniBatchCyclicIterator(batch, num_epochs=num_epochs,
                                                  minibatch_size=minibatch_size,
                                                  shuffle_batch_per_epoch=shuffle)
-            self.parts, self.num_minibatches = [], 0
             return
         self.parts = cyclic_minibatches(size, num_epochs=num_epochs,
                                         minibatch_size=minibatch_size, shuffle=shuffle)
@@ -225,9 +249,9 @@ class ConduitMiniBatchIterator:
                                            minibatch_size=minibatch_size)
 
     def __iter__(self) -> Iterator[MultiAgentBatch]:
-        if self.spec is None:
-            assert self.rllib is not None
-            yield from self.rllib
+        if self.spec is None:  # RLlib's path, or no epochs
+            if self.rllib is not None:
+                yield from self.rllib
             return
         size = len(self.rows)
         spec = self.spec

@@ -31,6 +31,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 from ray.rllib.utils.typing import AgentID, ModuleID
 
 from conduit import ExperienceDataPlane, ExperienceSpec, Schedule
+from conduit._checks import check_int
 from conduit.errors import (
     ConduitError,
     ConfigError,
@@ -53,6 +54,29 @@ from conduit.integrations.rllib.windows import (
 from conduit.plane import BufferIn, LearnerOut
 from conduit.storage import Placement, PrioritizedSampler, Sampler, Store, UniformSampler
 from conduit.storage.state import entry
+
+
+def _count(field: str, value: Any) -> int:
+    """``value`` as a positive ``int``; a float with an integral value (``1e5``, as configs
+    write capacities and RLlib's own buffers take) counts as that integer.
+
+    Raises:
+        ConfigError: It is not a positive integer (field ``field``).
+    """
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    return check_int(field, value, minimum=1)
+
+
+def _holds_priorities(plane_state: Any) -> bool:
+    """Whether a plane's state (in a buffer's :meth:`~ConduitEpisodeReplayBuffer.get_state`)
+    is a prioritized sampler's: its windows' inner sampler keeps a sum tree."""
+    state: Any = plane_state
+    for key in ("buffer", "sampler", "inner"):
+        if not isinstance(state, dict):
+            return False
+        state = state.get(key)
+    return isinstance(state, dict) and "tree" in state
 
 
 def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
@@ -96,7 +120,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         **kwargs: Further keys of ``replay_buffer_config``, ignored as RLlib does.
 
     Raises:
-        ConfigError: ``alpha``, ``beta``, ``eps`` or ``schedule`` is out of range.
+        ConfigError: ``capacity`` or ``batch_size_B`` is not a positive integer (a float
+            with an integral value, such as ``1e5``, is taken as that integer), ``seed`` is
+            neither None nor an integer >= 0, or ``alpha``, ``beta``, ``eps`` or
+            ``schedule`` is out of range.
     """
 
     #: Whether rows are drawn by priority.
@@ -107,8 +134,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                  eps: float = 1e-6, seed: int | None = None, schedule: ScheduleName = "auto",
                  placement: Placement | Literal["auto"] | None = None,
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
+        capacity = _count("capacity", capacity)
+        batch_size = _count("batch_size_B", batch_size_B)
+        if seed is not None:
+            seed = check_int("seed", seed, minimum=0)
         EpisodeReplayBuffer.__init__(
-            self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
+            self, capacity=capacity, batch_size_B=batch_size, batch_length_T=batch_length_T,
             metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
         self.metrics = CachedMetricsLogger(root=False)  # RLlib's, with fewer steps per value
         #: The plane's schedule, and for ``"auto"`` its decision (``schedule.report``).
@@ -421,13 +452,19 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """Restore :meth:`get_state`.
 
         Raises:
-            StateError: The state is missing a key or does not fit the buffer's capacity. A
-                state refused for its keys, its spec or its rows leaves the buffer as it
-                was.
+            StateError: The state is missing a key, does not fit the buffer's capacity, or is
+                a buffer of the other kind's (with rows: a prioritized buffer's state holds
+                priorities a uniform buffer would drop, a uniform one's has none to give). A
+                refused state leaves the buffer as it was.
         """
         for key in ("spec", "batch_size", "plane", "rows", "last_index", "_num_timesteps_added",
                     "_num_episodes_evicted", "sampled_timesteps"):
             entry(state, key, "rllib_buffer")
+        if not self.prioritized and _holds_priorities(state["plane"]):
+            raise StateError("rllib_buffer.plane.buffer.sampler.inner",
+                             "a prioritized buffer's state (its rows have priorities, which "
+                             "this uniform buffer would drop): restore it into a "
+                             "ConduitPrioritizedEpisodeReplayBuffer")
         spec = ExperienceSpec.from_dict(state["spec"]) if state["spec"] is not None else None
         if spec is not None and set(spec.fields) != {"obs", "action"}:
             raise StateError("spec", f"rows of fields {sorted(spec.fields)}; this buffer's rows "
@@ -491,7 +528,11 @@ class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
         """
         if self._last_index is None or self._plane is None:
             raise PriorityError("update_priorities: no sample since the last update")
-        pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        try:
+            pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        except (TypeError, ValueError) as exc:
+            raise PriorityError(f"priorities: must be numbers, got {priorities!r:.80} "
+                                f"({exc})") from None
         if pr.numel() != len(self._last_index):
             raise PriorityError(f"priorities: {pr.numel()} values for the "
                                 f"{len(self._last_index)} transitions of the last sample")
