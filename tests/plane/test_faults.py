@@ -362,23 +362,28 @@ def test_minibatches_resumes_a_loop_left_early_and_stays_in_its_iteration(small_
         assert len(nxt) == 4 and all(100 <= i < 108 for ids in nxt for i in ids)
 
 
+def _fails_once_part_way():
+    """An ingestion operator that, the first time it gets the unit starting at row 4, writes
+    two of its rows and raises."""
+    failures = [1]
+
+    def ingest(actor_in, exp_out):
+        rows = actor_in.read()
+        exp_out.write({k: v[:2] for k, v in rows.items()})
+        if failures and int(rows["id"][0]) == 4:
+            failures.pop()
+            raise RuntimeError("scorer down")
+        exp_out.write({k: v[2:] for k, v in rows.items()})
+    return ingest
+
+
 def test_a_minibatch_assembled_early_from_earlier_rows_does_not_keep_failed_rows(small_spec):
     """A mini-batch assembled early from the rows before a failed invocation's cannot hold
     them: they are still taken back, and the rollout pushed again lands once."""
     with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
                              schedule=Schedule(1, 0.5, 1, 0.5), timeout=10,
                              sampler=FifoSampler.leading(units=2, num_minibatches=2)) as p:
-        failures = [1]
-
-        @p.register_ingestion()
-        def ingest(actor_in, exp_out):
-            rows = actor_in.read()
-            exp_out.write({k: v[:2] for k, v in rows.items()})
-            if failures and int(rows["id"][0]) == 4:
-                failures.pop()
-                raise RuntimeError("scorer down")
-            exp_out.write({k: v[2:] for k, v in rows.items()})
-
+        p.register_ingestion()(_fails_once_part_way())
         p.push(make_rows(small_spec, 4))
         deadline = time.monotonic() + 10
         while p.stats()["early_batches"] < 1:  # the first mini-batch, from rows 0..3
@@ -404,17 +409,7 @@ def test_an_on_policy_ingestion_that_fails_part_way_takes_its_rows_back(small_sp
     back: the iteration holds each row once and the counts agree with the buffer."""
     with ExperienceDataPlane(spec=small_spec, capacity=8, mode="on_policy", num_minibatches=2,
                              schedule=schedule, timeout=10) as p:
-        failures = [1]
-
-        @p.register_ingestion()
-        def ingest(actor_in, exp_out):
-            rows = actor_in.read()
-            exp_out.write({k: v[:2] for k, v in rows.items()})
-            if failures and int(rows["id"][0]) == 4:
-                failures.pop()
-                raise RuntimeError("scorer down")
-            exp_out.write({k: v[2:] for k, v in rows.items()})
-
+        p.register_ingestion()(_fails_once_part_way())
         p.push(make_rows(small_spec, 4))
         p.flush()  # its own invocation (an overlapped worker could take both units at once)
         try:
