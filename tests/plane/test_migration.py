@@ -439,3 +439,35 @@ def test_grow_needs_a_map(small_spec):
     with ExperienceDataPlane(spec=small_spec, capacity=8, batch_size=2) as plane, \
             pytest.raises(ConfigError, match="PlacementMap"):
         plane.grow(spec=small_spec)
+
+
+@pytest.mark.parametrize("chunk_rows", [-1, 0, 2.5, True, "8"])
+def test_migrate_refuses_a_chunk_size_that_is_not_a_positive_integer(small_spec, chunk_rows):
+    """A negative chunk copied nothing, yet the new buffer kept the old fill: every row
+    became zeros. Now the call is refused and the rows stay as they were."""
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4, timeout=5) as plane:
+        plane.push(make_rows(small_spec, 10, start=100))
+        plane.flush()
+        with pytest.raises(ConfigError) as err:
+            plane.migrate(Placement.sharded(["cpu", "cpu"]), chunk_rows=chunk_rows)
+        assert err.value.field == "chunk_rows"
+        assert plane.buffer.placement == Placement.pageable()
+        assert plane.buffer.store.get(torch.arange(10))["id"].tolist() == list(range(100, 110))
+        plane.migrate(Placement.sharded(["cpu", "cpu"]), chunk_rows=3)
+        assert plane.buffer.store.get(torch.arange(10))["id"].tolist() == list(range(100, 110))
+
+
+def test_migrate_refuses_what_is_not_a_placement(small_spec):
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4, timeout=5) as plane:
+        with pytest.raises(ConfigError) as err:
+            plane.migrate("pinned")
+        assert err.value.field == "placement"
+
+
+def test_a_placement_map_solved_for_another_capacity_is_refused():
+    pmap = PlacementMap.build(capacity=C_TRACE, actor_device="cpu", learner_device="cpu",
+                              topology=host_topology(), x_min=16, x_max=2000, points=16)
+    with pytest.raises(ConfigError, match="solved for") as err:
+        ExperienceDataPlane(spec=trace_spec(100), capacity=C_TRACE * 100, batch_size=8,
+                            placement=pmap)
+    assert err.value.field == "placement"

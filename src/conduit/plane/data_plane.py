@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import CapacityError, ConduitError, ConfigError, OperatorError
 from conduit.placement import PlacementDecision, PlacementMap
 from conduit.plane import checkpoint
@@ -468,10 +469,15 @@ class ExperienceDataPlane:
         duplicated. Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
 
         Raises:
+            ConfigError: ``placement`` is not a Placement, or ``chunk_rows`` is not a positive
+                integer (nothing moves).
             SpecError: ``spec`` drops or narrows a field or changes a dtype.
             CapacityError: The new placement cannot hold the buffer.
         """
         self._check_open()
+        chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
+        if not isinstance(placement, Placement):
+            raise ConfigError("placement", f"expected a Placement, got {placement!r}")
         report = migrate(self._engine, placement, spec=spec or self.spec,
                          chunk_rows=chunk_rows, placement_map=self.placement_map)
         self.timings.record("migration", report["seconds"])
@@ -483,7 +489,8 @@ class ExperienceDataPlane:
         (the report then holds the Eq. 3 plan), otherwise it is widened where it is.
 
         Raises:
-            ConfigError: The plane was not built with a ``PlacementMap``.
+            ConfigError: The plane was not built with a ``PlacementMap``, or ``chunk_rows``
+                is not a positive integer.
             SpecError: ``spec`` is not a growth of the current spec.
             CapacityError: No placement of the map holds the new size.
         """

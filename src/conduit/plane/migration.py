@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, SpecError
 from conduit.placement import (
     PlacementDecision,
@@ -53,12 +54,18 @@ def initial_placement(placement: PlacementArg, config: PlaneConfig) -> InitialPl
     :class:`~conduit.placement.PlacementMap` gives ``M(x)`` for the spec's per-sample size.
 
     Raises:
-        ConfigError: ``placement`` is none of the accepted kinds.
+        ConfigError: ``placement`` is none of the accepted kinds, or a map solved for another
+            capacity.
         CapacityError: The map holds no placement for the spec's size.
     """
     if placement is None or isinstance(placement, Placement):
         return InitialPlacement(placement)
     if isinstance(placement, PlacementMap):
+        if placement.capacity != config.capacity:
+            raise ConfigError("placement", f"the PlacementMap was solved for "
+                                           f"{placement.capacity:,} rows, the plane holds "
+                                           f"{config.capacity:,}: its placements need not "
+                                           f"fit; build it with capacity={config.capacity}")
         return InitialPlacement(placement.lookup(config.spec.bytes_per_sample),
                                 placement_map=placement)
     if placement != "auto":
@@ -196,8 +203,10 @@ def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: Experience
         endpoint pair and the predicted makespan).
 
     Raises:
+        ConfigError: ``chunk_rows`` is not a positive integer.
         CapacityError: The new placement cannot hold the buffer.
     """
+    chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
     t0 = time.perf_counter()
     new = ExperienceBuffer(spec=spec, capacity=old.capacity, sampler=old.sampler,
                            placement=placement)
