@@ -53,7 +53,7 @@ def test_profile_from_hand_filled_timings():
     assert prof.t_ing[F(4)] == approx(0.007)
     assert prof.t_del == {F(1): approx(0.003), F(2): approx(0.004)}
     # missing g from the fit through (1, 4 ms) and (4, 7 ms): a = 3 ms, b = 1 ms per unit
-    assert prof.ing_fit == CostFit(fixed=approx(0.003), per_unit=approx(0.001))
+    assert (prof.ing_fit.fixed, prof.ing_fit.per_unit) == (approx(0.003), approx(0.001))
     assert prof.t_ing[F(2)] == approx(0.005)  # interpolated
     assert prof.t_ing[F(3)] == approx(0.006)
     assert prof.t_ing[F(5)] == approx(0.008)  # extrapolated

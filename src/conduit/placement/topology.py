@@ -54,6 +54,10 @@ class DeviceInfo:
         name: Endpoint name: ``"cpu"``, ``"cpu_pinned"`` or ``"cuda:<i>"``.
         memory_bytes: Free memory usable by the buffer, in bytes.
         model: Free-form hardware name (``"NVIDIA A100-SXM4-80GB"``), informational.
+
+    Raises:
+        TopologyError: ``name`` is not an endpoint name, or ``memory_bytes`` is not a
+            non-negative finite number (NaN and infinity included).
     """
 
     name: str
@@ -64,9 +68,10 @@ class DeviceInfo:
         if not isinstance(self.name, str) or not _DEVICE_RE.match(self.name):
             raise TopologyError(f"device.name: {self.name!r} is not an endpoint name "
                                 f"(expected 'cpu', 'cpu_pinned' or like 'cuda:0')")
-        if not _is_number(self.memory_bytes) or self.memory_bytes < 0:
+        if (not _is_number(self.memory_bytes) or not math.isfinite(self.memory_bytes)
+                or self.memory_bytes < 0):
             raise TopologyError(f"device[{self.name!r}].memory_bytes: must be a non-negative "
-                                f"number, got {self.memory_bytes!r}")
+                                f"finite number, got {self.memory_bytes!r}")
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
 
     @property
@@ -444,9 +449,9 @@ class Topology:
                 if any(prev.name == dname for prev in devs):
                     raise TopologyError(f"{w}.name: duplicate device {dname!r}")
                 mem = _get(dv, "memory_bytes", f"{w}.memory_bytes", None)
-                if not _is_number(mem) or mem < 0:
-                    raise TopologyError(f"{w}.memory_bytes: must be a non-negative number, "
-                                        f"got {mem!r}")
+                if not _is_number(mem) or not math.isfinite(mem) or mem < 0:
+                    raise TopologyError(f"{w}.memory_bytes: must be a non-negative finite "
+                                        f"number, got {mem!r}")
                 devs.append(_wrap(f"{w}", lambda dname=dname, mem=mem, dv=dv: DeviceInfo(
                     name=dname, memory_bytes=mem, model=str(dv.get("model", "")))))
             known = {dv.name for dv in devs}

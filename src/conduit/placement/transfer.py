@@ -44,6 +44,10 @@ class Candidate:
         placement: The per-node placement (device names are local to a node).
         nodes: Node names holding a part of the buffer; empty means the topology's first node.
         node_shares: Fraction of rows on each node (sums to 1); ``None`` means even.
+
+    Raises:
+        PlacementError: ``placement`` is not a :class:`Placement`, or ``node_shares`` is not
+            one finite, non-negative number per node summing to 1.
     """
 
     placement: Placement
@@ -57,11 +61,17 @@ class Candidate:
         nodes = tuple(self.nodes)
         object.__setattr__(self, "nodes", nodes)
         if self.node_shares is not None:
-            shares = tuple(float(s) for s in self.node_shares)
-            if len(shares) != len(nodes) or any(s < 0 for s in shares) \
+            try:
+                shares = tuple(float(s) for s in self.node_shares)
+            except (TypeError, ValueError, OverflowError):
+                shares = ()  # not numbers: refused below (an empty tuple never sums to 1)
+            # NaN compares False with everything, so finiteness is checked explicitly.
+            if len(shares) != len(nodes) or not shares \
+                    or any(not math.isfinite(s) or s < 0 for s in shares) \
                     or abs(sum(shares) - 1.0) > 1e-6:
-                raise PlacementError(f"candidate.node_shares: need {len(nodes)} non-negative "
-                                     f"shares summing to 1, got {self.node_shares}")
+                raise PlacementError(f"candidate.node_shares: need {len(nodes)} finite, "
+                                     f"non-negative shares summing to 1, got "
+                                     f"{self.node_shares!r}")
             object.__setattr__(self, "node_shares", shares)
 
     @classmethod

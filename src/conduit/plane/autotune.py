@@ -40,7 +40,7 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from conduit._checks import check_int
+from conduit._checks import check_int, check_real
 from conduit.errors import ConfigError, ScheduleError
 from conduit.scheduling import (
     MIN_COPY,
@@ -261,7 +261,11 @@ class AutoScheduler:
             interpreter-bound, so that overlap hides only its copies.
 
     Raises:
-        ConfigError: Neither ``step`` nor ``profile`` given, or an unknown ``watch`` name.
+        ConfigError: Neither ``step`` nor ``profile`` given, an unknown ``watch`` name, or a
+            bad ``threshold`` (not a finite number ``> 0``), ``patience`` (not an integer
+            ``>= 1``) or ``abs_tol`` (not a finite number ``>= 0``); these are the
+            :class:`~conduit.scheduling.ReplanPolicy`'s rules, checked here so that a bad value
+            is refused before :meth:`plan` changes the plane's schedule.
     """
 
     def __init__(self, *, plane: ExperienceDataPlane, step: Step | None = None,
@@ -278,6 +282,12 @@ class AutoScheduler:
         if bad:
             raise ConfigError("watch", f"unknown timing names {bad}; choose from "
                                        f"{_PROFILE_NAMES}")
+        # The ReplanPolicy's rules, checked now: plan() builds the policy only after it has
+        # chosen a schedule, and a refusal must not leave the plane switched.
+        threshold = check_real("threshold", threshold, positive=True,
+                               what="a relative deviation")
+        patience = check_int("patience", patience, minimum=1)
+        abs_tol = check_real("abs_tol", abs_tol, positive=False, what="a number of seconds")
         self.plane = plane
         self.step = step
         self.space = plane.space if space is None else space
@@ -320,12 +330,16 @@ class AutoScheduler:
     def _apply(self, profile: Profile, *, reasons: tuple[str, ...]) -> Plan:
         profile = copy_bound(profile, plane_copy_times(self.plane), min_copy=self.min_copy)
         plan = choose(profile, self.space, top_k=self.top_k)
+        # Build the policy before switching, so that a refusal leaves the plane as it was.
+        policy = self.policy
+        if policy is None:
+            policy = ReplanPolicy(reference=profile, threshold=self.threshold,
+                                  patience=self.patience, abs_tol=self.abs_tol)
         _switch(self.plane, plan.schedule)
         self.profile = profile
         self.current = plan
         if self.policy is None:
-            self.policy = ReplanPolicy(reference=profile, threshold=self.threshold,
-                                       patience=self.patience, abs_tol=self.abs_tol)
+            self.policy = policy
         else:
             self.policy.replanned(profile)
         self.history.append((reasons, plan))
@@ -433,8 +447,9 @@ class AutoScheduler:
             out = dict(table)
             groups: dict[Fraction, list[float]] = {}
             for r in by.get(name, ()):
-                if r.units > 0 and math.isfinite(r.units):
-                    groups.setdefault(as_granularity(r.units), []).append(r.seconds)
+                g = _granularity_of(r)
+                if g is not None:
+                    groups.setdefault(g, []).append(r.seconds)
             out.update({g: statistics.median(v[-self.patience:]) for g, v in groups.items()})
             return out
 
@@ -470,13 +485,23 @@ def _observation(r: TimingRecord) -> dict[str, float] | None:
     if r.name == "update":
         return {"t_update": r.seconds}
     if r.name in ("ingestion", "delivery"):
-        if not (r.units > 0 and math.isfinite(r.units)):
+        g = _granularity_of(r)
+        if g is None:
             return None
         if r.name == "ingestion":
-            return {"t_ing": r.seconds, "g_ing": as_granularity(r.units)}
-        return {"t_del": r.seconds, "g_del": as_granularity(r.units)}
+            return {"t_ing": r.seconds, "g_ing": g}
+        return {"t_del": r.seconds, "g_del": g}
     if r.name == "sync_ing":
         return {"t_sync_ing": r.seconds}
     if r.name == "sync_del":
         return {"t_sync_del": r.seconds}
     return None
+
+
+def _granularity_of(r: TimingRecord) -> Fraction | None:
+    """The granularity an operator record ran at; None when its units are not one (zero, not
+    finite, or so small that they round to 0 as a granularity)."""
+    try:
+        return as_granularity(r.units)
+    except ScheduleError:
+        return None

@@ -12,6 +12,7 @@ granularity exploits: ``a`` is the per-invocation overhead, ``b`` the cost per u
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,15 +45,21 @@ def as_granularity(g: float | int | Fraction) -> Fraction:
         g: A positive number of units (e.g. ``4``, ``0.25`` or ``Fraction(1, 4)``).
 
     Returns:
-        ``Fraction(g)`` with its denominator limited to 1024.
+        ``Fraction(g)`` with its denominator limited to 1024 (always ``> 0``).
 
     Raises:
-        ScheduleError: ``g`` is not a positive finite number.
+        ScheduleError: ``g`` is not a positive finite number, or it rounds to 0 at that
+            resolution (below about 1/2048).
     """
     if (not isinstance(g, (int, float, Fraction)) or isinstance(g, bool)
             or (isinstance(g, float) and not math.isfinite(g)) or not g > 0):
         raise ScheduleError(f"granularity must be a positive finite number, got {g!r}")
-    return Fraction(g).limit_denominator(_MAX_DEN)
+    out = Fraction(g).limit_denominator(_MAX_DEN)
+    if out <= 0:
+        raise ScheduleError(f"granularity {g!r} rounds to 0 (granularities are kept as "
+                            f"fractions with denominators up to {_MAX_DEN}); use at least "
+                            f"1/{_MAX_DEN}")
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +69,24 @@ class CostFit:
     Attributes:
         fixed: Seconds of per-invocation overhead (``a``).
         per_unit: Seconds per unit of work (``b``).
+
+    Raises:
+        ConfigError: ``fixed`` or ``per_unit`` is not a finite, non-negative real number (a
+            bool is not one; ``field`` is ``"fixed"`` / ``"per_unit"``). Numbers are stored as
+            ``float``.
     """
 
     fixed: float
     per_unit: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed", "per_unit"):
+            v = getattr(self, name)
+            f = _finite(v)
+            if f is None or f < 0:
+                raise ConfigError(name, f"must be a finite, non-negative number of seconds, "
+                                        f"got {v!r}")
+            object.__setattr__(self, name, f)
 
     def __call__(self, g: float | Fraction) -> float:
         """Predicted seconds for one invocation at granularity ``g``."""
@@ -85,19 +106,44 @@ def fit_cost(points: Mapping[Fraction, float] | Iterable[tuple[float, float]]) -
       never negative, and extrapolation never predicts a cost falling with ``g``.
 
     Args:
-        points: ``{g: seconds}`` or ``(g, seconds)`` pairs; ``g > 0``, ``seconds >= 0``.
+        points: ``{g: seconds}`` or ``(g, seconds)`` pairs; ``g > 0``, ``seconds >= 0``, both
+            finite.
 
     Returns:
         The :class:`CostFit`.
 
     Raises:
-        ProfileError: ``points`` is empty (``field="points"``).
+        ProfileError: ``points`` is empty, a point is not a ``(g, seconds)`` pair of finite
+            numbers with ``g > 0`` and ``seconds >= 0``, or the points are so extreme that
+            the fit overflows (``field="points"``; a :class:`~conduit.errors.ConfigError`).
     """
     items = list(points.items()) if isinstance(points, Mapping) else list(points)
     if not items:
         raise ProfileError("points", "no measured operator times to fit")
-    gs = [float(g) for g, _ in items]
-    ts = [float(t) for _, t in items]
+    gs: list[float] = []
+    ts: list[float] = []
+    for item in items:
+        try:
+            g, t = item
+        except (TypeError, ValueError):
+            raise ProfileError("points", f"each point must be a (g, seconds) pair, got "
+                                         f"{item!r}") from None
+        gf, tf = _finite(g), _finite(t)
+        if gf is None or not gf > 0:
+            raise ProfileError("points", f"granularity must be a finite number > 0, got "
+                                         f"{g!r} (point {item!r})")
+        if tf is None or tf < 0:
+            raise ProfileError("points", f"seconds must be a finite number >= 0, got {t!r} "
+                                         f"(point {item!r})")
+        gs.append(gf)
+        ts.append(tf)
+    try:
+        return _least_squares(gs, ts)
+    except (ArithmeticError, ConfigError) as e:  # overflow, or a fit that is not finite
+        raise ProfileError("points", f"out of range for a cost fit ({e})") from None
+
+
+def _least_squares(gs: list[float], ts: list[float]) -> CostFit:
     if len(set(gs)) == 1:
         return CostFit(fixed=0.0, per_unit=statistics.fmean(ts) / gs[0])
     g_mean = statistics.fmean(gs)
@@ -112,6 +158,17 @@ def fit_cost(points: Mapping[Fraction, float] | Iterable[tuple[float, float]]) -
         b0 = sum(g * t for g, t in zip(gs, ts)) / sum(g * g for g in gs)
         return CostFit(fixed=0.0, per_unit=max(b0, 0.0))
     return CostFit(fixed=max(t_mean, 0.0), per_unit=0.0)
+
+
+def _finite(v: object) -> float | None:
+    """``v`` as a finite float, or None if it is not a finite real number (a bool is not)."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _freeze_costs(name: str, costs: Mapping) -> Mapping[Fraction, float]:
@@ -156,6 +213,12 @@ class Profile:
             per unit (see :func:`~conduit.scheduling.cost_model.predict`). None: all of the
             per-unit cost is overlappable, as Eq. 4 assumes.
         t_copy_del: The same for delivery (Eq. 5).
+
+    Raises:
+        ConfigError: A cost is not a finite, non-negative number of seconds, a granularity
+            key is not a positive finite number, a fit is not a :class:`CostFit` with finite,
+            non-negative parameters (``field`` e.g. ``"ing_fit.fixed"``), or an operator has
+            neither a measured granularity nor a fit.
     """
 
     t_rollout: float
@@ -181,6 +244,11 @@ class Profile:
             fit = getattr(self, name)
             if fit is not None and not isinstance(fit, CostFit):
                 raise ConfigError(name, f"must be a CostFit or None, got {type(fit).__name__}")
+            if fit is not None:
+                # CostFit checks its numbers; this also catches a fit built around that check
+                # (e.g. unpickled), since a NaN or negative fit would be ranked as the best.
+                for part in ("fixed", "per_unit"):
+                    _seconds(f"{name}.{part}", getattr(fit, part))
         for name, costs, fit in (("t_ing", self.t_ing, self.ing_fit),
                                  ("t_del", self.t_del, self.del_fit)):
             if not costs and fit is None:
@@ -231,9 +299,11 @@ def _lookup(name: str, costs: Mapping[Fraction, float], fit: CostFit | None,
 def _medians_by_units(timings: Timings, name: str) -> dict[Fraction, float]:
     groups: dict[Fraction, list[float]] = {}
     for r in timings.records(name):
-        if not (math.isfinite(r.units) and r.units > 0):
+        try:
+            g = as_granularity(r.units)
+        except ScheduleError:  # not a granularity (e.g. 0, NaN, or rounding to 0): skip
             continue
-        groups.setdefault(as_granularity(r.units), []).append(r.seconds)
+        groups.setdefault(g, []).append(r.seconds)
     return {g: statistics.median(v) for g, v in sorted(groups.items())}
 
 
@@ -263,8 +333,10 @@ def profile_from_timings(timings: Timings, space: ScheduleSpace, *,
 
     Raises:
         ProfileError: ``"rollout"``, ``"update"``, ``"ingestion"`` or ``"delivery"`` has no
-            record at all (``field`` is that name).
-        ConfigError: ``default_sync`` is negative or not finite.
+            record at all (``field`` is that name), or an operator's median time is negative
+            or not finite (``field="points"``, from :func:`fit_cost`).
+        ConfigError: ``default_sync`` is negative or not finite, or another median is
+            (``field`` is the profile field).
     """
     default_sync = _seconds("default_sync", default_sync)
     stages: dict[str, float] = {}

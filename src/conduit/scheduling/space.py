@@ -33,6 +33,13 @@ class Schedule:
             0 prepares each batch inline when the learner pulls.
         g_del: Training batches per delivery invocation. ``g >= 1`` prefetches ``g`` batches;
             ``g = 1/M`` delivers one on-policy mini-batch per invocation.
+
+    Granularities are stored as ``Fraction``s with denominators up to 1024.
+
+    Raises:
+        ScheduleError: An overlap flag is not 0 or 1, or a granularity is not a finite
+            positive number, is above 1 but not whole, or rounds to 0 when stored (below about
+            1/2048); the message starts with the field name (``g_ing: ...``).
     """
 
     overlap_ing: int = 0
@@ -54,7 +61,12 @@ class Schedule:
             if v > 1 and float(v) != int(v):
                 raise ScheduleError(f"{name}: granularities above 1 must be whole numbers of "
                                     f"units, got {v!r}")
-            object.__setattr__(self, name, Fraction(v).limit_denominator(1024))
+            g = Fraction(v).limit_denominator(1024)
+            if g <= 0:  # a tiny positive value rounds to 0 at the stored resolution
+                raise ScheduleError(f"{name}: {v!r} rounds to 0 (granularities are stored as "
+                                    f"fractions with denominators up to 1024); use at least "
+                                    f"1/1024")
+            object.__setattr__(self, name, g)
 
     @classmethod
     def inline(cls, *, num_minibatches: int = 1) -> Schedule:
