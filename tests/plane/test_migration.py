@@ -298,7 +298,7 @@ def test_fifo_mid_epoch_remaining_minibatches_identical(small_spec, schedule):
 
 # -- growth trace driven by the placement map ---------------------------------------------------
 
-C_TRACE = 64
+C_TRACE = 66  # divisible by 2 and 3: shards of whole, equal rows
 
 
 def toy_topology() -> Topology:

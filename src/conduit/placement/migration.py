@@ -40,7 +40,7 @@ from conduit.placement.planner import (
 )
 from conduit.placement.topology import Topology
 from conduit.placement.transfer import Candidate, check_endpoint, endpoint_shares
-from conduit.storage.layout import Placement
+from conduit.storage.layout import Placement, split_rows
 
 # -- Eq. 3 ---------------------------------------------------------------------------------------
 
@@ -208,17 +208,6 @@ def transfer_plan(source_volumes: Mapping[str, float], target_volumes: Mapping[s
 # -- volumes ---------------------------------------------------------------------------------------
 
 
-def _split(total: int, shares: Sequence[float]) -> list[int]:
-    """Largest-remainder split of ``total`` rows by ``shares`` (sums exactly to ``total``)."""
-    raw = [total * s for s in shares]
-    out = [math.floor(r) for r in raw]
-    rest = total - sum(out)
-    order = sorted(range(len(raw)), key=lambda k: (-(raw[k] - out[k]), k))
-    for k in order[:rest]:
-        out[k] += 1
-    return out
-
-
 def rows_per_device(placement: Placement, capacity: int) -> dict[str, int]:
     """Rows of a ``capacity``-row buffer on each device of ``placement`` (storage's names).
 
@@ -231,7 +220,7 @@ def rows_per_device(placement: Placement, capacity: int) -> dict[str, int]:
     _check_capacity(capacity)
     if placement.kind != "sharded":
         return {placement.devices[0]: capacity}
-    return dict(zip(placement.devices, _split(capacity, placement.shares)))
+    return dict(zip(placement.devices, split_rows(capacity, placement.shares)))
 
 
 def rows_per_endpoint(p: Placement | Candidate, capacity: int,
@@ -240,7 +229,7 @@ def rows_per_endpoint(p: Placement | Candidate, capacity: int,
     ``"node1/cuda:0"``), as the transfer plans are."""
     _check_capacity(capacity)
     shares = endpoint_shares(p, topology)
-    return dict(zip((e for e, _ in shares), _split(capacity, [s for _, s in shares])))
+    return dict(zip((e for e, _ in shares), split_rows(capacity, [s for _, s in shares])))
 
 
 def volumes_for(p: Placement | Candidate, total_bytes: float,

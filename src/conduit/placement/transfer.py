@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from conduit.errors import ConfigError, PlacementError
 from conduit.placement.endpoints import CPU_PINNED
 from conduit.placement.topology import Topology
-from conduit.storage.layout import Placement
+from conduit.storage.layout import Placement, split_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,8 +305,14 @@ def check_capacity(p: Placement | Candidate, *, capacity: int, x: float,
     _check_x(x)
     needed = float(capacity) * float(x)
     best, limiting = math.inf, ""
-    for e, s in endpoint_shares(p, topology):
+    shares = endpoint_shares(p, topology)
+    for e, s in shares:
         if s > 0 and topology.memory(e) / s < best:
             best, limiting = topology.memory(e) / s, e
-    return CapacityCheck(fits=needed <= best, needed_bytes=needed, available_bytes=best,
+    fits = needed <= best
+    # Rows are whole: an endpoint may hold one row more than its share (split_rows).
+    for (e, _), rows in zip(shares, split_rows(capacity, [s for _, s in shares])):
+        if fits and rows * float(x) > topology.memory(e):
+            fits, limiting = False, e
+    return CapacityCheck(fits=fits, needed_bytes=needed, available_bytes=best,
                          limiting_device=limiting)

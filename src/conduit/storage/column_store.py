@@ -17,7 +17,7 @@ from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
 from conduit.storage import compiled
 from conduit.storage.hostmem import host_zeros
-from conduit.storage.layout import Placement
+from conduit.storage.layout import Placement, split_rows
 from conduit.storage.state import StateDict, entry, integer
 from conduit.storage.threads import GatherWorkers
 
@@ -449,8 +449,7 @@ class ShardedStore:
             raise PlacementError("placement: ShardedStore needs a sharded placement")
         self.placement = placement
         shares = placement.shares or ()
-        counts = [int(capacity * s) for s in shares]
-        counts[-1] += capacity - sum(counts)
+        counts = split_rows(capacity, shares)
         if any(c < 1 for c in counts):
             raise CapacityError(f"capacity {capacity} is too small to give every one of "
                                 f"{len(counts)} shards at least one row",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -129,3 +130,16 @@ class Placement:
                        shares=tuple(d["shares"]) if d.get("shares") else None)
         except KeyError as exc:
             raise PlacementError(f"placement: missing key {exc.args[0]!r}") from exc
+
+
+def split_rows(total: int, shares: Sequence[float]) -> list[int]:
+    """Rows of a ``total``-row buffer per share: largest-remainder rounding, so the counts sum
+    exactly to ``total`` and each is within one row of ``total * share`` (the layout a sharded
+    store allocates, and the one capacity checks and transfer plans count)."""
+    raw = [total * s for s in shares]
+    out = [math.floor(r) for r in raw]
+    rest = total - sum(out)
+    order = sorted(range(len(raw)), key=lambda k: (-(raw[k] - out[k]), k))
+    for k in order[:rest]:
+        out[k] += 1
+    return out
