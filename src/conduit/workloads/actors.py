@@ -64,11 +64,16 @@ class RolloutWorker:
         restart: How many times the worker of this rank was re-created before this one, so
             that a replacement does not replay the episodes of the worker it replaces.
         num_agents: Agents of ``MultiAgentCartPole``.
+        single_thread: Set torch to one intra-op thread in this process: right for a Ray
+            actor's own process, wrong for an in-process worker, which would take the
+            learner's threads away (:class:`ActorGroup` passes it only for Ray actors).
     """
 
     def __init__(self, *, algo: str, env_id: str, info: EnvInfo, num_envs: int, seed: int,
-                 rank: int = 0, restart: int = 0, num_agents: int = 4) -> None:
-        torch.set_num_threads(1)
+                 rank: int = 0, restart: int = 0, num_agents: int = 4,
+                 single_thread: bool = True) -> None:
+        if single_thread:
+            torch.set_num_threads(1)
         if algo not in ALGOS:
             raise ValueError(f"algo: must be one of {ALGOS}, got {algo!r}")
         self.algo, self.info, self.num_envs = algo, info, num_envs
@@ -313,7 +318,10 @@ class ActorGroup:
         self.close()
 
     def _start(self, rank: int) -> RolloutWorker | ActorHandle:
-        kw = {**self._worker_kw, "rank": rank, "restart": self._restarts[rank]}
+        # A Ray actor has a process of its own: one torch thread there. An in-process worker
+        # shares the driver's torch with the learner, whose thread count it must keep.
+        kw = {**self._worker_kw, "rank": rank, "restart": self._restarts[rank],
+              "single_thread": self.use_ray}
         return self._remote.remote(**kw) if self.use_ray else RolloutWorker(**kw)
 
     def submit(self, num_steps: int, weights: dict[str, torch.Tensor] | None,

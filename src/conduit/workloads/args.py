@@ -15,6 +15,11 @@ import torch
 from conduit import Placement, Schedule
 from conduit.cli_args import arg
 from conduit.errors import ConfigError
+from conduit.workloads.envs import EnvInfo, env_info
+
+MIN_IMAGE_SIZE = 9
+"""Smallest image payload side the workloads' conv encoder (a 5x5 then a 3x3 convolution,
+both of stride 2, see :class:`~conduit.workloads.nets.ConvEncoder`) can take."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,8 @@ class TrainerArgs:
 
     env: str = arg("CartPole-v1", "environment id")
     image_size: int = arg(0, "attach a size x size x 3 uint8 image to every observation "
-                          "(0 off; 128 ~ 48 KB, 256 ~ 192 KB); a payload-size stand-in")
+                          f"(0 off, else at least {MIN_IMAGE_SIZE}; 128 ~ 48 KB, 256 ~ 192 KB); "
+                          "a payload-size stand-in")
     actors: int = arg(2, "rollout actors (Ray actors unless --no-use-ray)", min=1)
     envs_per_actor: int = arg(4, "environment copies each actor steps in lock-step", min=1)
     steps_per_rollout: int = arg(16, "lock-steps per actor per iteration (one rollout unit)", min=1)
@@ -31,14 +37,18 @@ class TrainerArgs:
     buffer: Literal["inline", "conduit"] = arg("conduit", "experience path: 'inline' runs "
                                                "every operator on the caller's thread; "
                                                "'conduit' places and schedules it")
-    schedule: str = arg("auto", "conduit schedule: auto, inline, or 'ov_ing,g_ing,ov_del,g_del'")
-    placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0")
+    schedule: str = arg("auto", "conduit schedule: auto, inline, or 'ov_ing,g_ing,ov_del,g_del' "
+                        "(--buffer inline runs inline: it takes only auto or inline)")
+    placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0 "
+                         "(--buffer inline keeps pageable memory: it takes only auto or "
+                         "pageable)")
     seed: int = arg(1, "random seed")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     learner_threads: int = arg(0, "torch threads of the learner (0: the cores the actors "
                                "leave free, at least 1)")
     use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
-    address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray)")
+    address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray; "
+                       "refused with --no-use-ray)")
     log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
     out: str = arg("", "write the JSON log here (empty: do not write)", output="file")
     plot: str = arg("", "write the PNG breakdown here (empty: do not write)", output="file")
@@ -82,3 +92,74 @@ def parse_placement(text: str, learner_device: torch.device) -> Placement | Lite
         return (Placement.device(learner_device) if learner_device.type != "cpu"
                 else Placement.pageable())
     return Placement.device(text)
+
+
+def check_image_size(size: int) -> None:
+    """Refuse an image payload side the conv encoder cannot take.
+
+    Raises:
+        ConfigError: ``size`` is neither 0 nor at least :data:`MIN_IMAGE_SIZE` (field
+            ``image_size``).
+    """
+    if 0 < size < MIN_IMAGE_SIZE:
+        raise ConfigError("image_size", f"must be 0 (no image) or at least {MIN_IMAGE_SIZE} "
+                                        f"(the image encoder's smallest input), got {size}")
+
+
+def check_trainer_args(args: TrainerArgs) -> None:
+    """The checks of the shared flags that need more than one value, run before Ray starts.
+
+    Raises:
+        ConfigError: The image payload is too small (field ``image_size``); ``--buffer
+            inline`` is given a schedule or placement it would not run (fields ``schedule``,
+            ``placement``); ``--no-use-ray`` is given a Ray address (field ``address``).
+    """
+    check_image_size(args.image_size)
+    if args.buffer == "inline":
+        # The inline baseline always runs the inline schedule on pageable memory.
+        if args.schedule not in ("auto", "inline"):
+            raise ConfigError("schedule", f"{args.schedule!r} does not apply with --buffer "
+                                          "inline (it runs every operator inline); pass "
+                                          "--buffer conduit, or leave --schedule out")
+        if args.placement not in ("auto", "pageable"):
+            raise ConfigError("placement", f"{args.placement!r} does not apply with --buffer "
+                                           "inline (it keeps the buffer in pageable memory); "
+                                           "pass --buffer conduit, or leave --placement out")
+    if not args.use_ray and args.address:
+        raise ConfigError("address", f"{args.address!r} does not apply with --no-use-ray (the "
+                                     "actors run in this process); drop --no-use-ray or "
+                                     "--address")
+
+
+def check_replay(*, buffer_size: int, batch_size: int, learning_starts: int) -> None:
+    """The replay flags of an off-policy trainer (DQN, SAC) against each other.
+
+    Raises:
+        ConfigError: ``--batch-size`` or ``--learning-starts`` exceeds ``--buffer-size``
+            (field ``batch_size`` or ``learning_starts``).
+    """
+    if batch_size > buffer_size:
+        raise ConfigError("batch_size", f"{batch_size} exceeds --buffer-size {buffer_size}; "
+                                        "pass a smaller batch or a larger buffer")
+    if learning_starts > buffer_size:
+        raise ConfigError("learning_starts", f"{learning_starts} exceeds --buffer-size "
+                                             f"{buffer_size}: the buffer never holds that "
+                                             "many transitions, so learning would never start")
+
+
+def probe_env(env_id: str, **kw: object) -> EnvInfo | None:
+    """The environment's :class:`EnvInfo` for a check before Ray starts, or None when the id
+    is unknown (the trainer then raises its own :class:`ConfigError` naming it).
+
+    Raises:
+        ConfigError: The environment needs an optional extra that is not installed (field
+            ``env``).
+    """
+    try:
+        return env_info(env_id, **kw)  # type: ignore[arg-type]
+    except ImportError as exc:
+        raise ConfigError("env", f"{env_id}: {exc}") from exc
+    except ConfigError as exc:
+        if exc.field == "env":
+            return None
+        raise

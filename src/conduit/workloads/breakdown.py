@@ -164,6 +164,9 @@ class RunResult:
 
     ``rollouts_lost`` counts the rollouts that dead Ray actors did not deliver (each collected
     again from the actor re-created in its place), ``actors_restarted`` the re-created actors.
+    ``updates`` counts the learner's gradient steps and ``learning_iterations`` the iterations
+    in which it trained; with no update, ``losses_finite`` holds vacuously and the JSON log
+    writes it as null.
     """
 
     algo: str
@@ -177,23 +180,30 @@ class RunResult:
     losses_finite: bool = True
     rollouts_lost: int = 0
     actors_restarted: int = 0
+    updates: int = 0
+    learning_iterations: int = 0
 
     @classmethod
     def of(cls, algo: str, args: TrainerArgs, plan: dict[str, object],
-           recorder: BreakdownRecorder, losses: Sequence[float], actors: ActorGroup
-           ) -> RunResult:
+           recorder: BreakdownRecorder, losses: Sequence[float], actors: ActorGroup, *,
+           updates: int | None = None) -> RunResult:
         """The result of a finished run: the recorder's breakdown, whether every loss was
-        finite, and the rollouts the actors lost."""
+        finite, the learner's gradient steps (``updates``, one per loss by default), and the
+        rollouts the actors lost."""
+        updates = len(losses) if updates is None else updates
+        learning = sum(r.learning for r in recorder.records) if updates else 0
         return cls(algo, args.env, args.buffer, plan, recorder.summary(), recorder.records,
                    recorder.returns, dataclasses.asdict(args),
                    all(math.isfinite(v) for v in losses), actors.rollouts_lost,
-                   actors.actors_restarted)
+                   actors.actors_restarted, updates, learning)
 
     def to_json(self) -> dict[str, object]:
         """JSON-friendly form (non-finite floats become None)."""
         return {"algo": self.algo, "env": self.env, "buffer": self.buffer, "plan": self.plan,
                 "summary": finite(self.summary), "config": finite(self.config),
-                "losses_finite": self.losses_finite, "rollouts_lost": self.rollouts_lost,
+                "losses_finite": self.losses_finite if self.updates else None,
+                "updates": self.updates, "learning_iterations": self.learning_iterations,
+                "rollouts_lost": self.rollouts_lost,
                 "actors_restarted": self.actors_restarted,
                 "iterations": [finite({**dataclasses.asdict(r), "exposed": r.exposed})
                                for r in self.records],

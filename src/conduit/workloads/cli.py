@@ -16,12 +16,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_dataclass
+from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.report import check_output_path, write_json
 from conduit.workloads import dqn, grpo, ppo, sac
 from conduit.workloads.actors import ray_running
-from conduit.workloads.args import TrainerArgs, parse_placement, parse_schedule
+from conduit.workloads.args import (
+    MIN_IMAGE_SIZE,
+    TrainerArgs,
+    check_image_size,
+    parse_placement,
+    parse_schedule,
+)
 from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
 from conduit.workloads.figures import plot_breakdown
 from conduit.workloads.learner import resolve_device
@@ -56,25 +62,32 @@ def train_parser(algo: str) -> argparse.ArgumentParser:
 def _print_summary(result: RunResult) -> None:
     s = result.summary
     ms = lambda k: f"{1000 * s[k]:8.2f}"  # noqa: E731
-    print(f"\n{result.algo} on {result.env}, buffer={result.buffer}: per-iteration medians over "
-          f"{s['iterations_measured']} learning iterations (ms)")
+    head = f"\n{result.algo} on {result.env}, buffer={result.buffer}: "
+    if result.updates:
+        print(f"{head}per-iteration medians over {s['iterations_measured']} learning "
+              f"iterations (ms); {result.updates} updates")
+    else:
+        print(f"{head}0 learning iterations (no update ran); per-iteration medians over "
+              f"{s['iterations_measured']} iterations (ms)")
     for k in ("rollout", "ingestion", "delivery", "update", "other", "end_to_end"):
         label = {"ingestion": "exposed ingestion", "delivery": "exposed delivery"}.get(k, k)
         print(f"  {label:<18} {ms(k)}")
     print(f"  {'exposed path':<18} {ms('exposed')}")
     print(f"  plan: {result.plan.get('placement')} | {result.plan.get('schedule')}")
-    print(f"  final mean return: {s['final_return']:.1f}   losses finite: {result.losses_finite}")
+    finite = result.losses_finite if result.updates else "n/a (no update ran)"
+    print(f"  final mean return: {s['final_return']:.1f}   losses finite: {finite}")
 
 
 def train_main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit train``; returns the exit status."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(prog="conduit train", add_help=False)
     pre.add_argument("--algo", choices=ALGOS, default="ppo")
     known, _ = pre.parse_known_args(argv)
     parser = train_parser(known.algo)
-    ns = parser.parse_args(argv)
     mod = TRAINERS[known.algo]
-    args = parse_dataclass(mod.Args, ns)
+    # Checks that need several flags (or the environment) are usage errors naming the flag,
+    # before any output and before Ray starts.
+    args = parse_command(parser, mod.Args, argv, check=getattr(mod, "check", None))
     if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
         return mod.report(mod.train(args), args)
     # Bad input fails here, before Ray starts and the run is spent (the trainer checks the
@@ -102,8 +115,9 @@ class DemoArgs:
     algo: Literal["dqn", "ppo", "sac"] = arg("dqn", "workload algorithm: dqn (CartPole-v1) or "
                                              "ppo (CartPole-v1) or sac (Pendulum-v1), each "
                                              "with the image payload")
-    image_size: int = arg(128, "image payload side (128 ~ 48 KB, 256 ~ 192 KB per "
-                          "observation); a payload-size stand-in")
+    image_size: int = arg(128, f"image payload side, 0 (none) or at least {MIN_IMAGE_SIZE} "
+                          "(128 ~ 48 KB, 256 ~ 192 KB per observation); a payload-size "
+                          "stand-in")
     iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total)")
     rounds: int = arg(2, "runs per mode, alternating the order (inline, Conduit, Conduit, "
                       "inline, ...); the medians pool every run's iterations, so the shared "
@@ -112,13 +126,15 @@ class DemoArgs:
     seed: int = arg(1, "random seed")
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
+    log_every: int = arg(10, "print a progress line every this many iterations of each run "
+                         "(0: only the start and end of each run)")
     out: str = arg("runs/demo", "folder for demo.json and demo.png", output="dir")
 
 
 def _demo_args(d: DemoArgs, buffer: str) -> TrainerArgs:
     gpu = resolve_device(d.device).type == "cuda"
     common = dict(image_size=d.image_size, actors=d.actors, buffer=buffer, seed=d.seed,
-                  device=d.device, use_ray=d.use_ray, log_every=0)
+                  device=d.device, use_ray=d.use_ray, log_every=d.log_every)
     if d.algo == "dqn":
         iters = d.iters or (150 if gpu else 45)
         return dqn.Args(env="CartPole-v1", iters=iters, envs_per_actor=4, steps_per_rollout=16,
@@ -143,7 +159,7 @@ def _change(red: float) -> str:
 def demo_main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit demo``: a heavy-payload workload, inline against Conduit."""
     p = command_parser("conduit demo", _DEMO_HELP, DemoArgs)
-    d = parse_dataclass(DemoArgs, p.parse_args(argv))
+    d = parse_command(p, DemoArgs, argv, check=lambda d: check_image_size(d.image_size))
     if d.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {d.rounds}")
     device = resolve_device(d.device)

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from conduit.cli_args import arg
+from conduit.errors import ConfigError
 from conduit.storage import PrioritizedSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs
+from conduit.workloads.args import TrainerArgs, check_replay, check_trainer_args, probe_env
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import env_info
 from conduit.workloads.learner import setup_learner
@@ -42,23 +43,42 @@ class Args(TrainerArgs):
     gamma: float = arg(0.99, "discount factor")
     updates_per_iter: int = arg(16, "gradient steps per iteration", min=1)
     target_update_every: int = arg(250, "gradient steps between target-network copies", min=1)
-    learning_starts: int = arg(1_000, "transitions stored before learning starts")
+    learning_starts: int = arg(1_000, "transitions stored before learning starts (0: learn "
+                               "from the first rollout); at most --buffer-size")
     start_e: float = arg(1.0, "initial exploration epsilon")
     end_e: float = arg(0.05, "final exploration epsilon")
-    exploration_steps: int = arg(15_000, "transitions over which epsilon decays linearly")
+    exploration_steps: int = arg(15_000, "transitions over which epsilon decays linearly",
+                                 min=1)
     prioritized: bool = arg(False, "prioritized experience replay")
     per_alpha: float = arg(0.6, "PER priority exponent")
     per_beta: float = arg(0.4, "PER importance-weight exponent")
+
+
+def check(args: Args) -> None:
+    """The checks of ``args`` that need more than one flag (or the environment), run before
+    Ray starts.
+
+    Raises:
+        ConfigError: The environment has continuous actions (field ``env``), the replay flags
+            conflict (see :func:`~conduit.workloads.args.check_replay`), or a shared flag is
+            refused (see :func:`~conduit.workloads.args.check_trainer_args`).
+    """
+    check_trainer_args(args)
+    check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
+                 learning_starts=args.learning_starts)
+    info = probe_env(args.env, num_agents=args.num_agents)
+    if info is not None and not info.discrete:
+        raise ConfigError("env", f"DQN needs discrete actions; {args.env} is continuous "
+                                 "(train it with --algo sac or ppo)")
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train DQN and return the per-iteration breakdown; ``on_batch`` sees each training
     batch (for tests)."""
+    check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size, num_agents=args.num_agents)
-    if not info.discrete:
-        raise ValueError(f"env: DQN needs discrete actions; {args.env} is continuous")
 
     # The plane: a replay buffer of `buffer_size` transitions (s, a, r, s', done), with the
     # image payload if any. Ingestion and delivery are the identity here (the defaults), so
@@ -68,7 +88,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
     plane, plan, tuner = make_plane(
         args, learner_device=device, mode="off_policy", spec=transition_spec(info),
         capacity=args.buffer_size, batch_size=args.batch_size, sampler=sampler,
-        min_size=args.learning_starts, seed=args.seed)
+        min_size=max(1, args.learning_starts), seed=args.seed)
 
     q_network = QNetwork(info).to(device)
     target_network = copy.deepcopy(q_network)
@@ -113,7 +133,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
         plane.flush()
-    return RunResult.of("dqn", args, plan, rec, losses, actors)
+    return RunResult.of("dqn", args, plan, rec, losses, actors, updates=updates)
 
 
 def _dqn_loss(q_network: QNetwork, target_network: QNetwork, b: dict[str, torch.Tensor],

@@ -20,12 +20,13 @@ from torch import nn
 
 from conduit import ExperienceSpec
 from conduit.cli_args import arg
+from conduit.errors import ConfigError
 from conduit.storage import FifoSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs
+from conduit.workloads.args import TrainerArgs, check_trainer_args
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
-from conduit.workloads.envs import EnvInfo, env_info
+from conduit.workloads.envs import MULTI_AGENT_CARTPOLE, EnvInfo, env_info
 from conduit.workloads.learner import setup_learner
 from conduit.workloads.nets import PPOAgent
 from conduit.workloads.planes import make_plane
@@ -39,7 +40,8 @@ class Args(TrainerArgs):
     0.8, 20 -> 10 epochs, lr 1e-3 annealed, no entropy bonus).
     """
 
-    env: str = arg("CartPole-v1", "environment id (CartPole-v1; continuous ids also work)")
+    env: str = arg("CartPole-v1", "single-agent environment id (CartPole-v1; continuous "
+                   "ids such as Pendulum-v1 also work)")
     steps_per_rollout: int = arg(32, "lock-steps per rollout fragment (one rollout unit; GAE "
                                  "bootstraps at its end, as with RLlib's rollout fragments)", min=1)
     iters: int = arg(150, "training iterations (one policy version each)", min=1)
@@ -142,16 +144,40 @@ def minibatch_sampler(args: Args) -> FifoSampler:
                                seed=args.seed)
 
 
+def rows_per_iteration(args: Args) -> int:
+    """Samples of one PPO iteration: every actor's fragments of lock-steps over its envs."""
+    return (args.actors * args.envs_per_actor * args.steps_per_rollout
+            * args.rollout_fragments)
+
+
+def check(args: Args) -> None:
+    """The checks of ``args`` that need more than one flag, run before Ray starts.
+
+    Raises:
+        ConfigError: ``MultiAgentCartPole`` (field ``env``): PPO here sizes an iteration with
+            one row per env and step, while a multi-agent env yields one per live agent;
+            ``--num-minibatches`` does not divide an iteration's samples; or a shared flag
+            is refused (see :func:`~conduit.workloads.args.check_trainer_args`).
+    """
+    if args.env == MULTI_AGENT_CARTPOLE:
+        raise ConfigError("env", f"PPO here supports single-agent envs; {args.env} has "
+                                 "several agents per env (train it with --algo dqn)")
+    check_trainer_args(args)
+    rows = rows_per_iteration(args)
+    if rows % args.num_minibatches:
+        raise ConfigError("num_minibatches", f"{args.num_minibatches} does not divide the "
+                                             f"{rows} samples of an iteration (--actors x "
+                                             "--envs-per-actor x --steps-per-rollout x "
+                                             "--rollout-fragments)")
+
+
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch."""
+    check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
-    rows_per_iter = (args.actors * args.envs_per_actor * args.steps_per_rollout
-                     * args.rollout_fragments)
-    if rows_per_iter % args.num_minibatches:
-        raise ValueError(f"num_minibatches: {args.num_minibatches} does not divide the "
-                         f"{rows_per_iter} samples of an iteration")
+    rows_per_iter = rows_per_iteration(args)
 
     # The plane: each iteration's samples, delivered as M mini-batches per epoch.
     plane, plan, tuner = make_plane(

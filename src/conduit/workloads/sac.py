@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from conduit.cli_args import arg
+from conduit.errors import ConfigError
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs
+from conduit.workloads.args import TrainerArgs, check_replay, check_trainer_args, probe_env
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import env_info
 from conduit.workloads.learner import setup_learner
@@ -40,27 +41,47 @@ class Args(TrainerArgs):
     q_lr: float = arg(1e-3, "critic learning rate", positive=True)
     policy_lr: float = arg(3e-4, "actor learning rate", positive=True)
     gamma: float = arg(0.99, "discount factor")
-    tau: float = arg(0.005, "target smoothing coefficient")
+    tau: float = arg(0.005, "target smoothing coefficient (1: copy the critics every step)",
+                     positive=True, max=1.0)
     reward_scale: float = arg(1.0, "reward multiplier applied in ingestion")
     updates_per_iter: int = arg(32, "gradient steps per iteration", min=1)
-    learning_starts: int = arg(1_000, "transitions stored (random actions) before learning")
+    learning_starts: int = arg(1_000, "transitions stored (random actions) before learning "
+                               "(0: learn from the first rollout); at most --buffer-size")
     autotune: bool = arg(True, "tune the entropy coefficient automatically")
     alpha: float = arg(0.2, "entropy coefficient when not autotuned")
+
+
+def check(args: Args) -> None:
+    """The checks of ``args`` that need more than one flag (or the environment), run before
+    Ray starts.
+
+    Raises:
+        ConfigError: The environment has discrete actions or needs an extra that is not
+            installed (field ``env``), the replay flags conflict (see
+            :func:`~conduit.workloads.args.check_replay`), or a shared flag is refused (see
+            :func:`~conduit.workloads.args.check_trainer_args`).
+    """
+    check_trainer_args(args)
+    check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
+                 learning_starts=args.learning_starts)
+    info = probe_env(args.env)
+    if info is not None and info.discrete:
+        raise ConfigError("env", f"SAC here needs continuous actions; {args.env} is discrete "
+                                 "(train it with --algo dqn or ppo)")
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train SAC and return the per-iteration breakdown; ``on_batch`` sees each batch."""
+    check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
-    if info.discrete:
-        raise ValueError(f"env: SAC here needs continuous actions; {args.env} is discrete")
 
     # The plane: a replay buffer of `buffer_size` transitions (s, a, r, s', done).
     plane, plan, tuner = make_plane(
         args, learner_device=device, mode="off_policy", spec=transition_spec(info),
         capacity=args.buffer_size, batch_size=args.batch_size, sampler="uniform",
-        min_size=args.learning_starts, seed=args.seed)
+        min_size=max(1, args.learning_starts), seed=args.seed)
 
     # Ingestion: a framework-defined transform of each rollout before it is stored.
     @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
@@ -137,4 +158,5 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
         plane.flush()
-    return RunResult.of("sac", args, plan, rec, losses, actors)
+    # Two losses (critic, actor) per gradient step.
+    return RunResult.of("sac", args, plan, rec, losses, actors, updates=len(losses) // 2)
