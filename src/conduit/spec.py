@@ -48,7 +48,11 @@ class FieldSpec:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        shape = tuple(self.shape)
+        try:
+            shape = tuple(self.shape)
+        except TypeError:
+            raise ConfigError("shape", f"expected a tuple of non-negative ints, got "
+                                       f"{self.shape!r}") from None
         if any((not isinstance(s, (int, np.integer))) or s < 0 for s in shape):
             raise ConfigError("shape", f"expected non-negative ints, got {self.shape!r}")
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
@@ -188,7 +192,7 @@ class ExperienceSpec:
             if name not in batch:
                 raise SpecError(name, f"missing from {what}; expected shape "
                                       f"(N, {', '.join(map(str, fs.shape))}) dtype {fs.dtype}")
-            t = as_tensor(batch[name], field=name)
+            t = as_tensor(batch[name], field=name, dtype=fs.dtype)
             if t.dtype != fs.dtype:
                 raise SpecError(name, f"dtype {t.dtype} in {what}, expected {fs.dtype}")
             if t.dim() != len(fs.shape) + 1 or tuple(t.shape[1:]) != fs.shape:
@@ -224,6 +228,10 @@ class RaggedFieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("dtype", f"expected a torch.dtype, got {self.dtype!r}")
+        if self.dtype not in STORABLE_DTYPES:
+            names = [str(d).removeprefix("torch.") for d in STORABLE_DTYPES]
+            raise ConfigError("dtype", f"{self.dtype} sequences cannot be gathered and padded "
+                                       f"by torch; use one of {names}")
         if not isinstance(self.min_length, int) or self.min_length < 0:
             raise ConfigError("min_length", f"must be a non-negative int, got {self.min_length!r}")
         if not isinstance(self.max_length, int) or self.max_length < max(1, self.min_length):
@@ -250,7 +258,7 @@ class RaggedFieldSpec:
         parts = []
         for i, seq in enumerate(sequences):
             try:
-                t = as_tensor(seq, field=field)
+                t = as_tensor(seq, field=field, dtype=self.dtype)
             except SpecError as exc:
                 raise SpecError(field, f"sample {i} in {what}: "
                                        f"{str(exc).removeprefix(f'field {field!r}: ')}") from exc
@@ -301,18 +309,26 @@ def as_indices(value: Any) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.int64).reshape(-1).cpu()
 
 
-def as_tensor(value: Any, *, field: str) -> torch.Tensor:
+def as_tensor(value: Any, *, field: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 
     A tensor with autograd history comes back detached (the same memory): rows are stored as
     values, and a copy into a column must not join the caller's graph. A conjugate or
-    negative view comes back resolved (a copy holding the values it shows).
+    negative view comes back resolved (a copy holding the values it shows). A numpy array of
+    the other byte order comes back in this machine's. Python numbers (lists, scalars) are
+    read at full precision and, given the field's ``dtype`` of the same kind (floating point,
+    integer, complex), converted to it when every value fits; tensors and arrays keep their
+    dtype (the caller compares it with the field's).
 
     Raises:
-        SpecError: The value cannot become a tensor, or is a tensor without data (on the
-            ``meta`` device), or a sparse (not strided) tensor.
+        SpecError: The value cannot become a tensor, is a tensor without data (on the
+            ``meta`` device), a sparse or nested tensor, or Python numbers that do not fit
+            ``dtype`` (a float beyond its range, an integer that would wrap).
     """
     if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            raise SpecError(field, "is a nested tensor; rows are stored dense: pass "
+                                   "value.to_padded_tensor(pad) or one tensor per field")
         if value.device.type == "meta":
             raise SpecError(field, "is a tensor on the 'meta' device, which holds no data; "
                                    "materialise it on the CPU or a GPU first")
@@ -323,13 +339,50 @@ def as_tensor(value: Any, *, field: str) -> torch.Tensor:
             value = value.resolve_conj().resolve_neg()
         return value.detach() if value.requires_grad else value
     if isinstance(value, np.ndarray):
-        if value.dtype == np.bool_ or value.dtype.kind in "biuf":
+        if value.dtype == np.bool_ or value.dtype.kind in "biufc":
+            if not value.dtype.isnative:  # torch reads native byte order only
+                value = value.astype(value.dtype.newbyteorder("="))
             return torch.from_numpy(np.ascontiguousarray(value))
         raise SpecError(field, f"numpy dtype {value.dtype} cannot become a tensor")
     try:
-        return torch.as_tensor(value)
+        t = _python_numbers(value)
+        if t is None:
+            t = torch.as_tensor(value)
     except Exception as exc:
         raise SpecError(field, f"cannot convert {type(value).__name__} to a tensor: {exc}") from exc
+    return t if dtype is None else _to_field_dtype(t, dtype, field)
+
+
+def _python_numbers(value: Any) -> torch.Tensor | None:
+    """Python numbers (a scalar or nested lists of them) at full precision (float64, int64,
+    complex128, bool), or None for anything else (torch's default conversion reads Python
+    floats as float32, where a larger one becomes inf)."""
+    if not isinstance(value, (list, tuple, int, float, complex)):
+        return None
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_ or arr.dtype.kind in "iufc":
+        return torch.from_numpy(arr)
+    return None
+
+
+def _to_field_dtype(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
+    """``t`` (read from Python numbers) as ``dtype`` when both are of one kind and every value
+    fits; otherwise ``t`` unchanged (the dtype check names the mismatch)."""
+    if t.dtype == dtype or t.dtype == torch.bool or dtype == torch.bool:
+        return t
+    kinds = (t.is_floating_point(), t.is_complex())
+    if kinds != (dtype.is_floating_point, dtype.is_complex):
+        return t
+    out = t.to(dtype)
+    if t.is_floating_point() or t.is_complex():
+        lost = torch.isfinite(t) & ~torch.isfinite(out)
+    else:
+        lost = out.to(t.dtype) != t
+    if bool(lost.any()):
+        bad = t[lost].reshape(-1)[0].item()
+        raise SpecError(field, f"value {bad!r} does not fit {dtype}; pass a tensor or array "
+                               f"of the field's dtype, or scale the values")
+    return out
 
 
 def batch_rows(batch: Mapping[str, Any], *, what: str = "batch") -> int:

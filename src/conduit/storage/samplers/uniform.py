@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conduit._checks import check_bool
 from conduit.errors import EmptyBufferError, StateError
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict
@@ -21,7 +22,7 @@ class UniformSampler(Sampler):
 
     def __init__(self, *, replacement: bool = True, seed: int = 0) -> None:
         super().__init__(seed=seed)
-        self.replacement = replacement
+        self.replacement = check_bool("replacement", replacement)
         self._draws = torch.Generator().manual_seed(_torch_seed(self._rng))
 
     def config(self) -> dict[str, JSON]:
