@@ -3,13 +3,14 @@ path consistent (a retry completes the iteration), arguments are checked before 
 changes, infinite rewards are refused, and every input gets a typed error naming it."""
 
 import math
+import time
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
-from conduit.errors import ConfigError, OperatorError, SpecError, StateError
+from conduit.errors import ConfigError, OperatorError, PlaneClosedError, SpecError, StateError
 from conduit.integrations.grpo import (
     LogProbSource,
     combine_rewards,
@@ -108,6 +109,43 @@ def test_a_failed_ingestion_on_the_worker_loses_the_groups_from_it_on():
             path.push_group(prompt_ids=prompts, completion_ids=comps)
         path.flush()
         _same([path.pull() for _ in range(M)], want)
+
+
+def test_recover_runs_out_the_withdrawn_pushes_a_slow_worker_still_holds():
+    """With a slow scorer the worker may take a push withdrawn with the failed one just as the
+    learner recovers: it failed after recover() had returned, latched a new error, and the
+    documented retry raised again (then close() reported lost rows). The race is timing
+    bound, so it is run many times; each run must complete the iteration."""
+    want, _ = _clean_batches()
+    for _ in range(25):
+        flaky, _ = _flaky({1})
+
+        def score(*args, flaky=flaky):
+            time.sleep(0.02)  # a reward model's latency
+            return flaky(*args)
+
+        with _path(score=score, schedule=OVERLAPPED_ING, timeout=10) as path:
+            path.begin_iteration(ORDER, prompt_width=WIDTH)
+            groups = _groups()
+            for prompts, comps in groups:
+                try:
+                    path.push_group(prompt_ids=prompts, completion_ids=comps)
+                except OperatorError:
+                    break
+            with pytest.raises(OperatorError, match="hiccup"):
+                path.flush()
+            path.recover()
+            for prompts, comps in groups[path.pushed_groups:]:
+                path.push_group(prompt_ids=prompts, completion_ids=comps)
+            path.flush()
+            _same([path.pull() for _ in range(M)], want)
+
+
+def test_begin_iteration_after_close_says_the_path_is_closed():
+    path = _path()
+    path.close()
+    with pytest.raises(PlaneClosedError):
+        path.begin_iteration(ORDER, prompt_width=WIDTH)
 
 
 def test_an_iteration_left_without_groups_can_be_begun_again():

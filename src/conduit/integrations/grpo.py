@@ -30,7 +30,14 @@ from typing import Any, Literal
 import torch
 
 from conduit._checks import check_int
-from conduit.errors import ConfigError, EmptyBufferError, OperatorError, SpecError, StateError
+from conduit.errors import (
+    ConfigError,
+    EmptyBufferError,
+    OperatorError,
+    PlaneClosedError,
+    SpecError,
+    StateError,
+)
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices
@@ -412,7 +419,10 @@ class GroupExperiencePath:
             ConfigError: ``prompt_width`` is not an int in ``[1, max_prompt_length]``, or a
                 source's ``skip_first(iteration)`` is not an int >= 0.
             StateError: The previous iteration holds groups and has not been consumed.
+            PlaneClosedError: The path is closed.
         """
+        if self.plane.closed:
+            raise PlaneClosedError("begin_iteration: the experience path is closed")
         order = self._check_order(order)
         # Python on the ints: this runs right after generation, where a first numpy or torch
         # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
@@ -548,8 +558,24 @@ class GroupExperiencePath:
 
     def recover(self) -> OperatorError | None:
         """Clear the plane's latched operator error (:meth:`ExperienceDataPlane.recover`) and
-        withdraw the groups a failed ingestion lost; returns the error."""
+        withdraw the groups a failed ingestion lost; returns the error. Pushes withdrawn with
+        them that the plane still holds are run out first (each fails and leaves the
+        iteration), so that pushing the lost groups again then completes the iteration.
+
+        Raises:
+            BackpressureTimeout: The withdrawn pushes were not run out within the timeout.
+        """
         err = self.plane.recover()
+        # The pushes withdrawn with the lost groups may still be queued or being ingested on
+        # the worker: each fails (its serial is gone) and leaves the iteration. They are run
+        # out here, so that pushing the lost groups again finds the plane holding only the
+        # groups kept, and no stale failure is latched after this returns.
+        while True:
+            try:
+                self.plane.flush()
+                break
+            except OperatorError:
+                self.plane.recover()
         self._settle()
         return err
 
