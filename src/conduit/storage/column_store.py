@@ -116,7 +116,9 @@ class GatherOutputs:
     overwritten: a learner that holds one batch while it pulls the next gets double buffering,
     one that holds more gets more sets. With ``keep`` sets in use, a gather gets new memory, as
     without the pool; where torch exposes no use count, nothing is kept
-    (``docs/design.md §7``).
+    (``docs/design.md §7``). A Python storage object alone (``t.untyped_storage()``,
+    ``t.storage()``) does not count as a reference: keep a tensor or view of the field to
+    hold its memory.
 
     Args:
         fields: Field specs of a set.
