@@ -179,7 +179,7 @@ def parse_command(parser: argparse.ArgumentParser, cls: type[T],
         try:
             check(cls(**_values(cls, ns)))
         except ConfigError as exc:
-            usage_error(parser, exc.field, str(exc).removeprefix(f"{exc.field}: "))
+            usage_error(parser, exc.field, exc.reason)
     return parse_dataclass(cls, ns)
 
 

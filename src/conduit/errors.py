@@ -36,10 +36,12 @@ class ConfigError(ConduitError, ValueError):
 
     Attributes:
         field: The name of the argument or configuration field at fault.
+        reason: What is wrong with it (the message without the field's name).
     """
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.reason = message
         super().__init__(f"{field}: {message}")
 
 

@@ -307,7 +307,7 @@ def _check_rl_config(args: PlanArgs) -> None:
                     rollout_rows=args.rollout_rows if on else None)
     except ConfigError as exc:
         field = "minibatches" if exc.field == "num_minibatches" else exc.field
-        raise ConfigError(field, str(exc).split(": ", 1)[-1]) from exc
+        raise ConfigError(field, exc.reason) from exc
 
 
 def plan(args: PlanArgs) -> PlanResult:

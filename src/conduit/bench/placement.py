@@ -257,21 +257,6 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
     return save_figure(fig, path)
 
 
-def learner_device(name: str) -> torch.device:
-    """The device ``--learner-device`` names: ``"auto"`` is ``cuda:0`` when CUDA is
-    available, else the CPU.
-
-    Raises:
-        ConfigError: ``name`` is not a device, or a CUDA device this machine does not have
-            (field ``learner_device``).
-    """
-    try:
-        return resolve_device(name)
-    except ConfigError as exc:
-        raise ConfigError("learner_device", str(exc).removeprefix(f"{exc.field}: ")
-                          .replace("--device", "--learner-device")) from None
-
-
 def check(args: PlacementBenchArgs) -> None:
     """Refuse arguments the flags' own bounds let through.
 
@@ -279,7 +264,7 @@ def check(args: PlacementBenchArgs) -> None:
         ConfigError: An unknown or absent learner device, or a capacity below the batch
             size.
     """
-    learner_device(args.learner_device)
+    resolve_device(args.learner_device, field="learner_device")
     if args.capacity < args.batch_size:
         raise ConfigError("capacity", f"{args.capacity} rows hold less than one batch of "
                                       f"--batch-size {args.batch_size}")
@@ -294,7 +279,7 @@ def run(args: PlacementBenchArgs) -> dict[str, Any]:
     check(args)
     if args.quick:
         args = apply_quick(args)
-    learner = learner_device(args.learner_device)
+    learner = resolve_device(args.learner_device, field="learner_device")
     targets = placements_available(learner, args.shards)
     topo = Topology.detect()
     plan_learner = str(learner) if learner.type == "cuda" else "cpu"

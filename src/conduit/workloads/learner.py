@@ -12,26 +12,31 @@ from conduit.errors import ConfigError
 from conduit.workloads.args import TrainerArgs
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, *, field: str = "device") -> torch.device:
     """``"auto"`` -> the first CUDA device when present, else CPU; otherwise ``name``.
+
+    Args:
+        name: ``"auto"`` or a torch device name.
+        field: The argument that gave it (errors name it, and its flag ``--field``).
 
     Raises:
         ConfigError: ``name`` is not a torch device name, or names a CUDA device this
-            machine does not have (field ``device``).
+            machine does not have (field ``field``).
     """
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    flag = f"--{field.replace('_', '-')}"
     try:
         device = torch.device(name)
     except RuntimeError as exc:
-        raise ConfigError("device", f"{name!r} is not a device; pass --device auto, cpu or "
-                                    "cuda:N") from exc
+        raise ConfigError(field, f"{name!r} is not a device; pass {flag} auto, cpu or "
+                                 "cuda:N") from exc
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
-            raise ConfigError("device", f"{name!r}: this machine has {count} CUDA "
-                                        f"device(s); pass --device auto or cpu"
-                                        + (f", or cuda:0..cuda:{count - 1}" if count else ""))
+            raise ConfigError(field, f"{name!r}: this machine has {count} CUDA "
+                                     f"device(s); pass {flag} auto or cpu"
+                                     + (f", or cuda:0..cuda:{count - 1}" if count else ""))
     return device
 
 
