@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from conduit.errors import PriorityError
+from conduit.storage.buffer import priority_input
 
 ROW_BITS = 40
 """A delivered ``_index`` is ``owner << ROW_BITS | row_id``: shard and place in its order."""
@@ -107,16 +108,6 @@ def nearest_copy(owner: int, holders: list[int], nodes: list[str], node: str | N
     return owner
 
 
-def _flat(values: Any, field: str) -> torch.Tensor:
-    """``values`` as a flat CPU tensor, or PriorityError naming ``field`` when they are not
-    numbers (None, text, ragged lists), as a local buffer answers them."""
-    try:
-        return torch.as_tensor(values).detach().cpu().reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise PriorityError(f"{field}: must be a tensor, array or list of numbers, got "
-                            f"{type(values).__name__} ({exc})") from None
-
-
 def priority_updates(indices: Any, priorities: Any, written: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(owners, row ids, priorities as float64)`` of a priority update, checked.
@@ -134,10 +125,10 @@ def priority_updates(indices: Any, priorities: Any, written: Sequence[int]
             negative priorities; mismatched lengths.
     """
     num_shards = len(written)
-    idx = _flat(indices, "indices")
+    idx = priority_input(indices, "indices")
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise PriorityError(f"indices: must be a batch's integer _index, got {idx.dtype}")
-    raw = _flat(priorities, "priorities")
+    raw = priority_input(priorities, "priorities")
     if raw.is_complex():
         raise PriorityError(f"priorities: must be real numbers (|TD errors|), got {raw.dtype} "
                             f"values")

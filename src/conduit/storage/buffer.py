@@ -31,9 +31,14 @@ def _batch_size(value: Any) -> int:
     return check_int("batch_size", value, minimum=1)
 
 
-def _flat_host(values: Any, field: str) -> torch.Tensor:
-    """``values`` as a flat CPU tensor without autograd history (no copy when it is one), or
-    PriorityError naming ``field`` when they are not numbers (None, text, ragged lists)."""
+def priority_input(values: Any, field: str) -> torch.Tensor:
+    """``values`` of a priority update (its indices or priorities) as a flat CPU tensor
+    without autograd history (no copy when it is one).
+
+    Raises:
+        PriorityError: They are not numbers (None, text, ragged lists); the message starts
+            with ``field``.
+    """
     if (isinstance(values, torch.Tensor) and values.dim() == 1 and values.device.type == "cpu"
             and not values.requires_grad):
         return values
@@ -268,7 +273,7 @@ class ExperienceBuffer:
             PriorityError: Indices that are not integers or not filled slots; priorities that
                 are not finite and non-negative; mismatched lengths.
         """
-        idx, pr = _flat_host(indices, "indices"), _flat_host(priorities, "priorities")
+        idx, pr = priority_input(indices, "indices"), priority_input(priorities, "priorities")
         if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise PriorityError(f"indices: must be integer slots (a batch's _index), got dtype "
                                 f"{idx.dtype}")
