@@ -22,6 +22,18 @@ def check_int(field: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
+def finite_float(value: Any) -> float | None:
+    """``value`` as a finite ``float``, or None when it is not a finite real number (a bool is
+    not one, and neither is an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        f = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def check_real(field: str, value: Any, *, positive: bool, what: str = "a number") -> float:
     """``value`` as a finite ``float`` (a bool or a string is not one).
 
@@ -35,11 +47,11 @@ def check_real(field: str, value: Any, *, positive: bool, what: str = "a number"
         ConfigError: ``value`` is not a finite real number in range.
     """
     bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+    f = finite_float(value)
+    if f is None or f < 0 or (positive and f == 0):
         raise ConfigError(field, f"must be a finite {what.removeprefix('a ')} {bound}, got "
                                  f"{value!r}")
-    return float(value)
+    return f
 
 
 def check_bool(field: str, value: Any) -> bool:

@@ -12,7 +12,6 @@ granularity exploits: ``a`` is the per-invocation overhead, ``b`` the cost per u
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from fractions import Fraction
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from conduit._checks import finite_float
 from conduit.errors import ConfigError, ScheduleError
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class CostFit:
     def __post_init__(self) -> None:
         for name in ("fixed", "per_unit"):
             v = getattr(self, name)
-            f = _finite(v)
+            f = finite_float(v)
             if f is None or f < 0:
                 raise ConfigError(name, f"must be a finite, non-negative number of seconds, "
                                         f"got {v!r}")
@@ -128,7 +128,7 @@ def fit_cost(points: Mapping[Fraction, float] | Iterable[tuple[float, float]]) -
         except (TypeError, ValueError):
             raise ProfileError("points", f"each point must be a (g, seconds) pair, got "
                                          f"{item!r}") from None
-        gf, tf = _finite(g), _finite(t)
+        gf, tf = finite_float(g), finite_float(t)
         if gf is None or not gf > 0:
             raise ProfileError("points", f"granularity must be a finite number > 0, got "
                                          f"{g!r} (point {item!r})")
@@ -158,17 +158,6 @@ def _least_squares(gs: list[float], ts: list[float]) -> CostFit:
         b0 = sum(g * t for g, t in zip(gs, ts)) / sum(g * g for g in gs)
         return CostFit(fixed=0.0, per_unit=max(b0, 0.0))
     return CostFit(fixed=max(t_mean, 0.0), per_unit=0.0)
-
-
-def _finite(v: object) -> float | None:
-    """``v`` as a finite float, or None if it is not a finite real number (a bool is not)."""
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-        return None
-    try:
-        f = float(v)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
 def _freeze_costs(name: str, costs: Mapping) -> Mapping[Fraction, float]:

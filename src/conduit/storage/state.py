@@ -7,13 +7,13 @@ instead of breaking a later push or pull.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from conduit._checks import finite_float
 from conduit.errors import StateError
 
 #: A value in a state dict: tensors, plain values, and lists and dicts of them (what
@@ -54,16 +54,12 @@ def number(state: Mapping[str, StateValue], key: str, where: str, *, low: float 
     v = entry(state, key, where)
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = float(v)
-    try:  # an int too large for a float is not finite either
-        finite = (not isinstance(v, bool) and isinstance(v, (int, float, np.number))
-                  and math.isfinite(v))
-    except OverflowError:
-        finite = False
-    if not finite:
+    f = finite_float(v)
+    if f is None:
         raise StateError(f"{where}.{key}", f"expected a finite number, got {v!r}")
-    if v < low:
+    if f < low:
         raise StateError(f"{where}.{key}", f"{v} is below {low}")
-    return float(v)
+    return f
 
 
 def array(state: Mapping[str, StateValue], key: str, where: str, *, length: int,
