@@ -87,28 +87,26 @@ def test_a_minibatches_call_that_timed_out_loses_nothing():
         _assert_step(buf.minibatches(), nxt)  # the next step is its own, not shifted
 
 
-def test_integer_rewards_are_refused_by_the_put_that_brings_them():
+def _integer_rewards(batch):
+    batch["token_level_rewards"] = batch["token_level_rewards"].long()
+
+
+def _reserved_name(batch):
+    batch["_private"] = batch["prompts"].clone()
+
+
+@pytest.mark.parametrize(("spoil", "match", "field"), [
+    (_integer_rewards, "floating-point", "token_level_rewards"),
+    (_reserved_name, "reserved", "_private")], ids=["integer-rewards", "reserved-name"])
+def test_a_bad_group_is_refused_by_the_put_that_brings_it(spoil, match, field):
     with GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=3, timeout=5) as buf:
         step = make_step(groups=2, group_size=3)
         bad = step.slice(0, 3)
-        bad.batch["token_level_rewards"] = bad.batch["token_level_rewards"].long()
-        with pytest.raises(SpecError, match="floating-point") as err:
+        spoil(bad.batch)
+        with pytest.raises(SpecError, match=match) as err:
             buf.put(bad)
-        assert err.value.field == "token_level_rewards"
+        assert err.value.field == field
         # Nothing of it was kept: the group can be put again, and the step is delivered.
-        buf.put(step.slice(0, 3))
-        buf.put(step.slice(3, 6))
-        assert len(buf.minibatches()) == 2
-
-
-def test_a_field_named_like_the_planes_own_keys_is_refused_by_the_put():
-    with GRPOBuffer(group_size=3, groups_per_step=2, mini_batch_size=3, timeout=5) as buf:
-        step = make_step(groups=2, group_size=3)
-        bad = step.slice(0, 3)
-        bad.batch["_private"] = bad.batch["prompts"].clone()
-        with pytest.raises(SpecError, match="reserved") as err:
-            buf.put(bad)
-        assert err.value.field == "_private"
         buf.put(step.slice(0, 3))
         buf.put(step.slice(3, 6))
         assert len(buf.minibatches()) == 2
