@@ -118,15 +118,16 @@ def test_update_skips_exactly_the_overwritten_rows(small_spec, monkeypatch, comp
 
 
 @given(capacity=st.integers(1, 200), seed=st.integers(0, 2**31),
-       kind=st.sampled_from(["ok", "nan", "negative", "index", "huge"]))
+       kind=st.sampled_from(["ok", "nan", "negative", "index", "huge", "unset"]))
 @settings(max_examples=60, deadline=None)
 def test_set_priorities_backends_agree_bit_for_bit(capacity, seed, kind):
     rng = np.random.default_rng(seed)
     a, b = SumTree(capacity=capacity, backend="numba"), SumTree(capacity=capacity,
                                                                  backend="numpy")
-    base = np.arange(capacity)
+    filled = capacity - 1 if kind == "unset" else capacity  # the last leaf never set
+    base = np.arange(filled)
     for t in (a, b):
-        t.set(base, np.ones(capacity))
+        t.set(base, np.ones(filled))
     n = int(rng.integers(1, 2 * capacity + 2))
     idx = rng.integers(0, capacity, n)
     pr = rng.random(n) * 10
@@ -138,15 +139,17 @@ def test_set_priorities_backends_agree_bit_for_bit(capacity, seed, kind):
         idx[-1] = capacity
     elif kind == "huge":
         pr[n // 2] = 1e300
+    elif kind == "unset":
+        idx[-1] = capacity - 1
     got = [t.set_priorities(idx, pr, alpha=0.6, eps=1e-6, bound=1e100) for t in (a, b)]
     want = {"ok": None, "nan": "not finite", "negative": "negative", "index": "index",
-            "huge": "too large"}[kind]
+            "huge": "too large", "unset": "unset"}[kind]
     assert got[0][0] == got[1][0] == want
     if want is None:
         assert got[0][1] == got[1][1] == pr.max()
     assert np.array_equal(a._sum, b._sum) and np.array_equal(a._min, b._min)
     if want is not None:  # nothing set
-        assert a.total == capacity
+        assert a.total == filled
 
 
 @pytest.mark.skipif(column_store._storage_use_count is None,

@@ -155,6 +155,22 @@ def test_priority_length_mismatch_and_range(small_spec):
             torch.tensor([0]), torch.tensor([1.0]))
 
 
+def test_a_sampler_used_directly_refuses_updates_for_slots_without_rows():
+    s = PrioritizedSampler(seed=0)
+    s.bind(8)
+    s.on_write(torch.arange(3), {}, size=3)
+    with pytest.raises(PriorityError, match="hold no row"):
+        s.update_priorities(torch.tensor([1, 5]), torch.tensor([2.0, 9.0]))
+    assert s.tree.total == pytest.approx(3 * (1 + 1e-6) ** 0.6)  # nothing was set
+    assert set(s.sample(3, 512).indices.tolist()) <= {0, 1, 2}
+    with pytest.raises(PriorityError, match="integer slots"):
+        s.update_priorities(torch.tensor([1.7]), torch.tensor([2.0]))
+    s.update_priorities(torch.tensor([1]), torch.tensor([2.0]))
+    s.reset()
+    with pytest.raises(PriorityError, match="hold no row"):
+        s.update_priorities(torch.tensor([1]), torch.tensor([2.0]))
+
+
 @given(n=st.integers(1, 200), m=st.integers(1, 16), seed=st.integers(0, 1000))
 @settings(max_examples=80, deadline=None)
 def test_fifo_exactly_once_per_epoch(n, m, seed):

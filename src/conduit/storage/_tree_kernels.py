@@ -132,11 +132,15 @@ def set_priorities(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, pr: np
 
     Returns:
         ``(0, max priority)`` after setting, or a code with nothing set: 1 not finite,
-        2 negative, 3 index out of range, 4 a leaf above ``bound`` (with the largest priority).
+        2 negative, 3 index out of range, 4 a leaf above ``bound`` (with the largest priority),
+        5 a leaf that was never set (a slot holding no row).
     """
     code, pmax = check_priorities(idx, pr, capacity)
     if code != 0:
         return code, 0.0
+    for k in range(idx.shape[0]):
+        if not m[p + idx[k]] < np.inf:
+            return 5, pmax
     for k in range(leaves.shape[0]):
         if not leaves[k] <= bound:
             return 4, pmax

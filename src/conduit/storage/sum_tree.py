@@ -198,8 +198,9 @@ class SumTree:
 
         Returns:
             ``(problem, max priority)``: ``problem`` is ``None`` once the leaves are set,
-            otherwise (nothing set) one of :meth:`check`'s problems or ``"too large"`` (a leaf
-            above ``bound``).
+            otherwise (nothing set) one of :meth:`check`'s problems, ``"too large"`` (a leaf
+            above ``bound``) or ``"unset"`` (a leaf never set since the tree was created or
+            cleared: a slot that holds no row).
         """
         if self.backend == "numba":
             # numpy's power, not the kernel's, so that both backends give the same leaves.
@@ -208,10 +209,13 @@ class SumTree:
             code, pmax = _load_kernels().set_priorities(self._sum, self._min, self._p, idx,
                                                         priorities, leaves, float(bound),
                                                         self.capacity)
-            return (None, "not finite", "negative", "index", "too large")[code], float(pmax)
+            return ((None, "not finite", "negative", "index", "too large", "unset")[code],
+                    float(pmax))
         problem, pmax = self.check(idx, priorities)
         if problem is not None:
             return problem, pmax
+        if not np.all(self._min[self._p + idx] < np.inf):
+            return "unset", pmax
         leaves = (priorities + eps) ** alpha
         if not np.all(leaves <= bound):
             return "too large", pmax

@@ -118,10 +118,16 @@ class PrioritizedSampler(Sampler):
         """Set new priorities for ``indices``.
 
         Raises:
-            PriorityError: Priorities that are not real numbers (complex, None, text), NaN,
-                infinite or negative; mismatched lengths.
+            PriorityError: Indices that are not integers, or not slots holding a row (never
+                written since the sampler was bound or reset); priorities that are not real
+                numbers (complex, None, text), NaN, infinite or negative; mismatched lengths.
+                Nothing is set then.
         """
-        idx = np.ascontiguousarray(_host(indices), dtype=np.int64)
+        raw = _host(indices)
+        if raw.dtype.kind not in "iu":
+            raise PriorityError(f"indices: must be integer slots (a batch's _index), got "
+                                f"{raw.dtype} values")
+        idx = np.ascontiguousarray(raw, dtype=np.int64)
         pr = _host(priorities)
         if pr.dtype.kind not in "biuf":
             raise PriorityError(f"priorities: must be real numbers (|TD errors|), got "
@@ -140,6 +146,10 @@ class PrioritizedSampler(Sampler):
         if problem == "index":
             raise PriorityError(f"indices: must lie in [0, {self.capacity}), got "
                                 f"[{idx.min()}, {idx.max()}]")
+        if problem == "unset":
+            raise PriorityError("indices: name slots that hold no row (never written since the "
+                                "sampler was bound or reset); update only slots a batch "
+                                "delivered")
         if problem == "too large":
             raise PriorityError(f"priorities: up to {pr.max():.3g}, too large next to the "
                                 f"smallest possible priority (eps={self.eps:g}): the sum "
