@@ -105,5 +105,12 @@ def test_bad_arguments(cache, kwargs, field) -> None:
     with pytest.raises(ConfigError) as ei:
         profile_bandwidth(**kwargs)
     assert ei.value.field == field
-    with pytest.raises(ConfigError):
-        run_profile_cli(["--sizes", "lots"])
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "lots"], ["--sizes", "inf"],
+                                  ["--sizes", "4K,0"], ["--repeats", "0"], ["--repeats", "x"]])
+def test_bad_flags_are_usage_errors(cache, argv, capsys) -> None:
+    with pytest.raises(SystemExit) as ei:
+        run_profile_cli(argv)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "usage: conduit profile" in err and argv[0] in err

@@ -343,11 +343,30 @@ def _parse_size(text: str) -> int:
     try:
         v = int(float(t) * mult)  # inf: OverflowError, nan: ValueError
     except (ValueError, OverflowError):
-        raise ConfigError("sizes", f"cannot parse --sizes value {text!r} (a finite size: try "
-                                   f"64K, 1M, 16M)") from None
+        raise ConfigError("sizes", f"cannot parse {text!r} (a finite size: try 64K, 1M, "
+                                   f"16M)") from None
     if v <= 0:
-        raise ConfigError("sizes", f"--sizes must be positive, got {text!r}")
+        raise ConfigError("sizes", f"must be positive, got {text!r}")
     return v
+
+
+def _sizes_flag(text: str) -> tuple[int, ...]:
+    """argparse ``type`` of ``--sizes``: a bad size is a usage error naming the flag."""
+    try:
+        return tuple(_parse_size(s) for s in text.split(","))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
+
+
+def _repeats_flag(text: str) -> int:
+    """argparse ``type`` of ``--repeats``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run_profile_cli(args: Sequence[str] | None = None) -> int:
@@ -358,21 +377,21 @@ def run_profile_cli(args: Sequence[str] | None = None) -> int:
             --refresh --no-cache --json``).
 
     Returns:
-        Exit status (0).
+        Exit status (0). A bad ``--sizes`` or ``--repeats`` exits with status 2 and a usage
+        line naming the flag.
     """
     ap = argparse.ArgumentParser(prog="conduit profile",
                                  description="Measure copy and gather bandwidths on this machine.")
-    ap.add_argument("--sizes", default=None,
+    ap.add_argument("--sizes", type=_sizes_flag, default=None,
                     help="comma-separated payload sizes, e.g. 64K,1M,16M (default)")
-    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+    ap.add_argument("--repeats", type=_repeats_flag, default=DEFAULT_REPEATS,
                     help=f"timed copies per size and path; the median is kept "
                          f"(default: {DEFAULT_REPEATS})")
     ap.add_argument("--refresh", action="store_true", help="ignore the cache and re-measure")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = ap.parse_args(list(args) if args is not None else None)
-    sizes = tuple(_parse_size(s) for s in ns.sizes.split(",")) if ns.sizes else None
-    prof = profile_bandwidth(sizes=sizes, repeats=ns.repeats, use_cache=not ns.no_cache,
+    prof = profile_bandwidth(sizes=ns.sizes, repeats=ns.repeats, use_cache=not ns.no_cache,
                              refresh=ns.refresh)
     if ns.json:
         print(json.dumps(prof.to_dict(), indent=1))
