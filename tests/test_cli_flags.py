@@ -231,6 +231,24 @@ def test_explicit_flags_win_over_quick(bench: str, argv: list[str], explicit: di
     assert {k: getattr(plain, k) for k in quick} == {k: getattr(defaults, k) for k in quick}
 
 
+def test_placement_quick_keeps_explicit_flags(tmp_path: Path) -> None:
+    from conduit.bench import placement
+    from conduit.cli_args import command_parser, parse_command
+
+    def parsed(*argv: str) -> placement.PlacementBenchArgs:
+        parser = command_parser("conduit bench placement", "", placement.PlacementBenchArgs)
+        return parse_command(parser, placement.PlacementBenchArgs,
+                             [*argv, "--out", str(tmp_path / "p")])
+
+    explicit = ("--capacity", "50000", "--repeats", "9", "--dims", "64", "300", "700")
+    args = placement.effective(parsed("--quick", *explicit))
+    assert (args.capacity, args.repeats, args.dims) == (50000, 9, (64, 300, 700))
+    assert (args.warmup, args.max_buffer_gb, args.shards) == (2, 0.064, (2,))
+    assert placement.effective(parsed("--quick")).dims == (128, 1000)
+    plain = placement.effective(parsed(*explicit))
+    assert (plain.warmup, plain.shards) == (3, (2, 4))
+
+
 def test_scale_quick_keeps_explicit_flags() -> None:
     from conduit.bench.scale import ScaleBenchArgs
 

@@ -33,14 +33,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from conduit.bench.common import progress
+from conduit.bench.common import apply_quick, progress
 from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import CapacityError, ConfigError
 from conduit.placement import Topology, plan_placement
@@ -217,11 +217,14 @@ def _match(targets: list[_Target], chosen: dict[str, Any] | None) -> str | None:
     return None
 
 
-def apply_quick(args: PlacementBenchArgs) -> PlacementBenchArgs:
-    """Tiny sizes for a smoke run."""
-    return replace(args, dims=tuple(args.dims[:2]),
-                   capacity=min(args.capacity, 4096), repeats=min(args.repeats, 5),
-                   warmup=2, max_buffer_gb=min(args.max_buffer_gb, 0.064), shards=(2,))
+QUICK: dict[str, Any] = {"dims": (128, 1000), "capacity": 4096, "repeats": 5, "warmup": 2,
+                         "max_buffer_gb": 0.064, "shards": (2,)}
+"""What ``--quick`` sets: tiny sizes for a smoke run."""
+
+
+def effective(args: PlacementBenchArgs) -> PlacementBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
+    return apply_quick(args, QUICK)
 
 
 def plot(path: Path, result: dict[str, Any]) -> Path | None:
@@ -277,8 +280,7 @@ def run(args: PlacementBenchArgs) -> dict[str, Any]:
         ConfigError: An argument :func:`check` refuses.
     """
     check(args)
-    if args.quick:
-        args = apply_quick(args)
+    args = effective(args)
     learner = resolve_device(args.learner_device, field="learner_device")
     targets = placements_available(learner, args.shards)
     topo = Topology.detect()
