@@ -22,18 +22,28 @@ import torch
 from verl import DataProto
 
 from conduit._checks import check_bool, check_int, check_key, check_real
-from conduit.errors import CapacityError, ConfigError, SpecError
-from conduit.integrations.verl._checks import check_epsilon
+from conduit.errors import (
+    CapacityError,
+    ConfigError,
+    EmptyBufferError,
+    PlaneClosedError,
+    ScheduleError,
+    SpecError,
+)
+from conduit.integrations.verl._checks import check_epsilon, check_seed
 from conduit.integrations.verl.advantages import (
     group_scores,
+    group_statistics,
     grpo_group_advantage,
     token_level_advantage,
 )
 from conduit.integrations.verl.order import VerlOrderSampler
+from conduit.placement import PlacementMap
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.plane.migration import PlacementArg
-from conduit.scheduling.space import Schedule
+from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
+from conduit.storage import Placement
 
 _ROW, _GROUP = "row_id", "group"
 _ADDED = ("advantages", "returns")
@@ -103,17 +113,24 @@ class GRPOBuffer:
         epochs: Passes over each step (verl's ``ppo_epochs``).
         shuffle: Shuffle each epoch as verl's ``dataloader_kwargs={"shuffle": True}`` does;
             otherwise the mini-batches are ``DataProto.split(mini_batch_size)`` of the step.
-        seed: Seed of that shuffle (verl's update passes 42).
+        seed: Seed of that shuffle (verl's update passes 42), in ``[0, 2**64 - 1]``.
         reward_key: Token-level reward field of the put batches (floating point).
-        epsilon: Added to each group's standard deviation: a finite number, > 0 when
-            ``norm_adv_by_std_in_grpo`` (verl's default 1e-6).
+        epsilon: Added to each group's standard deviation: a finite number, > 0 (also in
+            float32 and in the rewards' dtype) when ``norm_adv_by_std_in_grpo`` (verl's
+            default 1e-6).
         norm_adv_by_std_in_grpo: Divide by it (GRPO) or only centre (Dr. GRPO).
         placement: Where the step's rows live: ``"auto"`` (default) lets Conduit decide from
             this machine's topology and the rows' size (Alg. 1), or any placement
-            :class:`~conduit.ExperienceDataPlane` takes.
-        schedule: Overlap and granularity of ingestion and delivery (default inline).
-        learner_device: Device the mini-batches are delivered to.
+            :class:`~conduit.ExperienceDataPlane` takes (a
+            :class:`~conduit.storage.Placement`, a :class:`~conduit.placement.PlacementMap`
+            solved for ``group_size × groups_per_step`` rows, or None for CPU memory).
+        schedule: Overlap and granularity of ingestion and delivery (default inline); a
+            :class:`~conduit.Schedule` feasible on-policy for ``num_minibatches``.
+        learner_device: Device the mini-batches are delivered to (one this machine has).
         timeout: Seconds a put or a mini-batch may wait before raising.
+
+    Non-tensor entries are copied at put; the elements of an object array (a dict, a list)
+    are not: the delivered mini-batch shares them with the put ``DataProto``.
 
     Raises:
         ConfigError: An argument is invalid; the message names it.
@@ -130,7 +147,7 @@ class GRPOBuffer:
         mini_batch_size = check_int("mini_batch_size", mini_batch_size, minimum=1)
         epochs = check_int("epochs", epochs, minimum=1)
         shuffle = check_bool("shuffle", shuffle)
-        seed = check_int("seed", seed, minimum=0)
+        seed = check_seed("seed", seed)
         reward_key = check_key("reward_key", reward_key)
         norm_adv_by_std_in_grpo = check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
         epsilon = check_epsilon("epsilon", epsilon, norm_by_std=norm_adv_by_std_in_grpo)
@@ -143,6 +160,9 @@ class GRPOBuffer:
                                                  f"(group_size × groups_per_step)")
         self.mini_batch_size, self.epochs = mini_batch_size, epochs
         self.num_minibatches = self.rows_per_step // mini_batch_size
+        _check_placement(placement, self.rows_per_step)
+        _check_schedule(schedule, self.num_minibatches)
+        learner_device = _check_device(learner_device)
         self.shuffle, self.seed = shuffle, seed
         self.reward_key, self.epsilon = reward_key, epsilon
         self.norm_by_std = norm_adv_by_std_in_grpo
@@ -154,6 +174,8 @@ class GRPOBuffer:
         self._filling = 0  # step that puts go to
         self._delivering = 0  # step that minibatches() reads
         self._put_lock = threading.Lock()  # puts one at a time: a failed one is taken back
+        self._arrived = threading.Condition()  # a put recorded rows, or close() ran
+        self._closed = False
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
@@ -168,7 +190,7 @@ class GRPOBuffer:
         Args:
             data: Responses with ``batch[reward_key]`` (floating point, finite) and
                 ``batch["response_mask"]`` (``[rows, response_length]``) and
-                ``non_tensor_batch["uid"]`` (the prompt of each response); every uid has
+                ``non_tensor_batch["uid"]`` (the prompt of each response, hashable); every uid has
                 exactly ``group_size`` rows, each with at least one response token. Other
                 tensor and non-tensor entries travel along.
 
@@ -176,14 +198,21 @@ class GRPOBuffer:
 
         Raises:
             SpecError: ``data`` is not a ``DataProto``, lacks a field, has a group of the wrong
-                size or already put this step, a field whose name starts with ``_``, an
-                empty response, rewards that are not floating point or whose sum over a
-                response is not finite (field ``reward_key``), or a field whose shape or
-                dtype differs from the first put's.
+                size or already put this step, a uid that is not hashable, a field whose
+                name starts with ``_``, an empty response, rewards that are not floating
+                point, whose sum over a response is not finite, or whose group's mean or
+                standard deviation overflows their dtype (field ``reward_key``), a field
+                whose shape or dtype differs from the first put's, or a non-tensor entry
+                whose per-row shape differs from this step's first put's (field
+                ``non_tensor_batch``).
+            ConfigError: ``epsilon`` rounds to 0 in the rewards' dtype.
             CapacityError: The groups overflow the step being filled.
             BackpressureTimeout: The next step could not start within the timeout.
+            PlaneClosedError: The buffer was closed.
         """
         with self._put_lock:
+            if self._closed:
+                raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
             tensors, group = self._check(data)
             step = self._steps.get(self._filling) or _Step(data.meta_info)
             rows = len(data)
@@ -196,9 +225,11 @@ class GRPOBuffer:
             unit = {**tensors, _ROW: torch.arange(step.rows, step.rows + rows), _GROUP: group}
             uids = data.non_tensor_batch["uid"].tolist()
             # Recorded before the push: its rows may be delivered as soon as it returns.
-            step.add(uids, {k: np.asarray(v) for k, v in data.non_tensor_batch.items()}, rows,
-                     data.meta_info)
-            self._steps[self._filling] = step  # minibatches() sees it with the plane built
+            step.add(uids, {k: np.array(v, copy=True) for k, v in data.non_tensor_batch.items()},
+                     rows, data.meta_info)
+            with self._arrived:  # minibatches() sees it with the plane built
+                self._steps[self._filling] = step
+                self._arrived.notify_all()
             try:
                 plane.push(unit, policy_version=self._filling)
             except BaseException:
@@ -216,19 +247,31 @@ class GRPOBuffer:
         raises, the mini-batches it pulled so far stay with the step, and the next call
         resumes there and returns all of them.
 
+        A call made before the step's first put (the previous step was just delivered)
+        waits for it, within the timeout.
+
         Args:
             timeout: Seconds to wait for each mini-batch (default: the buffer's ``timeout``).
 
         Raises:
             EmptyBufferError: A mini-batch was not ready within the timeout (the step is not
-                full yet); call again once its groups are put.
-            ConfigError: Nothing was put yet.
+                full yet, or has no groups); call again once its groups are put.
+            ConfigError: Nothing was put yet, or ``timeout`` is not a number >= 0.
+            PlaneClosedError: The buffer was closed.
         """
+        if self._closed:
+            raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
         if self._plane is None:
             raise ConfigError("put", "no group was put yet; put a step's groups first")
-        step = self._steps.get(self._delivering)
-        if step is None or step.rows == 0:
-            raise ConfigError("put", f"step {self._delivering} has no groups yet")
+        wait = self._plane.config.wait_for(timeout)
+        with self._arrived:
+            started = self._arrived.wait_for(lambda: self._closed or self._has_rows(), wait)
+        if self._closed:
+            raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
+        if not started:
+            raise EmptyBufferError(f"step {self._delivering} had no groups within {wait} s; "
+                                   f"call again once its groups are put")
+        step = self._steps[self._delivering]
         if not step.pulled_all:
             for batch in self._plane.minibatches(timeout=timeout):
                 step.pulled.append(batch)
@@ -240,9 +283,17 @@ class GRPOBuffer:
         return out
 
     def close(self) -> None:
-        """Stop the plane's workers. Idempotent."""
+        """Stop the plane's workers; later puts and mini-batches raise
+        :class:`~conduit.errors.PlaneClosedError`. Idempotent."""
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
         if self._plane is not None:
             self._plane.close()
+
+    def _has_rows(self) -> bool:
+        step = self._steps.get(self._delivering)
+        return step is not None and step.rows > 0
 
     def __enter__(self) -> GRPOBuffer:
         return self
@@ -285,13 +336,25 @@ class GRPOBuffer:
         counts: dict[Any, int] = {}
         group = torch.empty(len(data), dtype=torch.int64)
         for i, u in enumerate(uid.tolist()):
-            group[i] = first.setdefault(u, len(first))
+            try:
+                group[i] = first.setdefault(u, len(first))
+            except TypeError:
+                raise SpecError("uid", f"row {i} has uid {u!r}, which is not hashable; use a "
+                                       f"string or a number per prompt") from None
             counts[u] = counts.get(u, 0) + 1
         step = self._steps.get(self._filling)
-        if step is not None and step.parts and step.parts[0].keys() != data.non_tensor_batch.keys():
-            raise SpecError("non_tensor_batch", f"has keys {sorted(data.non_tensor_batch)}, but "
-                                                f"this step's first put had "
-                                                f"{sorted(step.parts[0])}; keep them the same")
+        if step is not None and step.parts:
+            first = step.parts[0]
+            if first.keys() != data.non_tensor_batch.keys():
+                raise SpecError("non_tensor_batch", f"has keys {sorted(data.non_tensor_batch)}, "
+                                                    f"but this step's first put had "
+                                                    f"{sorted(first)}; keep them the same")
+            for k, v in data.non_tensor_batch.items():
+                got, want = np.shape(v)[1:], first[k].shape[1:]
+                if got != want:
+                    raise SpecError("non_tensor_batch", f"entry {k!r} has per-row shape {got}, "
+                                                        f"but this step's first put had "
+                                                        f"{want}; keep each entry's shape")
         for u, n in counts.items():
             if n != self.group_size:
                 raise SpecError("uid", f"group {u!r} has {n} responses, expected group_size="
@@ -310,7 +373,26 @@ class GRPOBuffer:
             raise SpecError(self.reward_key, f"response {r} (group {uid[r]!r}) has a "
                                              f"non-finite score {float(scores[r])} (the sum of "
                                              f"its rewards); rewards must be finite")
+        if self.norm_by_std:
+            check_epsilon("epsilon", self.epsilon, norm_by_std=True, dtype=scores.dtype)
+        self._check_advantages(scores, group, uid)
         return tensors, group
+
+    def _check_advantages(self, scores: torch.Tensor, group: torch.Tensor, uid: Any) -> None:
+        """Each group's mean, standard deviation and advantages are finite in the scores'
+        dtype, as ingestion will compute them."""
+        for g in range(int(group.max()) + 1):
+            rows = (group == g).nonzero().flatten()
+            mean, std = group_statistics(scores[rows])
+            adv = grpo_group_advantage(scores[rows], epsilon=self.epsilon,
+                                       norm_by_std=self.norm_by_std)
+            finite = bool(torch.isfinite(mean)) and bool(torch.isfinite(adv).all())
+            if not finite or (self.norm_by_std and not bool(torch.isfinite(std))):
+                raise SpecError(self.reward_key, f"group {uid[int(rows[0])]!r}: the mean or "
+                                                 f"standard deviation of its scores overflows "
+                                                 f"{scores.dtype}, so its advantages are not "
+                                                 f"finite; scale the rewards down or put them "
+                                                 f"in a wider dtype (.double())")
 
     def _build(self, tensors: Batch) -> ExperienceDataPlane:
         fields = {k: FieldSpec(shape=tuple(v.shape[1:]), dtype=v.dtype)
@@ -353,3 +435,52 @@ class GRPOBuffer:
         tensors = {k: v for k, v in batch.items() if not k.startswith("_") and k != _ROW}
         return DataProto.from_dict(tensors=tensors, non_tensors=step.non_tensors(batch[_ROW]),
                                    meta_info=dict(step.meta_info))
+
+
+def _check_placement(placement: Any, rows: int) -> None:
+    """Raise ConfigError('placement') unless the plane of ``rows`` rows can take it."""
+    if isinstance(placement, PlacementMap):
+        if placement.capacity != rows:
+            raise ConfigError("placement", f"the PlacementMap was solved for "
+                                           f"{placement.capacity:,} rows, a step holds {rows:,} "
+                                           f"(group_size × groups_per_step); build it with "
+                                           f"capacity={rows}")
+        return
+    if placement is None or isinstance(placement, Placement) or (
+            isinstance(placement, str) and placement == "auto"):
+        return
+    raise ConfigError("placement", f"expected a Placement, a PlacementMap, 'auto' or None, "
+                                   f"got {placement!r}")
+
+
+def _check_schedule(schedule: Any, num_minibatches: int) -> None:
+    """Raise ConfigError('schedule') unless ``schedule`` is None or feasible on-policy."""
+    if schedule is None:
+        return
+    if not isinstance(schedule, Schedule):
+        raise ConfigError("schedule", f"expected a Schedule or None, got {schedule!r}")
+    try:
+        feasible_space(mode="on_policy", num_minibatches=num_minibatches).check(schedule)
+    except ScheduleError as e:
+        raise ConfigError("schedule", str(e)) from None
+
+
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` this machine has.
+
+    Raises:
+        ConfigError: It names no device, or a CUDA device this machine lacks.
+    """
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ConfigError("learner_device", f"expected a device name such as 'cpu' or "
+                                            f"'cuda:0', or a torch.device, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError("learner_device", f"{device!r} is not a device ({e}); use e.g. "
+                                            f"'cpu' or 'cuda:0'") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError("learner_device", f"{device!r}: this machine has "
+                                            f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conduit.errors import ConfigError
+from conduit.integrations.verl._checks import check_seed
 from conduit.storage import FifoSampler
 
 
@@ -26,12 +27,17 @@ class VerlOrderSampler(FifoSampler):
     Args:
         num_minibatches: Mini-batches per epoch; they must divide the iteration's rows.
         shuffle: verl's ``dataloader_kwargs={"shuffle": True}``; otherwise row order.
-        seed: The seed verl's update passes to ``make_iterator`` (its default is 42).
+        seed: The seed verl's update passes to ``make_iterator`` (its default is 42), in
+            ``[0, 2**64 - 1]`` (``torch.Generator``'s range).
+
+    Raises:
+        ConfigError: An argument is invalid; the message names it.
     """
 
     def __init__(self, *, num_minibatches: int = 1, shuffle: bool = False,
                  seed: int = 42) -> None:
-        super().__init__(num_minibatches=num_minibatches, shuffle=shuffle, seed=seed)
+        super().__init__(num_minibatches=num_minibatches, shuffle=shuffle,
+                         seed=check_seed("seed", seed))
 
     def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
         """The rows of each mini-batch of ``epoch``, as verl's ``DataLoader`` yields them.

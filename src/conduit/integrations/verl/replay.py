@@ -33,7 +33,13 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 
 from conduit._checks import check_bool, check_int, check_key, check_real
-from conduit.errors import ConduitError, ConfigError, EmptyBufferError, SpecError
+from conduit.errors import (
+    ConduitError,
+    ConfigError,
+    EmptyBufferError,
+    PlaneClosedError,
+    SpecError,
+)
 from conduit.integrations.verl._checks import check_epsilon
 from conduit.integrations.verl.advantages import grpo_group_advantage
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
@@ -122,7 +128,9 @@ class ConduitReplayBuffer:
     ``max_off_policy_threshold`` has no effect (as in verl's own sync buffer). Failed groups (a
     rollout that errored) are evicted and replaced through ``refill_fn``, as verl's async
     buffer does. A malformed finished group (trajectories other than ``group_size`` of them,
-    an empty response, a reward that is not finite) is evicted and replaced the same way, and
+    an empty response, a ``response_mask`` that is not a bool or integer tensor of a token per
+    position, a reward that is not token-level or not finite, or scores whose advantages
+    overflow) is evicted and replaced the same way, and
     ``sample`` raises a :class:`~conduit.errors.SpecError` naming it, once: the next
     ``sample`` goes on with the other groups. Keyword arguments a later verl adds are accepted
     and ignored. ``sample`` needs the rewards in TransferQueue when it runs, as verl's
@@ -154,6 +162,7 @@ class ConduitReplayBuffer:
         self._plane: ExperienceDataPlane | None = None
         self._step_rows = 0
         self._evicted: dict[str, int] = {}  # malformed groups evicted since the last metrics
+        self._closed = False
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
@@ -192,22 +201,40 @@ class ConduitReplayBuffer:
         metrics as ``{training,validation}/conduit/evicted_malformed`` and replaced through
         ``refill_fn`` on ``train``) and this call raises; the groups that were fine stay in
         the pool for the next call. If the plane fails once rows were pushed, it is closed and
-        the next call builds a fresh one.
+        the next call builds a fresh one. The groups are chosen from the listing that counted
+        them; if some left the pool meanwhile (another consumer), it waits for more.
 
         Raises:
             ConfigError: ``batch_size`` is not a positive integer, or differs from the
                 earlier steps'.
             SpecError: A chosen group is malformed (and was evicted): a number of
                 trajectories other than ``group_size`` (none found at all on a validation
-                partition; field ``uid``), an empty response (``response_mask``), or a
-                reward whose sum over a response is not finite (``reward_key``).
+                partition; field ``uid``), an empty response or a ``response_mask`` that is
+                not a ``[response_length]`` bool or integer tensor (``response_mask``), or a
+                reward that is not a ``[response_length]`` tensor, whose sum over a response
+                is not finite, or whose group's mean or standard deviation overflows float32
+                (``reward_key``).
             EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
+            PlaneClosedError: The buffer was closed.
         """
+        if self._closed:
+            raise PlaneClosedError("the ConduitReplayBuffer is closed; build a new one")
         batch_size = check_int("batch_size", batch_size, minimum=1)
         t0 = time.perf_counter()
-        _, metrics = self.wait_for_sampleable(global_steps, partition_id, batch_size)
-        listing = tq.kv_list(partition_id).get(partition_id, {})
-        finished = self._finished(partition_id, metrics, listing=listing)
+        deadline = time.monotonic() + self.config.timeout
+        metrics: dict = {}
+        while True:
+            _, waited = self.wait_for_sampleable(global_steps, partition_id, batch_size)
+            for name, value in waited.items():
+                metrics[name] = metrics.get(name, 0) + value
+            listing = tq.kv_list(partition_id).get(partition_id, {})
+            finished = self._finished(partition_id, metrics, listing=listing)
+            if len(finished) >= batch_size:
+                break
+            if time.monotonic() >= deadline:
+                raise EmptyBufferError(f"{len(finished)} of {batch_size} groups finished "
+                                       f"within {self.config.timeout} s in partition "
+                                       f"{partition_id!r}")
         chosen = sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
         keys, tags = self._trajectories(listing, chosen)
         train = partition_id == "train"
@@ -216,7 +243,10 @@ class ConduitReplayBuffer:
             tq.kv_clear(keys=chosen, partition_id=partition_id)
             metrics.update(self._evicted_metrics())
             return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
-        mask, scores = self._read(keys, partition_id)
+        mask, reward = self._read(keys, partition_id)
+        self._evict_malformed(self._bad_layout(keys, chosen, mask, reward, partition_id),
+                              partition_id)
+        scores = reward.sum(dim=-1).to(torch.float32)
         self._evict_malformed(self._bad_rows(keys, mask, scores), partition_id)
         order = self._through_plane(mask, scores, tags, batch_size)
         tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
@@ -228,7 +258,9 @@ class ConduitReplayBuffer:
                            tags=[tags[i] for i in order]), metrics
 
     def close(self) -> None:
-        """Stop the plane's workers. Idempotent."""
+        """Stop the plane's workers; a later ``sample`` raises
+        :class:`~conduit.errors.PlaneClosedError`. Idempotent."""
+        self._closed = True
         if self._plane is not None:
             self._plane.close()
 
@@ -294,17 +326,50 @@ class ConduitReplayBuffer:
         return bad
 
     def _read(self, keys: list[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trajectories' response masks (padded) and scores (their rewards summed)."""
+        """The trajectories' response masks and rewards (both padded)."""
         data = tq.kv_batch_get(keys=keys, partition_id=partition_id,
                                select_fields=["response_mask", self.config.reward_key])
-        mask = _padded(data["response_mask"])
-        scores = _padded(data[self.config.reward_key]).sum(dim=-1).to(torch.float32)
-        return mask, scores
+        return _padded(data["response_mask"]), _padded(data[self.config.reward_key])
+
+    def _layout_fault(self, mask: torch.Tensor, reward: torch.Tensor) -> tuple[str, str] | None:
+        """What is wrong with the fields' dtype or rank (trajectories stacked), if anything:
+        (field, message)."""
+        if mask.dim() != 2:
+            return ("response_mask", f"must be a [response_length] tensor per trajectory, got "
+                                     f"shape {tuple(mask.shape[1:])}")
+        if mask.is_floating_point() or mask.is_complex():
+            return ("response_mask", f"must be a bool or integer tensor (1 on response "
+                                     f"tokens), got {mask.dtype}")
+        if reward.dim() != 2:
+            key = self.config.reward_key
+            return (key, f"must be a token-level [response_length] tensor per trajectory, "
+                         f"got shape {tuple(reward.shape[1:])}")
+        return None
+
+    def _bad_layout(self, keys: list[str], chosen: list[str], mask: torch.Tensor,
+                    reward: torch.Tensor, partition_id: str) -> dict[str, tuple[str, str]]:
+        """Groups whose ``response_mask`` or rewards have the wrong dtype or rank: uid ->
+        (field, message). Only when the stacked fields are wrong does it read the groups one
+        by one to find them (all chosen groups when no single one is wrong by itself)."""
+        fault = self._layout_fault(mask, reward)
+        if fault is None:
+            return {}
+        bad: dict[str, tuple[str, str]] = {}
+        for uid in chosen:
+            own = [k for k in keys if k.split("_")[0] == uid]
+            m, r = self._read(own, partition_id)
+            found = self._layout_fault(m, r)
+            if found is not None:
+                bad[uid] = (found[0], f"group {uid!r}: {found[0]} {found[1]}")
+        return bad or {uid: (fault[0], f"the chosen groups' {fault[0]} {fault[1]}")
+                       for uid in chosen}
 
     def _bad_rows(self, keys: list[str], mask: torch.Tensor, scores: torch.Tensor
                   ) -> dict[str, tuple[str, str]]:
-        """Groups with an empty response or a score that is not finite: uid -> (field,
-        message), for the first such trajectory of each."""
+        """Groups with an empty response, a score that is not finite, or advantages that are
+        not (the group's mean or standard deviation overflows float32): uid -> (field,
+        message), for the first such trajectory of each. The trajectories come group by
+        group, ``group_size`` each."""
         bad: dict[str, tuple[str, str]] = {}
         reward = self.config.reward_key
         for i in (mask.sum(dim=-1) == 0).nonzero().flatten().tolist():
@@ -315,6 +380,22 @@ class ConduitReplayBuffer:
             bad.setdefault(keys[i].split("_")[0], (
                 reward, f"trajectory {keys[i]!r} has a non-finite score {float(scores[i])} "
                         f"(the sum of its {reward}); rewards must be finite"))
+        n = self.config.group_size
+        if n > 1 and len(keys) % n == 0:
+            groups = scores.view(-1, n)
+            mean, std = groups.mean(dim=1), groups.std(dim=1)
+            ok = torch.isfinite(mean)
+            if self.config.norm_adv_by_std_in_grpo:
+                adv = (groups - mean[:, None]) / (std[:, None] + self.config.epsilon)
+                ok &= torch.isfinite(std)
+            else:
+                adv = groups - mean[:, None]
+            ok &= torch.isfinite(adv).all(dim=1)
+            for g in (~ok).nonzero().flatten().tolist():
+                bad.setdefault(keys[g * n].split("_")[0], (
+                    reward, f"group {keys[g * n].split('_')[0]!r}: the mean or standard "
+                            f"deviation of its scores overflows float32, so its advantages "
+                            f"are not finite; scale the rewards down"))
         return bad
 
     def _evict_malformed(self, bad: Mapping[str, tuple[str, str]], partition_id: str) -> None:

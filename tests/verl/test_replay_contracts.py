@@ -1,0 +1,111 @@
+"""ConduitReplayBuffer: groups leaving the pool while ``sample`` runs, malformed fields that
+make a group malformed (evicted once, then the next ``sample`` goes on), and ``close``."""
+
+from tests.verl.conftest import skip_without_verl
+
+skip_without_verl()
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from conduit import ConfigError, PlaneClosedError, SpecError  # noqa: E402
+from conduit.integrations.verl import ConduitSamplerConfig  # noqa: E402
+from tests.verl.test_v1_replay import N, _build, _config, _rollout  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*load_extern_type.*:FutureWarning")
+
+
+def _uids(batch):
+    return {k.split("_")[0] for k in batch.keys}
+
+
+def _prompts(partition="train"):
+    return sorted(k for k, t in tq.kv_list(partition)[partition].items() if t.get("is_prompt"))
+
+
+def _put(uid, mask=None, reward=None):
+    """A finished group of N trajectories with the given fields (default: well formed)."""
+    keys = [f"{uid}_{s}_0" for s in range(N)]
+    mask = torch.ones(N, 3, dtype=torch.int64) if mask is None else mask
+    reward = torch.arange(N).float()[:, None].expand(N, 3).clone() if reward is None else reward
+    tq.kv_batch_put(keys=keys, partition_id="train",
+                    fields=TensorDict({"response_mask": mask, "rm_scores": reward},
+                                      batch_size=[N]),
+                    tags=[{"status": "success", "global_steps": 1}] * N)
+    tq.kv_batch_put(keys=[uid], partition_id="train",
+                    tags=[{"is_prompt": True, "status": "finished", "global_steps": 1}])
+
+
+def test_a_group_leaving_the_pool_after_the_wait_is_replaced_by_waiting_again(kv_store):
+    buffer = _build(_config(timeout=5))
+    _rollout("a", 1, seed=1)
+    _rollout("b", 1, seed=2)
+    wait = buffer.wait_for_sampleable
+    calls = []
+
+    def racing_wait(*args, **kwargs):
+        if calls:  # a new group finishes while sample waits again
+            _rollout("c", 1, seed=3)
+        out = wait(*args, **kwargs)
+        if not calls:  # another consumer takes b once it was counted
+            tq.kv_clear(keys=[k for k in tq.kv_list("train")["train"] if k.startswith("b")],
+                        partition_id="train")
+        calls.append(1)
+        return out
+
+    buffer.wait_for_sampleable = racing_wait
+    t = time.monotonic()
+    batch, _ = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert time.monotonic() - t < 2.5
+    assert _uids(batch) == {"a", "c"} and len(batch.keys) == 2 * N
+    buffer.close()
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"mask": torch.ones(N, 3)}, "response_mask"),
+    ({"mask": torch.ones(N, dtype=torch.int64)}, "response_mask"),
+    ({"reward": torch.arange(N).float()}, "rm_scores"),
+    ({"reward": torch.tensor([3e38, -3e38, 3e38, 3e38])[:, None].expand(N, 3) / 3},
+     "rm_scores"),
+], ids=["float-mask", "mask-per-trajectory", "reward-per-trajectory", "overflowing-std"])
+def test_a_group_with_malformed_fields_is_evicted_once(kv_store, fields, field):
+    asked = []
+    buffer = _build(_config(), refill_fn=asked.append)
+    _put("a", **fields)  # the oldest finished group
+    _put("b")
+    with pytest.raises(SpecError, match="'a'") as err:
+        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert err.value.field == field
+    assert _prompts() == ["b"] and asked == [1]
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert _uids(batch) == {"b"}
+    assert metrics["training/conduit/evicted_malformed"] == 1
+    assert all(torch.isfinite(torch.tensor(t["conduit_advantage"])) for t in batch.tags)
+    buffer.close()
+
+
+def test_a_bool_response_mask_is_fine(kv_store):
+    buffer = _build(_config())
+    _put("a", mask=torch.ones(N, 3, dtype=torch.bool))
+    batch, _ = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert _uids(batch) == {"a"}
+    buffer.close()
+
+
+def test_an_epsilon_that_is_zero_in_float32_is_refused():
+    with pytest.raises(ConfigError) as err:
+        ConduitSamplerConfig(group_size=N, epsilon=1e-320)
+    assert err.value.field == "sampler_kwargs.epsilon"
+
+
+def test_sample_after_close_raises(kv_store):
+    buffer = _build(_config())
+    _rollout("a", 1, seed=1)
+    buffer.close()
+    with pytest.raises(PlaneClosedError):
+        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert _prompts() == ["a"]
