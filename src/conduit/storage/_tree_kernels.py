@@ -43,6 +43,21 @@ def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.
 
 
 @numba.njit(cache=True, nogil=True)
+def set_checked(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.ndarray,
+                mvals: np.ndarray, capacity: int) -> int:  # pragma: no cover - compiled
+    """:func:`set_leaves` after checking every ``idx[k]`` lies in ``[0, capacity)``.
+
+    Returns:
+        0 once set, or ``k + 1`` for the first index ``k`` out of range (nothing set).
+    """
+    for k in range(idx.shape[0]):
+        if idx[k] < 0 or idx[k] >= capacity:
+            return k + 1
+    set_leaves(s, m, p, idx, svals, mvals)
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
 def _descend(s: np.ndarray, p: int, x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Node reached by each prefix-sum mass ``x[k]`` (consumed), the whole batch advanced one
     level at a time."""

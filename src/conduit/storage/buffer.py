@@ -15,7 +15,7 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
-from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
+from conduit.storage.samplers import PrioritizedSampler, SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
@@ -29,6 +29,29 @@ def _batch_size(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
     integer (a Python or NumPy integer; not a bool)."""
     return check_int("batch_size", value, minimum=1)
+
+
+def checked_device(device: Any) -> torch.device | None:
+    """``device`` (None, a ``torch.device`` or its name) as a ``torch.device`` this machine
+    has, or None.
+
+    Raises:
+        ConfigError: ``device`` names no device, or a CUDA device this machine lacks (field
+            ``device``).
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError("device", f"must be a torch.device or its name ('cpu', 'cuda:0'), "
+                                    f"got {device!r} ({str(e).splitlines()[0]})") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available()
+                                   and (dev.index or 0) < torch.cuda.device_count()):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError("device", f"{dev} requested but this machine has {have} CUDA "
+                                    f"devices; pass device=None or 'cpu'")
+    return dev
 
 
 def priority_input(values: Any, field: str) -> torch.Tensor:
@@ -169,13 +192,26 @@ class ExperienceBuffer:
         The returned tensors are the caller's: later gathers never write into them while
         anything refers to them (see :class:`~conduit.storage.column_store.GatherOutputs`).
 
+        Args:
+            info: A draw (:meth:`draw`), or a CPU integer tensor of filled slots with at
+                least one dimension.
+            device: Where the rows go (default: where the store lives).
+
         Raises:
-            ConfigError: ``info`` is a tensor of slots that are not integers on the CPU, or
-                not filled slots in ``[0, len(self))`` (field ``indices``).
+            ConfigError: ``info`` is neither a draw nor a tensor (a list or numpy array:
+                pass ``torch.as_tensor`` of it), or a tensor of slots that are not integers
+                on the CPU, has no dimension, or names slots outside ``[0, len(self))``
+                (field ``indices``); ``device`` is not a device this machine has (field
+                ``device``).
         """
+        device = checked_device(device)
         with self._lock:
             if isinstance(info, torch.Tensor):
                 info = SampleInfo(self._checked_slots(info))
+            elif not isinstance(info, SampleInfo):
+                raise ConfigError("indices", f"must be a SampleInfo or a tensor of slots, got "
+                                             f"{type(info).__name__}; pass "
+                                             f"torch.as_tensor(slots)")
             return self._gather_locked(info, device)
 
     def _checked_slots(self, indices: torch.Tensor) -> torch.Tensor:
@@ -188,6 +224,10 @@ class ExperienceBuffer:
                                          f"dtype {indices.dtype}")
         if indices.device.type != "cpu":
             raise ConfigError("indices", f"must be on the CPU, got {indices.device}")
+        if indices.dim() == 0:
+            raise ConfigError("indices", f"must have a batch dimension, got a 0-d tensor "
+                                         f"({int(indices)}); pass {int(indices)} as a "
+                                         f"1-element tensor")
         size = self.writer.size
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
             raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
@@ -198,10 +238,12 @@ class ExperienceBuffer:
         """Draw and gather one batch.
 
         Raises:
-            ConfigError: ``batch_size`` is not a positive integer.
+            ConfigError: ``batch_size`` is not a positive integer, or ``device`` is not a
+                device this machine has.
             EmptyBufferError: The sampler has nothing to draw from.
         """
         batch_size = _batch_size(batch_size)
+        device = checked_device(device)
         with self._lock:
             return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
                                        device)
@@ -241,7 +283,8 @@ class ExperienceBuffer:
                 out = self.store.get(indices, device=device)
         if self.sampler.accepts_priorities:
             # Only a priority update reads which row a slot delivered (see update_priorities).
-            slots = indices.numpy()
+            # Flat, in the order update_priorities flattens an index of any shape.
+            slots = indices.numpy().reshape(-1)
             for snap in self._snapshots:
                 snap.preserve_ids("delivered_id", slots)
             ids = self._row_id[slots]
@@ -345,14 +388,19 @@ class ExperienceBuffer:
             w.total_written -= n
 
     def clear(self) -> None:
-        """Forget all rows (storage stays allocated)."""
+        """Forget all rows (storage stays allocated).
+
+        The ids of the rows last delivered from each slot are kept (rows written after the
+        clear get new ids), so a priority update for rows delivered before the clear is
+        skipped, as for rows overwritten by a wraparound, and never lands on the rows written
+        since.
+        """
         with self._lock:
             for snap in self._snapshots:
-                snap.preserve_ids()
+                snap.preserve_ids("row_id")
             self.writer.reset()
             self.sampler.reset()
             self._row_id.fill(-1)
-            self._delivered_id.fill(-1)
 
     def filled_blocks(self) -> Blocks:
         """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
@@ -469,6 +517,7 @@ class ExperienceBuffer:
             before = self.sampler.state_dict()
             try:  # a sampler that refuses part way is put back too
                 self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
+                self._check_priorities_fit(writer.size)
                 if rows:
                     for snap in self._snapshots:
                         snap.preserve(0, snap.size)
@@ -480,6 +529,20 @@ class ExperienceBuffer:
                 snap.preserve_ids()
             self.writer.load_state_dict(writer.state_dict())
             self._row_id[:], self._delivered_id[:] = ids["row_id"], ids["delivered_id"]
+
+    def _check_priorities_fit(self, size: int) -> None:
+        """Refuse a prioritized sampler's state with priorities for slots at or after the
+        writer's ``size``, which hold no row (they would be drawn).
+
+        Raises:
+            StateError: Such a slot has a priority (key ``buffer.sampler.tree.set``).
+        """
+        if size < self.capacity and isinstance(self.sampler, PrioritizedSampler):
+            beyond = np.flatnonzero(self.sampler.tree.is_set()[size:])
+            if beyond.size:
+                raise StateError("buffer.sampler.tree.set", f"slot {size + int(beyond[0])} "
+                                                            f"has a priority but the writer "
+                                                            f"holds rows in [0, {size}) only")
 
     def rows_in(self, state: StateDict) -> int:
         """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.

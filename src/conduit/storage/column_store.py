@@ -120,6 +120,11 @@ class GatherOutputs:
     ``t.storage()``) does not count as a reference: keep a tensor or view of the field to
     hold its memory.
 
+    A set whose memory was moved to shared memory (``share_memory_()``, as
+    :mod:`torch.multiprocessing` does to a tensor it sends to another process) is never
+    handed out again: the pool drops it, since another process may still read it while no
+    reference to it is left in this one.
+
     Args:
         fields: Field specs of a set.
         keep: Sets kept for reuse.
@@ -164,14 +169,21 @@ class GatherOutputs:
         with self._lock:
             sets, free = self._sets, None
             if sets:  # the usual case: the set handed out last is free again
-                n, views, _, key, idle = sets[-1]
+                n, views, block, key, idle = sets[-1]
                 if n == rows and count(key) == idle:
-                    return {name: t.detach() for name, t in views.items()}
+                    if not block.untyped_storage().is_shared():
+                        return {name: t.detach() for name, t in views.items()}
+                    del sets[-1]  # shared with another process, which may still read it
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
-                n, views, _, key, idle = sets[k]
+                n, views, block, key, idle = sets[k]
                 if count(key) == idle:
+                    if block.untyped_storage().is_shared():  # another process may read it
+                        del sets[k]
+                        if free is not None:
+                            free -= 1
+                        continue
                     if n == rows:
                         if k != len(sets) - 1:
                             sets.append(sets.pop(k))

@@ -58,7 +58,8 @@ class MemmapColumnStore(ColumnStore):
 
     Raises:
         ConfigError: ``capacity`` is not a positive integer, or ``directory`` is not a
-            non-empty ``str`` or :class:`os.PathLike`.
+            non-empty ``str`` or :class:`os.PathLike`, names an existing file or a path
+            under one, holds a ``manifest.json`` that is not a file, or cannot be created.
         SpecError: Reopening with a spec whose fields differ from the manifest's (the
             message names the field).
         CapacityError: Reopening with another capacity.
@@ -77,11 +78,22 @@ class MemmapColumnStore(ColumnStore):
         self.directory = check_path("directory", directory)
         self.meta: dict[str, Any] = {}
         manifest = self.directory / MANIFEST
+        if manifest.exists() and not manifest.is_file():
+            raise ConfigError("directory", f"{manifest} exists but is not a file; pass a store "
+                                           f"folder or a new one")
         if manifest.exists():
             self.meta = self._check_manifest(manifest)
             self._maps, self._cols = self._map_columns(create=False)
         else:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as exc:
+                raise ConfigError("directory", f"{self.directory} is, or lies under, a file "
+                                               f"that is not a folder; pass a folder "
+                                               f"({exc.strerror})") from None
+            except OSError as exc:
+                raise ConfigError("directory", f"cannot create {self.directory}: "
+                                               f"{exc.strerror or exc}") from None
             self._maps, self._cols = self._map_columns(create=True)
             self._write_manifest()
         self._host_views: dict[str, Any] = {}

@@ -17,6 +17,7 @@ from types import ModuleType
 
 import numpy as np
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError, StateError
 from conduit.storage import compiled
 from conduit.storage.state import StateDict, array, tensor
@@ -37,10 +38,12 @@ class SumTree:
         backend: ``"numba"``, ``"numpy"``, or ``"auto"`` (Numba when importable).
 
     Raises:
-        ConfigError: Unknown backend, or ``"numba"`` requested without Numba.
+        ConfigError: ``capacity`` is not a positive integer, an unknown backend, or
+            ``"numba"`` requested without Numba.
     """
 
     def __init__(self, *, capacity: int, backend: str = "auto") -> None:
+        capacity = check_int("capacity", capacity, minimum=1)
         if backend not in BACKENDS:
             raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
         kernels = _load_kernels() if backend != "numpy" else None
@@ -69,35 +72,63 @@ class SumTree:
         """Smallest leaf that was ever set (inf when none)."""
         return float(self._min[1])
 
+    def _out_of_range(self, idx: np.ndarray) -> ConfigError:
+        """The error for leaves ``idx`` of which some lie outside ``[0, capacity)``."""
+        return ConfigError("idx", f"leaves must lie in [0, {self.capacity}), got "
+                                  f"[{idx.min()}, {idx.max()}]")
+
+    def _leaves(self, idx: np.ndarray) -> np.ndarray:
+        """``idx`` as int64 leaves in ``[0, capacity)`` (numpy backend's check)."""
+        leaf = np.asarray(idx, dtype=np.int64)
+        if leaf.size and (leaf.min() < 0 or leaf.max() >= self.capacity):
+            raise self._out_of_range(leaf)
+        return leaf
+
     def get(self, idx: np.ndarray) -> np.ndarray:
-        """Leaf values at ``idx``."""
-        return self._sum[self._p + np.asarray(idx)]
+        """Leaf values at ``idx``.
+
+        Raises:
+            ConfigError: A leaf outside ``[0, capacity)`` (field ``idx``).
+        """
+        return self._sum[self._p + self._leaves(idx)]
 
     def set(self, idx: np.ndarray, values: np.ndarray) -> None:
-        """Set leaves ``idx`` to ``values`` and repair both trees (last write wins)."""
+        """Set leaves ``idx`` to ``values`` and repair both trees (last write wins).
+
+        Raises:
+            ConfigError: A leaf outside ``[0, capacity)`` (field ``idx``; nothing is set).
+        """
         vals = np.asarray(values, dtype=np.float64)
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
             vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
-            _load_kernels().set_leaves(self._sum, self._min, self._p, leaf, vals, vals)
+            if _load_kernels().set_checked(self._sum, self._min, self._p, leaf, vals, vals,
+                                           self.capacity):
+                raise self._out_of_range(leaf)
             return
-        node = self._p + np.asarray(idx, dtype=np.int64)
+        node = self._p + self._leaves(idx)
         self._sum[node] = vals
         self._min[node] = vals
         self._repair(node)
 
     def clear(self, idx: np.ndarray | None = None) -> None:
-        """Reset leaves (all when ``idx`` is None) to empty."""
+        """Reset leaves (all when ``idx`` is None) to empty.
+
+        Raises:
+            ConfigError: A leaf outside ``[0, capacity)`` (field ``idx``; nothing is reset).
+        """
         if idx is None:
             self._sum[:] = 0.0
             self._min[:] = np.inf
             return
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-            _load_kernels().set_leaves(self._sum, self._min, self._p, leaf,
-                                       np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
+            if _load_kernels().set_checked(self._sum, self._min, self._p, leaf,
+                                           np.zeros(leaf.shape), np.full(leaf.shape, np.inf),
+                                           self.capacity):
+                raise self._out_of_range(leaf)
             return
-        node = self._p + np.asarray(idx, dtype=np.int64)
+        node = self._p + self._leaves(idx)
         self._sum[node] = 0.0
         self._min[node] = np.inf
         self._repair(node)
@@ -160,9 +191,10 @@ class SumTree:
             return idx, w
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
         idx = np.minimum(self.find(mass), size - 1)
-        p = self.get(idx) / total
+        p = self._sum[self._p + idx] / total
         w = np.power(size * np.maximum(p, 1e-300), -beta)
-        w_max = (size * (self.min / total)) ** -beta
+        with np.errstate(divide="ignore", over="ignore"):  # as the kernel: inf, weights 0
+            w_max = np.power(np.float64(size * (self.min / total)), -beta)
         return idx.astype(np.int64), (w / w_max).astype(np.float32)
 
     def check(self, idx: np.ndarray, priorities: np.ndarray) -> tuple[str | None, float]:
@@ -222,25 +254,42 @@ class SumTree:
         self.set(idx, leaves)
         return None, pmax
 
+    def is_set(self) -> np.ndarray:
+        """Per leaf, whether it holds a value (set since the tree was created or cleared)."""
+        return np.isfinite(self._min[self._p:self._p + self.capacity])
+
     def state_dict(self) -> StateDict:
         """Leaves only (as tensors); inner nodes are rebuilt on load."""
         return {"leaves": tensor(self._sum[self._p:self._p + self.capacity].copy()),
                 "set": tensor(np.isfinite(self._min[self._p:self._p + self.capacity]))}
 
-    def load_state_dict(self, state: StateDict) -> None:
-        """Restore from :meth:`state_dict`.
+    def load_state_dict(self, state: StateDict, *, bound: float | None = None) -> None:
+        """Restore from :meth:`state_dict`; a refused state changes nothing.
+
+        Args:
+            state: What :meth:`state_dict` returned.
+            bound: Largest leaf accepted (default: any finite leaf whose sum over the tree
+                stays finite).
 
         Raises:
-            StateError: A missing key, a wrong length, or a leaf that is not finite and
-                non-negative.
+            StateError: A missing key, a wrong length, or a set leaf that is not finite and
+                positive (a leaf of 0 makes every importance weight 0), above ``bound``, or
+                whose sum with the others is not finite.
         """
         leaves = array(state, "leaves", "tree", length=self.capacity, dtype=np.float64)
         used = array(state, "set", "tree", length=self.capacity, dtype=bool)
-        bad = used & ~(np.isfinite(leaves) & (leaves >= 0))
+        limit = math.inf if bound is None else bound
+        bad = used & ~(np.isfinite(leaves) & (leaves > 0) & (leaves <= limit))
         if bad.any():
             k = int(np.nonzero(bad)[0][0])
-            raise StateError("tree.leaves", f"slot {k} has priority {leaves[k]}; priorities "
-                                            f"must be finite and >= 0")
+            within = "" if bound is None else f" and <= {bound:.6g}"
+            raise StateError("tree.leaves", f"slot {k} has priority {leaves[k]}; the priority "
+                                            f"of a set slot must be finite and > 0{within}")
+        with np.errstate(over="ignore"):
+            total = float(leaves[used].sum())
+        if not math.isfinite(total):
+            raise StateError("tree.leaves", f"sum to {total}; the priorities of the set slots "
+                                            f"must have a finite sum")
         self.clear()
         idx = np.nonzero(used)[0]
         if idx.size:

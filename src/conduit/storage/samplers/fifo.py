@@ -146,13 +146,27 @@ class FifoSampler(Sampler):
         """Restore from :meth:`state_dict`.
 
         Raises:
-            StateError: A key is missing, or the layout or cursor does not fit the sampler.
+            StateError: A key is missing, or the layout or cursor does not fit the sampler:
+                ``parts`` must be none or ``num_minibatches`` 1-D integer tensors whose
+                concatenation is a permutation of ``range(n)`` (each of ``n`` rows once).
         """
         parts = entry(state, "parts", "sampler")
         if not isinstance(parts, (list, tuple)) or (parts and len(parts) != self.num_minibatches) \
                 or not all(isinstance(p, torch.Tensor) and p.dim() == 1 for p in parts):
             raise StateError("sampler.parts", f"expected {self.num_minibatches} 1-D index "
                                               f"tensors (or none)")
+        if any(p.is_floating_point() or p.is_complex() or p.dtype == torch.bool
+               for p in parts):
+            raise StateError("sampler.parts", f"expected integer slots, got dtypes "
+                                              f"{sorted({str(p.dtype) for p in parts})}")
+        parts = [p.detach().cpu().to(torch.int64) for p in parts]
+        if parts:
+            order = torch.cat(parts)
+            n = order.numel()
+            if not torch.equal(torch.sort(order).values, torch.arange(n, dtype=torch.int64)):
+                raise StateError("sampler.parts", f"the slots of the mini-batches must be "
+                                                  f"each of the epoch's {n} rows 0..{n - 1} "
+                                                  f"once (a permutation of range({n}))")
         iteration = integer(state, "iteration", "sampler")
         epoch = integer(state, "epoch", "sampler")
         cursor = integer(state, "cursor", "sampler", high=len(parts))

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from conduit.errors import ConfigError, PriorityError
+from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict, entry, number
@@ -27,15 +27,33 @@ def _finite(name: str, value: Any) -> float:
 
 
 def _host(values: Any) -> np.ndarray:
-    """A flat numpy view of a CPU tensor (a copy for other devices or other array types)."""
+    """A flat numpy view of a CPU tensor (a copy for other devices or other array types; a
+    float64 copy for floating dtypes numpy lacks, such as bfloat16)."""
     if isinstance(values, torch.Tensor):
         if values.dim() == 1 and values.device.type == "cpu" and not values.requires_grad:
-            return values.numpy()
+            try:
+                return values.numpy()
+            except TypeError:  # no numpy dtype (bfloat16, float8, complex32)
+                pass
         values = values.detach()
         if values.device.type != "cpu":
             values = values.cpu()
+        if values.is_floating_point() and values.dtype not in _NUMPY_FLOATS:
+            values = values.to(torch.float64)
+        elif values.is_complex() and values.dtype not in _NUMPY_COMPLEX:
+            values = values.to(torch.complex128)  # refused as not real by the callers
         return values.reshape(-1).numpy()
     return np.asarray(values).reshape(-1)
+
+
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+_NUMPY_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _leaf(priority: float, alpha: float, eps: float) -> float:
+    """The leaf of a raw priority, ``(priority + eps) ** alpha`` (inf where it overflows)."""
+    with np.errstate(over="ignore"):
+        return float(np.power(np.float64(priority) + eps, alpha))
 
 
 class PrioritizedSampler(Sampler):
@@ -171,8 +189,20 @@ class PrioritizedSampler(Sampler):
         return bound
 
     def priorities(self, indices: torch.Tensor) -> torch.Tensor:
-        """Current (exponentiated) priorities of ``indices``."""
-        return torch.from_numpy(self.tree.get(indices.numpy()))
+        """Current (exponentiated) priorities of ``indices`` (0 for a slot holding no row).
+
+        Raises:
+            PriorityError: Indices that are not integer slots in ``[0, capacity)``.
+        """
+        raw = _host(indices)
+        if raw.dtype.kind not in "iu":
+            raise PriorityError(f"indices: must be integer slots (a batch's _index), got "
+                                f"{raw.dtype} values")
+        if raw.size and (raw.min() < 0 or raw.max() >= self.capacity):
+            raise PriorityError(f"indices: must lie in [0, {self.capacity}), got "
+                                f"[{raw.min()}, {raw.max()}]")
+        shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else raw.shape
+        return torch.from_numpy(self.tree.get(raw).reshape(shape))
 
     def reset(self) -> None:
         """Clear every priority."""
@@ -191,11 +221,21 @@ class PrioritizedSampler(Sampler):
     def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`; a refused state changes nothing.
 
+        Leaves and ``max_priority`` must be ones this sampler can reach: a set slot's leaf
+        positive and at most :meth:`leaf_bound` (or a new row's leaf at the initial maximum,
+        ``(1 + eps) ** alpha``, where that is larger), and so the leaf of ``max_priority``.
+
         Raises:
-            StateError: A key is missing or a value is out of range.
+            StateError: A key is missing or a value is out of range (the key is named).
         """
         max_priority = number(state, "max_priority", "sampler")
+        bound = max(self.leaf_bound(), _leaf(1.0, self.alpha, self.eps))
+        if not _leaf(max_priority, self.alpha, self.eps) <= bound:
+            raise StateError("sampler.max_priority", f"{max_priority:.6g} gives new rows a "
+                                                     f"priority above {bound:.6g}, the most "
+                                                     f"this sampler accepts (leaf_bound)")
         rng = self._checked_rng(state)
-        self.tree.load_state_dict(entry(state, "tree", "sampler"))  # checks all, then loads
+        # checks all, then loads
+        self.tree.load_state_dict(entry(state, "tree", "sampler"), bound=bound)
         self._rng.bit_generator.state = rng
         self.max_priority = max_priority

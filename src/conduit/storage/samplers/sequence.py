@@ -52,10 +52,16 @@ class SequenceSampler(Sampler):
                                               f"the field that marks an episode's last step")
 
     def on_write(self, indices: torch.Tensor, batch: Batch, *, size: int) -> None:
-        """Record episode ends of the new rows."""
+        """Record episode ends of the new rows (an empty write changes nothing).
+
+        Raises:
+            SpecError: The write lacks the boundary field.
+        """
         if self.boundary_key not in batch:
             raise SpecError(self.boundary_key, "SequenceSampler needs this boundary field in "
                                                "every write")
+        if indices.shape[0] == 0:
+            return
         flags = batch[self.boundary_key].detach().reshape(indices.shape[0], -1).any(1)
         idx = indices.numpy()
         self._ends[idx] = flags.cpu().numpy()
