@@ -97,9 +97,13 @@ def test_a_failed_ingestion_on_the_worker_loses_the_groups_from_it_on():
         path.begin_iteration(ORDER, prompt_width=WIDTH)
         groups = _groups()
         for prompts, comps in groups:
-            path.push_group(prompt_ids=prompts, completion_ids=comps)
-        with pytest.raises(OperatorError, match="hiccup"):
-            path.flush()
+            try:
+                path.push_group(prompt_ids=prompts, completion_ids=comps)
+            except OperatorError:  # the worker failed before this push: it reports it
+                break
+        else:
+            with pytest.raises(OperatorError, match="hiccup"):
+                path.flush()
         assert isinstance(path.recover(), OperatorError)  # the latched error, now cleared
         ingested = path.pushed_groups
         assert ingested < GROUPS  # the failed group and those after it are lost
@@ -369,3 +373,76 @@ def test_a_bad_skip_count_is_refused_before_anything_changes():
             path.begin_iteration(ORDER, prompt_width=WIDTH)
         assert err.value.field == "logprobs[0].skip_first"
         assert path.iteration == -1
+
+
+@pytest.mark.parametrize("returned", [None, [None] * G, "abcd", object(),
+                                      torch.tensor([1 + 5j] * G),
+                                      [complex(1, 5)] * G])
+def test_a_scorer_returning_no_real_numbers_is_named(returned):
+    with _path(score=lambda *a: returned) as path:
+        path.begin_iteration(ORDER, prompt_width=WIDTH)
+        prompts, comps = _groups()[0]
+        with pytest.raises(OperatorError) as err:
+            path.push_group(prompt_ids=prompts, completion_ids=comps)
+        cause = err.value.__cause__
+        assert isinstance(cause, SpecError) and cause.field == "rewards"
+        assert f"shape ({G},)" in str(cause) and "NaN for an unscorable" in str(cause)
+        assert path.pushed_groups == 0
+
+
+@pytest.mark.parametrize("fn", [lambda *a: None, lambda p, pm, c, cm: [0.0] * c.shape[0],
+                                lambda p, pm, c, cm: c, lambda p, pm, c, cm: c[:, :1].float()])
+def test_a_log_prob_source_returning_no_per_token_tensor_is_named(fn):
+    src = LogProbSource("old_per_token_logps", fn)
+    with _path(logprobs=[src]) as path:
+        path.begin_iteration(ORDER, prompt_width=WIDTH)
+        for prompts, comps in _groups():
+            path.push_group(prompt_ids=prompts, completion_ids=comps)
+        with pytest.raises(OperatorError) as err:
+            path.pull()
+        cause = err.value.__cause__
+        assert isinstance(cause, SpecError) and cause.field == "old_per_token_logps"
+        assert "shaped as completion_ids" in str(cause)
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"prompt_ids": None}, "prompt_ids"), ({"prompt_ids": 5}, "prompt_ids"),
+    ({"completion_ids": None}, "completion_ids"), ({"completion_ids": 5}, "completion_ids")])
+def test_push_arguments_that_are_not_sequences_are_named(kw, field):
+    with _path() as path:
+        path.begin_iteration(ORDER, prompt_width=WIDTH)
+        prompts, comps = _groups()[0]
+        with pytest.raises(SpecError) as err:
+            path.push_group(**{"prompt_ids": prompts, "completion_ids": comps, **kw})
+        assert err.value.field == field
+        assert path.pushed_groups == 0
+
+
+@pytest.mark.parametrize("prompts", [
+    [[7], [8]] * (G // 2) + [[9]] * G,  # two prompts' completions interleaved in a group
+    [[1, 2]] * G + [[3]] * (G - 1) + [[4]],  # groups of two lengths, one token off
+    [[1, 2]] * G + [[3, 4]] * (G - 1) + [[3, 5]],  # one length throughout, one token off
+    [[1, 2]] * G + [[3, 4]] * (G - 1) + [[3]]])  # one prompt shorter
+def test_a_group_must_repeat_one_prompt(prompts):
+    comps = [[10 + i] for i in range(len(prompts))]
+    with _path() as path:
+        path.begin_iteration(ORDER, prompt_width=WIDTH)
+        with pytest.raises(SpecError) as err:
+            path.push_groups(prompt_ids=prompts, completion_ids=comps)
+        assert err.value.field == "prompt_ids" and "share one prompt" in str(err.value)
+        assert path.pushed_groups == 0
+        good = [[1, 2]] * G + [[3]] * G  # whole groups of several lengths are let through
+        path.push_groups(prompt_ids=good, completion_ids=comps)
+        assert path.pushed_groups == 2
+
+
+def test_a_push_before_begin_iteration_or_after_close_is_a_state_error():
+    prompts, comps = _groups()[0]
+    path = _path()
+    with pytest.raises(StateError) as err:
+        path.push_group(prompt_ids=prompts, completion_ids=comps)
+    assert err.value.key == "begin_iteration" and "call begin_iteration" in str(err.value)
+    path.begin_iteration(ORDER, prompt_width=WIDTH)
+    path.close()
+    with pytest.raises(PlaneClosedError):
+        path.push_group(prompt_ids=prompts, completion_ids=comps)

@@ -56,6 +56,9 @@ class GRPOBenchArgs:
     out: str = arg("runs/bench/grpo", "folder for grpo.json / grpo.png", output="dir")
 
 
+#: Completions per prompt in every run (``conduit train --algo grpo``'s default).
+GROUP_SIZE = grpo.Args().num_generations
+
 #: What ``--quick`` gives the flags left at their defaults.
 QUICK = {"lengths": (8,), "steps": 8, "rounds": 1}
 
@@ -116,12 +119,21 @@ def check(a: GRPOBenchArgs) -> None:
     """Refuse arguments the flags' own checks let through (for callers of :func:`run`).
 
     Raises:
-        ConfigError: An unknown task or padding.
+        ConfigError: An unknown task or padding, or a generation batch (``batch_size x
+            steps_per_generation`` completions) that does not split into whole groups of
+            :data:`GROUP_SIZE` completions (field ``batch_size``), as TRL's ``GRPOConfig``
+            requires.
     """
     if a.task not in grpo_task.TASKS:
         raise ConfigError("task", f"must be one of {', '.join(grpo_task.TASKS)}, got {a.task!r}")
     if a.pad not in PADS:
         raise ConfigError("pad", f"must be one of {', '.join(PADS)}, got {a.pad!r}")
+    gen_batch = a.batch_size * a.steps_per_generation
+    if gen_batch % GROUP_SIZE:
+        raise ConfigError("batch_size", f"the generation batch of --batch-size {a.batch_size} x "
+                                        f"--steps-per-generation {a.steps_per_generation} = "
+                                        f"{gen_batch} completions must be a multiple of the "
+                                        f"group size {GROUP_SIZE}")
 
 
 def effective(args: GRPOBenchArgs) -> GRPOBenchArgs:
@@ -139,10 +151,12 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
     a = effective(a)
     runs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
+    # two mini-batches per generation where they hold whole groups
+    warm_spg = 2 if a.batch_size * 2 % GROUP_SIZE == 0 else a.steps_per_generation
     for buffer in ("trl", "conduit"):  # first-run costs (imports, allocator, threads) untimed
         grpo.train(grpo.Args(task=a.task, buffer=buffer, steps=2, seed=a.seed,
                              batch_size=a.batch_size, max_completion_length=min(a.lengths),
-                             steps_per_generation=2))
+                             steps_per_generation=warm_spg))
     progress("warm-up done")
     for length in a.lengths:
         for r in range(a.rounds):

@@ -99,6 +99,35 @@ def _check_tensor(x: Any, field: str, *, floating: bool) -> None:
         raise SpecError(field, f"must have {kind} dtype, got {x.dtype}")
 
 
+def _check_sequences(x: Any, field: str) -> None:
+    """Raise a :class:`SpecError` naming ``field`` unless ``x`` is a sized collection (a list of
+    token-id sequences, one per completion)."""
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
+        raise SpecError(field, f"must be a list of token-id sequences, one per completion, got "
+                               f"{type(x).__name__}")
+
+
+def _scored(raw: Any, n: int, what: str) -> torch.Tensor:
+    """The scorer's output ``raw`` as ``n`` float32 rewards.
+
+    Raises:
+        SpecError: ``raw`` is not ``n`` real numbers (field ``rewards``).
+    """
+    hint = f"return a real float tensor of shape ({n},), NaN for an unscorable completion"
+    try:
+        r = torch.as_tensor(raw)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise SpecError("rewards", f"{what}: the scorer returned {type(raw).__name__} "
+                                   f"({exc}); {hint}") from exc
+    if r.is_complex():
+        raise SpecError("rewards", f"{what}: the scorer returned complex values ({r.dtype}); "
+                                   f"{hint}")
+    if r.shape != (n,):
+        raise SpecError("rewards", f"{what}: the scorer returned shape {tuple(r.shape)}, "
+                                   f"expected ({n},); {hint}")
+    return r.to(torch.float32)
+
+
 def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One reward per completion from ``per_func`` (completions × reward functions): the
     weighted sum ignoring NaN; NaN where every function returned None (unscorable).
@@ -204,8 +233,10 @@ class LogProbSource:
 
     Attributes:
         key: Name in the delivered batch (``old_per_token_logps``, ``ref_per_token_logps``).
-        fn: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask)`` -> (B, T) tensor;
-            it must read a policy that does not change during the iteration (a snapshot).
+        fn: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask)`` -> a
+            floating-point tensor shaped as ``completion_ids`` (B, T); anything else fails
+            the delivery with a :class:`SpecError` naming ``key``. It must read a policy that
+            does not change during the iteration (a snapshot).
         skip_first: Leading mini-batches of a single-epoch iteration that need none (they are
             trained under the policy that generated them, so the learner's own log-probs,
             detached, are the same): an int >= 0, or ``skip_first(iteration)`` -> that int,
@@ -275,8 +306,10 @@ class GroupExperiencePath:
         max_completion_length: Longest completion, in tokens.
         pad_token_id: Token that pads ids.
         score: ``score(payload, prompt_ids, completion_ids)`` -> rewards of the groups of one
-            push, shape (k × G,), NaN for unscorable completions. Runs in ingestion, once per
-            push (:meth:`push_group` or :meth:`push_groups`).
+            push, real numbers of shape (k × G,) (a float tensor), NaN for unscorable
+            completions; anything else fails the ingestion with a :class:`SpecError` naming
+            ``rewards``. Runs in ingestion, once per push (:meth:`push_group` or
+            :meth:`push_groups`).
         scale_rewards: ``"group"`` or ``"none"`` (see :func:`group_advantages`).
         logprobs: Log-probs computed per mini-batch in delivery.
         pad_completions_to: ``"minibatch"`` (its longest completion) or ``"iteration"``.
@@ -361,6 +394,9 @@ class GroupExperiencePath:
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
             capacity=rows)
         self._ragged_lock = threading.Lock()
+        # held from a push's reservation of rows through plane.push, so the plane queues
+        # pushes in row order (reentrant: a scorer run inline may push)
+        self._push_lock = threading.RLock()
         self._permit = threading.Event()  # set: the next prefetched delivery may start
         self._pulling = threading.local()  # set on the learner's thread inside pull()
         self._gate_s, self._closing = float(gate_prefetch), False
@@ -502,7 +538,8 @@ class GroupExperiencePath:
         :meth:`push_groups` with one group.
 
         Raises:
-            SpecError: See :meth:`push_groups`.
+            SpecError, StateError, OperatorError, BackpressureTimeout, PlaneClosedError: See
+                :meth:`push_groups`.
         """
         self.push_groups(prompt_ids=prompt_ids, completion_ids=completion_ids, payload=payload)
 
@@ -511,50 +548,92 @@ class GroupExperiencePath:
         """Hand whole groups that arrived together (k × G completions, group after group, in
         generation order) to ingestion as one unit: one ``score`` call covers them all.
 
+        Safe to call from several threads: each push takes the next rows of the iteration and
+        is queued in that order.
+
         Raises:
-            SpecError: The completions do not split into whole groups, the prompts do not
-                match them one to one, a sequence is empty or longer than its maximum, a
-                prompt is wider than the iteration's ``prompt_width``, or the iteration is
-                full.
+            SpecError: ``prompt_ids`` or ``completion_ids`` is not a list of sequences, the
+                completions do not split into whole groups, the prompts do not match them one
+                to one, a group's G prompts are not one prompt (field ``prompt_ids``), a
+                sequence is empty or longer than its maximum, a prompt is wider than the
+                iteration's ``prompt_width``, or the iteration is full.
+            StateError: No iteration was begun (call :meth:`begin_iteration` first).
             OperatorError, BackpressureTimeout, PlaneClosedError: As
                 :meth:`ExperienceDataPlane.push`; the groups are lost (see the class).
         """
-        self._settle()
-        first = self._pushed // self.group_size
-        n = len(completion_ids)
-        if n == 0 or n % self.group_size:
-            raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
-                                              f"expected a multiple of group_size="
-                                              f"{self.group_size}")
-        if len(prompt_ids) != n:
-            raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} prompts "
-                                          f"for {n} completions")
-        if self._pushed + n > self.rows:
-            raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups and "
-                                  f"{self._pushed // self.group_size} are pushed; call "
-                                  f"begin_iteration for the next one")
-        what = f"groups {first}..{first + n // self.group_size - 1}"
-        prompts = self.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
-                                                            what=what)
-        completions = self.ragged.fields["completion_ids"].validate(
-            completion_ids, field="completion_ids", what=what)
-        if int(prompts[1].max()) > self._prompt_width:
-            raise SpecError("prompt_ids", f"{what} hold a prompt longer than the iteration's "
-                                          f"prompt_width {self._prompt_width}")
-        serial, start = self._serial, self._pushed
-        self._serial += 1
-        unit = _Unit(start, prompt_ids, completion_ids, prompts, completions, payload)
-        self._units[serial] = unit
-        self._pushed += n
-        try:
-            self.plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
-                            policy_version=self.iteration)
-        except BaseException:
-            # refused, or ingested here and failed: withdrawn (a copy the plane still holds
-            # fails its ingestion, as its serial is gone)
-            self._lose([serial])
+        if self.plane.closed:
+            raise PlaneClosedError("push_groups: the experience path is closed")
+        if self.iteration < 0:
+            raise StateError("begin_iteration", "no iteration was begun; call begin_iteration "
+                                                "before pushing groups")
+        _check_sequences(prompt_ids, "prompt_ids")
+        _check_sequences(completion_ids, "completion_ids")
+        with self._push_lock:
             self._settle()
-            raise
+            first = self._pushed // self.group_size
+            n = len(completion_ids)
+            if n == 0 or n % self.group_size:
+                raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
+                                                  f"expected a multiple of group_size="
+                                                  f"{self.group_size}")
+            if len(prompt_ids) != n:
+                raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} "
+                                              f"prompts for {n} completions")
+            if self._pushed + n > self.rows:
+                raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups "
+                                      f"and {self._pushed // self.group_size} are pushed; call "
+                                      f"begin_iteration for the next one")
+            what = f"groups {first}..{first + n // self.group_size - 1}"
+            prompts = self.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
+                                                                what=what)
+            completions = self.ragged.fields["completion_ids"].validate(
+                completion_ids, field="completion_ids", what=what)
+            if int(prompts[1].max()) > self._prompt_width:
+                raise SpecError("prompt_ids", f"{what} hold a prompt longer than the "
+                                              f"iteration's prompt_width {self._prompt_width}")
+            self._check_one_prompt_per_group(prompts, what)
+            serial, start = self._serial, self._pushed
+            self._serial += 1
+            unit = _Unit(start, prompt_ids, completion_ids, prompts, completions, payload)
+            self._units[serial] = unit
+            self._pushed += n
+            try:
+                self.plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
+                                policy_version=self.iteration)
+            except BaseException:
+                # refused, or ingested here and failed: withdrawn (a copy the plane still
+                # holds fails its ingestion, as its serial is gone)
+                self._lose([serial])
+                self._settle()
+                raise
+
+    def _check_one_prompt_per_group(self, prompts: tuple[torch.Tensor, torch.Tensor],
+                                    what: str) -> None:
+        """Refuse packed ``prompts`` (values, lengths) unless each run of G rows repeats one
+        prompt: every token equals the one a row earlier in its group (vectorized).
+
+        Raises:
+            SpecError: A group holds two different prompts (field ``prompt_ids``).
+        """
+        g = self.group_size
+        if g == 1:
+            return
+        values, lengths = prompts
+        per_group = lengths.view(-1, g)
+        if bool((per_group == per_group[:, :1]).all()):
+            if bool((lengths == lengths[0]).all()):  # one length throughout: one comparison
+                rows = values.view(-1, g, int(lengths[0]))
+                same = bool((rows == rows[:, :1]).all())
+            else:  # each token against the same position one row earlier, within its group
+                later = (torch.arange(lengths.numel()) % g) != 0
+                at = torch.arange(values.numel())[torch.repeat_interleave(later, lengths)]
+                shift = torch.repeat_interleave(lengths, lengths)[at]
+                same = bool((values[at] == values[at - shift]).all())
+            if same:
+                return
+        raise SpecError("prompt_ids", f"{what}: a group's {g} completions must share one "
+                                      f"prompt (push the G completions of a prompt together, "
+                                      f"group after group)")
 
     def recover(self) -> OperatorError | None:
         """Clear the plane's latched operator error (:meth:`ExperienceDataPlane.recover`) and
@@ -697,11 +776,7 @@ class GroupExperiencePath:
         rewards = []
         for unit in units:
             n, what = len(unit.completion_ids), f"groups from {unit.first // self.group_size}"
-            r = torch.as_tensor(self._score(unit.payload, unit.prompt_ids, unit.completion_ids),
-                                dtype=torch.float32)
-            if r.shape != (n,):
-                raise SpecError("rewards", f"{what}: the scorer returned shape "
-                                           f"{tuple(r.shape)}, expected ({n},)")
+            r = _scored(self._score(unit.payload, unit.prompt_ids, unit.completion_ids), n, what)
             _has_nan(r, what=f"{what}: the scorer's output ")
             rewards.append(r)
         reward = _joined(rewards)
@@ -764,7 +839,16 @@ class GroupExperiencePath:
             if self.num_epochs == 1 and part < skip:
                 continue
             with data_path_threads(1):  # a prefetch must not take the learner's cores
-                out[src.key] = src.fn(prompt_ids, prompt_mask, completion_ids, completion_mask)
+                logps = src.fn(prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if (not isinstance(logps, torch.Tensor) or not logps.is_floating_point()
+                    or logps.shape != completion_ids.shape):
+                got = (f"{logps.dtype} tensor of shape {tuple(logps.shape)}"
+                       if isinstance(logps, torch.Tensor) else type(logps).__name__)
+                raise SpecError(src.key, f"LogProbSource {src.key!r}: fn returned {got}; return "
+                                         f"a floating-point tensor of per-token log-probs "
+                                         f"shaped as completion_ids, "
+                                         f"{tuple(completion_ids.shape)}")
+            out[src.key] = logps
         learn_out.write(out)
 
     def __enter__(self) -> GroupExperiencePath:

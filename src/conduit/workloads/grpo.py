@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from conduit.cli_args import arg
+from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, write_json
 from conduit.workloads import grpo_task
 
@@ -34,7 +35,9 @@ class Args:
                       choices=BUFFERS)
     steps: int = arg(60, "optimizer steps", min=1)
     batch_size: int = arg(16, "completions per mini-batch (per_device_train_batch_size)", min=1)
-    num_generations: int = arg(8, "completions per prompt (the group size G)", min=1)
+    num_generations: int = arg(8, "completions per prompt (the group size G), at least 2; "
+                               "batch-size x steps-per-generation must be a multiple of it",
+                               min=2)
     steps_per_generation: int = arg(4, "mini-batches per generation batch", min=1)
     num_iterations: int = arg(1, "passes over each generation batch", min=1)
     prompt_len: int = arg(4, "digits per prompt", min=1)
@@ -70,14 +73,38 @@ class GRPOResult:
                 "reward_last": self.rewards[-1] if self.rewards else None}
 
 
+def check(args: Args) -> None:
+    """The checks of ``args`` that TRL's ``GRPOConfig`` makes, run before any output (``conduit
+    train --algo grpo`` reports them as usage errors naming the flag).
+
+    Raises:
+        ConfigError: ``num_generations`` is below 2 (a group needs two completions to have a
+            spread), or the generation batch (``batch_size x steps_per_generation``
+            completions) does not split into whole groups of ``num_generations`` (field
+            ``batch_size``).
+    """
+    if args.num_generations < 2:
+        raise ConfigError("num_generations", f"must be at least 2 (GRPO normalizes rewards "
+                                             f"within a group), got {args.num_generations}")
+    gen_batch = args.batch_size * args.steps_per_generation
+    if gen_batch % args.num_generations:
+        raise ConfigError("batch_size", f"the generation batch of --batch-size "
+                                        f"{args.batch_size} x --steps-per-generation "
+                                        f"{args.steps_per_generation} = {gen_batch} completions "
+                                        f"must be a multiple of --num-generations "
+                                        f"{args.num_generations}")
+
+
 def build_trainer(args: Args, *, output_dir: str, **trainer_kwargs: Any) -> Any:
     """A ``GRPOTrainer`` (``buffer="trl"``) or ``ConduitGRPOTrainer`` for ``args``.
 
     Raises:
         ValueError: Unknown ``buffer`` or ``task``.
+        ConfigError: :func:`check` refuses ``args``.
     """
     if args.buffer not in BUFFERS:
         raise ValueError(f"buffer: must be one of {BUFFERS}, got {args.buffer!r}")
+    check(args)
     from trl import GRPOConfig, GRPOTrainer
 
     if args.threads:
