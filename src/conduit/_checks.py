@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
 from conduit.errors import ConfigError
 
 
@@ -76,3 +78,35 @@ def check_key(field: str, value: Any) -> str:
         raise ConfigError(field, f"must be the name of a field (a non-empty string), got "
                                  f"{value!r}")
     return value
+
+
+def check_device(field: str, value: Any) -> torch.device:
+    """``value`` as a ``torch.device`` this machine has: the CPU or a present CUDA device.
+
+    Args:
+        field: Name the error gives.
+        value: A ``torch.device`` or a device string such as ``"cpu"``, ``"cuda"`` or
+            ``"cuda:1"``.
+
+    Raises:
+        ConfigError: ``value`` is neither a device nor a device string, names no device
+            torch knows, is neither CPU nor CUDA, or names a CUDA device this machine lacks.
+    """
+    if not isinstance(value, (str, torch.device)):
+        raise ConfigError(field, f"must be a torch.device or a device string such as 'cpu' or "
+                                 f"'cuda:0', got {value!r}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(field, f"not a device: {value!r} ({exc}); pass 'cpu' or "
+                                 f"'cuda[:index]'") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(field, f"must be a CPU or CUDA device, got {value!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0 or (device.index is not None and device.index >= count):
+        have = f"{count} CUDA devices" if count else "no CUDA device"
+        raise ConfigError(field, f"'{device}' is not on this machine ({have}); pass 'cpu' or "
+                                 f"a CUDA device this machine has")
+    return device

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
 
-from conduit._checks import check_int
+from conduit._checks import check_device, check_int
 from conduit.errors import ConfigError
 from conduit.scheduling.space import MAX_MINIBATCHES, Mode, Schedule, ScheduleSpace, feasible_space
 from conduit.spec import ExperienceSpec
@@ -70,9 +70,10 @@ class PlaneConfig:
             raise ConfigError("num_minibatches", f"{self.num_minibatches} mini-batches cannot be "
                                                  f"cut from {self.capacity} rows per iteration")
         if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                or not math.isfinite(self.timeout) or self.timeout <= 0):
-            raise ConfigError("timeout", f"must be a finite number of seconds > 0, got "
-                                         f"{self.timeout!r}")
+                or not 0 < self.timeout <= threading.TIMEOUT_MAX):
+            raise ConfigError("timeout", f"must be a number of seconds > 0 and at most "
+                                         f"{threading.TIMEOUT_MAX:.4g} (threading.TIMEOUT_MAX), "
+                                         f"got {self.timeout!r}")
         object.__setattr__(self, "max_priority_lag",
                            check_int("max_priority_lag", self.max_priority_lag, minimum=0))
         for name in ("min_size", "rollout_rows"):
@@ -87,19 +88,23 @@ class PlaneConfig:
             raise ConfigError("rollout_rows", "only applies on-policy; off-policy "
                                               "granularity already counts rollout units")
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
+        object.__setattr__(self, "learner_device",
+                           check_device("learner_device", self.learner_device))
 
     def wait_for(self, timeout: float | None) -> float:
         """Seconds a call may wait: ``timeout``, or the plane's when None.
 
         Raises:
-            ConfigError: ``timeout`` is not a finite number >= 0.
+            ConfigError: ``timeout`` is not a number >= 0 and at most ``threading.TIMEOUT_MAX``
+                (a longer wait than the platform's clock takes).
         """
         if timeout is None:
             return self.timeout
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 <= timeout < math.inf):
-            raise ConfigError("timeout", f"must be a finite number of seconds >= 0, got "
-                                         f"{timeout!r}")
+                or not 0 <= timeout <= threading.TIMEOUT_MAX):
+            raise ConfigError("timeout", f"must be a number of seconds >= 0 and at most "
+                                         f"{threading.TIMEOUT_MAX:.4g} (threading.TIMEOUT_MAX), "
+                                         f"got {timeout!r}")
         return float(timeout)
 
     @property

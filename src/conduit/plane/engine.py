@@ -8,6 +8,7 @@ under the flow's backpressure, and hands out staged batches. The front
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +54,7 @@ class PlaneEngine:
                                        learner_device=learner_device)
         self.schedule = flow.schedule
         self.closed = False
+        self._holders: list[int] = []  # the threads in a _hold block, one entry per hold
         self.ingestion = ingestion_runner(self.runtime, overlap=0)
         self.delivery = delivery_runner(self.runtime, overlap=0)
 
@@ -100,8 +102,20 @@ class PlaneEngine:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Quiesce both operators: workers stopped, no invocation in flight, early assembly
-        dropped. The schedule's workers restart on exit (unless the plane closed)."""
-        self.stop()
+        dropped. The schedule's workers restart on exit (unless the plane closed).
+
+        Raises:
+            OperatorError: A worker is stuck in an operator past the timeout. The error is
+                latched (dependent calls raise it), and :meth:`recover`, once the invocation
+                has returned, restarts the workers.
+        """
+        try:
+            self.stop()
+        except OperatorError as stuck:
+            # The stuck worker exits when its invocation returns (``stop`` is set); a worker
+            # started beside it would run invocations out of order, so recover() restarts.
+            self.runtime.latch(stuck)
+            raise
         try:
             with self.quiesced():
                 with self.signals.lock:
@@ -134,9 +148,10 @@ class PlaneEngine:
     def _hold(self, counter: str, *, until_idle: str) -> Iterator[None]:
         """Raise the runtime's ``counter`` (which stops invocations from starting) for the
         block, once its ``until_idle`` count of running invocations is zero."""
-        rt = self.runtime
+        rt, me = self.runtime, threading.get_ident()
         with self.signals.lock:
             setattr(rt, counter, getattr(rt, counter) + 1)
+            self._holders.append(me)
             while getattr(rt, until_idle):
                 self.signals.callers.wait(0.05)
         try:
@@ -144,6 +159,7 @@ class PlaneEngine:
         finally:
             with self.signals.lock:
                 setattr(rt, counter, getattr(rt, counter) - 1)
+                self._holders.remove(me)
                 self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def capture(self, *, rows: bool, buffer: bool = True) -> StateDict:
@@ -229,7 +245,10 @@ class PlaneEngine:
 
         Raises:
             EmptyBufferError: No batch by ``deadline`` (``waited`` is for the message).
-            OperatorError, PlaneClosedError.
+            OperatorError: The delivery operator, or the sampler drawing the batch, raised:
+                latched when a worker ran it; when this call ran it inline, raised to this
+                call only.
+            PlaneClosedError: The plane is closed.
         """
         rt, flow = self.runtime, self.flow
         while True:
@@ -240,7 +259,10 @@ class PlaneEngine:
                 staged = flow.pop_staged_locked()
                 if staged is not None:
                     return staged.batch
-                job = self.delivery.take_locked()
+                try:
+                    job = self.delivery.take_locked()
+                except Exception as exc:  # e.g. a custom sampler raising, as on the worker
+                    raise rt.fail("delivery", exc, latch=False) from exc
                 # Data already pushed never waits for a granularity batch to fill.
                 hurry = (job is None and bool(flow.pending) and not (rt.paused or rt.writes_held)
                          and flow.starved_locked())
@@ -264,7 +286,12 @@ class PlaneEngine:
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error and restart the schedule's workers; the buffer's rows
-        and the queued units are kept. Returns the error that was latched, if any."""
+        and the queued units are kept. Returns the error that was latched, if any.
+
+        Raises:
+            OperatorError: A worker is still stuck in an operator past the timeout (the
+                error is latched again; call again once the invocation has returned).
+        """
         err = self.runtime.recover()
         if err is not None and not self.closed:
             with self.paused():
@@ -274,40 +301,76 @@ class PlaneEngine:
     def close(self) -> None:
         """Refuse new calls, stop the workers, and ingest every queued unit.
 
+        Inline ingestions already running on other threads finish first, and operators held
+        by other threads (``paused()``, ``frozen()``, a save) are waited for, each within the
+        timeout, so that the queued units can be ingested in push order.
+
         Raises:
             DataLossError: Some acknowledged units could not be stored (an ingestion
-                failure that was never recovered, a failure while draining, or a worker
-                stuck in an operator); the first cause is attached.
+                failure that was never recovered, a failure while closing, on any thread, a
+                worker stuck in an operator, or operators held by another thread past the
+                timeout); the first cause is attached.
         """
-        rt, flow = self.runtime, self.flow
-        with self.signals.lock:
+        rt, flow, lock = self.runtime, self.flow, self.signals.lock
+        with lock:
             if self.closed:
                 return
             self.closed = True  # pushes after this point raise PlaneClosedError
             self.signals.wake(callers=True, ingestion=True, delivery=True)
             cause: BaseException | None = None if rt.error_reported else rt.error
             lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
+            rt.closing_errors = []  # failures from here on, on any thread, are counted below
         try:
             self.stop()
         except OperatorError as stuck:
             cause = cause or stuck
-            with self.signals.lock:
+            with lock:
+                rt.closing_errors = None  # what is in flight is counted lost here
                 lost_units += flow.inflight_units + len(flow.pending)
                 lost_rows += sum(u.rows for u in flow.pending)
                 flow.pending.clear()
-        while True:
-            with self.signals.lock:
-                rt.error = None  # each failed invocation is counted below
-                units = rt.take_ingestion_locked(force=True)
-            if units is None:
-                break
-            err = rt.run_ingestion(units)
-            if err is not None:
+        deadline = time.perf_counter() + self.timeout
+        ordered = rt.inline_ordered(self.timeout)
+        try:
+            with lock:
+                if not ordered and rt.closing_errors is not None:
+                    cause = cause or OperatorError("runtime", TimeoutError(
+                        f"an inline ingestion on another thread did not finish within "
+                        f"{self.timeout}s"))
+                    rt.closing_errors = None
+                    lost_units += flow.inflight_units + len(flow.pending)
+                    lost_rows += sum(u.rows for u in flow.pending)
+                    flow.pending.clear()
+            while True:
+                with lock:
+                    own = self._holders.count(threading.get_ident())
+                    while flow.pending and rt.paused + rt.writes_held > own:
+                        remaining = deadline - time.perf_counter()
+                        if remaining <= 0:
+                            break
+                        self.signals.callers.wait(min(remaining, 0.5))
+                    units = rt.take_ingestion_locked(
+                        force=True, ignore_holds=rt.paused + rt.writes_held <= own)
+                    if units is None:
+                        if flow.pending:  # held by another thread past the timeout
+                            cause = cause or OperatorError("runtime", TimeoutError(
+                                f"the operators stayed held (paused(), frozen() or a save on "
+                                f"another thread) past {self.timeout}s"))
+                            lost_units += len(flow.pending)
+                            lost_rows += sum(u.rows for u in flow.pending)
+                            flow.pending.clear()
+                        break
+                rt.run_ingestion(units, latch=False)
+        finally:
+            if ordered:
+                rt.end_inline_ordered()
+        with lock:
+            rt.error = None  # counted above (``cause``) or below (``closing_errors``)
+            for err in rt.closing_errors or ():
                 cause = cause or err
                 lost_units += err.lost_units
                 lost_rows += err.lost_rows
-        with self.signals.lock:
-            rt.error = None
+            rt.closing_errors = None
         if lost_units:
             raise DataLossError(
                 f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "

@@ -64,20 +64,26 @@ class OperatorRuntime:
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
+        #: While ``close()`` runs: every failed ingestion invocation (on any thread), so
+        #: that close counts each loss once (None: not recording).
+        self.closing_errors: list[OperatorError] | None = None
         self._inline_order = threading.RLock()  # see drain_inline
         flow.deliver_ready = self.deliver_ready
 
     # -- errors ------------------------------------------------------------------------------
 
     def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = (),
-             stored_rows: int = 0) -> OperatorError:
-        """Latch ``exc`` as the plane's operator error (the first one wins) and wake all.
+             stored_rows: int = 0, latch: bool = True) -> OperatorError:
+        """The plane's operator error for ``exc``; latched (the first one wins, and all are
+        woken) unless ``latch`` is False.
 
         Args:
             operator: Which operator raised.
             exc: What it raised.
             units: The rollout units whose ingestion failed (their rows are lost).
             stored_rows: Rows the failed invocation wrote that stay in the buffer.
+            latch: False for an invocation the caller's own thread ran (inline): its error
+                goes to that call only, and neither workers nor other callers see it.
 
         Returns:
             The error made for ``exc``.
@@ -85,11 +91,17 @@ class OperatorRuntime:
         err = OperatorError(operator, exc, lost_units=len(units),
                             lost_rows=sum(u.rows for u in units), stored_rows=stored_rows)
         err.__cause__ = exc
+        if latch:
+            self.latch(err)
+        return err
+
+    def latch(self, err: OperatorError) -> None:
+        """Latch ``err`` as the plane's operator error (the first one wins) and wake all:
+        workers stop, and dependent calls raise it until :meth:`recover`."""
         with self.signals.lock:
             if self.error is None:
                 self.error, self.error_reported = err, False
             self.signals.wake(callers=True, ingestion=True, delivery=True)
-        return err
 
     def raise_if_failed(self) -> None:
         """Raise the latched operator error, if any."""
@@ -98,14 +110,10 @@ class OperatorRuntime:
             raise self.error
 
     def raise_own(self, err: OperatorError | None) -> None:
-        """Raise ``err``, an error of an invocation the calling thread ran, and unlatch it:
-        the caller that brought the input is told, and the plane stays usable."""
-        if err is None:
-            return
-        with self.signals.lock:
-            if self.error is err:
-                self.error = None
-        raise err
+        """Raise ``err``, the (unlatched) error of an invocation the calling thread ran: the
+        caller that brought the input is told, and the plane stays usable."""
+        if err is not None:
+            raise err
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it); returns it."""
@@ -116,15 +124,31 @@ class OperatorRuntime:
 
     # -- ingestion -----------------------------------------------------------------------------
 
-    def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
-        """The next ingestion invocation's units (None while paused or not ready)."""
-        if self.paused or self.writes_held:
+    def take_ingestion_locked(self, *, force: bool,
+                              ignore_holds: bool = False) -> list[Unit] | None:
+        """The next ingestion invocation's units (None while paused or not ready).
+
+        Args:
+            force: Take fewer than ``g_ing`` units.
+            ignore_holds: Take units even while operators are held (``close()``, where only
+                the closing thread holds them).
+        """
+        if (self.paused or self.writes_held) and not ignore_holds:
             return None
         units = self.flow.take_ingestion_locked(force=force)
         if units is not None:
             self.busy += 1
             self.ingesting += 1
         return units
+
+    def inline_ordered(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no inline ingestion runs on another thread,
+        and keep them from starting (True) until :meth:`end_inline_ordered`."""
+        return self._inline_order.acquire(timeout=timeout)
+
+    def end_inline_ordered(self) -> None:
+        """End :meth:`inline_ordered`'s exclusion."""
+        self._inline_order.release()
 
     def drain_inline(self, *, force: bool) -> None:
         """Run every ready ingestion invocation on the calling thread.
@@ -143,13 +167,18 @@ class OperatorRuntime:
                 if units is None:
                     return
                 with data_path_threads(1):
-                    self.raise_own(self.run_ingestion(units))
+                    self.raise_own(self.run_ingestion(units, latch=False))
 
-    def run_ingestion(self, units: list[Unit]) -> OperatorError | None:
+    def run_ingestion(self, units: list[Unit], *, latch: bool = True) -> OperatorError | None:
         """One ingestion invocation over ``units`` (taken with :meth:`take_ingestion_locked`).
 
+        Args:
+            units: The invocation's rollout units.
+            latch: Latch the error (a worker's invocation); False where the calling thread
+                reports it itself (inline ingestion, ``close()``'s drain).
+
         Returns:
-            The (latched) error if the operator raised.
+            The error if the operator raised (latched only with ``latch``).
         """
         t0 = time.perf_counter()
         written: list[tuple[int, int, int]] = []  # what each write returned (on-policy)
@@ -179,8 +208,11 @@ class OperatorRuntime:
             with self.signals.lock:
                 kept = self.flow.ingested_locked(units, failed=raised is not None,
                                                  written=written, rows=rows[0])
-                if raised is not None:  # latched with the rows the invocation left
-                    err = self.fail("ingestion", raised, units=units, stored_rows=kept)
+                if raised is not None:  # with the rows the invocation left
+                    err = self.fail("ingestion", raised, units=units, stored_rows=kept,
+                                    latch=latch)
+                    if self.closing_errors is not None:
+                        self.closing_errors.append(err)
                 self.busy -= 1
                 self.ingesting -= 1
                 self.signals.wake(callers=True)
@@ -231,8 +263,10 @@ class OperatorRuntime:
                 them stale (:meth:`Flow.hand_over_locked`).
 
         Returns:
-            ``(error, batch)``: the (latched) error if the operator raised, and the batch
-            handed back to the caller (None: whatever the invocation made is staged).
+            ``(error, batch)``: the error if the operator raised (latched only without
+            ``caller_records``: an inline invocation's error goes to its caller alone), and
+            the batch handed back to the caller (None: whatever the invocation made is
+            staged).
         """
         t0 = time.perf_counter()
         staged: list[Batch] = []
@@ -254,7 +288,7 @@ class OperatorRuntime:
                 if len(staged) != job.batches:
                     raise RuntimeError("the delivery operator did not call learn_out.write()")
         except BaseException as exc:
-            err = self.fail("delivery", exc)
+            err = self.fail("delivery", exc, latch=caller_records is None)
             staged, direct = [], None
         finally:
             event = None
@@ -268,8 +302,8 @@ class OperatorRuntime:
             else:
                 caller_records.append(rec)
             with self.signals.lock:
-                if self.error is not None:
-                    direct = None  # a latched error drops what the invocation made
+                if err is not None or self.error is not None:
+                    direct = None  # a failure, or a latched error, drops what it made
                     self.flow.undo_delivery_locked(job)
                 else:
                     if direct is not None and not (

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from conduit._checks import check_int
+from conduit._checks import check_device, check_int
 from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import compiled
@@ -29,29 +29,6 @@ def _batch_size(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
     integer (a Python or NumPy integer; not a bool)."""
     return check_int("batch_size", value, minimum=1)
-
-
-def checked_device(device: Any) -> torch.device | None:
-    """``device`` (None, a ``torch.device`` or its name) as a ``torch.device`` this machine
-    has, or None.
-
-    Raises:
-        ConfigError: ``device`` names no device, or a CUDA device this machine lacks (field
-            ``device``).
-    """
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError("device", f"must be a torch.device or its name ('cpu', 'cuda:0'), "
-                                    f"got {device!r} ({str(e).splitlines()[0]})") from None
-    if dev.type == "cuda" and not (torch.cuda.is_available()
-                                   and (dev.index or 0) < torch.cuda.device_count()):
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ConfigError("device", f"{dev} requested but this machine has {have} CUDA "
-                                    f"devices; pass device=None or 'cpu'")
-    return dev
 
 
 def priority_input(values: Any, field: str) -> torch.Tensor:
@@ -204,7 +181,7 @@ class ExperienceBuffer:
                 (field ``indices``); ``device`` is not a device this machine has (field
                 ``device``).
         """
-        device = checked_device(device)
+        device = None if device is None else check_device("device", device)
         with self._lock:
             if isinstance(info, torch.Tensor):
                 info = SampleInfo(self._checked_slots(info))
@@ -243,7 +220,7 @@ class ExperienceBuffer:
             EmptyBufferError: The sampler has nothing to draw from.
         """
         batch_size = _batch_size(batch_size)
-        device = checked_device(device)
+        device = None if device is None else check_device("device", device)
         with self._lock:
             return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
                                        device)
