@@ -1,13 +1,17 @@
-"""The plane's constructor refuses a bad seed, and a sampler that needs a field its spec
-lacks, with a typed error naming the argument."""
+"""The plane's constructor refuses a bad seed, a schedule that is not one, and a sampler that
+needs a field its spec lacks, with a typed error naming the argument; so do the schedule
+tuners. A pushed view of part of a tensor is held apart from the rest of it."""
+
+import contextlib
 
 import numpy as np
 import pytest
 import torch
 
-from conduit import ConfigError
-from conduit.plane import ExperienceDataPlane
+from conduit import ConfigError, Schedule
+from conduit.plane import AutoScheduler, ExperienceDataPlane
 from conduit.plane.config import PlaneConfig
+from conduit.plane.tuner import WarmupScheduleTuner
 from conduit.spec import ExperienceSpec
 from conduit.storage import SequenceSampler
 
@@ -64,3 +68,73 @@ def test_plane_config_keeps_numpy_integers_as_python_ints():
         plane.push({"id": torch.arange(4), "terminated": torch.zeros(4, dtype=torch.bool)})
         plane.flush()
         assert plane.pull()["id"].shape == (2,)
+
+
+@pytest.mark.parametrize("schedule", [(1, 1, 1, 1), "1,1,1,1", {"overlap_ing": 1}, []])
+def test_a_schedule_that_is_not_a_schedule_is_refused_by_name(schedule):
+    with pytest.raises(ConfigError) as err:
+        ExperienceDataPlane(spec=SPEC, capacity=8, batch_size=2, timeout=1, schedule=schedule)
+    assert err.value.field == "schedule"
+    with ExperienceDataPlane(spec=SPEC, capacity=8, batch_size=2, timeout=1) as plane:
+        before = plane.schedule
+        for bad in (schedule, None):
+            with pytest.raises(ConfigError) as err:
+                plane.set_schedule(bad)
+            assert err.value.field == "schedule"
+        assert plane.schedule == before
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 8, 0, 1), Schedule(1, 4, 0, 1)])
+def test_chunks_of_one_preallocated_tensor_are_stored_as_pushed(schedule):
+    """An actor fills one preallocated rollout tensor chunk by chunk and pushes each chunk as
+    a view: filling the next chunk is no write into a queued one, and a write into a queued
+    chunk does not reach its stored rows."""
+    with ExperienceDataPlane(spec=SPEC, capacity=64, batch_size=4, schedule=schedule,
+                             timeout=5) as plane:
+        buf = torch.zeros(64, dtype=torch.int64)
+        done = torch.zeros(64, dtype=torch.bool)
+        with plane.paused() if schedule.overlap_ing else contextlib.nullcontext():
+            for i in range(8):
+                chunk = slice(8 * i, 8 * i + 8)
+                buf[chunk] = torch.arange(8 * i, 8 * i + 8)  # only this chunk is written
+                plane.push({"id": buf[chunk], "terminated": done[chunk]})
+            if schedule.overlap_ing:
+                buf.add_(1000)  # the queued chunks themselves, before their ingestion
+        plane.flush()
+        assert plane.counters["lost_units"] == 0 and plane.failed is None
+        stored = plane.buffer.store.column("id")[:len(plane.buffer)]
+        assert sorted(stored.tolist()) == list(range(64))
+
+
+def _never_run(plane):  # pragma: no cover - a refused AutoScheduler profiles nothing
+    raise AssertionError("the step ran")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("min_copy", "x"), ("min_copy", None), ("min_copy", float("nan")), ("min_copy", -1.0),
+    ("granularities", 5), ("granularities", "12"), ("granularities", []),
+    ("granularities", [0]), ("granularities", ["a"]), ("top_k", 0), ("iterations_per_g", 0),
+    ("watch", "rollout")])
+def test_auto_scheduler_refuses_bad_settings_before_any_work(field, value):
+    with ExperienceDataPlane(spec=SPEC, capacity=64, batch_size=4, timeout=5) as plane:
+        before = plane.schedule
+        with pytest.raises(ConfigError) as err:
+            AutoScheduler(plane=plane, step=_never_run, **{field: value}).plan()
+        assert err.value.field == field
+        assert plane.schedule == before
+
+
+def test_auto_scheduler_takes_a_generator_of_granularities():
+    with ExperienceDataPlane(spec=SPEC, capacity=64, batch_size=4, timeout=5) as plane:
+        auto = AutoScheduler(plane=plane, step=_never_run, granularities=(g for g in (1, 2)))
+        assert auto.granularities == (1, 2)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("bogus", 1), ("min_copy", "x"), ("margin", float("nan")), ("min_gain", None),
+    ("prioritized", 1), ("policy", 3), ("report", [])])
+def test_warmup_tuner_refuses_bad_settings_by_name(field, value):
+    with ExperienceDataPlane(spec=SPEC, capacity=64, batch_size=4, timeout=5) as plane:
+        with pytest.raises(ConfigError) as err:
+            WarmupScheduleTuner(plane, **{field: value})
+        assert err.value.field == field

@@ -35,7 +35,8 @@ def test_policy_order_interleaves_and_validates():
     assert TrialPolicy(trial=4).order() == (0, 1, 1, 0, 0, 1, 1, 0)
     assert TrialPolicy(trial=0).order() == ()
     for bad in ({"warmup": 0}, {"trial": -1}, {"margin": 1.0}, {"inversions": 1.5},
-                {"min_gain": -0.1}):
+                {"min_gain": -0.1}, {"min_copy": "x"}, {"min_copy": None},
+                {"min_gain": float("nan")}, {"margin": "0.1"}, {"min_copy": True}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             TrialPolicy(**bad)
 

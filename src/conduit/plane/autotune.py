@@ -91,13 +91,12 @@ def profiling_schedules(space: ScheduleSpace,
         ``2·max(|G_ing|, |G_del|)`` schedules (fewer when restricted).
 
     Raises:
-        ConfigError: ``granularities`` leaves nothing to measure.
+        ConfigError: ``granularities`` is not a collection of positive finite numbers, or
+            leaves nothing to measure.
     """
     g_ing, g_del = list(space.g_ing), list(space.g_del)
-    if granularities is not None:
-        keep = {as_granularity(g) for g in granularities}
-        if not keep:
-            raise ConfigError("granularities", "must name at least one granularity")
+    keep = _check_granularities(granularities)
+    if keep is not None:
         g_ing = [g for g in g_ing if g in keep] or g_ing[:1]
         g_del = [g for g in g_del if g in keep] or g_del[:1]
     n = max(len(g_ing), len(g_del))
@@ -105,6 +104,28 @@ def profiling_schedules(space: ScheduleSpace,
     for i in range(n):
         gi, gd = g_ing[min(i, len(g_ing) - 1)], g_del[min(i, len(g_del) - 1)]
         out += [Schedule(0, gi, 0, gd), Schedule(1, gi, 1, gd)]
+    return out
+
+
+def _check_granularities(granularities: Iterable[float | Fraction] | None
+                        ) -> tuple[Fraction, ...] | None:
+    """``granularities`` (see :func:`profiling_schedules`) as ``Fraction``s, or None.
+
+    Raises:
+        ConfigError: It is not a non-empty collection of positive finite numbers (a single
+            number, a string and an empty list are refused).
+    """
+    if granularities is None:
+        return None
+    if isinstance(granularities, (str, bytes)) or not isinstance(granularities, Iterable):
+        raise ConfigError("granularities", f"must be a list of granularities, e.g. [1, 4], "
+                                           f"got {granularities!r}")
+    try:
+        out = tuple(as_granularity(g) for g in granularities)
+    except ScheduleError as exc:
+        raise ConfigError("granularities", str(exc)) from exc
+    if not out:
+        raise ConfigError("granularities", "must name at least one granularity")
     return out
 
 
@@ -261,11 +282,13 @@ class AutoScheduler:
             interpreter-bound, so that overlap hides only its copies.
 
     Raises:
-        ConfigError: Neither ``step`` nor ``profile`` given, an unknown ``watch`` name, or a
-            bad ``threshold`` (not a finite number ``> 0``), ``patience`` (not an integer
-            ``>= 1``) or ``abs_tol`` (not a finite number ``>= 0``); these are the
-            :class:`~conduit.scheduling.ReplanPolicy`'s rules, checked here so that a bad value
-            is refused before :meth:`plan` changes the plane's schedule.
+        ConfigError: Neither ``step`` nor ``profile`` given, ``watch`` not a list of known
+            timing names, or a bad ``threshold`` (not a finite number ``> 0``), ``patience``
+            (not an integer ``>= 1``), ``abs_tol`` or ``min_copy`` (not a finite number
+            ``>= 0``), ``iterations_per_g`` or ``top_k`` (not an integer ``>= 1``), or
+            ``granularities`` (not a non-empty list of positive finite numbers). Each is
+            checked here, so that a bad value is refused before :meth:`plan` profiles the
+            plane or changes its schedule.
     """
 
     def __init__(self, *, plane: ExperienceDataPlane, step: Step | None = None,
@@ -278,6 +301,10 @@ class AutoScheduler:
             raise ConfigError("step", "give step= (to profile the plane) or profile=")
         if profile is not None and not isinstance(profile, Profile):
             raise ConfigError("profile", f"must be a Profile, got {type(profile).__name__}")
+        if isinstance(watch, (str, bytes)) or not isinstance(watch, Iterable):
+            raise ConfigError("watch", f"must be a list of timing names from "
+                                       f"{_PROFILE_NAMES}, got {watch!r}")
+        watch = tuple(watch)
         bad = [w for w in watch if w not in _PROFILE_NAMES]
         if bad:
             raise ConfigError("watch", f"unknown timing names {bad}; choose from "
@@ -288,15 +315,19 @@ class AutoScheduler:
                                what="a relative deviation")
         patience = check_int("patience", patience, minimum=1)
         abs_tol = check_real("abs_tol", abs_tol, positive=False, what="a number of seconds")
+        min_copy = check_real("min_copy", min_copy, positive=False, what="a number of seconds")
+        iterations_per_g = check_int("iterations_per_g", iterations_per_g, minimum=1)
+        top_k = check_int("top_k", top_k, minimum=1)
+        granularities = _check_granularities(granularities)
         self.plane = plane
         self.step = step
         self.space = plane.space if space is None else space
         self.threshold = threshold
         self.patience = patience
         self.abs_tol = abs_tol
-        self.watch = tuple(watch)
+        self.watch = watch
         self.iterations_per_g = iterations_per_g
-        self.granularities = None if granularities is None else tuple(granularities)
+        self.granularities = granularities
         self.top_k = top_k
         self.min_copy = min_copy
         self.profile: Profile | None = profile

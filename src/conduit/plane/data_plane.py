@@ -140,6 +140,19 @@ def _check_ports(kind: str, got: tuple[str, str], want: tuple[str, str]) -> None
                                               f"{got[1]!r}")
 
 
+def _check_schedule(schedule: Any) -> Schedule:
+    """``schedule`` if it is a :class:`Schedule`.
+
+    Raises:
+        ConfigError: It is anything else (a tuple, a string, a dict, None).
+    """
+    if not isinstance(schedule, Schedule):
+        raise ConfigError("schedule", f"expected a Schedule, e.g. Schedule(1, 1, 1, 2) for "
+                                      f"(overlap_ing, g_ing, overlap_del, g_del), got "
+                                      f"{schedule!r}")
+    return schedule
+
+
 def _close_dropped(engine: PlaneEngine) -> None:
     """Close a plane that was dropped without ``close()`` (its workers hold no reference to
     the front, so it can be collected); a loss becomes a warning, as nobody can catch it."""
@@ -212,7 +225,7 @@ class ExperienceDataPlane:
             num_minibatches=num_minibatches, num_epochs=num_epochs, min_size=min_size,
             rollout_spec=rollout_spec, rollout_rows=rollout_rows, g_max=g_max,
             max_priority_lag=max_priority_lag, timeout=timeout, seed=seed,
-            learner_device=torch.device(learner_device))
+            learner_device=learner_device)
         self.mode: Mode = cfg.mode
         self.capacity, self.batch_size, self.min_size = (cfg.capacity, cfg.train_batch_size,
                                                          cfg.first_batch_rows)
@@ -220,6 +233,8 @@ class ExperienceDataPlane:
         self.max_priority_lag, self.timeout = cfg.max_priority_lag, cfg.timeout
         self.learner_device, self.rollout_spec = cfg.learner_device, rollout_spec
         self.space: ScheduleSpace = cfg.schedule_space()
+        if schedule is not None:
+            _check_schedule(schedule)
         self.timings = Timings()
         retain_freed_memory()
         where = initial_placement(placement, cfg)
@@ -231,7 +246,7 @@ class ExperienceDataPlane:
         self._engine = PlaneEngine.build(cfg, buffer, self.timings)
         self._flow, self._signals = self._engine.flow, self._engine.signals
         self._ingest_registered = False
-        schedule = schedule or cfg.default_schedule()
+        schedule = cfg.default_schedule() if schedule is None else schedule
         self.space.check(schedule)
         self._engine.start(schedule)
         self._finalizer = weakref.finalize(self, _close_dropped, self._engine)
@@ -320,10 +335,11 @@ class ExperienceDataPlane:
         """Switch overlap and granularity at a quiescent point; data and order are kept.
 
         Raises:
+            ConfigError: ``schedule`` is not a :class:`~conduit.scheduling.Schedule`.
             ScheduleError: The schedule is outside the feasible space for this configuration.
         """
         self._check_open()
-        self.space.check(schedule)
+        self.space.check(_check_schedule(schedule))
         self.flush()  # queued units are ingested under the granularity they were queued for
         with self.paused():
             self._engine.schedule = schedule
@@ -349,7 +365,11 @@ class ExperienceDataPlane:
         refused at ingestion (an :class:`~conduit.errors.OperatorError` caused by a
         :class:`~conduit.errors.SpecError` naming the field) instead of stored changed.
         Writable NumPy arrays and inference-mode tensors, whose writes cannot be detected,
-        are copied when the unit can wait.
+        are copied when the unit can wait, and so is a tensor that is a view of part of a
+        larger one (an actor that fills one preallocated buffer chunk by chunk and pushes
+        ``buf[i * 8:(i + 1) * 8]``): a view shares its version counter with the whole buffer,
+        so only the copy tells writes into the other chunks from writes into the pushed rows.
+        Push whole tensors to avoid that copy.
 
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows.

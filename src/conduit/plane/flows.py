@@ -108,7 +108,7 @@ class Unit:
         rows: Its rows.
         version: Its policy version (on-policy).
         guards: ``(field, tensor, version counter at push)`` of each held tensor of the
-            caller's (:func:`hold_rollout`).
+            caller's that spans its whole storage (:func:`hold_rollout`).
     """
 
     data: Batch
@@ -137,8 +137,11 @@ def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
     A tensor of the caller's is held as it is, with its version counter, so a write into it
     before ingestion is refused (:meth:`Unit.check_unchanged`) instead of stored. Memory whose
     writes leave no trace (a writable NumPy array, an inference-mode tensor) is copied when
-    the unit may wait past the push (``may_wait``). Tensors the conversion made are the
-    plane's already.
+    the unit may wait past the push (``may_wait``), and so is a view of part of a larger
+    tensor (``buf[i * 8:(i + 1) * 8]``): a view shares its version counter with the whole
+    tensor, so a write into another part of it (the actor filling its next chunk) could not be
+    told from a write into the pushed rows. Tensors the conversion made are the plane's
+    already.
 
     Args:
         source: The rollout as pushed.
@@ -153,10 +156,12 @@ def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
     for name, t in data.items():
         src = source.get(name)
         if isinstance(src, torch.Tensor) and t.numel() and t.data_ptr() == src.data_ptr():
-            if not t.is_inference():
-                guards.append((name, t, t._version))
-            elif may_wait:
+            # (a view of part of its storage: its version counter also counts the rest)
+            partial = t.untyped_storage().nbytes() > t.numel() * t.element_size()
+            if may_wait and (partial or t.is_inference()):
                 t = t.clone()
+            elif not (partial or t.is_inference()):
+                guards.append((name, t, t._version))
         elif (isinstance(src, np.ndarray) and may_wait and t.numel() and src.flags.writeable
               and t.data_ptr() == src.ctypes.data):
             t = t.clone()
@@ -533,6 +538,10 @@ class OnPolicyFlow(Flow):
         self.delivered_in_iter = 0
         self.early: dict[int, EarlyBatch] = {}
         self._write_lock = threading.Lock()  # slot order = write order within an iteration
+        #: Delivery invocations drawn and not yet finished (at most one: see
+        #: :meth:`take_delivery_locked`).
+        self.delivering = 0
+        self._refused_delivery = False  # a draw waited on one in flight: wake the worker
 
     @property
     def max_pending_units(self) -> int:
@@ -704,6 +713,16 @@ class OnPolicyFlow(Flow):
         return 1
 
     def take_delivery_locked(self) -> DeliveryJob | None:
+        """The next mini-batch in the layout's order, or None while another delivery
+        invocation is in flight (the ingestion worker stages an early-assembled mini-batch
+        while the delivery worker runs): an iteration's invocations run one at a time, each
+        staged before the next is drawn, so the learner gets the mini-batches in layout order
+        under every schedule, and a failed invocation is always the last drawn
+        (:meth:`undo_delivery_locked`). The invocation that finishes wakes the delivery
+        worker if a draw was refused meanwhile."""
+        if self.delivering:
+            self._refused_delivery = True
+            return None
         cap = self.config.capacity
         if (len(self.staged) >= self.stage_room
                 or self.drawn_in_iter >= self.config.batches_per_iteration):
@@ -732,14 +751,34 @@ class OnPolicyFlow(Flow):
         else:
             self.drawn_rows = cap  # drawn from the landed iteration: any row
         self.drawn_in_iter += 1
+        self.delivering += 1
         return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early,
                            position=self.drawn_in_iter - 1)
+
+    def _delivery_done_locked(self) -> None:
+        """A delivery invocation finished (staged, handed over or undone): the next may be
+        drawn."""
+        self.delivering = max(0, self.delivering - 1)
+        if self._refused_delivery:
+            self._refused_delivery = False
+            self.signals.wake(delivery=True)
+
+    def stage_locked(self, batches: list[Batch], generation: int, event: Any) -> None:
+        super().stage_locked(batches, generation, event)
+        self._delivery_done_locked()
+
+    def hand_over_locked(self, generation: int) -> bool:
+        handed = super().hand_over_locked(generation)
+        if handed:
+            self._delivery_done_locked()
+        return handed
 
     def undo_delivery_locked(self, job: DeliveryJob) -> None:
         """The mini-batch of a failed invocation is owed: its draw is taken back, so that the
         next invocation (after ``recover()``) draws the same rows and every row is still
-        delivered exactly once per epoch. Invocations of an iteration run one after another,
-        so the failed one is the last drawn."""
+        delivered exactly once per epoch. Invocations of an iteration run one at a time
+        (:meth:`take_delivery_locked`), so the failed one is the last drawn."""
+        self._delivery_done_locked()
         if job.position < 0 or job.position != self.drawn_in_iter - 1:
             return  # pragma: no cover - a later draw or another iteration (not expected)
         self.drawn_in_iter -= 1

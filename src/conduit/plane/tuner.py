@@ -11,7 +11,8 @@ import dataclasses
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol
 
-from conduit.errors import ConduitError
+from conduit._checks import check_bool, check_real
+from conduit.errors import ConduitError, ConfigError
 from conduit.plane.autotune import AutoScheduler, plane_copy_times
 from conduit.scheduling import (
     Plan,
@@ -75,6 +76,12 @@ class WarmupScheduleTuner:
         prioritized: The plane samples with priorities.
         **changes: Fields of ``policy`` to override, for example ``warmup=2``.
 
+    Raises:
+        ConfigError: ``report`` is not a dict, ``policy`` not a
+            :class:`~conduit.scheduling.TrialPolicy`, ``prioritized`` not a bool, a change
+            names no field of the policy, or a changed value is out of range (the error names
+            the field).
+
     Attributes:
         done: The schedule is chosen.
         explanation: The decision in words (also ``report["schedule_explain"]``).
@@ -85,9 +92,14 @@ class WarmupScheduleTuner:
     def __init__(self, plane: ExperienceDataPlane, report: dict[str, object] | None = None,
                  *, policy: TrialPolicy | None = None, prioritized: bool = False,
                  **changes: float) -> None:
+        if report is not None and not isinstance(report, dict):
+            raise ConfigError("report", f"must be a dict (or None), got {report!r}")
+        if policy is not None and not isinstance(policy, TrialPolicy):
+            raise ConfigError("policy", f"must be a TrialPolicy (or None), got {policy!r}")
+        prioritized = check_bool("prioritized", prioritized)
         self.plane = plane
         self.report: dict[str, object] = {} if report is None else report
-        self.policy = dataclasses.replace(policy or TrialPolicy(), **changes)
+        self.policy = dataclasses.replace(policy or TrialPolicy(), **_policy_changes(changes))
         self.prioritized = prioritized
         self.start = plane.schedule
         self.seen = 0
@@ -175,6 +187,24 @@ class WarmupScheduleTuner:
         if reason:
             self.explanation += "\n" + reason
         self.report["schedule_explain"] = self.explanation
+
+
+def _policy_changes(changes: dict[str, object]) -> dict[str, object]:
+    """``changes`` to a :class:`TrialPolicy`, with the real-valued fields checked to be
+    numbers (the policy checks their ranges and its integer fields).
+
+    Raises:
+        ConfigError: A change names no field of the policy, or gives a real-valued field a
+            value that is not a finite number.
+    """
+    known = [f.name for f in dataclasses.fields(TrialPolicy)]
+    for name, value in changes.items():
+        if name not in known:
+            raise ConfigError(name, f"is not a TrialPolicy field; the tuner takes "
+                                    f"{', '.join(known)}")
+        if name in ("margin", "min_gain", "min_copy"):
+            check_real(name, value, positive=False)
+    return changes
 
 
 def _without_units(timings: Timings, name: str, units: float) -> Timings:

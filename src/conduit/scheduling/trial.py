@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from conduit._checks import check_real
 from conduit.errors import ConfigError
 from conduit.scheduling.copy_bound import MIN_COPY
 from conduit.scheduling.optimizer import Candidate, Plan, rank_candidates
@@ -57,11 +58,11 @@ class TrialPolicy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(name, f"must be an integer >= {least}, got {v!r}")
-        if not 0 <= self.margin < 1:
+        margin = check_real("margin", self.margin, positive=False)
+        if not margin < 1:
             raise ConfigError("margin", f"must lie in [0, 1), got {self.margin!r}")
         for name in ("min_gain", "min_copy"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)!r}")
+            check_real(name, getattr(self, name), positive=False)
 
     def order(self) -> tuple[int, ...]:
         """Which candidate each trial iteration runs: A B B A A B B A ..., so that drift of a
