@@ -78,19 +78,34 @@ def test_bounds_come_from_the_field_metadata() -> None:
             parser.parse_args(bad)
 
 
-def test_a_conduit_error_is_one_line_and_exit_status_2(capsys) -> None:
-    assert main(["bench", "persist", "--segments", "3"]) == 2
+def _persist_run_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``conduit bench persist`` raise, once running, what a run refuses."""
+    from conduit.bench import persist
+    from conduit.errors import ConfigError
+
+    def run(args: object) -> None:
+        raise ConfigError("segments", "refused while running")
+
+    monkeypatch.setattr(persist, "run", run)
+
+
+def test_a_conduit_error_is_one_line_and_exit_status_2(capsys, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _persist_run_refuses(monkeypatch)
+    assert main(["bench", "persist", "--quick", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("conduit bench persist: error: ConfigError: segments:")
+    assert err.startswith("conduit bench persist: error: ConfigError: segments: refused")
     assert "Traceback" not in err and err.count("\n") == 1
 
 
-def test_conduit_traceback_lets_the_error_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_conduit_traceback_lets_the_error_propagate(tmp_path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from conduit.errors import ConfigError
 
+    _persist_run_refuses(monkeypatch)
     monkeypatch.setenv("CONDUIT_TRACEBACK", "1")
     with pytest.raises(ConfigError, match="segments"):
-        main(["bench", "persist", "--segments", "3"])
+        main(["bench", "persist", "--quick", "--out", str(tmp_path / "p")])
 
 
 def test_a_benchmark_sets_the_allocator_policy_before_it_runs(monkeypatch) -> None:
@@ -168,11 +183,13 @@ def test_an_unwritable_output_fails_before_the_work_naming_the_flag(
     assert out == ""  # nothing was planned, measured or trained
 
 
-def test_plan_errors_go_to_stderr_with_the_error_prefix(capsys) -> None:
-    assert main(["plan", "--topology", "nosuch", "--dim", "10"]) == 2
+def test_plan_errors_go_to_stderr_as_usage_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--topology", "nosuch", "--dim", "10"])
+    assert exc.value.code == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("conduit plan: error: ConfigError: topology: 'nosuch' is neither")
+    assert "usage: conduit plan" in err and "argument --topology: 'nosuch' is neither" in err
 
 
 @pytest.mark.parametrize("value", ["-3", "0"])

@@ -350,3 +350,173 @@ def test_train_grpo_refuses_unknown_names_before_building_a_model(
         flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error(["train", "--algo", "grpo", flag, value], flag, capsys)
     assert value in err
+
+
+# -- cross-flag values refused before any work, naming a real flag --------------------------------
+
+
+def _closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_ray_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``ray.init`` fail the test: an unreachable address retries it for minutes."""
+    ray = pytest.importorskip("ray")
+
+    def init(*_: Any, **__: Any) -> None:
+        raise AssertionError("ray.init was called for an address nothing listens on")
+
+    monkeypatch.setattr(ray, "init", init)
+
+
+def test_plan_refuses_a_ray_address_nothing_listens_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _no_ray_init(monkeypatch)
+    address = f"127.0.0.1:{_closed_port()}"
+    err = _usage_error(["plan", "--topology", f"ray:{address}"], "--topology", capsys)
+    assert address in err
+
+
+def test_scale_refuses_an_address_nothing_listens_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit.bench import scale
+
+    _no_ray_init(monkeypatch)
+    calls = _no_run(monkeypatch, scale)
+    address = f"127.0.0.1:{_closed_port()}"
+    err = _usage_error(["bench", "scale", "--quick", "--address", address,
+                        "--out", str(tmp_path / "s")], "--address", capsys)
+    assert address in err
+    assert not calls and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["plan", "--g-max", "65"], "--g-max"),
+    (["plan", "--g-max", "2000"], "--g-max"),
+    (["bench", "schedule", "--g-max", "65"], "--g-max"),
+    (["bench", "schedule", "--granularities", "1", "16", "--g-max", "8"], "--granularities"),
+    (["bench", "plane", "--quick", "--capacity", "32"], "--batch-size"),
+    (["bench", "plane", "--quick", "--capacity", "100", "--batch-size", "16",
+      "--rollout-rows", "200"], "--rollout-rows"),
+    (["bench", "plane", "--quick", "--minibatches", "1000"], "--minibatches"),
+    (["bench", "persist", "--quick", "--capacity", "32"], "--batch-size"),
+    (["bench", "persist", "--quick", "--capacity", "100", "--batch-size", "16",
+      "--rollout-rows", "200"], "--rollout-rows"),
+    (["bench", "persist", "--quick", "--capacity", "100", "--rollout-rows", "60"],
+     "--rollout-rows"),
+    (["bench", "peers", "--quick", "--capacity", "100"], "--capacity"),
+    (["bench", "peers", "--quick", "--epoch-rows", "10"], "--epoch-rows"),
+    (["bench", "peers", "--quick", "--epoch-rows", "4"], "--epoch-rows"),
+    (["bench", "placement", "--quick", "--dims", "10000000"], "--dims"),
+])
+def test_cross_flag_values_are_usage_errors_before_any_work(
+        argv: list[str], flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import conduit.plan_cli as plan_cli
+    from conduit.bench import persist, placement, plane, schedule
+    from conduit.bench.peers import harness
+
+    recorded = [_no_run(monkeypatch, m) for m in (persist, placement, plane, schedule, harness)]
+    monkeypatch.setattr(plan_cli, "plan", lambda a: recorded[0].append(a))
+    out = [] if argv[0] == "plan" else ["--out", str(tmp_path / "o")]
+    err = _usage_error([*argv, *out], flag, capsys)
+    assert "g_max_ing" not in err and "num_minibatches" not in err and "--batch " not in err
+    assert not any(recorded) and not (tmp_path / "o").exists()
+
+
+def test_schedule_quick_clips_its_granularities_to_an_explicit_g_max(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.bench import schedule
+
+    calls = _no_run(monkeypatch, schedule)
+    assert main(["bench", "schedule", "--quick", "--g-max", "2",
+                 "--out", str(tmp_path / "s")]) == 0
+    ran = schedule.check_args(calls[0])
+    assert ran.g_max == 2 and ran.granularities == (1, 2)
+
+
+def test_plan_and_schedule_take_the_largest_g_max(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.bench import schedule
+    from conduit.plan_cli import MAX_G_FLAG
+
+    calls = _no_run(monkeypatch, schedule)
+    assert main(["bench", "schedule", "--g-max", str(schedule.MAX_G_FLAG),
+                 "--out", str(tmp_path / "s")]) == 0
+    assert calls[0].g_max == schedule.MAX_G_FLAG
+    assert main(["plan", "--topology", "a100-8", "--g-max", str(MAX_G_FLAG)]) == 0
+
+
+def test_peers_flags_are_not_abbreviated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--quick`` keeps the flags written out; an abbreviation would be overwritten."""
+    from conduit.bench.peers import harness
+
+    calls: list[Any] = []
+
+    def record(cfg: Any) -> Any:
+        calls.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(harness, "run", record)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "peers", "--quick", "--peers", "conduit", "--dim", "64",
+              "--out", str(tmp_path / "p")])
+    assert exc.value.code == 2
+    assert "--dim" in capsys.readouterr().err
+    assert not calls
+
+
+def test_peers_quick_keeps_flags_written_out(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    from conduit.bench.peers import harness
+
+    calls: list[Any] = []
+
+    def record(cfg: Any) -> Any:
+        calls.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(harness, "run", record)
+    with pytest.raises(SystemExit):
+        main(["bench", "peers", "--quick", "--peers", "conduit", "--dims", "64",
+              "--capacity", "2048", "--out", str(tmp_path / "p")])
+    assert calls[0].dims == (64,) and calls[0].capacity == 2048
+
+
+def test_profile_refuses_a_size_larger_than_memory_can_hold(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit.placement import bandwidth
+
+    calls: list[Any] = []
+    monkeypatch.setattr(bandwidth, "profile_bandwidth", lambda **kw: calls.append(kw))
+    err = _usage_error(["profile", "--no-cache", "--repeats", "1",
+                        "--sizes", "64K,999999999999999"], "--sizes", capsys)
+    assert "999,999,999,999,999" in err and not calls
+
+
+def test_check_reachable_connects_once_and_refuses_what_does_not_answer() -> None:
+    import socket
+
+    from conduit.cli_args import check_reachable
+    from conduit.errors import ConfigError
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        check_reachable("address", f"127.0.0.1:{port}")
+        check_reachable("address", f"ray://127.0.0.1:{port}")
+    for address in (f"127.0.0.1:{_closed_port()}", "127.0.0.1", "host:port", "127.0.0.1:0"):
+        with pytest.raises(ConfigError) as exc:
+            check_reachable("address", address, timeout=1.0)
+        assert exc.value.field == "address"
+    for address in ("", "auto", "local"):  # no host: left to the client
+        check_reachable("address", address)

@@ -76,11 +76,21 @@ def test_plan_with_a_short_profile_on_this_machine(capsys):
     assert sched.startswith("ing(")
 
 
-def test_unknown_topology_is_a_clear_error(capsys):
-    assert cli_main(["plan", "--topology", "no-such-preset"]) == 2
+def _usage_exit(argv, capsys) -> str:
+    """Run ``conduit plan argv``: a usage error (exit status 2) before any output; stderr."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["plan", *argv])
+    assert exc.value.code == 2
     out, err = capsys.readouterr()
-    assert err.startswith("conduit plan: error: ConfigError: topology:")
-    assert "neither a preset" in err and out == ""
+    assert out == "" and "usage: conduit plan" in err
+    return err
+
+
+def test_unknown_topology_is_a_clear_error(capsys):
+    err = _usage_exit(["--topology", "no-such-preset"], capsys)
+    assert "argument --topology: " in err and "neither a preset" in err
 
 
 def test_plan_explains_cross_node_decisions(capsys):
@@ -110,8 +120,35 @@ def test_plan_refuses_what_the_plane_would_refuse(capsys):
     """Defect: ``conduit plan`` chose a schedule for configurations a plane refuses (more
     mini-batches than rows per iteration; an off-policy batch larger than the buffer)."""
     for argv, flag in ((["--mode", "on_policy", "--capacity", "2", "--minibatches", "8"],
-                        "minibatches"),
-                       (["--capacity", "100", "--batch-size", "512"], "batch_size")):
-        code = cli_main(["plan", "--topology", "a100-8", "--dim", "10", *argv])
-        err = capsys.readouterr().err
-        assert code == 2 and f"ConfigError: {flag}:" in err
+                        "--minibatches"),
+                       (["--capacity", "100", "--batch-size", "512"], "--batch-size")):
+        err = _usage_exit(["--topology", "a100-8", "--dim", "10", *argv], capsys)
+        assert f"argument {flag}: " in err
+
+
+def test_a_g_max_the_schedule_space_refuses_names_the_flag_field() -> None:
+    import pytest
+
+    from conduit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        plan(PlanArgs(topology="a100-8", g_max=2000))
+    assert exc.value.field == "g_max"
+
+
+def test_a_ray_topology_nothing_listens_on_is_refused_without_starting_ray(monkeypatch) -> None:
+    import socket
+
+    import pytest
+
+    from conduit.errors import ConfigError
+    from conduit.plan_cli import load_topology
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError) as exc:
+        load_topology(f"ray:127.0.0.1:{port}")
+    assert exc.value.field == "topology" and str(port) in exc.value.reason

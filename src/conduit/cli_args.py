@@ -156,6 +156,36 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(flag, **kw)
 
 
+def check_reachable(field: str, address: str, *, timeout: float = 3.0) -> None:
+    """Refuse a ``HOST:PORT`` address (optionally ``scheme://HOST:PORT``) nothing listens on.
+
+    A TCP connection is opened and closed within ``timeout`` seconds, so a client that would
+    retry an unreachable address for minutes (``ray.init``) is not started at all. ``auto``,
+    ``local`` and the empty string are left to the client: they name no host.
+
+    Raises:
+        ConfigError: ``address`` is not ``HOST:PORT`` with an integer port, or no connection
+            opens within ``timeout`` seconds (field: ``field``).
+    """
+    import socket
+
+    from conduit.errors import ConfigError
+
+    if address in ("", "auto", "local"):
+        return
+    host, _, port = address.partition("://")[2].rpartition(":") if "://" in address \
+        else address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(field, f"expected HOST:PORT, got {address!r}")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConfigError(field, f"nothing answers at {address!r} within {timeout:g} s ({exc}); "
+                                 "start the cluster or give its address") from exc
+
+
 def usage_error(parser: argparse.ArgumentParser, field: str, message: str) -> NoReturn:
     """Exit with a usage error (status 2) naming the flag of dataclass field ``field``."""
     parser.error(f"argument --{field.replace('_', '-')}: {message}")

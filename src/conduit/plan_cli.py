@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, check_reachable, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.placement import (
     DeliveryTerm,
@@ -49,6 +49,10 @@ from conduit.storage import Placement
 #: Compute time assumed when neither measured times nor ``--profile`` are given.
 ASSUMED_COMPUTE_MS = 10.0
 
+#: Largest ``--g-max``: the schedule search enumerates about ``4·g_max²`` schedules, which
+#: takes seconds at 64 and minutes past a few hundred.
+MAX_G_FLAG = 64
+
 
 @dataclass(frozen=True)
 class PlanArgs:
@@ -61,7 +65,9 @@ class PlanArgs:
     batch_size: int = arg(512, "off-policy training batch size", min=1)
     rollout_rows: int | None = arg(None, "rows per rollout unit (default: --batch-size)")
     minibatches: int = arg(8, "on-policy mini-batches per epoch (M)", min=1)
-    g_max: int = arg(8, "off-policy granularity cap (bounds staleness and staging memory)", min=1)
+    g_max: int = arg(8, "off-policy granularity cap (bounds staleness and staging memory; "
+                        f"the schedule search grows with its square, so at most {MAX_G_FLAG})",
+                     min=1, max=MAX_G_FLAG)
     topology: str = arg("", "preset name (" + ", ".join(preset_names()) + "), a JSON file, "
                             "'ray' or 'ray:ADDRESS' (every node of a running Ray cluster); "
                             "empty: detect this machine")
@@ -162,6 +168,7 @@ def _cluster_topology(address: str) -> Topology:
                           ) from exc
     if ray.is_initialized():  # already attached (an embedding program)
         return Topology.detect(cluster=True)
+    check_reachable("topology", address)
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -190,9 +197,20 @@ def _bytes_per_sample(args: PlanArgs) -> int:
 
 
 def _space(args: PlanArgs) -> ScheduleSpace:
-    if args.mode == "on_policy":
-        return feasible_space(mode="on_policy", num_minibatches=args.minibatches)
-    return feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
+    """The feasible schedule space of ``args``.
+
+    Raises:
+        ConfigError: The space refuses ``--g-max`` or ``--minibatches`` (field ``g_max`` or
+            ``minibatches``).
+    """
+    try:
+        if args.mode == "on_policy":
+            return feasible_space(mode="on_policy", num_minibatches=args.minibatches)
+        return feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
+    except ConfigError as exc:
+        field = {"g_max_ing": "g_max", "g_max_del": "g_max",
+                 "num_minibatches": "minibatches"}.get(exc.field, exc.field)
+        raise ConfigError(field, exc.reason) from exc
 
 
 def estimated_profile(args: PlanArgs, decision: PlacementDecision, space: ScheduleSpace,
@@ -310,6 +328,23 @@ def _check_rl_config(args: PlanArgs) -> None:
         raise ConfigError(field, exc.reason) from exc
 
 
+def check_args(args: PlanArgs) -> None:
+    """What :func:`plan` would refuse, found before any work: the RL configuration, the
+    schedule space, and the topology (a preset, an existing file, or a Ray address something
+    answers at; nothing is started).
+
+    Raises:
+        ConfigError: Naming the flag's field.
+    """
+    _check_rl_config(args)
+    _space(args)
+    name = args.topology
+    if name == "ray" or name.startswith("ray:"):
+        check_reachable("topology", name.partition(":")[2] or "auto")
+    elif name and name not in preset_names() and not os.path.exists(name):
+        load_topology(name)
+
+
 def plan(args: PlanArgs) -> PlanResult:
     """Decide placement and schedule for ``args`` (no printing).
 
@@ -375,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         CapacityError: No placement fits the buffer.
     """
     p = command_parser("conduit plan", __doc__, PlanArgs)
-    args = parse_dataclass(PlanArgs, p.parse_args(argv))
+    args = parse_command(p, PlanArgs, argv, check=check_args)
     result = plan(args)
     print(render(result))
     if args.json_out:

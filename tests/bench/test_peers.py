@@ -637,3 +637,21 @@ def test_prioritized_updates_cycle_priorities_drawn_before_timing() -> None:
         once = [i for i, s in enumerate(idx) if (idx == s).sum() == 1]
         leaves = peer._buf.sampler.priorities(batch["_index"]).numpy()
         np.testing.assert_allclose(leaves[once], pool[k][once] + peer._buf.sampler.eps)
+
+
+def test_workload_errors_name_real_flags() -> None:
+    with pytest.raises(ValueError, match="--batches"):
+        Workload(dim=4, capacity=10, batch=20)
+
+
+def test_check_config_names_the_flags_of_cross_flag_values() -> None:
+    from conduit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        harness.check_config(PeersConfig(capacity=100, batches=(64, 256)))
+    assert exc.value.field == "capacity" and "--batches 256" in exc.value.reason
+    with pytest.raises(ConfigError) as exc:
+        harness.check_config(PeersConfig(epoch_rows=10, minibatches=8))
+    assert exc.value.field == "epoch_rows" and "--minibatches 8" in exc.value.reason
+    harness.check_config(PeersConfig(capacity=256, batches=(256,), epoch_rows=16,
+                                     minibatches=8))

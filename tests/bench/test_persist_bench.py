@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conduit.bench.persist import PEERS_HINT, main, rows_checksum, torchrl_buffer
+from conduit.bench.persist import (
+    PEERS_HINT,
+    PersistBenchArgs,
+    main,
+    rows_checksum,
+    torchrl_buffer,
+)
 from conduit.errors import ConfigError
 
 
@@ -70,9 +76,14 @@ def test_the_row_checksum_sees_one_changed_element() -> None:
     assert rows_checksum(cols) != before
 
 
-def test_the_loop_segments_must_be_an_even_number(tmp_path: Path) -> None:
+def test_the_loop_segments_must_be_an_even_number(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="segments"):
-        main(["--quick", "--segments", "3", "--out", str(tmp_path)])
+        PersistBenchArgs(segments=3)
+    with pytest.raises(SystemExit) as usage:  # an odd count: a usage error naming the flag
+        main(["--quick", "--segments", "3", "--out", str(tmp_path / "p")])
+    assert usage.value.code == 2 and "argument --segments: " in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
     with pytest.raises(SystemExit) as usage:  # below --segments' minimum: argparse refuses it
         main(["--quick", "--segments", "0", "--out", str(tmp_path)])
     assert usage.value.code == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from conduit.bench.placement import main, transition_spec
@@ -54,3 +55,34 @@ def test_no_overlap_flag_and_capacity_reduction(tmp_path: Path) -> None:
     assert 512 <= cap < 100_000
     assert cap * transition_spec(2000).bytes_per_sample <= 0.064e9
     assert all(e["overlap_ms"] is None for e in data["entries"])
+
+
+def test_fit_capacity_refuses_a_dimension_whose_batch_exceeds_the_budget() -> None:
+    import torch
+
+    from conduit.bench.placement import (
+        PlacementBenchArgs,
+        fit_capacity,
+        placements_available,
+        transition_spec,
+    )
+    from conduit.errors import ConfigError
+
+    args = PlacementBenchArgs(dims=(1_000_000,), batch_size=512, max_buffer_gb=0.064)
+    targets = placements_available(torch.device("cpu"), (2,))
+    x = transition_spec(1_000_000).bytes_per_sample
+    with pytest.raises(ConfigError) as exc:
+        fit_capacity(args, x, targets)
+    assert exc.value.field == "dims" and "--max-buffer-gb" in exc.value.reason
+    small = transition_spec(128).bytes_per_sample
+    cap = fit_capacity(args, small, targets)
+    assert args.batch_size <= cap and cap * small <= 0.064e9
+
+
+def test_planner_prediction_per_batch_uses_the_batch_size() -> None:
+    from conduit.bench.placement import planner_pick, transition_spec
+    from conduit.placement import preset
+
+    x = transition_spec(128).bytes_per_sample
+    pick = planner_pick(preset("a100-8"), x, 4096, "cuda:0", batch_size=64)
+    assert pick["predicted_batch_s"] == pytest.approx(pick["predicted_s_per_sample"] * 64)

@@ -44,3 +44,31 @@ def test_an_on_policy_loop_of_one_unit_runs_with_lead_first() -> None:
                           onpolicy_units=1, minibatches=4, lead_first=True)
     got = run_loop(args, on_policy=True, schedule=Schedule(1, Fraction(1, 4), 1, Fraction(1, 4)))
     assert got["median_ms"]["wall"] > 0 and got["operator_median_ms"]
+
+
+def test_gather_vs_copy_takes_a_batch_as_large_as_the_buffer() -> None:
+    from conduit.bench.plane import gather_vs_copy
+
+    got = gather_vs_copy(dim=4, capacity=8, batch=8, repeats=1)
+    assert got["bytes"] == 8 * 4 * 4 and got["copy_ms"] > 0
+
+
+def test_the_off_policy_fill_holds_at_least_one_batch_in_whole_units(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.bench import plane as plane_bench
+
+    class FilledError(Exception):
+        pass
+
+    pushed: list[int] = []
+
+    def fill(plane, work, *, rollout_rows: int, units: int) -> None:
+        pushed.append(rollout_rows * units)
+        raise FilledError
+
+    monkeypatch.setattr(plane_bench, "fill", fill)
+    args = PlaneBenchArgs(dim=4, hidden=4, rollout_rows=3, batch_size=64, capacity=2000,
+                          iters=1, warmup=0)
+    with pytest.raises(FilledError):
+        run_loop(args, on_policy=False, schedule=Schedule(0, 1, 0, 1))
+    assert pushed[0] >= 64 and pushed[0] % 3 == 0

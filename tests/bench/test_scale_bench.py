@@ -60,3 +60,18 @@ def test_quick_run_measures_every_shard_count_and_restores_without_loss(tmp_path
     assert [p["nodes"] for p in data["projection"]] == list(scale.PROJECTED_NODES)
     out = capsys.readouterr().out
     assert "PROJECTION" in out and "shards" in out
+
+
+def test_an_address_nothing_listens_on_is_refused_without_starting_ray(monkeypatch):
+    import socket
+
+    from conduit.errors import ConfigError
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError) as exc:
+        scale.LocalCluster(nodes=1, cpus=1, address=f"127.0.0.1:{port}")
+    assert exc.value.field == "address"

@@ -114,3 +114,19 @@ def test_bad_flags_are_usage_errors(cache, argv, capsys) -> None:
         run_profile_cli(argv)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and "usage: conduit profile" in err and argv[0] in err
+
+
+def test_sizes_flag_refuses_a_size_the_host_memory_cannot_hold(monkeypatch) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    import psutil
+
+    from conduit.placement import bandwidth
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=8 << 30))
+    assert bandwidth._sizes_flag("64K,1G") == (64 << 10, 1 << 30)
+    with pytest.raises(argparse.ArgumentTypeError, match="at most 1,073,741,824 B"):
+        bandwidth._sizes_flag("64K,2G")
+    with pytest.raises(argparse.ArgumentTypeError, match="too large"):
+        bandwidth._sizes_flag("999999999999999")

@@ -45,7 +45,7 @@ import psutil
 import torch
 
 from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
@@ -543,9 +543,46 @@ def effective(args: PersistBenchArgs) -> PersistBenchArgs:
     return apply_quick(args, QUICK)
 
 
-def run(args: PersistBenchArgs) -> dict[str, Any]:
-    """Run the whole benchmark; prints tables, writes JSON and PNG."""
+def fill_units(args: PersistBenchArgs) -> int:
+    """Rollout units of ``rollout_rows`` pushed to fill the buffer (the most that fit)."""
+    return max(1, args.capacity // args.rollout_rows)
+
+
+def check_args(args: PersistBenchArgs) -> PersistBenchArgs:
+    """The arguments after ``--quick``, once the plane the benchmark builds and fills would
+    take them.
+
+    Raises:
+        ConfigError: ``--batch-size`` exceeds ``--capacity`` (field ``batch_size``), or one
+            rollout unit exceeds it or the whole units that fit hold less than one batch
+            (field ``rollout_rows``).
+    """
     args = effective(args)
+    if args.batch_size > args.capacity:
+        raise ConfigError("batch_size", f"{args.batch_size} rows exceed --capacity "
+                                        f"{args.capacity}; lower --batch-size or raise "
+                                        "--capacity")
+    if args.rollout_rows > args.capacity:
+        raise ConfigError("rollout_rows", f"one rollout unit of {args.rollout_rows} rows "
+                                          f"exceeds --capacity {args.capacity}; lower "
+                                          "--rollout-rows or raise --capacity")
+    filled = fill_units(args) * args.rollout_rows
+    if filled < args.batch_size:
+        raise ConfigError("rollout_rows", f"the whole units of {args.rollout_rows} rows that "
+                                          f"fit in --capacity {args.capacity} hold {filled} "
+                                          f"rows, less than one batch of --batch-size "
+                                          f"{args.batch_size}; pick a --rollout-rows that "
+                                          "divides --capacity")
+    return args
+
+
+def run(args: PersistBenchArgs) -> dict[str, Any]:
+    """Run the whole benchmark; prints tables, writes JSON and PNG.
+
+    Raises:
+        ConfigError: As :func:`check_args` raises it, before any work.
+    """
+    args = check_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plane = ExperienceDataPlane(spec=synthetic_spec(args.dim), capacity=args.capacity,
@@ -553,7 +590,7 @@ def run(args: PersistBenchArgs) -> dict[str, Any]:
     register_ops(plane, on_policy=False)
     with plane, tempfile.TemporaryDirectory(prefix="persist-", dir=args.scratch or out) as tmp:
         folder = Path(tmp)
-        units = max(1, args.capacity // args.rollout_rows)
+        units = fill_units(args)
         progress(f"filling {units * args.rollout_rows} rows of dim {args.dim}")
         fill(plane, Workload(args.dim, args.hidden), rollout_rows=args.rollout_rows, units=units)
         result: dict[str, Any] = {"args": asdict(args),
@@ -569,7 +606,7 @@ def run(args: PersistBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench persist``."""
     p = command_parser("conduit bench persist", __doc__, PersistBenchArgs)
-    run(parse_dataclass(PersistBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, PersistBenchArgs, argv, check=check_args))
     return 0
 
 

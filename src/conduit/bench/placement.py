@@ -115,15 +115,30 @@ def placements_available(learner: torch.device, shards: tuple[int, ...]) -> list
 
 
 def fit_capacity(args: PlacementBenchArgs, x: int, targets: list[_Target]) -> int:
-    """Largest capacity <= ``args.capacity`` whose buffer fits every placement's budget."""
-    budget = min(args.max_buffer_gb * 1e9,
-                 args.mem_fraction * psutil.virtual_memory().available)
+    """Largest capacity <= ``args.capacity`` whose buffer fits every placement's budget, and
+    at least one batch.
+
+    The budget is ``--max-buffer-gb``, and ``--mem-fraction`` of the free host memory (and of
+    the free memory of the emptiest GPU when a placement uses one).
+
+    Raises:
+        ConfigError: One batch of ``x``-byte rows does not fit the budget (field ``dims``).
+    """
+    host = args.mem_fraction * psutil.virtual_memory().available
+    budget = min(args.max_buffer_gb * 1e9, host)
     if any(torch.device(d).type == "cuda" for t in targets for d in t.placement.devices):
         # a sharded GPU buffer needs less per device; budget for the single-GPU one
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         budget = min(budget, args.mem_fraction * free)
-    cap = min(args.capacity, int(budget // x))
-    return max(cap, args.batch_size)
+    fit = int(budget // x)
+    if fit < args.batch_size:
+        raise ConfigError("dims", f"one batch of --batch-size {args.batch_size} rows of "
+                                  f"{x:,} B ({args.batch_size * x / 1e9:.3g} GB) exceeds the "
+                                  f"{budget / 1e9:.3g} GB one buffer may take (--max-buffer-gb "
+                                  f"{args.max_buffer_gb:g}, --mem-fraction "
+                                  f"{args.mem_fraction:g} of free memory); lower --dims or "
+                                  "--batch-size, or raise --max-buffer-gb")
+    return min(args.capacity, fit)
 
 
 def _fill(plane: ExperienceDataPlane, spec: ExperienceSpec, capacity: int, seed: int) -> None:
@@ -195,8 +210,10 @@ def measure(args: PlacementBenchArgs, target: _Target, spec: ExperienceSpec, cap
             torch.cuda.empty_cache()
 
 
-def planner_pick(topology: Topology, x: int, capacity: int, learner: str) -> dict[str, Any]:
-    """What Alg. 1 picks on this machine's topology, or why nothing fits."""
+def planner_pick(topology: Topology, x: int, capacity: int, learner: str, *,
+                 batch_size: int) -> dict[str, Any]:
+    """What Alg. 1 picks on this machine's topology, or why nothing fits; its predicted time
+    per sample and per batch of ``batch_size`` rows."""
     try:
         dec = plan_placement(spec_bytes=x, capacity=capacity, actor_device="cpu",
                              learner_device=learner, topology=topology)
@@ -204,7 +221,7 @@ def planner_pick(topology: Topology, x: int, capacity: int, learner: str) -> dic
         return {"chosen": None, "reason": str(exc)}
     return {"chosen": dec.placement.to_dict(), "label": dec.chosen.label(),
             "predicted_s_per_sample": dec.time_s,
-            "predicted_batch_s": dec.time_s * 512}
+            "predicted_batch_s": dec.time_s * batch_size}
 
 
 def _match(targets: list[_Target], chosen: dict[str, Any] | None) -> str | None:
@@ -261,16 +278,21 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
 
 
 def check(args: PlacementBenchArgs) -> None:
-    """Refuse arguments the flags' own bounds let through.
+    """Refuse arguments the flags' own bounds let through (after ``--quick``).
 
     Raises:
-        ConfigError: An unknown or absent learner device, or a capacity below the batch
-            size.
+        ConfigError: An unknown or absent learner device, a capacity below the batch
+            size, or a dimension at which one batch does not fit the memory budget (see
+            :func:`fit_capacity`).
     """
-    resolve_device(args.learner_device, field="learner_device")
+    args = effective(args)
+    learner = resolve_device(args.learner_device, field="learner_device")
     if args.capacity < args.batch_size:
         raise ConfigError("capacity", f"{args.capacity} rows hold less than one batch of "
                                       f"--batch-size {args.batch_size}")
+    targets = placements_available(learner, args.shards)
+    for d in args.dims:
+        fit_capacity(args, transition_spec(d).bytes_per_sample, targets)
 
 
 def run(args: PlacementBenchArgs) -> dict[str, Any]:
@@ -313,8 +335,8 @@ def run(args: PlacementBenchArgs) -> dict[str, Any]:
             entries.append(e)
             extra = f", overlap {e['overlap_ms']:.3f} ms" if e["overlap_ms"] is not None else ""
             progress(f"  {t.label:<28} inline {e['inline_ms']:.3f} ms{extra}")
-        pick = planner_pick(topo, x, cap, plan_learner)
-        paper = planner_pick(topo, x, PAPER_CAPACITY, plan_learner)
+        pick = planner_pick(topo, x, cap, plan_learner, batch_size=args.batch_size)
+        paper = planner_pick(topo, x, PAPER_CAPACITY, plan_learner, batch_size=args.batch_size)
         planner.append({"dim": d, "capacity": cap, **pick,
                         "measured_label": _match(targets, pick.get("chosen")),
                         "paper_capacity": PAPER_CAPACITY,

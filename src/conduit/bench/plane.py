@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, command_parser, parse_command
+from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
+from conduit.plane.config import PlaneConfig
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.scheduling.space import Schedule
@@ -68,6 +70,14 @@ QUICK = {"dim": 64, "rollout_rows": 64, "batch_size": 64, "capacity": 2000, "ite
          "warmup": 1, "hidden": 32, "onpolicy_units": 2, "minibatches": 4, "repeats": 5}
 
 
+def fill_units(args: PlaneBenchArgs) -> int:
+    """Rollout units pushed before an off-policy loop measures: up to ``20·rollout_rows`` rows
+    within ``capacity``, and always at least one batch of rows (in whole units), so the first
+    sample does not wait for rows no one pushes."""
+    units = min(args.capacity, 20 * args.rollout_rows) // args.rollout_rows
+    return max(1, units, -(-args.batch_size // args.rollout_rows))
+
+
 def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> dict[str, Any]:
     """Run the synthetic loop under ``schedule``; returns per-iteration breakdown medians."""
     work = Workload(args.dim, args.hidden)
@@ -91,8 +101,7 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
     try:
         with plane:
             if not on_policy:  # fill to a realistic replay size before measuring
-                fill(plane, work, rollout_rows=args.rollout_rows,
-                     units=min(args.capacity, 20 * args.rollout_rows) // args.rollout_rows)
+                fill(plane, work, rollout_rows=args.rollout_rows, units=fill_units(args))
             for it in range(args.warmup + args.iters):
                 t0 = time.perf_counter()
                 compute = step(plane)
@@ -112,7 +121,13 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
 def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict[str, float]:
     """Median time to gather and to sample ``batch`` rows through the buffer, next to a plain
     ``copy_`` of the same bytes and to the gather floor (one ``index_select`` of random rows
-    into a new tensor)."""
+    into a new tensor).
+
+    Raises:
+        ConfigError: ``batch`` exceeds ``capacity`` (field ``batch_size``).
+    """
+    if batch > capacity:
+        raise ConfigError("batch_size", f"{batch} exceeds --capacity {capacity}")
     spec = ExperienceSpec.of(obs=((dim,), torch.float32))
     buf = ExperienceBuffer(spec=spec, capacity=capacity, sampler=UniformSampler(seed=0))
     chunk = 10_000
@@ -122,7 +137,8 @@ def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict
     src = buf.store.column("obs")
     dst = torch.empty(batch, dim)
     # Rotate over different rows every repetition for both, so neither reads from a warm cache.
-    offsets = iter([(k * 7919 * batch) % (capacity - batch) for k in range(10 * repeats + 100)])
+    offsets = iter([(k * 7919 * batch) % (capacity - batch + 1)
+                    for k in range(10 * repeats + 100)])
     draws = iter([buf.draw(batch) for _ in range(10 * repeats + 100)])
     def median_s(fn: Callable[[], object]) -> float:
         return statistics.median(repeat_times(fn, repeats=repeats, warmup=3))
@@ -168,9 +184,49 @@ def effective(args: PlaneBenchArgs) -> PlaneBenchArgs:
     return apply_quick(args, QUICK)
 
 
-def run(args: PlaneBenchArgs) -> dict[str, Any]:
-    """Run the whole benchmark; prints tables, writes JSON and PNG."""
+def check_args(args: PlaneBenchArgs) -> PlaneBenchArgs:
+    """The arguments after ``--quick``, once the planes the benchmark builds would take them.
+
+    Off-policy, a buffer of ``--capacity`` rows sampled ``--batch-size`` at a time, filled one
+    rollout unit of ``--rollout-rows`` at a time; on-policy, ``--onpolicy-units`` units of
+    ``--rollout-rows`` per iteration, cut into ``--minibatches``.
+
+    Raises:
+        ConfigError: Naming the flag's field (``batch_size``, ``rollout_rows`` or
+            ``minibatches``).
+    """
     args = effective(args)
+    spec = synthetic_spec(1)
+    if args.batch_size > args.capacity:
+        raise ConfigError("batch_size", f"{args.batch_size} rows exceed --capacity "
+                                        f"{args.capacity}; lower --batch-size or raise "
+                                        "--capacity")
+    if args.rollout_rows > args.capacity:
+        raise ConfigError("rollout_rows", f"one rollout unit of {args.rollout_rows} rows "
+                                          f"exceeds --capacity {args.capacity}; lower "
+                                          "--rollout-rows or raise --capacity")
+    rows = args.onpolicy_units * args.rollout_rows
+    if args.minibatches > rows:
+        raise ConfigError("minibatches", f"{args.minibatches} mini-batches cannot be cut from "
+                                         f"{rows} rows per on-policy iteration (--onpolicy-units"
+                                         " × --rollout-rows); lower --minibatches")
+    try:
+        PlaneConfig(spec=spec, capacity=args.capacity, batch_size=args.batch_size)
+        PlaneConfig(spec=spec, capacity=rows, mode="on_policy",
+                    num_minibatches=args.minibatches)
+    except ConfigError as exc:
+        field = "minibatches" if exc.field == "num_minibatches" else exc.field
+        raise ConfigError(field, exc.reason) from exc
+    return args
+
+
+def run(args: PlaneBenchArgs) -> dict[str, Any]:
+    """Run the whole benchmark; prints tables, writes JSON and PNG.
+
+    Raises:
+        ConfigError: As :func:`check_args` raises it, before any work.
+    """
+    args = check_args(args)
     m = args.minibatches
     configs = {
         "off_policy": [("inline", Schedule(0, 1, 0, 1)), ("overlap", Schedule(1, 1, 1, 1))],
@@ -220,7 +276,7 @@ def run(args: PlaneBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench plane``."""
     p = command_parser("conduit bench plane", __doc__, PlaneBenchArgs)
-    run(parse_dataclass(PlaneBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, PlaneBenchArgs, argv, check=check_args))
     return 0
 
 

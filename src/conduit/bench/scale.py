@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, check_reachable, command_parser, parse_command
 from conduit.placement import Topology
 from conduit.placement.cluster import inter_node_bandwidth
 from conduit.placement.topology import NodeTopology
@@ -102,12 +102,17 @@ def _rollout(spec: ExperienceSpec, rows: int, seed: int) -> dict[str, torch.Tens
 
 class LocalCluster:
     """``nodes`` Ray nodes on this machine, the driver attached (token authentication on, as a
-    local ``ray.init()`` starts it), or an existing cluster at ``address``."""
+    local ``ray.init()`` starts it), or an existing cluster at ``address``.
+
+    Raises:
+        ConfigError: Nothing answers at ``address`` (field ``address``).
+    """
 
     def __init__(self, *, nodes: int, cpus: int, address: str) -> None:
         import ray
         self.ray, self.cluster = ray, None
         if address:
+            check_reachable("address", address)
             ray.init(address=address, log_to_driver=False)
             self.address = address
             return
@@ -325,7 +330,8 @@ def _plot(rows: dict[int, dict[str, float]], proj: list[dict[str, float]], out: 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench scale``."""
     p = command_parser("conduit bench scale", __doc__, ScaleBenchArgs)
-    run(parse_dataclass(ScaleBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, ScaleBenchArgs, argv,
+                      check=lambda a: check_reachable("address", a.address)))
     return 0
 
 

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from conduit.bench.common import progress
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane, synthetic
 from conduit.plane.autotune import plane_copy_times, profile_plane
@@ -51,6 +51,11 @@ from conduit.storage import Placement
 TARGET_GAP = 0.05
 #: Manual placements this benchmark knows how to build on any machine.
 PLACEMENTS = ("pageable", "pinned", "sharded-cpu")
+
+
+#: Largest ``--g-max``: the auto-optimizer's search grows with the square of the cap (seconds
+#: at 64, minutes past a few hundred), and every cycle of the tuner runs ``g_max`` iterations.
+MAX_G_FLAG = 64
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,9 @@ class ScheduleBenchArgs:
     placements: tuple[str, ...] = arg((), "manual placements among pageable, pinned, "
                                           "sharded-cpu (default: all with CUDA; without it "
                                           "pinned is pageable memory, so it is left out)")
-    g_max: int = arg(8, "granularity cap of the auto-optimizer's space", min=1)
+    g_max: int = arg(8, "granularity cap of the auto-optimizer's space (its search grows with "
+                        f"the square of the cap, so at most {MAX_G_FLAG})", min=1,
+                     max=MAX_G_FLAG)
     iters: int = arg(8, "measured iterations per round (rounded up to a multiple of g)", min=1)
     rounds: int = arg(3, "measurement rounds per configuration; the median round is reported",
                       min=1)
@@ -97,7 +104,31 @@ _QUICK = {"batch_sizes": (32, 128), "dims": (128, 512), "base_dim": 128, "base_b
 def _quick(args: ScheduleBenchArgs) -> ScheduleBenchArgs:
     defaults = {f.name: getattr(ScheduleBenchArgs(), f.name) for f in fields(args)}
     over = {k: v for k, v in _QUICK.items() if getattr(args, k) == defaults[k]}
+    if "granularities" in over:  # the quick ones, within an explicit --g-max
+        g_max = over.get("g_max", args.g_max)
+        over["granularities"] = tuple(g for g in over["granularities"] if g <= g_max)
     return replace(args, **over)
+
+
+def check_args(args: ScheduleBenchArgs) -> ScheduleBenchArgs:
+    """The arguments the sweep runs with (after ``--quick`` and the default placements), or
+    the value it would refuse, found before any work.
+
+    Raises:
+        ConfigError: An unknown placement (field ``placements``) or a granularity outside
+            ``[1, g_max]`` (field ``granularities``).
+    """
+    if args.quick:
+        args = _quick(args)
+    if not args.placements:
+        args = replace(args, placements=PLACEMENTS if torch.cuda.is_available()
+                       else ("pageable", "sharded-cpu"))
+    for name in args.placements:
+        _placement(name)
+    if any(g < 1 or g > args.g_max for g in args.granularities):
+        raise ConfigError("granularities", f"must lie in [1, --g-max={args.g_max}], got "
+                                           f"{list(args.granularities)}")
+    return args
 
 
 def sweep_points(args: ScheduleBenchArgs) -> list[tuple[int, int]]:
@@ -339,16 +370,12 @@ def _fmt_fid(f: dict[str, Any] | None) -> list[Any]:
 
 
 def run(args: ScheduleBenchArgs) -> dict[str, Any]:
-    """Run the sweep; prints a table, writes JSON and PNG under ``args.out``."""
-    if args.quick:
-        args = _quick(args)
-    if not args.placements:
-        args = replace(args, placements=PLACEMENTS if torch.cuda.is_available()
-                       else ("pageable", "sharded-cpu"))
-    for name in args.placements:
-        _placement(name)
-    if any(g < 1 or g > args.g_max for g in args.granularities):
-        raise ConfigError("granularities", f"must lie in [1, g_max={args.g_max}]")
+    """Run the sweep; prints a table, writes JSON and PNG under ``args.out``.
+
+    Raises:
+        ConfigError: As :func:`check_args` raises it.
+    """
+    args = check_args(args)
     before = torch.get_num_threads()
     torch.set_num_threads(args.compute_threads)
     points: list[dict[str, Any]] = []
@@ -406,7 +433,7 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench schedule``."""
     p = command_parser("conduit bench schedule", __doc__, ScheduleBenchArgs)
-    run(parse_dataclass(ScheduleBenchArgs, p.parse_args(argv)))
+    run(parse_command(p, ScheduleBenchArgs, argv, check=check_args))
     return 0
 
 

@@ -350,12 +350,31 @@ def _parse_size(text: str) -> int:
     return v
 
 
+#: Host buffers of one payload size the profile may hold at once (the gather tier holds a
+#: source four times the payload and a result of it, and a pinned copy of the source): a size
+#: is refused above the available host memory divided by this.
+SIZE_HOST_COPIES = 8
+
+
 def _sizes_flag(text: str) -> tuple[int, ...]:
-    """argparse ``type`` of ``--sizes``: a bad size is a usage error naming the flag."""
+    """argparse ``type`` of ``--sizes``: a bad size, or one too large to measure with the
+    host memory available now (see :data:`SIZE_HOST_COPIES`), is a usage error naming the
+    flag."""
+    import psutil
+
     try:
-        return tuple(_parse_size(s) for s in text.split(","))
+        sizes = tuple(_parse_size(s) for s in text.split(","))
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(exc.reason) from None
+    available = psutil.virtual_memory().available
+    limit = available // SIZE_HOST_COPIES
+    too_big = [s for s in sizes if s > limit]
+    if too_big:
+        raise argparse.ArgumentTypeError(
+            f"{too_big[0]:,} B is too large: measuring a size holds about "
+            f"{SIZE_HOST_COPIES} buffers of it, and {available / 2**30:.1f} GiB of host memory "
+            f"is available, so at most {limit:,} B ({limit / 2**30:.2f} GiB)")
+    return sizes
 
 
 def _repeats_flag(text: str) -> int:

@@ -66,7 +66,7 @@ class Workload:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.batch > self.capacity:
             raise ValueError(f"batch: {self.batch} rows exceed capacity {self.capacity}; "
-                             f"lower --batch or raise --capacity")
+                             f"lower --batches or raise --capacity")
         if self.epoch_rows % self.minibatches:
             raise ValueError(f"epoch_rows: {self.epoch_rows} is not a multiple of "
                              f"minibatches={self.minibatches}")

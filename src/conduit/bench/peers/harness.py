@@ -66,7 +66,8 @@ from conduit.bench.peers.gear_peer import GearPlacementPeer
 from conduit.bench.peers.reverb_peer import ReverbPeer
 from conduit.bench.peers.rllib_peer import RLlibPeer
 from conduit.bench.peers.torchrl_peer import TorchRLPeer
-from conduit.cli_args import arg, command_parser, parse_dataclass
+from conduit.cli_args import arg, command_parser, parse_command, usage_error
+from conduit.errors import ConfigError
 from conduit.report import machine, pyplot, save_figure, table, write_json
 from conduit.timing import repeat_times
 
@@ -982,8 +983,33 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``conduit bench peers`` argument parser."""
-    return command_parser("conduit bench peers", __doc__, PeersConfig)
+    """The ``conduit bench peers`` argument parser.
+
+    Flags are not abbreviated (``--dim`` is not ``--dims``): ``--quick`` keeps the flags
+    written out in ``argv``, so an abbreviation would be overwritten as if left unset.
+    """
+    parser = command_parser("conduit bench peers", __doc__, PeersConfig)
+    parser.allow_abbrev = False
+    return parser
+
+
+def check_config(cfg: PeersConfig) -> None:
+    """Refuse what a workload of ``cfg`` would refuse (after ``--quick``), before any run.
+
+    Raises:
+        ConfigError: A batch of ``--batches`` exceeds ``--capacity`` (field ``capacity``), or
+            ``--epoch-rows`` is not a positive multiple of ``--minibatches`` (field
+            ``epoch_rows``).
+    """
+    big = max(cfg.batches)
+    if big > cfg.capacity:
+        raise ConfigError("capacity", f"{cfg.capacity} rows cannot hold one batch of "
+                                      f"--batches {big}; raise --capacity or lower --batches")
+    if cfg.epoch_rows % cfg.minibatches:
+        raise ConfigError("epoch_rows", f"{cfg.epoch_rows} rows are not a multiple of "
+                                        f"--minibatches {cfg.minibatches} (each mini-batch "
+                                        "takes an equal share); change --epoch-rows or "
+                                        "--minibatches")
 
 
 def _explicit_flags(argv: Sequence[str]) -> set[str]:
@@ -1005,10 +1031,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    explicit = _explicit_flags(argv)
+    names = {f.name for f in fields(PeersConfig)}
     try:
-        cfg = apply_quick(parse_dataclass(PeersConfig, args), _explicit_flags(argv))
+        cfg = apply_quick(parse_command(parser, PeersConfig, argv, check=lambda c: check_config(
+            apply_quick(c, explicit))), explicit)
     except ValueError as exc:
+        name, _, reason = str(exc).partition(": ")
+        if name in names and reason:
+            usage_error(parser, name, reason)
         parser.error(str(exc))
     report, rows = run(cfg)
     report["command"] = " ".join(["conduit bench peers", *argv])
