@@ -153,6 +153,21 @@ def test_priorities_that_are_not_numbers_are_a_priority_error() -> None:
     buffer.update_priorities(np.array([1.0, 2.0]))  # the failed call left the sample in place
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.full((2,), 3.0, requires_grad=True) * 1.0,  # TD errors still in the graph
+    lambda: torch.full((2,), 3.0, requires_grad=True),
+    lambda: torch.full((2, 1), 3.0, dtype=torch.bfloat16),
+], ids=["grad", "grad-leaf", "bfloat16"])
+def test_priorities_in_any_torch_tensor_are_taken(make: Callable[[], torch.Tensor]) -> None:
+    """Defect: a tensor that requires grad failed with torch's raw RuntimeError."""
+    buffer = _buffers()[1](capacity=100, schedule="inline", seed=0, alpha=1.0, eps=1e-9)
+    buffer.add([_episode()])
+    buffer.sample(num_items=2, n_step=1)
+    index = torch.from_numpy(buffer._last_index.copy())
+    buffer.update_priorities(make())
+    assert buffer._sampler.inner.priorities(index).tolist() == pytest.approx([3.0, 3.0])
+
+
 # -- 8. a prioritized buffer's state given to a uniform one ---------------------------------------
 
 

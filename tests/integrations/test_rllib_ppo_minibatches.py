@@ -155,3 +155,115 @@ def test_the_learner_cuts_rllibs_minibatches(learner: ConduitPPOTorchLearner, si
         minibatch_size=minibatch_size, shuffle_batch_per_epoch=True)
     assert isinstance(ours, ConduitMiniBatchIterator)
     _assert_same(_run(ours, mid), theirs)
+
+
+def _copy(value: object) -> object:
+    import tree
+    return tree.map_structure(
+        lambda v: v.clone() if isinstance(v, torch.Tensor) else np.array(v, copy=True), value)
+
+
+def _nested_batch(columns: dict[str, object], env_steps: int,
+                  module_id: str = "p") -> MultiAgentBatch:
+    return MultiAgentBatch({module_id: SampleBatch({k: _copy(v) for k, v in columns.items()})},
+                           env_steps)
+
+
+def _run_nested(iterator: object, module_id: str = "p") -> tuple[list[dict[str, object]], float]:
+    out = [{k: _copy(v) for k, v in mb.policy_batches[module_id].items()} for mb in iterator]
+    return out, float(np.random.random())
+
+
+def _assert_same_nested(ours: tuple[list[dict[str, object]], float],
+                        theirs: tuple[list[dict[str, object]], float]) -> None:
+    import tree
+    assert len(ours[0]) == len(theirs[0]) and ours[1] == theirs[1]
+    for a, b in zip(ours[0], theirs[0], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            tree.assert_same_structure(a[k], b[k])
+            for x, y in zip(tree.flatten(a[k]), tree.flatten(b[k]), strict=True):
+                assert type(x) is type(y), k
+                if isinstance(x, torch.Tensor):
+                    assert x.dtype == y.dtype and torch.equal(x, y), k
+                else:
+                    assert x.dtype == y.dtype and np.array_equal(x, y), k
+
+
+def _nested_columns(size: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(size)
+    return {"obs": {"pos": torch.randn(size, 3, generator=gen),
+                    "mask": np.arange(size * 2, dtype=np.int32).reshape(size, 2)},
+            "actions": (torch.randint(0, 4, (size,), generator=gen),
+                        torch.randn(size, 2, generator=gen)),
+            "advantages": torch.randn(size, generator=gen),
+            "np_col": np.arange(size) * 10.0}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("size", "minibatch_size", "epochs", "shuffle"), [
+    (10, 4, 2, True), (10, 4, 2, False), (5, 2, 3, True), (16, 4, 2, True)])
+def test_nested_columns_are_cut_per_minibatch_as_rllib_cuts_them(
+        size: int, minibatch_size: int, epochs: int, shuffle: bool, overlap: bool) -> None:
+    columns = _nested_columns(size)
+    np.random.seed(3)
+    theirs = _run_nested(MiniBatchCyclicIterator(
+        _nested_batch(columns, size), num_epochs=epochs, minibatch_size=minibatch_size,
+        shuffle_batch_per_epoch=shuffle))
+    np.random.seed(3)
+    ours = _run_nested(ConduitMiniBatchIterator(
+        _nested_batch(columns, size), num_epochs=epochs, minibatch_size=minibatch_size,
+        shuffle=shuffle, device=torch.device("cpu"), overlap=overlap))
+    assert all(len(mb["obs"]["pos"]) == minibatch_size and len(mb["actions"][0])
+               == minibatch_size for mb in ours[0])
+    _assert_same_nested(ours, theirs)
+
+
+def test_the_learner_cuts_nested_action_columns_per_minibatch(
+        learner: ConduitPPOTorchLearner) -> None:
+    size, mid = 10, "default_policy"
+    gen = torch.Generator().manual_seed(0)
+    columns = {"obs": torch.randn(size, 4, generator=gen),
+               "actions": {"move": torch.arange(size), "fire": torch.arange(size) % 2},
+               "advantages": torch.randn(size, generator=gen)}
+    kwargs = {"num_epochs": 2, "minibatch_size": 4}
+    np.random.seed(4)
+    theirs = _run_nested(MiniBatchCyclicIterator(_nested_batch(columns, size, mid),
+                                                 shuffle_batch_per_epoch=True, **kwargs), mid)
+    np.random.seed(4)
+    ours = learner._create_iterator_if_necessary(
+        training_data=TrainingData(batch=_nested_batch(columns, size, mid)),
+        shuffle_batch_per_epoch=True, **kwargs)
+    assert isinstance(ours, ConduitMiniBatchIterator)
+    _assert_same_nested(_run_nested(ours, mid), theirs)
+
+
+@pytest.fixture(scope="module")
+def rllib_learner() -> object:
+    import gymnasium as gym
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+    config = (PPOConfig().environment("CartPole-v1")
+              .learners(learner_class=PPOTorchLearner)
+              .rl_module(model_config=DefaultModelConfig(fcnet_hiddens=[8])))
+    return config.build_learner(env=gym.make("CartPole-v1"))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(("rows", "env_steps"), [(12, 6), (6, 12), (7, 3)])
+def test_without_minibatch_size_epochs_are_cut_by_env_steps_as_rllibs_learner(
+        learner: ConduitPPOTorchLearner, rllib_learner: object, rows: int, env_steps: int,
+        shuffle: bool) -> None:
+    # Two agents sharing one module: more module rows than env steps (or fewer).
+    columns, mid = _columns(rows), "default_policy"
+    out = []
+    for which in (rllib_learner, learner):
+        np.random.seed(9)
+        iterator = which._create_iterator_if_necessary(  # type: ignore[attr-defined]
+            training_data=TrainingData(batch=_nested_batch(columns, env_steps, mid)),
+            num_epochs=2, minibatch_size=None, shuffle_batch_per_epoch=shuffle)
+        out.append(_run_nested(iterator, mid))
+    assert all(len(mb["obs"]) == env_steps for mb in out[1][0])
+    _assert_same_nested(out[1], out[0])

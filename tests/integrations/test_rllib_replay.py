@@ -322,13 +322,27 @@ def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -
         buffer.sample(num_items=5000, n_step=1)
 
 
+@pytest.mark.parametrize("length", [8, 1, -1])
+def test_a_prioritized_buffer_refuses_sequence_lengths_as_documented(
+        adds: list[list[SingleAgentEpisode]], length: int) -> None:
+    buffer = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, schedule="inline"),
+                     adds[:1])
+    with pytest.raises(ConfigError) as ei:
+        buffer.sample(num_items=4, n_step=1, batch_length_T=length)
+    assert ei.value.field == "batch_length_T"
+    for none in (0, None):
+        assert len(buffer.sample(num_items=4, n_step=1, batch_length_T=none)) == 4
+    buffer.plane.close()
+
+
 @pytest.mark.parametrize("prioritized", [False, True])
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"num_items": -3}, "num_items"), ({"num_items": 0}, "num_items"),
     ({"num_items": 2.5}, "num_items"), ({"num_items": None, "batch_size_B": -1}, "batch_size_B"),
     ({"n_step": -1}, "n_step"), ({"n_step": 2.5}, "n_step"), ({"n_step": (3, 1)}, "n_step"),
     ({"n_step": (0, 2)}, "n_step"), ({"n_step": (1, 3, 5)}, "n_step"),
-    ({"gamma": float("nan")}, "gamma")])
+    ({"n_step": 0}, "n_step"), ({"n_step": False}, "n_step"), ({"n_step": ()}, "n_step"),
+    ({"n_step": []}, "n_step"), ({"gamma": float("nan")}, "gamma")])
 def test_a_bad_sample_argument_is_refused_and_changes_nothing(
         adds: list[list[SingleAgentEpisode]], prioritized: bool, kwargs: dict,
         field: str) -> None:
@@ -703,3 +717,66 @@ def test_a_state_refused_part_way_leaves_the_buffer_as_it_was(
         assert target.plane is not None and len(target.plane.buffer) == size
     target.add(second)
     _assert_stored(target.sample(num_items=40, n_step=1, gamma=GAMMA), [*first, *second])
+
+
+def _chunks(end: str) -> tuple[SingleAgentEpisode, SingleAgentEpisode]:
+    """Episode "A" in two chunks: three steps, then no step but the end flag ``end``."""
+    box, disc = gym.spaces.Box(-1e6, 1e6, (2,), np.float32), gym.spaces.Discrete(3)
+    obs = [np.array([0, t], np.float32) for t in range(4)]
+    first = SingleAgentEpisode(id_="A", observations=obs, actions=[0, 1, 2],
+                               rewards=[1.0, 2.0, 3.0], observation_space=box,
+                               action_space=disc, len_lookback_buffer=0).to_numpy()
+    last = SingleAgentEpisode(id_="A", observations=[obs[3]], actions=[], rewards=[],
+                              t_started=3, terminated=end == "terminated",
+                              truncated=end == "truncated", observation_space=box,
+                              action_space=disc, len_lookback_buffer=0).to_numpy()
+    return first, last
+
+
+def _by_t(sampled: list[SingleAgentEpisode]) -> dict[int, tuple]:
+    return {e.t_started: (e.is_terminated, e.is_truncated, float(e.get_rewards(0)),
+                          tuple(np.asarray(e.get_observations(-1)).tolist())) for e in sampled}
+
+
+@pytest.mark.parametrize("n_step", [1, 2, 3])
+@pytest.mark.parametrize("end", ["terminated", "truncated"])
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_zero_length_final_chunk_ends_the_stored_episode_as_in_rllib(
+        end: str, prioritized: bool, n_step: int) -> None:
+    """Defect: a final chunk without timesteps was skipped, so the stored episode never
+    ended and its last transitions bootstrapped past the terminal."""
+    theirs = EpisodeReplayBuffer(capacity=100)
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    ours = cls(capacity=100, seed=0, schedule="inline")
+    for buffer in (theirs, ours):
+        first, last = _chunks(end)
+        buffer.add([first])
+        buffer.add([last])
+    want = _by_t(theirs.sample(num_items=60, n_step=n_step, gamma=GAMMA, batch_length_T=0,
+                               sample_episodes=True))
+    got = _by_t(ours.sample(num_items=60, n_step=n_step, gamma=GAMMA))
+    # (prioritized: only rows whose n-step window is complete are drawn)
+    rows = set(range(4 - n_step)) if prioritized else set(range(3))
+    assert got.keys() == rows and rows <= want.keys()
+    for t, value in got.items():
+        assert value[:2] == want[t][:2] and value[3] == want[t][3], t
+        assert value[2] == pytest.approx(want[t][2]), t
+    assert got[3 - n_step][:2] == (end == "terminated", end == "truncated")
+    ours.plane.close()
+
+
+def test_a_zero_length_final_chunk_leaves_a_row_that_overwrote_its_episode_alone() -> None:
+    first, last = _chunks("terminated")
+    buffer = ConduitEpisodeReplayBuffer(capacity=3, seed=0, schedule="inline")
+    buffer.add([first])
+    box, disc = gym.spaces.Box(-1e6, 1e6, (2,), np.float32), gym.spaces.Discrete(3)
+    other = SingleAgentEpisode(id_="B", observations=[np.array([1, t], np.float32)
+                                                      for t in range(4)],
+                               actions=[0, 0, 0], rewards=[1.0] * 3, observation_space=box,
+                               action_space=disc, len_lookback_buffer=0).to_numpy()
+    buffer.add([other, last])  # B overwrites all of A's rows before A's end arrives
+    assert {(e.t_started, e.is_terminated)
+            for e in buffer.sample(num_items=3, n_step=1)} <= {(0, False), (1, False),
+                                                                (2, False)}
+    assert buffer.get_num_episodes() == 1
+    buffer.plane.close()

@@ -268,7 +268,9 @@ class EpisodeRows:
         episodes. The caller writes ``rows`` to the ring next, in order.
 
         Every chunk is read and checked before anything changes, so a bad chunk leaves the
-        links as they were.
+        links as they were. A chunk without timesteps that is terminated or truncated ends its
+        ongoing episode: the episode's last stored row takes its end flags (as RLlib's buffer
+        concatenates it to the stored episode); other empty chunks change nothing.
 
         Args:
             episodes: Episode chunks.
@@ -279,9 +281,11 @@ class EpisodeRows:
                 shape or dtype from ``spec`` (or the first chunk's) or from the stored
                 observations.
         """
-        chunks = []
+        chunks: list[tuple[Episode, dict[str, np.ndarray], np.ndarray, np.ndarray] | Episode] = []
         for eps in episodes:
             if len(eps) == 0:
+                if eps.is_terminated or eps.is_truncated:
+                    chunks.append(eps)  # ends the ongoing episode: see _end
                 continue
             steps, reward, last_obs = _steps(eps)
             if spec is None:
@@ -293,7 +297,11 @@ class EpisodeRows:
         links: list[tuple[int, int]] = []
         new = 0
         row = self.written
-        for eps, steps, reward, last_obs in chunks:
+        for chunk in chunks:
+            if not isinstance(chunk, tuple):
+                self._end(chunk, oldest=row - self.capacity)
+                continue
+            eps, steps, reward, last_obs = chunk
             n = len(eps)
             key = self._ongoing.get(eps.id_)
             if key is None or key not in self.table:
@@ -339,6 +347,17 @@ class EpisodeRows:
                 {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
         return Appended(rows, row - before, new, evicted,
                         max(0, oldest) - max(0, before - self.capacity), spec)
+
+    def _end(self, eps: Episode, *, oldest: int) -> None:
+        """Apply a zero-length chunk's end flags to its ongoing episode: the episode ends at
+        its last stored row (if that row is not below ``oldest``, the oldest row in the ring),
+        as RLlib's buffer concatenates the chunk to the stored episode."""
+        key = self._ongoing.pop(eps.id_, None)
+        meta = None if key is None else self.table.get(key)
+        if meta is not None and meta.last_row >= oldest:
+            slot = meta.last_row % self.capacity
+            self.terminated[slot] = eps.is_terminated
+            self.truncated[slot] = eps.is_truncated
 
     def windows(self, starts: np.ndarray, n: np.ndarray) -> Window:
         """The windows of ``n[i]`` steps from slots ``starts[i]``, cut where episodes end."""

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import tree
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.learner.training_data import TrainingData
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
@@ -190,8 +191,9 @@ class ConduitMiniBatchIterator:
     the order :func:`cyclic_minibatches` gives.
 
     Tensor columns with one row per timestep live in the plane; other columns (if any) are
-    indexed with each mini-batch's rows. The plane groups the mini-batches into epochs of
-    :func:`plane_epoch` (RLlib's epochs where ``minibatch_size`` divides the batch).
+    indexed with each mini-batch's rows, nested ones (a Dict or Tuple space's) leaf by leaf.
+    The plane groups the mini-batches into epochs of :func:`plane_epoch` (RLlib's epochs where
+    ``minibatch_size`` divides the batch).
 
     A batch the plane cannot hold (a plane column of a dtype :class:`~conduit.FieldSpec`
     refuses, such as ``uint16``, or no plane column at all) is cut by RLlib's own
@@ -288,7 +290,18 @@ def _plane_column(name: str, column: object, size: int) -> bool:
 
 
 def _take(column: object, index: torch.Tensor, size: int) -> object:
-    """A mini-batch's rows of a column kept outside the plane (others pass as they are)."""
+    """A mini-batch's rows of a column kept outside the plane (others pass as they are).
+
+    A nested column (a Dict or Tuple space's dict or tuple of arrays) is cut leaf by leaf
+    with the same rows, as RLlib's iterator slices and concatenates every leaf.
+    """
+    if isinstance(column, (dict, tuple)):
+        return tree.map_structure(lambda leaf: _take_leaf(leaf, index, size), column)
+    return _take_leaf(column, index, size)
+
+
+def _take_leaf(column: object, index: torch.Tensor, size: int) -> object:
+    """:func:`_take` for a column that is not nested."""
     if isinstance(column, torch.Tensor):
         return column[index.to(column.device)] if column.dim() and len(column) == size \
             else column
@@ -311,9 +324,11 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
     """RLlib's ``PPOTorchLearner`` with Conduit delivering its mini-batches.
 
     Usage: ``config.learners(learner_class=ConduitPPOTorchLearner)``. Epochs, shuffling and
-    mini-batch sizes are RLlib's. Batches RLlib itself would not cut into mini-batches (one
-    epoch without ``minibatch_size``), multi-module batches, recurrent modules and data
-    iterators take RLlib's own path; so do batches a plane cannot hold
+    mini-batch sizes are RLlib's (without ``minibatch_size``, ``num_epochs > 1`` cuts
+    mini-batches of the batch's env steps, ``batch.count``, as RLlib's ``Learner`` does,
+    whatever rows the module's batch has). Batches RLlib itself would not cut into
+    mini-batches (one epoch without ``minibatch_size``), multi-module batches, recurrent
+    modules and data iterators take RLlib's own path; so do batches a plane cannot hold
     (:class:`ConduitMiniBatchIterator`). Updates share their planes' column memory
     (:class:`ColumnCache`).
     """
@@ -348,7 +363,7 @@ class ConduitPPOTorchLearner(PPOTorchLearner):
             if (len(batch.policy_batches) == 1 and not self.module[module_id].is_stateful()
                     and rows.get("seq_lens") is None):
                 return ConduitMiniBatchIterator(
-                    batch, num_epochs=num_epochs, minibatch_size=minibatch_size or len(rows),
+                    batch, num_epochs=num_epochs, minibatch_size=minibatch_size or batch.count,
                     shuffle=shuffle_batch_per_epoch and num_epochs > 1, device=self.device,
                     overlap=delivery_overlaps(self.overlap, torch.device(self.device)),
                     columns=self._column_cache())

@@ -265,9 +265,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         Args:
             num_items: Transitions (default ``batch_size_B``).
             batch_size_B: Same as ``num_items``.
-            batch_length_T: Must be 0 or None (no sequence sampling).
+            batch_length_T: Must be 0 or None (no sequence sampling; RLlib's prioritized
+                buffer ignores it and samples transitions, this one refuses other values).
             n_step: Steps per transition, or a range ``(low, high)`` drawn per transition
-                (default 1).
+                (None: 1).
             beta: Importance-weight exponent (prioritized; default: the constructor's).
             gamma: Discount of the n-step reward sums.
             include_infos: Ignored: infos are not stored.
@@ -279,13 +280,15 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             **kwargs: Ignored.
 
         Raises:
-            ConfigError: An argument asks for what the buffer does not support.
+            ConfigError: An argument asks for what the buffer does not support, or
+                ``n_step`` is neither an integer >= 1 nor a range of them (0, False or an
+                empty sequence included).
             EmptyBufferError: Nothing was added yet, or (prioritized) too few rows start a
                 complete n-step window.
         """
         if num_items is not None and batch_size_B is not None:
             raise ConfigError("num_items", "give num_items or batch_size_B, not both")
-        unsupported = {"batch_length_T": batch_length_T and not self.prioritized,
+        unsupported = {"batch_length_T": batch_length_T,
                        "include_extra_model_outputs": include_extra_model_outputs,
                        "sample_episodes": not sample_episodes, "lookback": lookback,
                        "min_batch_length_T": min_batch_length_T}
@@ -309,7 +312,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                      and not isinstance(beta, bool)):
             raise ConfigError("beta", f"must be a number >= 0, got {beta!r}")
         # Checked before anything changes: a bad argument leaves the buffer as it was.
-        request = WindowRequest(n_step=n_step or 1, gamma=gamma, complete=self.prioritized,
+        request = WindowRequest(n_step=1 if n_step is None else n_step, gamma=gamma,
+                                complete=self.prioritized,
                                 beta=float(beta) if self.prioritized else None)
         self._sampler.set_request(request)
         resamples = self._sampler.resamples
@@ -515,12 +519,21 @@ class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
     weights are ``(N·P(i))^-β`` divided by their largest possible value. Priorities are
     ``(p + eps)^α`` (RLlib: ``max(p, 1e-12)^α``). See :class:`ConduitEpisodeReplayBuffer`
     for the arguments.
+
+    ``set_state`` restores the priorities as stored, ``(p + eps)^α`` under the α and eps of
+    the buffer that wrote the state; this buffer's own α and eps apply to the priorities of
+    rows added or updated after. A state holds no α, as RLlib's does not (its ``set_state``
+    likewise keeps the restored sum tree under the buffer's own α): restore a state into a
+    buffer made with the same ``alpha`` and ``eps`` to keep one exponent throughout.
     """
 
     prioritized: ClassVar[bool] = True
 
     def update_priorities(self, priorities: np.ndarray, module_id: ModuleID | None = None) -> None:
         """Give the transitions of the most recent sample new priorities (|TD errors|).
+
+        ``priorities`` may be any array-like of numbers, a torch tensor on any device included
+        (detached first: one that requires grad is read, not differentiated).
 
         Raises:
             PriorityError: No sample to update, a length that differs from it, or
@@ -529,8 +542,11 @@ class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
         if self._last_index is None or self._plane is None:
             raise PriorityError("update_priorities: no sample since the last update")
         try:
-            pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
-        except (TypeError, ValueError) as exc:
+            if isinstance(priorities, torch.Tensor):  # e.g. TD errors still in the graph
+                pr = priorities.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+            else:
+                pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise PriorityError(f"priorities: must be numbers, got {priorities!r:.80} "
                                 f"({exc})") from None
         if pr.numel() != len(self._last_index):
