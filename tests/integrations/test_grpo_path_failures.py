@@ -12,6 +12,7 @@ import torch
 
 from conduit.errors import ConfigError, OperatorError, PlaneClosedError, SpecError, StateError
 from conduit.integrations.grpo import (
+    GroupExperiencePath,
     LogProbSource,
     combine_rewards,
     group_advantages,
@@ -446,3 +447,54 @@ def test_a_push_before_begin_iteration_or_after_close_is_a_state_error():
     path.close()
     with pytest.raises(PlaneClosedError):
         path.push_group(prompt_ids=prompts, completion_ids=comps)
+
+
+def test_a_push_from_the_scorer_is_refused_instead_of_deadlocking() -> None:
+    """The scorer runs inside ingestion, here on a flushing thread while a generator thread
+    is inside its own push: a push from the scorer is refused (StateError) rather than waiting
+    for the push lock, whose holder waits for that ingestion to end."""
+    import threading
+
+    g = 2
+    generator_may_push = threading.Event()
+
+    def score(payload, prompts, comps):  # type: ignore[no-untyped-def]
+        if payload == "first":
+            generator_may_push.set()
+            time.sleep(0.3)  # the generator is now inside push_group
+            path.push_group(prompt_ids=[[9, 9]] * g, completion_ids=[[3], [4]], payload="x")
+        return torch.ones(len(comps))
+
+    path = GroupExperiencePath(group_size=g, groups=4, num_minibatches=2, num_epochs=1,
+                               max_prompt_length=4, max_completion_length=4, pad_token_id=0,
+                               score=score, timeout=5,
+                               schedule=Schedule(0, Fraction(1, 2), 1, Fraction(1, 2)))
+    got: dict[str, BaseException | None] = {}
+
+    def run(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+            got[name] = None
+        except BaseException as exc:
+            got[name] = exc
+
+    flusher = threading.Thread(target=run, args=("flush", path.flush), daemon=True)
+    generator = threading.Thread(target=run, args=("push", lambda: (
+        generator_may_push.wait(5),
+        path.push_group(prompt_ids=[[2, 2]] * g, completion_ids=[[5], [6]], payload="a"))),
+        daemon=True)
+    try:
+        path.begin_iteration(torch.arange(4 * g), prompt_width=4)
+        path.push_group(prompt_ids=[[1, 1]] * g, completion_ids=[[1], [2]], payload="first")
+        flusher.start()
+        generator.start()
+        flusher.join(10)
+        generator.join(10)
+        assert not flusher.is_alive() and not generator.is_alive(), "deadlocked"
+        assert isinstance(got["flush"], OperatorError)
+        assert isinstance(got["flush"].__cause__, StateError)
+        assert "inside ingestion" in str(got["flush"].__cause__)
+    finally:
+        if not (flusher.is_alive() or generator.is_alive()):  # a deadlock would hang these
+            path.recover()
+            path.close()

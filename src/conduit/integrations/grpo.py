@@ -395,8 +395,10 @@ class GroupExperiencePath:
             capacity=rows)
         self._ragged_lock = threading.Lock()
         # held from a push's reservation of rows through plane.push, so the plane queues
-        # pushes in row order (reentrant: a scorer run inline may push)
-        self._push_lock = threading.RLock()
+        # pushes in row order; ingestion never takes it (a push from inside ingestion, such as
+        # from the scorer, is refused: it would wait for the ingestion it runs in)
+        self._push_lock = threading.Lock()
+        self._ingesting = threading.local()  # set on a thread while it runs the ingestion
         self._permit = threading.Event()  # set: the next prefetched delivery may start
         self._pulling = threading.local()  # set on the learner's thread inside pull()
         self._gate_s, self._closing = float(gate_prefetch), False
@@ -557,10 +559,15 @@ class GroupExperiencePath:
                 to one, a group's G prompts are not one prompt (field ``prompt_ids``), a
                 sequence is empty or longer than its maximum, a prompt is wider than the
                 iteration's ``prompt_width``, or the iteration is full.
-            StateError: No iteration was begun (call :meth:`begin_iteration` first).
+            StateError: No iteration was begun (call :meth:`begin_iteration` first), or the
+                call comes from inside ingestion (from ``score``): push from the generator.
             OperatorError, BackpressureTimeout, PlaneClosedError: As
                 :meth:`ExperienceDataPlane.push`; the groups are lost (see the class).
         """
+        if getattr(self._ingesting, "active", False):
+            raise StateError("push_groups", "called from inside ingestion (the scorer): a push "
+                                            "there would wait for the ingestion it runs in; "
+                                            "push groups from the generator, not from score()")
         if self.plane.closed:
             raise PlaneClosedError("push_groups: the experience path is closed")
         if self.iteration < 0:
@@ -759,11 +766,14 @@ class GroupExperiencePath:
         serials = [int(u["unit"].numpy()[0]) for u in actor_in.read_units()]
         if not serials:
             return
+        self._ingesting.active = True
         try:
             self._ingest_units(serials, exp_out)
         except BaseException:
             self._lose(serials)  # the plane drops the invocation's units
             raise
+        finally:
+            self._ingesting.active = False
 
     def _ingest_units(self, serials: list[int], exp_out: Any) -> None:
         units = []
