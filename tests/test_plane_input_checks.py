@@ -3,14 +3,16 @@ needs a field its spec lacks, with a typed error naming the argument; so do the 
 tuners. A pushed view of part of a tensor is held apart from the rest of it."""
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from conduit import ConfigError, Schedule
+from conduit import ConfigError, Schedule, SpecError
 from conduit.plane import AutoScheduler, ExperienceDataPlane
 from conduit.plane.config import PlaneConfig
+from conduit.plane.flows import Unit, hold_rollout
 from conduit.plane.tuner import WarmupScheduleTuner
 from conduit.spec import ExperienceSpec
 from conduit.storage import SequenceSampler
@@ -104,6 +106,47 @@ def test_chunks_of_one_preallocated_tensor_are_stored_as_pushed(schedule):
         assert plane.counters["lost_units"] == 0 and plane.failed is None
         stored = plane.buffer.store.column("id")[:len(plane.buffer)]
         assert sorted(stored.tolist()) == list(range(64))
+
+
+def test_a_chunk_pushed_while_another_thread_holds_the_operators_is_stored_as_pushed():
+    """Under the inline schedule a push is ingested within the call, unless another thread
+    holds the operators (a save): then the chunk waits, and the actor's next write into its
+    rows must not reach the buffer."""
+    with ExperienceDataPlane(spec=SPEC, capacity=64, batch_size=4,
+                             schedule=Schedule(0, 1, 0, 1), timeout=5) as plane:
+        buf = torch.arange(8, dtype=torch.int64)
+        done = torch.zeros(8, dtype=torch.bool)
+        held, release = threading.Event(), threading.Event()
+
+        def saver() -> None:
+            with plane.frozen(flush=False):  # what a checkpoint on another thread does
+                held.set()
+                release.wait(5)
+
+        t = threading.Thread(target=saver)
+        t.start()
+        assert held.wait(5)
+        plane.push({"id": buf[0:4], "terminated": done[0:4]})
+        assert plane.stats()["pending_units"] == 1  # it waits past the push
+        buf[0:4] = 99
+        release.set()
+        t.join()
+        plane.flush()
+        stored = plane.buffer.store.column("id")[:len(plane.buffer)]
+        assert sorted(stored.tolist()) == [0, 1, 2, 3]
+
+
+def test_a_partial_view_held_without_a_copy_is_guarded():
+    """A view expected to be ingested within its push is not copied, but stays guarded: a
+    write into its tensor before ingestion is refused, never stored."""
+    buf = torch.arange(8, dtype=torch.int64)
+    data, guards = hold_rollout({"id": buf[0:4]}, {"id": buf[0:4]}, may_wait=False)
+    assert data["id"].data_ptr() == buf.data_ptr() and [g[0] for g in guards] == ["id"]
+    unit = Unit(data, 4, None, guards)
+    unit.check_unchanged()
+    buf[0:4] = 99
+    with pytest.raises(SpecError, match="written in place"):
+        unit.check_unchanged()
 
 
 def _never_run(plane):  # pragma: no cover - a refused AutoScheduler profiles nothing

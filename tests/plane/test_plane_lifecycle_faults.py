@@ -219,7 +219,8 @@ def test_close_inside_its_own_pause_stores_the_queue_without_waiting(small_spec)
     assert stored_ids(plane) == list(range(12))
 
 
-def test_close_waits_for_an_inline_ingestion_on_another_thread_and_counts_its_loss(small_spec):
+def test_close_waits_for_an_inline_ingestion_on_another_thread_and_leaves_its_loss_to_it(
+        small_spec):
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 1, 0, 1), timeout=5)
     entered, release = threading.Event(), threading.Event()
@@ -255,8 +256,10 @@ def test_close_waits_for_an_inline_ingestion_on_another_thread_and_counts_its_lo
     closer.join(5)
     pusher.join(5)
     assert isinstance(got["push"], OperatorError)
-    assert isinstance(got["close"], DataLossError)
-    assert (got["close"].lost_units, got["close"].lost_rows) == (1, 4)
+    assert (got["push"].lost_units, got["push"].lost_rows) == (1, 4)
+    # The failed unit was the raising push's own, never acknowledged: close counts no loss.
+    assert got["close"] is None
+    assert stored_ids(plane) == list(range(4))
 
 
 def test_close_counts_a_worker_failure_while_it_stops_the_worker(small_spec):
@@ -276,6 +279,172 @@ def test_close_counts_a_worker_failure_while_it_stops_the_worker(small_spec):
     with pytest.raises(DataLossError) as info:
         plane.close()
     assert (info.value.lost_units, info.value.lost_rows) == (1, 4)
+
+
+def test_close_counts_a_worker_failure_recorded_before_another_worker_is_found_stuck(
+        small_spec):
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 1, 1), timeout=0.5)
+    delivering, release, failing = threading.Event(), threading.Event(), threading.Event()
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if (data["id"] < 0).any():
+            failing.set()
+            while not plane.closed:  # fails once close() records failures
+                time.sleep(0.005)
+            raise ValueError("bad rollout")
+        exp_out.write(data)
+
+    @plane.register_delivery()
+    def deliver(exp_in, learn_out) -> None:  # type: ignore[no-untyped-def]
+        delivering.set()
+        release.wait(5)  # the delivery worker is stuck past the timeout
+        learn_out.write(exp_in.read())
+
+    try:
+        plane.push(make_rows(small_spec, 4))
+        assert delivering.wait(5)
+        plane.push(make_rows(small_spec, 4, start=-50))  # acknowledged; fails while closing
+        assert failing.wait(5)
+        with pytest.raises(DataLossError) as info:
+            plane.close()
+    finally:
+        release.set()
+    assert (info.value.lost_units, info.value.lost_rows) == (1, 4)
+    assert isinstance(info.value.__cause__, OperatorError)
+    assert isinstance(info.value.__cause__.__cause__, ValueError)
+
+
+# -- a worker stuck past the timeout in paused(), whose invocation then fails ----------------------
+
+
+def stuck_then_failing(small_spec):  # type: ignore[no-untyped-def]
+    """A plane whose ingestion worker is stuck in paused() past the timeout (the error is
+    latched), then fails that invocation; returns the plane once the worker has exited."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 0, 1), timeout=0.3)
+    entered, release = threading.Event(), threading.Event()
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if (data["id"] < 0).any():
+            entered.set()
+            release.wait(5)
+            raise ValueError("the slow invocation fails")
+        exp_out.write(data)
+
+    worker = None
+    try:
+        plane.push(make_rows(small_spec, 4, start=-50))  # acknowledged
+        assert entered.wait(5)
+        worker = plane._engine.ingestion.thread
+        with pytest.raises(OperatorError, match="did not stop"), plane.paused():
+            pass
+        assert plane.failed is not None and plane.failed.lost_units == 0
+    finally:
+        release.set()
+    assert worker is not None
+    worker.join(5)  # the invocation failed and the worker exited
+    return plane
+
+
+def test_a_stuck_workers_own_failure_replaces_the_timeout_error_it_latched(small_spec):
+    plane = stuck_then_failing(small_spec)
+    failed = plane.failed
+    assert isinstance(failed, OperatorError)
+    assert isinstance(failed.__cause__, ValueError)
+    assert (failed.lost_units, failed.lost_rows) == (1, 4)
+    err = plane.recover()
+    assert err is failed
+    assert plane.failed is None
+    plane.push(make_rows(small_spec, 4, start=4))
+    plane.flush(timeout=2)
+    plane.close()  # the loss was reported by recover()
+    assert stored_ids(plane) == [4, 5, 6, 7]
+
+
+def test_close_reports_a_stuck_workers_failure_after_its_timeout_error(small_spec):
+    plane = stuck_then_failing(small_spec)
+    with pytest.raises(DataLossError) as info:
+        plane.close()
+    assert (info.value.lost_units, info.value.lost_rows) == (1, 4)
+    assert isinstance(info.value.__cause__.__cause__, ValueError)
+    assert len(plane.buffer) == 0
+
+
+def test_the_first_real_error_still_wins_over_later_ones(small_spec):
+    from conduit.plane.flows import Signals
+    from conduit.timing import Timings
+    rt = OperatorRuntime(flow=_NoFlow(), signals=Signals(), timings=Timings(),  # type: ignore[arg-type]
+                         learner_device=torch.device("cpu"))
+    stuck = OperatorError("runtime", TimeoutError("stuck"))
+    rt.latch(stuck, provisional=True)
+    rt.latch(OperatorError("runtime", TimeoutError("stuck again")), provisional=True)
+    assert rt.error is stuck
+    first = rt.fail("ingestion", ValueError("first"))
+    rt.fail("delivery", ValueError("second"))
+    assert rt.error is first
+    assert rt.recover() is first and rt.error is None
+
+
+class _NoFlow:
+    deliver_ready = None
+
+
+# -- recover() racing close() ---------------------------------------------------------------------
+
+
+def test_close_during_recovers_worker_restart_waits_and_stops_the_new_worker(small_spec,
+                                                                            monkeypatch):
+    from conduit.plane.runners import ThreadedIngestion
+
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 0, 1), timeout=3)
+    refusing_ingestion(plane)
+    plane.push(make_rows(small_spec, 4, start=-50))
+    with pytest.raises(OperatorError):
+        plane.flush(timeout=5)
+    got: dict[str, BaseException | None] = {}
+
+    def close() -> None:
+        try:
+            plane.close()
+            got["close"] = None
+        except BaseException as exc:
+            got["close"] = exc
+
+    closer = threading.Thread(target=close)
+
+    def start(self: ThreadedIngestion) -> None:
+        # close() runs between the worker's creation and its start (if it can).
+        self.thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+        closer.start()
+        closer.join(0.3)
+        self.thread.start()
+
+    monkeypatch.setattr(ThreadedIngestion, "start", start)
+    assert isinstance(plane.recover(), OperatorError)
+    closer.join(5)
+    assert not closer.is_alive()
+    assert got["close"] is None
+    assert plane.closed
+    time.sleep(0.05)
+    assert not [t for t in threading.enumerate()
+                if t.name == "conduit-ingestion" and t.is_alive()]
+
+
+def test_joining_a_worker_never_started_returns(small_spec):
+    from conduit.plane.runners import ThreadedIngestion
+
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 1, 0, 1), timeout=1)
+    runner = ThreadedIngestion(plane._engine.runtime)
+    runner.thread = threading.Thread(target=lambda: None)
+    runner.join(0.1)  # no RuntimeError from Thread.join
+    plane.close()
 
 
 # -- timeouts and devices are checked when the plane is made --------------------------------------
@@ -352,9 +521,9 @@ def test_a_sampler_raising_reaches_pull_as_an_operator_error(small_spec, overlap
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4, sampler=sampler,
                                 schedule=Schedule(0, 1, overlap_del, 1), timeout=5)
     try:
+        sampler.fail = True  # the first draw raises (a worker would prefetch ahead of a later one)
         plane.push(make_rows(small_spec, 16))
         plane.flush()
-        sampler.fail = True
         with pytest.raises(OperatorError) as exc:
             plane.pull()
         assert isinstance(exc.value.__cause__, ValueError)

@@ -100,10 +100,12 @@ def _from_parts(obj: JSON, parts: Mapping[str, torch.Tensor], path: Path) -> Sta
     return obj
 
 
-def _layout(plane: ExperienceDataPlane, state: StateDict,
+def _layout(plane: ExperienceDataPlane, buffer: ExperienceBuffer, state: StateDict,
             blocks: list[tuple[int, dict[str, torch.Tensor]]]
             ) -> tuple[dict[str, JSON], dict[str, torch.Tensor]]:
-    """The checkpoint's metadata and parts for ``plane``'s ``state`` and row ``blocks``."""
+    """The checkpoint's metadata and parts for ``plane``'s ``state`` and row ``blocks``, read
+    from ``buffer``: its spec, sampler and placement describe the rows (a migration may have
+    replaced ``plane.buffer`` since)."""
     parts: dict[str, torch.Tensor] = {}
     rows = []
     for b, (start, cols) in enumerate(blocks):
@@ -111,22 +113,31 @@ def _layout(plane: ExperienceDataPlane, state: StateDict,
             parts[f"rows/{b}/{f}"] = col
         rows.append({"start": start, "rows": int(next(iter(cols.values())).shape[0])})
     cfg = plane.config
-    sampler = plane.buffer.sampler
+    sampler = buffer.sampler
+    state = {**state, "spec": buffer.spec.to_dict()}
     meta = {"format": FORMAT, "version": VERSION,
             "config": {k: getattr(cfg, k) for k in _CONFIG_KEYS},
-            "spec": plane.spec.to_dict(),
+            "spec": buffer.spec.to_dict(),
             "rollout_spec": cfg.rollout_spec.to_dict() if cfg.rollout_spec else None,
             "sampler": {"kind": type(sampler).__name__, "config": sampler.config()},
             "schedule": state["schedule"],
-            "placement": plane.buffer.placement.to_dict(),
+            "placement": buffer.placement.to_dict(),
             "rows": rows, "state": _to_parts(state, "state", parts)}
     return meta, parts
 
 
 def save(plane: ExperienceDataPlane, path: str | Path) -> CheckpointInfo:
-    """Write ``plane`` to ``path`` (see :meth:`ExperienceDataPlane.save`)."""
+    """Write ``plane`` to ``path`` (see :meth:`ExperienceDataPlane.save`).
+
+    Raises:
+        ConfigError: ``path`` does not name a file, or names something that exists and is
+            not a regular file (a folder, a device, a FIFO): checked before the operators are
+            held, and nothing is written.
+    """
+    path = check_path("path", path, file=True)
     with plane.frozen(rows=False) as state:
-        meta, parts = _layout(plane, state, plane.buffer.filled_blocks())
+        buffer = plane.buffer
+        meta, parts = _layout(plane, buffer, state, buffer.filled_blocks())
         return write_checkpoint(path, tensors=parts, meta=meta)
 
 
@@ -171,7 +182,7 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
         CheckpointError: The file is corrupt, of another version, or holds a value out of
             range, such as row parts of another dtype or shape than their fields (named).
         ConfigError: An override is not a constructor argument or does not fit the file
-            (``capacity``, ``mode``, a ``sampler`` that cannot take the saved sampler's
+            (``capacity``, ``mode``, ``seed``, a ``sampler`` that cannot take the saved sampler's
             state), or is refused by the constructor; ``field`` names it.
         SpecError: A ``spec`` override differs from the saved spec (the field is named).
     """
@@ -213,6 +224,25 @@ def _check_capacity(meta: Mapping[str, Any], capacity: Any) -> None:
         raise ConfigError("capacity", f"a checkpoint loads with the capacity it was saved "
                                       f"with ({saved} rows), got {capacity!r}; drop the "
                                       f"override or pass capacity={saved}")
+
+
+def _check_seed(meta: Mapping[str, Any], seed: Any) -> None:
+    """Refuse a ``seed`` override: the sampler's generator and the on-policy layout resume
+    from their saved state, so another seed would be reported but never used.
+
+    Raises:
+        ConfigError: ``seed`` differs from the checkpoint's.
+    """
+    try:
+        saved = meta["config"]["seed"]
+    except (KeyError, TypeError):
+        return  # a malformed header is reported as such when the plane is built
+    if seed != saved or isinstance(seed, bool):
+        raise ConfigError("seed", f"a checkpoint resumes the saved random state (seed "
+                                  f"{saved!r}: the sampler's generator and the on-policy "
+                                  f"layout go on from where they were), got {seed!r}; drop "
+                                  f"the override (the loaded plane draws as the saved one "
+                                  f"would have)")
 
 
 def _check_mode(meta: Mapping[str, Any], mode: Any) -> None:
@@ -285,6 +315,8 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
         _check_capacity(meta, overrides["capacity"])
     if "mode" in overrides:
         _check_mode(meta, overrides["mode"])
+    if "seed" in overrides:
+        _check_seed(meta, overrides["seed"])
     if "spec" in overrides:
         _check_spec(meta, overrides["spec"])
     known = inspect.signature(cls).parameters
@@ -517,7 +549,7 @@ class Snapshotter:
     The file holds the plane exactly as it was at that instant. A snapshot that cannot be
     written (a missing folder, a full disk) warns with a ``RuntimeWarning``, is counted in
     :attr:`stats` and kept in ``last_error``, and the next one is tried on schedule;
-    ``request(wait=True)`` raises it.
+    ``request(wait=True)`` raises it. Closing the plane closes its snapshotters.
 
     Args:
         plane: The plane to snapshot.
@@ -531,8 +563,8 @@ class Snapshotter:
             the disk).
 
     Raises:
-        ConfigError: ``path`` does not name a file, ``every_s`` is not a number > 0, or
-            ``double_buffer`` is not a bool.
+        ConfigError: ``path`` does not name a file (or names a folder, a device or a FIFO),
+            ``every_s`` is not a number > 0, or ``double_buffer`` is not a bool.
 
     Example:
         >>> with Snapshotter(plane, "buffer.ckpt", every_s=60):
@@ -545,6 +577,7 @@ class Snapshotter:
             raise ConfigError("every_s", f"must be a number of seconds > 0 (math.inf: only on "
                                          f"request), got {every_s!r}")
         self.plane, self.path = plane, check_path("path", path, file=True)
+        bound = getattr(plane, "_snapshotters", None)  # plane.close() closes this one
         self.every_s = float(every_s)
         self.double_buffer = check_bool("double_buffer", double_buffer)
         self._wake = threading.Event()
@@ -555,7 +588,8 @@ class Snapshotter:
         self._failures = 0
         self.last_error: BaseException | None = None
         self._done = threading.Condition()
-        self._count = 0  # snapshots attempted
+        self._started = 0  # snapshots begun
+        self._count = 0  # snapshots attempted (finished or failed)
         self._ok = 0  # the number of the last one written
         # Reading out and writing run on a worker at the lowest OS priority, so they take only
         # the cores training leaves idle; the short hold runs on the normal-priority thread.
@@ -563,12 +597,16 @@ class Snapshotter:
                                       initializer=_lowest_priority)
         self._thread = threading.Thread(target=self._run, name="conduit-snapshot", daemon=True)
         self._thread.start()
+        if bound is not None:
+            bound.add(self)
 
     def request(self, *, wait: bool = False, timeout: float = 60.0) -> None:
         """Take a snapshot now.
 
         Args:
-            wait: Return once the snapshot is on disk (or the snapshotter was closed).
+            wait: Return once a snapshot begun after this call is on disk (so it holds every
+                row pushed before the call; a snapshot already in progress does not count),
+                or the snapshotter was closed.
             timeout: Seconds to wait.
 
         Raises:
@@ -581,7 +619,7 @@ class Snapshotter:
         if self.plane.closed:
             raise PlaneClosedError(f"the plane is closed; no snapshot to {self.path} is taken")
         with self._done:
-            target = self._count + 1
+            target = self._started + 1  # the first snapshot to begin from now on
         self._wake.set()
         if wait:
             with self._done:
@@ -614,7 +652,8 @@ class Snapshotter:
             rows = buffer.begin_snapshot(spare=self._spare)
         self._pause.append(time.perf_counter() - t0)
         try:
-            meta, parts = _layout(plane, {"buffer": rows.state, **state}, rows.blocks)
+            meta, parts = _layout(plane, buffer, {"buffer": rows.state, **state},
+                                  rows.blocks)
         except BaseException:
             buffer.drop_snapshot(rows)  # or every later write would copy into it
             raise
@@ -649,6 +688,8 @@ class Snapshotter:
                     self._done.notify_all()
                 break
             ok = False
+            with self._done:
+                self._started += 1
             try:
                 marked = self._mark()
                 self._writes.append(self._io.submit(self._write, *marked).result())

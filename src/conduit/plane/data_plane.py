@@ -246,6 +246,8 @@ class ExperienceDataPlane:
         self._engine = PlaneEngine.build(cfg, buffer, self.timings)
         self._flow, self._signals = self._engine.flow, self._engine.signals
         self._ingest_registered = False
+        #: Snapshotters taking snapshots of this plane; close() stops them.
+        self._snapshotters: weakref.WeakSet[checkpoint.Snapshotter] = weakref.WeakSet()
         schedule = cfg.default_schedule() if schedule is None else schedule
         self.space.check(schedule)
         self._engine.start(schedule)
@@ -395,7 +397,9 @@ class ExperienceDataPlane:
         waited = self.config.wait_for(timeout)
         sched = self._engine.schedule
         data, guards = hold_rollout(rollout, data, may_wait=(
-            sched.overlap_ing == 1 or sched.g_ing != 1 or self.config.on_policy))
+            sched.overlap_ing == 1 or sched.g_ing != 1 or self.config.on_policy
+            # operators held on another thread (a save): the unit waits past this push
+            or bool(self._engine.runtime.paused or self._engine.runtime.writes_held)))
         self._engine.submit(Unit(data, rows, policy_version, guards), deadline=t0 + waited,
                             waited=waited)
         self._record("push", "sync_ing" if self._engine.ingestion.overlapped else None, t0)
@@ -486,7 +490,9 @@ class ExperienceDataPlane:
         dtypes, shapes that grow; old rows are zero-padded), online (Alg. 2): the operators
         pause, rows move ``chunk_rows`` at a time keeping their slots (so the ring cursor,
         priorities and FIFO layout stay valid), and the operators resume. No row is lost or
-        duplicated. Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
+        duplicated: rollout units pushed before the call and not ingested yet are widened
+        too (unless a ``rollout_spec`` or a registered ingestion operator shapes them).
+        Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
 
         Raises:
             ConfigError: ``placement`` is not a Placement, or ``chunk_rows`` is not a positive
@@ -499,7 +505,9 @@ class ExperienceDataPlane:
         if not isinstance(placement, Placement):
             raise ConfigError("placement", f"expected a Placement, got {placement!r}")
         report = migrate(self._engine, placement, spec=spec or self.spec,
-                         chunk_rows=chunk_rows, placement_map=self.placement_map)
+                         chunk_rows=chunk_rows, placement_map=self.placement_map,
+                         widen_pending=(self.config.rollout_spec is None
+                                        and not self._ingest_registered))
         self.timings.record("migration", report["seconds"])
         return report
 
@@ -535,7 +543,12 @@ class ExperienceDataPlane:
         on-policy iteration and counters; tensors and plain values only, so ``torch.load``'s
         default weights-only mode reads it back. Queued units are ingested first unless an
         operator failed. Staged batches are not saved: on-policy, their rows are delivered
-        again after a restore."""
+        again after a restore.
+
+        Raises:
+            OperatorError: An operator invocation did not finish within the plane's timeout
+                (a stuck operator); the plane stays usable.
+        """
         with self.frozen(rows=rows) as state:
             return state
 
@@ -571,7 +584,11 @@ class ExperienceDataPlane:
         are ingested first (unless an operator failed). Format: :mod:`conduit.plane.checkpoint`.
 
         Raises:
-            ConfigError: ``path`` does not name a file (nothing is written).
+            ConfigError: ``path`` does not name a file, or names something that exists and
+                is not a regular file (a folder, a device, a FIFO); checked before the
+                operators pause, and nothing is written.
+            OperatorError: An operator invocation did not finish within the plane's timeout
+                (a stuck operator); nothing is written and the plane stays usable.
         """
         return checkpoint.save(self, path)
 
@@ -579,15 +596,16 @@ class ExperienceDataPlane:
     def load(cls, path: str | Path, **overrides: Any) -> ExperienceDataPlane:
         """A plane rebuilt from :meth:`save`'s file; ``overrides`` replace constructor
         arguments (``placement``, ``schedule``, ``learner_device``, a custom ``sampler``; not
-        ``capacity``, which the saved slots fix).
+        ``capacity``, which the saved slots fix, nor ``seed``: the sampler's generator and the
+        on-policy layout go on from their saved state).
 
         A refused load changes nothing, a ``store`` override's rows included.
 
         Raises:
             CheckpointError: The file is corrupt, of another version, or holds a value out of
                 range; the message names the part.
-            ConfigError: ``path`` is not a path; a ``capacity`` or ``mode`` override other
-                than the saved one, a ``sampler`` (or ``num_minibatches``) override that
+            ConfigError: ``path`` is not a path; a ``capacity``, ``mode`` or ``seed`` override
+                other than the saved one, a ``sampler`` (or ``num_minibatches``) override that
                 cannot take the saved sampler's state, an override that is not a constructor
                 argument, or a bad override value (as the constructor raises it, with
                 :class:`~conduit.errors.ScheduleError` and
@@ -599,11 +617,12 @@ class ExperienceDataPlane:
     def snapshots(self, path: str | Path, *, every_s: float,
                   double_buffer: bool = True) -> checkpoint.Snapshotter:
         """Start periodic background snapshots to ``path`` (see
-        :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop.
+        :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop (:meth:`close`
+        stops it too).
 
         Raises:
-            ConfigError: ``path`` does not name a file, ``every_s`` is not a number > 0, or
-                ``double_buffer`` is not a bool.
+            ConfigError: ``path`` does not name a file (or names a folder, a device or a
+                FIFO), ``every_s`` is not a number > 0, or ``double_buffer`` is not a bool.
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
@@ -632,12 +651,17 @@ class ExperienceDataPlane:
         bounded by the plane's ``timeout``. A plane dropped without ``close()`` is closed when
         collected or at interpreter exit, with a warning if units were lost.
 
+        Snapshotters of this plane (:meth:`snapshots`) are closed first: a snapshot being
+        written finishes, and no snapshot thread is left.
+
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
                 ingestion failure not cleared by :meth:`recover`, one while draining, or an
                 operator stuck past the timeout). The plane is closed all the same.
         """
         self._finalizer.detach()
+        for snapshotter in list(self._snapshotters):
+            snapshotter.close()
         self._engine.close()
 
     def __enter__(self) -> ExperienceDataPlane:

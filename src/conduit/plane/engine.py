@@ -106,15 +106,17 @@ class PlaneEngine:
 
         Raises:
             OperatorError: A worker is stuck in an operator past the timeout. The error is
-                latched (dependent calls raise it), and :meth:`recover`, once the invocation
-                has returned, restarts the workers.
+                latched (dependent calls raise it) until the stuck invocation's own error, if
+                it raises, replaces it, and :meth:`recover`, once the invocation has returned,
+                restarts the workers. An invocation on another caller's thread
+                (inline) still running after the timeout raises it too, not latched.
         """
         try:
             self.stop()
         except OperatorError as stuck:
             # The stuck worker exits when its invocation returns (``stop`` is set); a worker
             # started beside it would run invocations out of order, so recover() restarts.
-            self.runtime.latch(stuck)
+            self.runtime.latch(stuck, provisional=True)
             raise
         try:
             with self.quiesced():
@@ -122,12 +124,17 @@ class PlaneEngine:
                     self.flow.pause_locked()
                 yield
         finally:
-            if not self.closed and self.runtime.stop and not self.runtime.paused:
-                self.start(self.schedule)
+            with self.signals.lock:  # one step with close()'s check: no worker starts after it
+                if not self.closed and self.runtime.stop and not self.runtime.paused:
+                    self.start(self.schedule)
 
     def quiesced(self) -> contextlib.AbstractContextManager[None]:
         """No operator invocation runs inside the block (in-flight ones finish first); the
-        workers stay alive and idle, so entering and leaving costs no thread start."""
+        workers stay alive and idle, so entering and leaving costs no thread start.
+
+        Raises:
+            OperatorError: An invocation did not finish within the timeout (see ``_hold``).
+        """
         return self._hold("paused", until_idle="busy")
 
     def writes_held(self, *, atomic_buffer: bool = False
@@ -137,7 +144,11 @@ class PlaneEngine:
 
         With ``atomic_buffer`` the caller reads the buffer in one call under the buffer's own
         lock (``begin_snapshot``); where the flow's state says nothing about the rows
-        (off-policy), that read is already a consistent instant and nothing is held."""
+        (off-policy), that read is already a consistent instant and nothing is held.
+
+        Raises:
+            OperatorError: An invocation did not finish within the timeout (see ``_hold``).
+        """
         if atomic_buffer and self.flow.state_is_buffer:
             return contextlib.nullcontext()
         if self.flow.delivery_changes_rows:
@@ -147,13 +158,34 @@ class PlaneEngine:
     @contextlib.contextmanager
     def _hold(self, counter: str, *, until_idle: str) -> Iterator[None]:
         """Raise the runtime's ``counter`` (which stops invocations from starting) for the
-        block, once its ``until_idle`` count of running invocations is zero."""
+        block, once its ``until_idle`` count of running invocations is zero.
+
+        Raises:
+            OperatorError: (``operator="runtime"``, a ``TimeoutError`` as its cause) An
+                invocation was still running after the plane's timeout (an operator stuck on a
+                worker or on another caller's thread); the hold is given back, so the plane
+                stays usable once the invocation returns. Not latched.
+        """
         rt, me = self.runtime, threading.get_ident()
+        deadline = time.perf_counter() + self.timeout
         with self.signals.lock:
             setattr(rt, counter, getattr(rt, counter) + 1)
             self._holders.append(me)
             while getattr(rt, until_idle):
-                self.signals.callers.wait(0.05)
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    setattr(rt, counter, getattr(rt, counter) - 1)
+                    self._holders.remove(me)
+                    self.signals.wake(callers=True, ingestion=True, delivery=True)
+                    stuck = ("an ingestion" if rt.ingesting
+                             else "a delivery" if rt.busy > rt.ingesting else "an")
+                    late = TimeoutError(
+                        f"{stuck} operator invocation was still running after the plane's "
+                        f"timeout ({self.timeout}s), so the operators could not be held "
+                        f"(for a save, state_dict(), paused() or a migration); nothing "
+                        f"was changed: retry once the operator returns")
+                    raise OperatorError("runtime", late) from late
+                self.signals.callers.wait(min(remaining, 0.05))
         try:
             yield
         finally:
@@ -307,9 +339,11 @@ class PlaneEngine:
 
         Raises:
             DataLossError: Some acknowledged units could not be stored (an ingestion
-                failure that was never recovered, a failure while closing, on any thread, a
-                worker stuck in an operator, or operators held by another thread past the
-                timeout); the first cause is attached.
+                failure that was never recovered or raised to a caller, a failure while
+                closing on a worker or in close's own ingestion, a worker stuck in an
+                operator, or operators held by another thread past the timeout); the first
+                cause is attached. An inline ingestion failing on another thread is raised
+                to that thread's caller, and not counted here again.
         """
         rt, flow, lock = self.runtime, self.flow, self.signals.lock
         with lock:
@@ -323,8 +357,12 @@ class PlaneEngine:
         try:
             self.stop()
         except OperatorError as stuck:
-            cause = cause or stuck
             with lock:
+                for err in rt.closing_errors or ():  # failed before the stuck worker was found
+                    cause = cause or err
+                    lost_units += err.lost_units
+                    lost_rows += err.lost_rows
+                cause = cause or stuck
                 rt.closing_errors = None  # what is in flight is counted lost here
                 lost_units += flow.inflight_units + len(flow.pending)
                 lost_rows += sum(u.rows for u in flow.pending)
@@ -334,6 +372,10 @@ class PlaneEngine:
         try:
             with lock:
                 if not ordered and rt.closing_errors is not None:
+                    for err in rt.closing_errors:
+                        cause = cause or err
+                        lost_units += err.lost_units
+                        lost_rows += err.lost_rows
                     cause = cause or OperatorError("runtime", TimeoutError(
                         f"an inline ingestion on another thread did not finish within "
                         f"{self.timeout}s"))
@@ -360,7 +402,11 @@ class PlaneEngine:
                             lost_rows += sum(u.rows for u in flow.pending)
                             flow.pending.clear()
                         break
-                rt.run_ingestion(units, latch=False)
+                drained = rt.run_ingestion(units, latch=False)
+                if drained is not None:
+                    cause = cause or drained
+                    lost_units += drained.lost_units
+                    lost_rows += drained.lost_rows
         finally:
             if ordered:
                 rt.end_inline_ordered()

@@ -108,7 +108,7 @@ class Unit:
         rows: Its rows.
         version: Its policy version (on-policy).
         guards: ``(field, tensor, version counter at push)`` of each held tensor of the
-            caller's that spans its whole storage (:func:`hold_rollout`).
+            caller's (:func:`hold_rollout`).
     """
 
     data: Batch
@@ -140,8 +140,10 @@ def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
     the unit may wait past the push (``may_wait``), and so is a view of part of a larger
     tensor (``buf[i * 8:(i + 1) * 8]``): a view shares its version counter with the whole
     tensor, so a write into another part of it (the actor filling its next chunk) could not be
-    told from a write into the pushed rows. Tensors the conversion made are the plane's
-    already.
+    told from a write into the pushed rows. A partial view that is not copied (the unit is
+    expected to be ingested within the push) is still guarded: should it wait after all (a save
+    on another thread holding the operators), a write anywhere in its tensor is refused rather
+    than a write into its rows stored. Tensors the conversion made are the plane's already.
 
     Args:
         source: The rollout as pushed.
@@ -160,7 +162,7 @@ def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
             partial = t.untyped_storage().nbytes() > t.numel() * t.element_size()
             if may_wait and (partial or t.is_inference()):
                 t = t.clone()
-            elif not (partial or t.is_inference()):
+            elif not t.is_inference():  # a partial view too: never store overwritten rows
                 guards.append((name, t, t._version))
         elif (isinstance(src, np.ndarray) and may_wait and t.numel() and src.flags.writeable
               and t.data_ptr() == src.ctypes.data):

@@ -150,8 +150,14 @@ def grow_target(pmap: PlacementMap | None, current: Placement, old: ExperienceSp
 
 
 def migrate(engine: PlaneEngine, placement: Placement, *, spec: ExperienceSpec,
-            chunk_rows: int, placement_map: PlacementMap | None) -> dict[str, Any]:
+            chunk_rows: int, placement_map: PlacementMap | None,
+            widen_pending: bool = True) -> dict[str, Any]:
     """Pause ``engine``, move its flow's buffer (see :func:`move_buffer`), and resume.
+
+    Rollout units queued before the growth (acknowledged by ``push`` against the old spec)
+    are widened with the rows, so nothing acknowledged is refused by the new spec; with
+    ``widen_pending`` False (units are checked against a rollout spec, or an ingestion
+    operator reshapes them) they are left as pushed.
 
     Raises:
         SpecError: ``spec`` is not a growth of the buffer's spec.
@@ -165,6 +171,9 @@ def migrate(engine: PlaneEngine, placement: Placement, *, spec: ExperienceSpec,
             old_spec, engine.flow.buffer = engine.flow.spec, new
             for staged in engine.flow.staged:  # prefetched before the growth: widen them too
                 staged.batch = widen_batch(staged.batch, old_spec, spec)
+            if widen_pending and old_spec != spec:
+                for unit in engine.flow.pending:  # pushed before the growth, not ingested yet
+                    unit.data = widen_batch(unit.data, old_spec, spec)
     return report
 
 

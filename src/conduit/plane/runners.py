@@ -50,18 +50,21 @@ class Runner(Generic[W]):
             self.thread.start()
 
     def join(self, timeout: float) -> None:
-        """Wait for the worker to stop (after the runtime's ``stop`` flag was set).
+        """Wait for the worker to stop (after the runtime's ``stop`` flag was set); a worker
+        not started yet is not waited for.
 
         Raises:
             OperatorError: The worker is stuck in an operator past ``timeout``.
         """
-        if self.thread is None:
+        thread = self.thread
+        if thread is None or thread.ident is None:  # none, or not started yet
             return
-        self.thread.join(timeout=timeout)
-        if self.thread.is_alive():
+        thread.join(timeout=timeout)
+        if thread.is_alive():
             raise OperatorError("runtime", TimeoutError(
-                f"worker {self.thread.name} did not stop within {timeout}s"))
-        self.thread = None
+                f"worker {thread.name} did not stop within {timeout}s"))
+        if self.thread is thread:
+            self.thread = None
 
     def _loop(self) -> None:
         """The worker's body: run invocations until stopped or an operator fails."""

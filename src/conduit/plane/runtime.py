@@ -57,6 +57,9 @@ class OperatorRuntime:
         self.ingest_fn: IngestionFn = identity_ingestion
         self.deliver_fn: DeliveryFn = identity_delivery
         self.error: OperatorError | None = None
+        #: Whether the latched error only stands in for a stuck invocation's outcome (a
+        #: worker that did not stop): that invocation's own error replaces it.
+        self.error_provisional = False
         #: Whether the latched error has been raised to a caller (who then knows its loss).
         self.error_reported = False
         self.paused = 0
@@ -64,8 +67,10 @@ class OperatorRuntime:
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
-        #: While ``close()`` runs: every failed ingestion invocation (on any thread), so
-        #: that close counts each loss once (None: not recording).
+        #: While ``close()`` runs: every failed worker ingestion invocation (its units were
+        #: acknowledged by their pushes), so that close counts each loss once (None: not
+        #: recording). An inline invocation's error is raised to the caller that ran it,
+        #: which is told of the loss, and is not recorded here.
         self.closing_errors: list[OperatorError] | None = None
         self._inline_order = threading.RLock()  # see drain_inline
         flow.deliver_ready = self.deliver_ready
@@ -74,8 +79,8 @@ class OperatorRuntime:
 
     def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = (),
              stored_rows: int = 0, latch: bool = True) -> OperatorError:
-        """The plane's operator error for ``exc``; latched (the first one wins, and all are
-        woken) unless ``latch`` is False.
+        """The plane's operator error for ``exc``; latched (see :meth:`latch`) unless
+        ``latch`` is False.
 
         Args:
             operator: Which operator raised.
@@ -95,12 +100,23 @@ class OperatorRuntime:
             self.latch(err)
         return err
 
-    def latch(self, err: OperatorError) -> None:
-        """Latch ``err`` as the plane's operator error (the first one wins) and wake all:
-        workers stop, and dependent calls raise it until :meth:`recover`."""
+    def latch(self, err: OperatorError, *, provisional: bool = False) -> None:
+        """Latch ``err`` as the plane's operator error and wake all: workers stop, and
+        dependent calls raise it until :meth:`recover`.
+
+        The first error wins, except over a provisional one: an invocation's own error
+        replaces it, so the units that invocation lost are reported (by dependent calls,
+        :meth:`recover` and ``close()``).
+
+        Args:
+            err: The error.
+            provisional: ``err`` says only that a worker is stuck in an invocation (it
+                reports no loss); the invocation's own error, if it raises, replaces it.
+        """
         with self.signals.lock:
-            if self.error is None:
+            if self.error is None or (self.error_provisional and not provisional):
                 self.error, self.error_reported = err, False
+                self.error_provisional = provisional
             self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def raise_if_failed(self) -> None:
@@ -119,6 +135,7 @@ class OperatorRuntime:
         """Unlatch the operator error (the caller handled it); returns it."""
         with self.signals.lock:
             err, self.error = self.error, None
+            self.error_provisional = False
             self.signals.wake(callers=True, ingestion=True, delivery=True)
         return err
 
@@ -211,7 +228,7 @@ class OperatorRuntime:
                 if raised is not None:  # with the rows the invocation left
                     err = self.fail("ingestion", raised, units=units, stored_rows=kept,
                                     latch=latch)
-                    if self.closing_errors is not None:
+                    if latch and self.closing_errors is not None:
                         self.closing_errors.append(err)
                 self.busy -= 1
                 self.ingesting -= 1

@@ -36,6 +36,7 @@ import math
 import mmap as _mmap
 import os
 import secrets
+import stat
 import struct
 import sys
 import time
@@ -156,9 +157,10 @@ def write_checkpoint(path: str | os.PathLike[str], *, tensors: Mapping[str, torc
         What was written.
 
     Raises:
-        ConfigError: ``path`` is not a non-empty ``str`` or :class:`os.PathLike` or names a
-            folder, ``meta`` is not strict JSON, or a tensor is not dense, holds no data or
-            has an unsupported dtype, or a source names no part (nothing is written).
+        ConfigError: ``path`` is not a non-empty ``str`` or :class:`os.PathLike`, names a
+            folder or something else that is not a regular file, ``meta`` is not strict
+            JSON, or a tensor is not dense, holds no data or has an unsupported dtype, or a
+            source names no part (nothing is written).
         CheckpointError: A source made more or fewer bytes than its part holds (the
             temporary file is removed).
         OSError: The file system refused the write (the temporary file is removed).
@@ -310,11 +312,13 @@ def check_path(field: str, value: Any, *, file: bool = False) -> Path:
     Args:
         field: Name the error gives (``"path"``, ``"directory"``).
         value: The path argument.
-        file: The path is a file to write, so it must name one (``"."`` and ``"/"`` do not).
+        file: The path is a file to write, so it must name one (``"."`` and ``"/"`` do not),
+            and what exists there already must be a regular file (the write replaces it).
 
     Raises:
         ConfigError: ``value`` is not a ``str`` or an :class:`os.PathLike` of one, is empty or
-            holds a NUL character, or (with ``file``) names no file.
+            holds a NUL character, or (with ``file``) names no file or names something that
+            exists and is not a regular file (a folder, a device, a FIFO, a socket).
     """
     try:
         text = os.fspath(value)
@@ -326,6 +330,18 @@ def check_path(field: str, value: Any, *, file: bool = False) -> Path:
     path = Path(text)
     if file and not path.name:
         raise ConfigError(field, f"{value!r} names a folder, not a file to write")
+    if file:
+        try:
+            mode = os.stat(path).st_mode
+        except (OSError, ValueError):
+            mode = None  # nothing there yet (or not reachable: the write reports it)
+        if mode is not None and not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise ConfigError(field, f"{value!r} exists and is {kind}; a checkpoint replaces "
+                                     f"only a regular file: pass a file path (for a folder, "
+                                     f"a name inside it)")
     return path
 
 
