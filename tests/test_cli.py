@@ -205,3 +205,18 @@ def test_profile_help_explains_every_flag(capsys) -> None:
         main(["profile", "--help"])
     out = capsys.readouterr().out
     assert "--repeats REPEATS  timed copies per size and path" in " ".join(out.split("\n"))
+
+
+def test_an_interrupted_command_says_so_in_one_line(capsys, tmp_path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.bench import persist
+
+    def run(args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(persist, "run", run)
+    assert main(["bench", "persist", "--quick", "--out", str(tmp_path / "p")]) == 130
+    assert capsys.readouterr().err == "conduit bench persist: interrupted\n"
+    monkeypatch.setenv("CONDUIT_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "persist", "--quick", "--out", str(tmp_path / "p")])

@@ -66,7 +66,8 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
     Exit status 2 for bad input (:class:`~conduit.errors.ConfigError`,
     :class:`~conduit.errors.SpecError`, :class:`~conduit.errors.ScheduleError`,
     :class:`~conduit.errors.PlacementError`, :class:`~conduit.errors.TopologyError`,
-    :class:`~conduit.errors.CapacityError`), 1 for any other Conduit error.
+    :class:`~conduit.errors.CapacityError`), 1 for any other Conduit error, 130 when
+    interrupted (Ctrl-C: one line, no traceback; the command's own cleanup has run).
     ``CONDUIT_TRACEBACK=1`` lets the error propagate with its traceback instead.
     """
     try:
@@ -82,6 +83,11 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
         print(f"{prog}: error: {type(exc).__name__}: {exc} "
               "(CONDUIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2 if isinstance(exc, _BAD_INPUT) else 1
+    except KeyboardInterrupt:
+        if os.environ.get("CONDUIT_TRACEBACK") == "1":
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
