@@ -10,17 +10,7 @@ import pytest
 from conduit.cli import main
 from conduit.errors import ConfigError
 from conduit.workloads import grpo
-
-
-def _usage_error(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``conduit argv``: a usage error (exit status 2) naming ``flag``; its stderr."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "usage:" in err and f"argument {flag}: " in err, err
-    assert "Traceback" not in err
-    return err
+from tests.test_cli_flags import _usage_error
 
 
 @pytest.mark.parametrize(("flags", "flag"), [

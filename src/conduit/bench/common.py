@@ -33,3 +33,21 @@ def apply_quick(args: T, quick: Mapping[str, Any]) -> T:
     defaults = type(args)()
     return dataclasses.replace(args, **{k: v for k, v in quick.items()
                                         if getattr(args, k) == getattr(defaults, k)})
+
+
+def check_rows(*, batch_size: int, capacity: int, rollout_rows: int) -> None:
+    """Refuse ``--batch-size`` or ``--rollout-rows`` above ``--capacity`` (the flags of a
+    benchmark that fills a plane with rollout units and samples batches from it).
+
+    Raises:
+        ConfigError: Naming ``batch_size`` or ``rollout_rows``.
+    """
+    from conduit.errors import ConfigError
+
+    if batch_size > capacity:
+        raise ConfigError("batch_size", f"{batch_size} rows exceed --capacity {capacity}; "
+                                        "lower --batch-size or raise --capacity")
+    if rollout_rows > capacity:
+        raise ConfigError("rollout_rows", f"one rollout unit of {rollout_rows} rows exceeds "
+                                          f"--capacity {capacity}; lower --rollout-rows or "
+                                          "raise --capacity")

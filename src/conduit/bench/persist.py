@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from conduit.bench.common import apply_quick, progress
+from conduit.bench.common import apply_quick, check_rows, progress
 from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
@@ -558,14 +558,8 @@ def check_args(args: PersistBenchArgs) -> PersistBenchArgs:
             (field ``rollout_rows``).
     """
     args = effective(args)
-    if args.batch_size > args.capacity:
-        raise ConfigError("batch_size", f"{args.batch_size} rows exceed --capacity "
-                                        f"{args.capacity}; lower --batch-size or raise "
-                                        "--capacity")
-    if args.rollout_rows > args.capacity:
-        raise ConfigError("rollout_rows", f"one rollout unit of {args.rollout_rows} rows "
-                                          f"exceeds --capacity {args.capacity}; lower "
-                                          "--rollout-rows or raise --capacity")
+    check_rows(batch_size=args.batch_size, capacity=args.capacity,
+               rollout_rows=args.rollout_rows)
     filled = fill_units(args) * args.rollout_rows
     if filled < args.batch_size:
         raise ConfigError("rollout_rows", f"the whole units of {args.rollout_rows} rows that "

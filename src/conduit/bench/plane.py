@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, progress
+from conduit.bench.common import apply_quick, check_rows, progress
 from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
@@ -197,14 +197,8 @@ def check_args(args: PlaneBenchArgs) -> PlaneBenchArgs:
     """
     args = effective(args)
     spec = synthetic_spec(1)
-    if args.batch_size > args.capacity:
-        raise ConfigError("batch_size", f"{args.batch_size} rows exceed --capacity "
-                                        f"{args.capacity}; lower --batch-size or raise "
-                                        "--capacity")
-    if args.rollout_rows > args.capacity:
-        raise ConfigError("rollout_rows", f"one rollout unit of {args.rollout_rows} rows "
-                                          f"exceeds --capacity {args.capacity}; lower "
-                                          "--rollout-rows or raise --capacity")
+    check_rows(batch_size=args.batch_size, capacity=args.capacity,
+               rollout_rows=args.rollout_rows)
     rows = args.onpolicy_units * args.rollout_rows
     if args.minibatches > rows:
         raise ConfigError("minibatches", f"{args.minibatches} mini-batches cannot be cut from "
