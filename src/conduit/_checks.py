@@ -85,16 +85,17 @@ def check_device(field: str, value: Any) -> torch.device:
 
     Args:
         field: Name the error gives.
-        value: A ``torch.device`` or a device string such as ``"cpu"``, ``"cuda"`` or
-            ``"cuda:1"``.
+        value: A ``torch.device``, a device string such as ``"cpu"``, ``"cuda"`` or
+            ``"cuda:1"``, or a CUDA device index (an ``int``, as torch takes it).
 
     Raises:
-        ConfigError: ``value`` is neither a device nor a device string, names no device
-            torch knows, is neither CPU nor CUDA, or names a CUDA device this machine lacks.
+        ConfigError: ``value`` is neither a device, a device string nor an index, names no
+            device torch knows, is neither CPU nor CUDA, or names a CUDA device this machine
+            lacks.
     """
-    if not isinstance(value, (str, torch.device)):
-        raise ConfigError(field, f"must be a torch.device or a device string such as 'cpu' or "
-                                 f"'cuda:0', got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (str, torch.device, int)):
+        raise ConfigError(field, f"must be a torch.device, a device string such as 'cpu' or "
+                                 f"'cuda:0', or a CUDA device index, got {value!r}")
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError) as exc:

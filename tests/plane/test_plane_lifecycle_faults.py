@@ -472,7 +472,12 @@ def absent_cuda() -> str:
     return f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
 
 
-@pytest.mark.parametrize("device", ["bogus", 3, 1.5, None, "meta", absent_cuda()])
+def absent_cuda_index() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("device", ["bogus", absent_cuda_index(), -1, True, 1.5, None, "meta",
+                                    absent_cuda()])
 def test_plane_config_refuses_a_device_it_cannot_use(small_spec, device):
     with pytest.raises(ConfigError) as info:
         PlaneConfig(spec=small_spec, capacity=64, batch_size=4, learner_device=device)

@@ -140,9 +140,9 @@ def test_a_stale_list_update_after_clear_does_not_land_on_new_rows():
 @pytest.mark.parametrize("spoil, key", [
     (lambda s: s["sampler"]["tree"]["leaves"].__setitem__(0, 0.0), "tree.leaves"),
     (lambda s: s["sampler"]["tree"]["leaves"].__setitem__(slice(0, 4), 1e308), "tree.leaves"),
-    (lambda s: s["sampler"]["tree"]["leaves"].__setitem__(1, 1e30), "tree.leaves"),
+    (lambda s: s["sampler"]["tree"]["leaves"].__setitem__(1, float("inf")), "tree.leaves"),
     (lambda s: s["sampler"].__setitem__("max_priority", 1e308), "sampler.max_priority"),
-    (lambda s: s["sampler"].__setitem__("max_priority", 1e30), "sampler.max_priority"),
+    (lambda s: s["sampler"].__setitem__("max_priority", float("inf")), "sampler.max_priority"),
 ])
 def test_prioritized_load_refuses_leaves_it_cannot_reach(spoil, key):
     state = per_buffer().state_dict()
@@ -155,6 +155,22 @@ def test_prioritized_load_refuses_leaves_it_cannot_reach(spoil, key):
     after = buf.state_dict()
     torch.testing.assert_close(after["sampler"]["tree"], before["sampler"]["tree"])
     assert after["sampler"]["max_priority"] == before["sampler"]["max_priority"]
+
+
+def test_a_prioritized_state_saved_under_another_beta_loads_back():
+    """``beta`` is not part of the state and changes at run time (RLlib's sample(beta=)): the
+    priorities it allowed when they were set load back under any beta."""
+    buf = per_buffer()
+    buf.sampler.beta = 0.0  # no weight bound: priorities up to the float-range bound
+    assert buf.update_priorities(buf.sample(4)["_index"], torch.full((4,), 1e150,
+                                                                dtype=torch.float64)) == 4
+    state = buf.state_dict()
+    for beta in (0.0, 0.4, 1.0):
+        again = per_buffer()
+        again.sampler.beta = beta
+        again.load_state_dict(state)
+        torch.testing.assert_close(again.state_dict()["sampler"]["tree"],
+                                   state["sampler"]["tree"])
 
 
 def test_prioritized_load_refuses_priorities_for_slots_the_writer_does_not_hold():

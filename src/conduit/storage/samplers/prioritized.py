@@ -221,19 +221,21 @@ class PrioritizedSampler(Sampler):
     def load_state_dict(self, state: StateDict) -> None:
         """Restore from :meth:`state_dict`; a refused state changes nothing.
 
-        Leaves and ``max_priority`` must be ones this sampler can reach: a set slot's leaf
-        positive and at most :meth:`leaf_bound` (or a new row's leaf at the initial maximum,
-        ``(1 + eps) ** alpha``, where that is larger), and so the leaf of ``max_priority``.
+        Leaves and ``max_priority`` must keep the tree in float range: a set slot's leaf
+        positive, and every leaf (the leaf of ``max_priority`` too) small enough that their
+        sum over the capacity stays finite. The importance-weight part of :meth:`leaf_bound`
+        is not applied: it depends on ``beta``, which is not part of the state and may have
+        changed since the priorities were set.
 
         Raises:
             StateError: A key is missing or a value is out of range (the key is named).
         """
         max_priority = number(state, "max_priority", "sampler")
-        bound = max(self.leaf_bound(), _leaf(1.0, self.alpha, self.eps))
+        bound = max(_F64_MAX / (4 * max(self.capacity, 1)), _leaf(1.0, self.alpha, self.eps))
         if not _leaf(max_priority, self.alpha, self.eps) <= bound:
             raise StateError("sampler.max_priority", f"{max_priority:.6g} gives new rows a "
                                                      f"priority above {bound:.6g}, the most "
-                                                     f"this sampler accepts (leaf_bound)")
+                                                     f"the sum tree can hold")
         rng = self._checked_rng(state)
         # checks all, then loads
         self.tree.load_state_dict(entry(state, "tree", "sampler"), bound=bound)
