@@ -222,12 +222,14 @@ class ShardSet:
 
     def _get(self, refs: Any, deadline: float, *, shard: int | None) -> Any:
         exc_mod = self.ray.exceptions
+        left = max(0.0, deadline - time.monotonic())
         try:
-            return self.ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+            return self.ray.get(refs, timeout=left)
         except exc_mod.GetTimeoutError as exc:
             raise ShardUnavailableError(-1 if shard is None else shard,
-                                        f"no answer within the plane's timeout "
-                                        f"({self.timeout:g} s)") from exc
+                                        f"no answer within the {left:g} s left of the call's "
+                                        f"timeout (the plane's is {self.timeout:g} s); pass "
+                                        f"a longer timeout") from exc
         except exc_mod.RayTaskError as exc:
             if isinstance(exc, self._died):
                 raise

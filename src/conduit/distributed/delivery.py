@@ -122,6 +122,9 @@ class LearnerPort:
         self._next: Pending | None = None
         self._staged: list[Batch] = []  # batches of the last invocation not pulled yet
         self._staged_from: Pending | None = None
+        # a batch formed (its position committed) but not returned: an interrupt landed
+        # before pull() handed it back; the next pull returns it first
+        self._owed: Batch | None = None
         self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
         self.remote_wait_s = 0.0  # time pull() waited on Ray for a batch's rows
         self.pulls = 0
@@ -194,7 +197,8 @@ class LearnerPort:
         are all in."""
         plane, shards = self._plane, self._plane._shards
         iteration, epoch, m = self._position
-        if plane._gate.iteration != iteration or not plane._gate.ready:
+        gate = plane._gate
+        if gate.iteration != iteration or not gate.ready or gate.clearing:
             return None
         sizes = [h.size for h in shards.held]
         part = sampling.epoch_parts(sum(sizes), seed=plane.config.seed, iteration=iteration,
@@ -209,15 +213,20 @@ class LearnerPort:
                        probes=shards.probe(set(source.values())))
 
     def _advance(self) -> None:
+        """Move past the mini-batch just formed; after the iteration's last, tell the front
+        this rank consumed it (the position is committed first, so a clear cut short is
+        finished by the next call rather than planned from again)."""
         plane = self._plane
         iteration, epoch, m = self._position
         m += 1
         if m == plane.num_minibatches:
             m, epoch = 0, epoch + 1
-        if epoch == plane.num_epochs:
+        done = epoch == plane.num_epochs
+        if done:
+            epoch = 0
+        self._position = (iteration + 1 if done else iteration, epoch, m)
+        if done:
             plane._rank_done(self.rank, iteration)
-            iteration, epoch = iteration + 1, 0
-        self._position = (iteration, epoch, m)
 
     # -- both -------------------------------------------------------------------------------
     def _plan(self) -> Pending | None:
@@ -233,6 +242,10 @@ class LearnerPort:
         batches carry global ``_weight``). On-policy: this rank's share of the next mini-batch.
         Both as the delivery operator wrote them.
 
+        An interrupt (such as ``KeyboardInterrupt``) after the batch was formed (while the
+        iteration is marked consumed and the shards cleared, or the next draw is submitted)
+        keeps it: the next pull returns it first, after finishing a clear cut short.
+
         Raises:
             EmptyBufferError: No batch could be formed within ``timeout``.
             OperatorError: The delivery operator raised (on-policy, the same share is drawn
@@ -245,13 +258,17 @@ class LearnerPort:
         plane._check_open()
         plane._ingestion.raise_if_failed()
         deadline = time.monotonic() + plane.config.wait_for(timeout)
+        if plane.config.on_policy and plane._gate.clearing:
+            plane._finish_clear(deadline)  # a clear cut short by an interrupt or a timeout
+        if self._owed is not None:  # formed, then an interrupt kept it from being returned
+            return self._hand_out(self._owed)
         if self._staged and self._fresh(self._staged_from):
             batch = self._staged.pop(0)
-            self.pulls += 1
+            self._owed = batch
             if plane.prefetch and not self._staged:
                 with plane._cond:
                     self._next = self._plan()
-            return batch
+            return self._hand_out(batch)
         self._staged = []
         pending, self._next = self._next, None
         while True:
@@ -283,12 +300,19 @@ class LearnerPort:
         staged = deliver(plane._ingestion.deliver_fn, rows, batches=batches,
                          batch_size=len(rows["_index"]) // batches, device=self.device)
         batch, self._staged, self._staged_from = staged[0], staged[1:], pending
-        self.pulls += 1
+        # From here the batch is this rank's: an interrupt below leaves it for the next pull.
+        self._owed = batch
         if on:
             self._advance()
         if plane.prefetch and not self._staged:
             with plane._cond:
                 self._next = self._plan()
+        return self._hand_out(batch)
+
+    def _hand_out(self, batch: Batch) -> Batch:
+        """Return ``batch``, the one :attr:`_owed` to the caller."""
+        self._owed = None
+        self.pulls += 1
         return batch
 
     def _wait_plan(self, deadline: float) -> Pending:

@@ -9,13 +9,14 @@ holding the fewest rows.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from conduit.distributed._ray import lost_object
 from conduit.distributed.cluster import ShardSet
 from conduit.distributed.iteration import IterationGate
-from conduit.distributed.operators import FrontIngestion, QueuedUnit
+from conduit.distributed.operators import FrontIngestion, QueuedUnit, mark_stored, stored_rows_of
 from conduit.distributed.replication import Replicator, rollout_lost
 from conduit.distributed.shard import to_wire
 from conduit.errors import CapacityError, ConfigError
@@ -95,12 +96,14 @@ class Ingress:
         unit = QueuedUnit(data, rows, node, policy_version)
         if cfg.on_policy:
             with self._cond:
+                # a consumed iteration whose clear was cut short is cleared first
+                self._gate.finish(lambda: self._replicator.clear_all(deadline))
                 self._gate.admit(rows, policy_version, deadline)
         if ing.direct:
             try:
                 self._store(data, rows, node, deadline)
-            except BaseException:
-                self._release([unit])
+            except BaseException as exc:
+                self._release([unit], stored_rows_of(exc))
                 raise
         else:
             ing.submit(unit, deadline)  # a unit it does not store, it releases
@@ -120,11 +123,12 @@ class Ingress:
         with self._cond:
             self.counters["units"] += 1
 
-    def _release(self, units: list[QueuedUnit]) -> None:
-        """On-policy: admitted units that will not be stored leave the iteration."""
+    def _release(self, units: list[QueuedUnit], stored: int = 0) -> None:
+        """On-policy: admitted units that will not be stored leave the iteration, less the
+        ``stored`` rows of theirs that were stored all the same."""
         if self.config.on_policy:
             with self._cond:
-                self._gate.released(sum(u.rows for u in units))
+                self._gate.released(sum(u.rows for u in units) - stored)
 
     def _prepare_output(self, batch: Mapping[str, Any]) -> tuple[Any, int]:
         """What an ingestion operator writes, checked as :meth:`_store_output` checks it and
@@ -147,12 +151,28 @@ class Ingress:
                validate: bool = False, prepared: bool = False) -> None:
         """Write checked rows (``prepared``: already in the object store; ``validate``: an
         actor's ``ObjectRef``, checked by the shard) to the shard of ``node`` and its
-        replicas."""
+        replicas.
+
+        On-policy, a write that raised (a timeout, an interrupt) after it was sent is settled
+        before the error goes on: the owner's holders are re-read (copies that differ get the
+        primary's rows); when they applied it, its rows count as stored (the error carries
+        them, :func:`~conduit.distributed.operators.stored_rows_of`), otherwise no holder
+        keeps them."""
         payload = data if validate or prepared else self._ray.put(to_wire(data))
         with self._cond:
-            if self.config.on_policy:
+            on = self.config.on_policy
+            if on:
                 self._gate.check_store(rows)
-            added = self._replicator.write(self.route(node), payload, validate, deadline)
+            owner = self.route(node)
+            try:
+                added = self._replicator.write(owner, payload, validate, deadline)
+            except BaseException as exc:
+                if on and self._replicator.applied(
+                        owner, rows, time.monotonic() + self.config.timeout):
+                    self.counters["rows"] += rows
+                    self._gate.stored(rows)
+                    mark_stored(exc, rows)
+                raise
             self.counters["rows"] += added if validate else rows
             if self.config.on_policy:
                 self._gate.stored(rows)

@@ -95,13 +95,27 @@ class IterationGate:
         self.pushed -= rows
         self._cond.notify_all()
 
+    @property
+    def clearing(self) -> bool:
+        """Every rank consumed the iteration but clearing the shards did not finish (it was
+        interrupted or failed); :meth:`finish` completes it."""
+        return len(self._done) >= self.num_learners
+
     def consumed(self, rank: int, iteration: int, clear: Callable[[], None]) -> None:
         """``rank`` pulled its last share of ``iteration``; once every rank has, ``clear``
-        empties the shards and the next iteration opens."""
+        empties the shards and the next iteration opens. When ``clear`` raises, the
+        iteration stays consumed (:attr:`clearing`) and :meth:`finish` clears it again."""
         if iteration != self.iteration:
             return
         self._done.add(rank)
         if len(self._done) < self.num_learners:
+            return
+        self.finish(clear)
+
+    def finish(self, clear: Callable[[], None]) -> None:
+        """Clear the consumed iteration (``clear`` is safe to run again after it was cut
+        short) and open the next one; nothing while the iteration is still being read."""
+        if not self.clearing:
             return
         clear()
         self.iteration += 1

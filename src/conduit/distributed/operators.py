@@ -106,6 +106,20 @@ def deliver(fn: DeliveryFn, rows: Batch, *, batches: int, batch_size: int,
     return out.staged
 
 
+STORED_ATTR = "conduit_stored_rows"
+
+
+def stored_rows_of(exc: BaseException) -> int:
+    """Rows a failed write stored all the same (it was sent, not acknowledged, and the holders
+    applied it), as :func:`mark_stored` recorded them on ``exc``."""
+    return int(getattr(exc, STORED_ATTR, 0))
+
+
+def mark_stored(exc: BaseException, rows: int) -> None:
+    """Record on ``exc`` that the write it ended stored ``rows`` rows all the same."""
+    setattr(exc, STORED_ATTR, stored_rows_of(exc) + rows)
+
+
 class FrontIngestion:
     """The operators of the sharded front: the ingestion operator with its queue, its thread
     and its error latch, and the delivery operator the learner ports run.
@@ -114,7 +128,8 @@ class FrontIngestion:
         store: Writes one operator output (called with no lock of this class held).
         timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
         on_lost: Called (with no lock of this class held) with the units that will not be
-            stored: refused by :meth:`submit`, or taken by a failed invocation.
+            stored (refused by :meth:`submit`, or taken by a failed or interrupted invocation)
+            and the rows of theirs that were stored all the same.
         prepare: With ``commit``, on-policy (:attr:`iteration` set): an invocation's outputs
             are checked and readied as they are written, and stored only once the operator
             returned having written exactly its units' rows, so a failed invocation leaves no
@@ -125,7 +140,7 @@ class FrontIngestion:
     thread_name = "conduit-ingestion"
 
     def __init__(self, *, store: StoreFn, timeout: float,
-                 on_lost: Callable[[list[QueuedUnit]], None] = lambda units: None,
+                 on_lost: Callable[[list[QueuedUnit], int], None] = lambda units, stored: None,
                  prepare: PrepareFn | None = None, commit: CommitFn | None = None) -> None:
         self._store, self._timeout, self._on_lost = store, timeout, on_lost
         self._prepare, self._commit = prepare, commit
@@ -144,6 +159,7 @@ class FrontIngestion:
         self.error: OperatorError | None = None
         self.error_reported = False
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
+        self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
         self.iteration: tuple[int, Callable[[], bool]] | None = None
@@ -203,10 +219,10 @@ class FrontIngestion:
         try:
             self._queue(unit, deadline)
         except BaseException:
-            self._on_lost([unit])
+            self._on_lost([unit], 0)
             raise
         if not self.overlapped:
-            self._drain_inline(force=False)
+            self._drain_inline(force=False, current=unit)
 
     def _queue(self, unit: QueuedUnit, deadline: float) -> None:
         with self._cond:
@@ -256,8 +272,16 @@ class FrontIngestion:
         self._cond.notify_all()  # room in the queue for a waiting push
         return units
 
-    def _run(self, units: list[QueuedUnit]) -> OperatorError | None:
-        """One invocation over ``units``; returns its error (not yet latched)."""
+    def _run(self, units: list[QueuedUnit], current: QueuedUnit | None = None
+             ) -> OperatorError | None:
+        """One invocation over ``units``; returns its error (not yet latched).
+
+        An interrupt (any ``BaseException`` that is not an ``Exception``, such as
+        ``KeyboardInterrupt``) restores the queue's counters, hands the units to ``on_lost``,
+        records the acknowledged units as lost (:meth:`close` reports them) and is re-raised.
+        ``current`` is the unit of the push running this invocation inline (not acknowledged,
+        so not counted as lost).
+        """
         deadline = time.monotonic() + self._timeout
         first = units[0]
         prepare, commit = self._prepare, self._commit
@@ -275,6 +299,7 @@ class FrontIngestion:
             return held[-1][1]
 
         err = None
+        interrupt: BaseException | None = None
         try:
             with data_path_threads(1):
                 self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
@@ -285,8 +310,16 @@ class FrontIngestion:
                     commit(payload, rows, first, deadline)
                     stored += rows
         except Exception as exc:
+            stored += stored_rows_of(exc)
             err = OperatorError("ingestion", exc, lost_units=len(units),
                                 lost_rows=sum(u.rows for u in units), stored_rows=stored)
+            err.__cause__ = exc
+        except BaseException as exc:
+            interrupt = exc
+            stored += stored_rows_of(exc)
+            acked = [u for u in units if u is not current]
+            err = OperatorError("ingestion", exc, lost_units=len(acked),
+                                lost_rows=sum(u.rows for u in acked), stored_rows=stored)
             err.__cause__ = exc
         with self._cond:
             self._inflight -= len(units)
@@ -294,19 +327,23 @@ class FrontIngestion:
             if err is not None:
                 self.counters["lost_units"] += err.lost_units
                 self.counters["lost_rows"] += err.lost_rows
+            if interrupt is not None and err is not None and err.lost_units:
+                self._interrupted.append(err)
             self._cond.notify_all()
         if err is not None:
-            self._on_lost(units)
+            self._on_lost(units, stored)
+        if interrupt is not None:
+            raise interrupt
         return err
 
-    def _drain_inline(self, *, force: bool) -> None:
+    def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None) -> None:
         while True:
             with self._cond:
                 self.raise_if_failed()
                 units = self._take(force=force)
             if units is None:
                 return
-            err = self._run(units)
+            err = self._run(units, current)
             if err is not None:
                 raise err
 
@@ -389,7 +426,8 @@ class FrontIngestion:
 
         Raises:
             DataLossError: Some acknowledged units were not stored: a latched failure never
-                raised to a caller, a failure while draining, or a thread stuck in the
+                raised to a caller, an invocation cut short by an interrupt (such as
+                ``KeyboardInterrupt``), a failure while draining, or a thread stuck in the
                 operator past the timeout; the first cause is attached.
         """
         with self._cond:
@@ -399,6 +437,11 @@ class FrontIngestion:
         with self._cond:
             cause: BaseException | None = None if self.error_reported else self.error
             lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
+            for err in self._interrupted:
+                cause = cause or err
+                lost_units += err.lost_units
+                lost_rows += err.lost_rows
+            self._interrupted.clear()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
                 stuck = OperatorError("runtime", TimeoutError(

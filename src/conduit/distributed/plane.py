@@ -305,6 +305,10 @@ class RayExperienceDataPlane(ScheduledOperators):
                 iteration was not consumed in time.
             OperatorError: The ingestion operator raised (here, or earlier on the thread).
             ShardUnavailableError: The shard could not be written or restored in time.
+                The write may have been sent all the same: on-policy the holders are
+                re-read before this is raised (as after an interrupt), and when they applied
+                it its rows stay stored and count against the iteration, otherwise no holder
+                keeps them; off-policy the front counts such rows by its next change.
             ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
                 ``ObjectRef``'s object is gone: the actor that put it died, or every copy
                 was lost (field ``rollout``; nothing was stored).
@@ -350,6 +354,12 @@ class RayExperienceDataPlane(ScheduledOperators):
         with self._cond:
             self._gate.consumed(rank, iteration,
                                 lambda: self._replicator.clear_all(deadline))
+
+    def _finish_clear(self, deadline: float) -> None:
+        """On-policy: finish clearing a consumed iteration whose clear was cut short (an
+        interrupt or a timeout in :meth:`_rank_done`), so the next iteration opens."""
+        with self._cond:
+            self._gate.finish(lambda: self._replicator.clear_all(deadline))
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Give new priorities to delivered rows, on the shard that owns each row and on its

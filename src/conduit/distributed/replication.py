@@ -65,6 +65,7 @@ class Replicator:
         # so the front's record of their rows is re-read before the next change
         self._unsure: set[int] = set()
         self._leaf_bound: float | None = None  # prioritized: the shards' largest leaf
+        self._sent: tuple[int, int] | None = None  # the last write sent: owner, count before
 
     def run(self, fn: Callable[[], T], deadline: float) -> T:
         """Run ``fn`` (remote calls to shards); when a shard is found dead, heal and retry.
@@ -171,8 +172,11 @@ class Replicator:
         self._sync([owner], deadline)
         before = shards.held[owner].total_written
 
+        self._sent = None
+
         def attempt() -> int:
             first = min(before, shards.held[owner].total_written)
+            self._sent = (owner, first)
             refs = [shards.actors[h].write.remote(owner, payload, validate, first,
                                                   self.max_priority)
                     for h in shards.holders(owner)]
@@ -186,7 +190,24 @@ class Replicator:
                 raise
             shards.acknowledged(owner, states)
             return shards.held[owner].total_written - first
-        return self._change([owner], attempt, deadline)
+        result = self._change([owner], attempt, deadline)
+        self._sent = None
+        return result
+
+    def applied(self, owner: int, rows: int, deadline: float) -> bool:
+        """After :meth:`write` of ``rows`` rows to ``owner`` raised: whether its holders
+        applied it. They are re-read first (a copy that differs from the primary gets the
+        primary's rows), so either every holder keeps the write or none does. False when
+        the write was never sent, or the holders could not be read by ``deadline`` (they
+        are then re-read before the next change)."""
+        sent, self._sent = self._sent, None
+        if sent is None or sent[0] != owner:
+            return False
+        try:
+            self._sync([owner], deadline)
+        except Exception:
+            return False
+        return self.shards.held[owner].total_written >= sent[1] + rows
 
     def clear_all(self, deadline: float) -> None:
         """Forget every shard's rows on every holder (an on-policy iteration was consumed)."""

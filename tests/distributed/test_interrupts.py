@@ -1,0 +1,191 @@
+"""Interrupts (``KeyboardInterrupt``) and timeouts between a remote call being sent and its
+acknowledgement, on the three-node test cluster: each is raised by the test at one exact point
+(a wrapped method), and the plane must keep its counts, its rows and its iteration."""
+
+from __future__ import annotations
+
+import pytest
+
+from conduit.distributed import ShardUnavailableError
+from conduit.errors import DataLossError
+from conduit.scheduling import Schedule
+from tests.distributed.helpers import check_rows, make_plane, rows
+
+pytestmark = pytest.mark.ray
+
+
+def interrupting_ingestion(plane, at_call: int) -> None:
+    """Register an ingestion operator that writes each unit, but raises
+    ``KeyboardInterrupt`` after the first unit of its ``at_call``-th invocation."""
+    calls = [0]
+
+    @plane.register_ingestion()
+    def ing(actor_in, exp_out):
+        calls[0] += 1
+        for k, unit in enumerate(actor_in.read_units()):
+            if calls[0] == at_call and k == 1:
+                raise KeyboardInterrupt
+            exp_out.write(unit)
+
+
+def test_an_interrupted_inline_ingestion_is_counted_and_the_plane_goes_on(cluster):
+    plane = make_plane(cluster, capacity=300, batch_size=4, min_size=1, num_shards=2,
+                       schedule=Schedule(0, 4, 0, 1))
+    interrupting_ingestion(plane, at_call=1)
+    try:
+        for k in range(3):
+            plane.push(rows(4, 4 * k))  # acknowledged, queued
+        with pytest.raises(KeyboardInterrupt):
+            plane.push(rows(4, 12))  # runs the invocation of all four units inline
+        assert plane._ingestion.idle()  # nothing left counted as being ingested
+        assert plane.stats()["ingestion"]["lost_units"] == 3  # the interrupted push's not
+        for k in range(4, 8):
+            plane.push(rows(4, 4 * k))
+        plane.flush(timeout=30)
+        plane.set_schedule(Schedule(1, 4, 0, 1))
+        plane.push(rows(4, 100))
+        plane.flush(timeout=30)  # the overlapped thread finds no unit stuck in flight
+        check_rows(plane.pull())
+    finally:
+        with pytest.raises(DataLossError) as info:
+            plane.close()
+    assert info.value.lost_units == 3 and info.value.lost_rows == 12
+
+
+def test_an_interrupted_on_policy_ingestion_leaves_the_iteration(cluster):
+    plane = make_plane(cluster, capacity=32, mode="on_policy", num_minibatches=2,
+                       num_shards=2, schedule=Schedule(0, 0.5, 0, 0.5))
+    interrupting_ingestion(plane, at_call=1)
+    try:
+        plane.push(rows(8, 0), policy_version=0)  # queued: an invocation takes 16 rows
+        with pytest.raises(KeyboardInterrupt):
+            plane.push(rows(8, 8), policy_version=0)
+        assert plane._gate.pushed == 0 and plane._gate.rows == 0 and len(plane) == 0
+        for start in (0, 8, 16, 24):
+            plane.push(rows(8, start), policy_version=0)
+        ids = [i for b in plane.minibatches(timeout=30) for i in b["id"].tolist()]
+        assert sorted(ids) == list(range(32))
+    finally:
+        with pytest.raises(DataLossError) as info:
+            plane.close()
+    assert info.value.lost_units == 1 and info.value.lost_rows == 8
+
+
+def on_policy_plane(cluster, **kwargs):
+    kwargs.setdefault("num_minibatches", 4)
+    return make_plane(cluster, capacity=32, mode="on_policy", num_shards=2, replication=2,
+                      **kwargs)
+
+
+def test_an_on_policy_push_that_timed_out_after_it_was_sent_counts_once(cluster):
+    plane = on_policy_plane(cluster, num_minibatches=2)
+    try:
+        with pytest.raises(ShardUnavailableError) as info:
+            plane.push(rows(8, 900), policy_version=0, timeout=0.0)  # sent, not acknowledged
+        # the holders applied it: it is stored and counts against the iteration
+        assert plane._gate.pushed == 8 and plane._gate.rows == 8 and len(plane) == 8
+        assert "call's timeout" in str(info.value)  # the push's, not the plane's 60 s
+        for start in (100, 108, 116):
+            plane.push(rows(8, start), policy_version=0)
+        ids = [i for b in plane.minibatches(timeout=30) for i in b["id"].tolist()]
+        assert sorted(ids) == [*range(100, 124), *range(900, 908)]
+    finally:
+        plane.close()
+
+
+def test_an_on_policy_push_interrupted_after_it_was_sent_counts_once(cluster):
+    import ray
+    plane = on_policy_plane(cluster, num_minibatches=2)
+    shards = plane._shards
+    get, fired = shards.get, []
+
+    def interrupted_get(refs, deadline, *, shard):
+        if not fired:  # the write was sent; Ctrl-C lands in the wait for its answer
+            fired.append(True)
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            raise KeyboardInterrupt
+        return get(refs, deadline, shard=shard)
+    try:
+        shards.get = interrupted_get
+        with pytest.raises(KeyboardInterrupt):
+            plane.push(rows(8, 900), policy_version=0)
+        assert plane._gate.pushed == 8 and plane._gate.rows == 8 and len(plane) == 8
+        for start in (100, 108, 116):
+            plane.push(rows(8, start), policy_version=0)
+        ids = [i for b in plane.minibatches(timeout=30) for i in b["id"].tolist()]
+        assert sorted(ids) == [*range(100, 124), *range(900, 908)]
+    finally:
+        shards.get = get
+        plane.close()
+
+
+def pull_iteration(plane, version: int) -> tuple[list[int], list[str]]:
+    """Pull until the plane moves past ``version``, catching interrupts as a learner would;
+    the ids delivered and what each pull did."""
+    ids, log = [], []
+    for _ in range(12):
+        try:
+            ids += plane.pull(timeout=30)["id"].tolist()
+            log.append("batch")
+        except KeyboardInterrupt:
+            log.append("interrupt")
+        if plane.policy_version > version:
+            break
+    return ids, log
+
+
+def test_an_interrupted_clear_is_finished_by_the_next_pull(cluster):
+    import ray
+    plane = on_policy_plane(cluster)
+    rep, shards = plane._replicator, plane._shards
+    clear_all, get = rep.clear_all, shards.get
+    state = {"in_clear": False, "fired": False}
+
+    def interrupted_clear(deadline):
+        state["in_clear"] = True
+        try:
+            return clear_all(deadline)
+        finally:
+            state["in_clear"] = False
+
+    def interrupted_get(refs, deadline, *, shard):
+        if state["in_clear"] and not state["fired"]:  # the clears were sent; one landed
+            state["fired"] = True
+            ray.wait(refs, num_returns=1, timeout=30)
+            raise KeyboardInterrupt
+        return get(refs, deadline, shard=shard)
+    try:
+        rep.clear_all, shards.get = interrupted_clear, interrupted_get
+        for k in range(4):
+            plane.push(rows(8, 8 * k), policy_version=0)
+        ids, log = pull_iteration(plane, 0)
+        assert state["fired"] and log == ["batch"] * 3 + ["interrupt", "batch"]
+        assert sorted(ids) == list(range(32)) and plane.policy_version == 1
+        for k in range(4):
+            plane.push(rows(8, 100 + 8 * k), policy_version=1)
+        ids, log = pull_iteration(plane, 1)
+        assert sorted(ids) == list(range(100, 132)) and log == ["batch"] * 4
+    finally:
+        rep.clear_all, shards.get = clear_all, get
+        plane.close()
+
+
+def test_an_interrupt_after_a_mini_batch_is_formed_keeps_it(cluster):
+    plane = on_policy_plane(cluster)
+    port = plane.learner_port
+    plan, fired = port._plan, []
+
+    def interrupted_plan():
+        if port._position == (0, 0, 1) and not fired:
+            fired.append(True)  # the prefetch after the first mini-batch was formed
+            raise KeyboardInterrupt
+        return plan()
+    try:
+        port._plan = interrupted_plan
+        for k in range(4):
+            plane.push(rows(8, 8 * k), policy_version=0)
+        ids, log = pull_iteration(plane, 0)
+        assert fired and log == ["interrupt"] + ["batch"] * 4
+        assert sorted(ids) == list(range(32)) and plane.policy_version == 1
+    finally:
+        plane.close()
