@@ -417,10 +417,12 @@ def test_close_during_recovers_worker_restart_waits_and_stops_the_new_worker(sma
             got["close"] = exc
 
     closer = threading.Thread(target=close)
+    created: list[threading.Thread] = []
 
     def start(self: ThreadedIngestion) -> None:
         # close() runs between the worker's creation and its start (if it can).
         self.thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+        created.append(self.thread)
         closer.start()
         closer.join(0.3)
         self.thread.start()
@@ -431,9 +433,10 @@ def test_close_during_recovers_worker_restart_waits_and_stops_the_new_worker(sma
     assert not closer.is_alive()
     assert got["close"] is None
     assert plane.closed
-    time.sleep(0.05)
-    assert not [t for t in threading.enumerate()
-                if t.name == "conduit-ingestion" and t.is_alive()]
+    assert created  # the restart ran
+    for worker in created:  # every worker the restart made has stopped
+        worker.join(2)
+        assert not worker.is_alive()
 
 
 def test_joining_a_worker_never_started_returns(small_spec):

@@ -6,14 +6,28 @@ from tests.verl.conftest import skip_without_verl
 skip_without_verl()
 
 import threading  # noqa: E402
+import time  # noqa: E402
 from fractions import Fraction  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from verl import DataProto  # noqa: E402
 
-from conduit import ConfigError, PlaneClosedError, Schedule, SpecError  # noqa: E402
+from conduit import (  # noqa: E402
+    ConfigError,
+    EmptyBufferError,
+    PlaneClosedError,
+    Schedule,
+    SpecError,
+)
+from conduit._checks import check_device  # noqa: E402
 from conduit.integrations.verl import GRPOBuffer  # noqa: E402
+from conduit.integrations.verl.advantages import (  # noqa: E402
+    group_scores,
+    group_statistics,
+    grpo_group_advantage,
+)
 from conduit.integrations.verl.order import VerlOrderSampler  # noqa: E402
 from tests.verl.conftest import make_step  # noqa: E402
 
@@ -160,3 +174,117 @@ def test_an_unhashable_uid_is_refused():
         assert err.value.field == "uid"
         buf.put(make_step(groups=1, group_size=2))
         assert len(buf.minibatches()) == 1
+
+
+def _overflow_case(gen, dtype, n, k):
+    """``k`` groups of ``n`` scores in ``dtype`` (equal, nearly equal, spread, near the
+    dtype's largest value, alternating signs near it, or small integers), rows shuffled
+    across groups."""
+    fmax = torch.finfo(dtype).max
+    top = np.log10(fmax)
+    scores = []
+    for kind in gen.integers(6, size=k):
+        sign = gen.choice([-1, 1], size=n)
+        if kind == 0:
+            scores += [sign[0] * 10 ** gen.uniform(-3, top)] * n
+        elif kind == 1:
+            scores += list(10 ** gen.uniform(-3, top) * (1 + gen.uniform(-1e-3, 1e-3, size=n)))
+        elif kind == 2:
+            scores += list(sign * 10 ** gen.uniform(-3, top, size=n))
+        elif kind == 3:
+            scores += list(sign * fmax * gen.uniform(0.05, 1, size=n))
+        elif kind == 4:
+            scores += list(np.resize([1, -1], n) * fmax * gen.uniform(0.5, 1, size=n))
+        else:
+            scores += list(gen.integers(0, 3, size=n).astype(float))
+    perm = gen.permutation(n * k)
+    s = torch.tensor(scores, dtype=torch.float64).clamp(-fmax, fmax).to(dtype)[perm]
+    uid = np.array([f"g{i // n}" for i in range(n * k)], dtype=object)[perm]
+    rewards = torch.zeros(n * k, 2, dtype=dtype)
+    rewards[:, 0] = s
+    return DataProto.from_dict(
+        tensors={"token_level_rewards": rewards,
+                 "response_mask": torch.ones(n * k, 2, dtype=torch.int64)},
+        non_tensors={"uid": uid})
+
+
+def _first_overflowing_group(step, epsilon, norm_by_std):
+    """The first group (in order of appearance) whose statistics or advantages, computed
+    one group at a time as ingestion does, are not finite."""
+    scores = group_scores(step.batch["token_level_rewards"])
+    uid = step.non_tensor_batch["uid"].tolist()
+    for u in dict.fromkeys(uid):
+        group = scores[[i for i, x in enumerate(uid) if x == u]]
+        mean, std = group_statistics(group)
+        adv = grpo_group_advantage(group, epsilon=epsilon, norm_by_std=norm_by_std)
+        if not (torch.isfinite(mean) and torch.isfinite(adv).all()
+                and (torch.isfinite(std) or not norm_by_std)):
+            return u
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(("epsilon", "norm_by_std"), [(1e-6, True), ("tiny", True),
+                                                      (1e-6, False)],
+                         ids=["grpo", "grpo-tiny-epsilon", "dr-grpo"])
+def test_put_refuses_exactly_the_groups_whose_advantages_overflow(dtype, epsilon, norm_by_std):
+    epsilon = {torch.float16: 1e-7, torch.bfloat16: 1e-39}.get(dtype, 1e-44) \
+        if epsilon == "tiny" else epsilon
+    gen = np.random.default_rng(7)
+    refused = accepted = 0
+    for n in (1, 2, 3, 5):
+        for _ in range(4):
+            step = _overflow_case(gen, dtype, n, k=4)
+            if not torch.isfinite(group_scores(step.batch["token_level_rewards"])).all():
+                continue
+            want = _first_overflowing_group(step, epsilon, norm_by_std)
+            with _buffer(group_size=n, groups_per_step=4, mini_batch_size=n, epsilon=epsilon,
+                         norm_adv_by_std_in_grpo=norm_by_std) as buf:
+                if want is None:
+                    buf.put(step)
+                    for mb in buf.minibatches():
+                        assert torch.isfinite(mb.batch["advantages"]).all()
+                    accepted += 1
+                else:
+                    with pytest.raises(SpecError, match=f"group '{want}': .* overflows"):
+                        buf.put(step)
+                    refused += 1
+    assert refused and accepted
+
+
+def test_minibatches_waits_one_timeout_for_the_first_put_and_the_first_minibatch():
+    with _buffer(timeout=60) as buf:  # two groups a step: the one put never fills it
+        buf.put(make_step(groups=2, group_size=2, first_uid=0))
+        buf.minibatches()
+        half = threading.Timer(1.6, lambda: buf.put(make_step(groups=1, group_size=2,
+                                                              first_uid=10)))
+        half.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises(EmptyBufferError):
+                buf.minibatches(timeout=2)
+        finally:
+            half.join()
+        assert time.monotonic() - t < 3.0  # not 2 s for the put and 2 s more for the batch
+        buf.put(make_step(groups=1, group_size=2, first_uid=11))
+        mbs = buf.minibatches(timeout=5)  # resumes: the whole step
+        assert [u for mb in mbs for u in mb.non_tensor_batch["uid"]] == ["p10"] * 2 + ["p11"] * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta", torch.device("meta"),
+                                    "cuda:7", 0, 1.5, None],
+                         ids=["cpu", "cpu-device", "meta", "meta-device", "cuda7", "int", "float",
+                              "none"])
+def test_learner_device_is_taken_or_refused_as_the_plane_does(device):
+    """Checked at construction by the plane's own device check, so a device the plane would
+    refuse at the first put is refused at once."""
+    try:
+        check_device("learner_device", device)
+    except ConfigError as plane_err:
+        with pytest.raises(ConfigError) as err:
+            _buffer(learner_device=device)
+        assert err.value.field == "learner_device" and str(err.value) == str(plane_err)
+    else:
+        with _buffer(learner_device=device) as buf:
+            buf.put(make_step(groups=2, group_size=2))
+            assert len(buf.minibatches()) == 2

@@ -1,10 +1,12 @@
 """ConduitReplayBuffer: groups leaving the pool while ``sample`` runs, malformed fields that
-make a group malformed (evicted once, then the next ``sample`` goes on), and ``close``."""
+make a group malformed (evicted once, then the next ``sample`` goes on), one deadline and
+eviction metrics reported once, and ``close``."""
 
 from tests.verl.conftest import skip_without_verl
 
 skip_without_verl()
 
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -12,7 +14,7 @@ import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from conduit import ConfigError, PlaneClosedError, SpecError  # noqa: E402
+from conduit import ConfigError, EmptyBufferError, PlaneClosedError, SpecError  # noqa: E402
 from conduit.integrations.verl import ConduitSamplerConfig  # noqa: E402
 from tests.verl.test_v1_replay import N, _build, _config, _rollout  # noqa: E402
 
@@ -109,3 +111,63 @@ def test_sample_after_close_raises(kv_store):
     with pytest.raises(PlaneClosedError):
         buffer.sample(global_steps=1, partition_id="train", batch_size=1)
     assert _prompts() == ["a"]
+
+
+def test_waiting_again_keeps_one_deadline_and_reports_the_first_waits_evictions(kv_store):
+    asked = []
+    buffer = _build(_config(timeout=2), refill_fn=asked.append)
+    _rollout("a", 1, seed=1)
+    _rollout("f", 1, seed=9, status="failure")  # evicted (and refilled) by the first wait
+    late = threading.Timer(1.8, _rollout, args=("b", 1, 2))  # b finishes late
+    late.start()
+    wait = buffer.wait_for_sampleable
+    calls = []
+
+    def racing_wait(*args, **kwargs):
+        calls.append(1)
+        out = wait(*args, **kwargs)
+        if len(calls) == 1:  # another consumer takes b once it was counted
+            tq.kv_clear(keys=[k for k in tq.kv_list("train")["train"] if k.startswith("b")],
+                        partition_id="train")
+        return out
+
+    buffer.wait_for_sampleable = racing_wait
+    t = time.monotonic()
+    with pytest.raises(EmptyBufferError) as err:
+        buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    took = time.monotonic() - t
+    late.join()
+    assert len(calls) == 2 and took < 3.0  # one 2 s deadline for both waits, not 2 s each
+    assert "sampler_kwargs.timeout=2.0 s in all" in str(err.value)
+    assert asked == [1]
+    _rollout("c", 1, seed=3)
+    _, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert metrics["training/rollout_failure/evicted_samples"] == 1  # f, reported once
+    _rollout("d", 1, seed=4)
+    _rollout("e", 1, seed=5)
+    _, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert "training/rollout_failure/evicted_samples" not in metrics
+    buffer.close()
+
+
+def test_groups_evicted_by_get_sampleable_count_are_reported_by_the_next_sample(kv_store):
+    buffer = _build(_config())
+    _rollout("a", 1, seed=1)
+    _rollout("f", 1, seed=9, status="failure")
+    assert buffer.get_sampleable_count(global_steps=1, partition_id="train") == 1
+    assert _prompts() == ["a"]
+    _, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert metrics["training/rollout_failure/evicted_samples"] == 1
+    buffer.close()
+
+
+def test_wait_for_sampleable_takes_a_timeout(kv_store):
+    buffer = _build(_config(timeout=60))
+    t = time.monotonic()
+    with pytest.raises(EmptyBufferError):
+        buffer.wait_for_sampleable(1, "train", 1, timeout=0.2)
+    assert time.monotonic() - t < 5
+    with pytest.raises(ConfigError) as err:
+        buffer.wait_for_sampleable(1, "train", 1, timeout=-1)
+    assert err.value.field == "timeout"
+    buffer.close()

@@ -14,6 +14,7 @@ they are placed (``placement``) and when ingestion and delivery run (``schedule`
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from conduit._checks import check_bool, check_int, check_key, check_real
+from conduit._checks import check_bool, check_device, check_int, check_key, check_real
 from conduit.errors import (
     CapacityError,
     ConfigError,
@@ -126,7 +127,8 @@ class GRPOBuffer:
             solved for ``group_size × groups_per_step`` rows, or None for CPU memory).
         schedule: Overlap and granularity of ingestion and delivery (default inline); a
             :class:`~conduit.Schedule` feasible on-policy for ``num_minibatches``.
-        learner_device: Device the mini-batches are delivered to (one this machine has).
+        learner_device: Device the mini-batches are delivered to: the CPU or a CUDA device
+            this machine has, given as :class:`~conduit.ExperienceDataPlane` takes it.
         timeout: Seconds a put or a mini-batch may wait before raising.
 
     Non-tensor entries are copied at put; the elements of an object array (a dict, a list)
@@ -162,7 +164,7 @@ class GRPOBuffer:
         self.num_minibatches = self.rows_per_step // mini_batch_size
         _check_placement(placement, self.rows_per_step)
         _check_schedule(schedule, self.num_minibatches)
-        learner_device = _check_device(learner_device)
+        learner_device = check_device("learner_device", learner_device)
         self.shuffle, self.seed = shuffle, seed
         self.reward_key, self.epsilon = reward_key, epsilon
         self.norm_by_std = norm_adv_by_std_in_grpo
@@ -248,7 +250,8 @@ class GRPOBuffer:
         resumes there and returns all of them.
 
         A call made before the step's first put (the previous step was just delivered)
-        waits for it, within the timeout.
+        waits for it, within the timeout of the call's first mini-batch (one deadline for
+        both).
 
         Args:
             timeout: Seconds to wait for each mini-batch (default: the buffer's ``timeout``).
@@ -263,7 +266,9 @@ class GRPOBuffer:
             raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
         if self._plane is None:
             raise ConfigError("put", "no group was put yet; put a step's groups first")
-        wait = self._plane.config.wait_for(timeout)
+        plane = self._plane
+        wait = plane.config.wait_for(timeout)
+        deadline = time.monotonic() + wait
         with self._arrived:
             started = self._arrived.wait_for(lambda: self._closed or self._has_rows(), wait)
         if self._closed:
@@ -273,8 +278,11 @@ class GRPOBuffer:
                                    f"call again once its groups are put")
         step = self._steps[self._delivering]
         if not step.pulled_all:
-            for batch in self._plane.minibatches(timeout=timeout):
-                step.pulled.append(batch)
+            version = plane.policy_version  # the step's last pull moves it on
+            limit = max(0.0, deadline - time.monotonic())  # the first pull: what is left
+            while plane.policy_version == version:
+                step.pulled.append(plane.pull(timeout=limit))
+                limit = wait
             step.pulled_all = True
         # Converted once the step is whole: every row's non-tensor entries are recorded.
         out = [self._to_dataproto(b, step) for b in step.pulled]
@@ -334,14 +342,15 @@ class GRPOBuffer:
             raise SpecError("uid", "non_tensor_batch['uid'] must name the prompt of each row")
         first: dict[Any, int] = {}
         counts: dict[Any, int] = {}
-        group = torch.empty(len(data), dtype=torch.int64)
+        ids: list[int] = []
         for i, u in enumerate(uid.tolist()):
             try:
-                group[i] = first.setdefault(u, len(first))
+                ids.append(first.setdefault(u, len(first)))
             except TypeError:
                 raise SpecError("uid", f"row {i} has uid {u!r}, which is not hashable; use a "
                                        f"string or a number per prompt") from None
             counts[u] = counts.get(u, 0) + 1
+        group = torch.tensor(ids, dtype=torch.int64)
         step = self._steps.get(self._filling)
         if step is not None and step.parts:
             first = step.parts[0]
@@ -380,19 +389,52 @@ class GRPOBuffer:
 
     def _check_advantages(self, scores: torch.Tensor, group: torch.Tensor, uid: Any) -> None:
         """Each group's mean, standard deviation and advantages are finite in the scores'
-        dtype, as ingestion will compute them."""
-        for g in range(int(group.max()) + 1):
-            rows = (group == g).nonzero().flatten()
-            mean, std = group_statistics(scores[rows])
-            adv = grpo_group_advantage(scores[rows], epsilon=self.epsilon,
-                                       norm_by_std=self.norm_by_std)
-            finite = bool(torch.isfinite(mean)) and bool(torch.isfinite(adv).all())
-            if not finite or (self.norm_by_std and not bool(torch.isfinite(std))):
-                raise SpecError(self.reward_key, f"group {uid[int(rows[0])]!r}: the mean or "
-                                                 f"standard deviation of its scores overflows "
-                                                 f"{scores.dtype}, so its advantages are not "
-                                                 f"finite; scale the rewards down or put them "
-                                                 f"in a wider dtype (.double())")
+        dtype, as ingestion will compute them.
+
+        A vectorized bound (in float64) clears every group whose scores are too small for
+        any of those to overflow, whatever the order of the sums; only the groups it does not
+        clear are computed as ingestion does. Every group has ``group_size`` rows.
+
+        Raises:
+            SpecError: A group's statistics or advantages are not finite (field
+                ``reward_key``).
+        """
+        n = self.group_size
+        if n == 1:  # mean 0 and std 1: the advantage is the score over 1 + epsilon, finite
+            return
+        info = torch.finfo(scores.dtype)
+        limit, u = info.max / 4, info.eps
+        rows = scores.double()[torch.argsort(group, stable=True)].view(-1, n)
+        big = rows.abs().amax(dim=1)  # bounds every partial sum: n * big
+        spread = (rows - rows.mean(dim=1, keepdim=True)).abs().amax(dim=1)
+        numerator = spread + 4 * n * u * big  # |score - mean| with the mean's rounding
+        safe = n * big <= limit
+        if self.norm_by_std:
+            # std + epsilon >= epsilon in the dtype, rounded directly or through float32
+            eps = min(float(torch.tensor(self.epsilon, dtype=scores.dtype)),
+                      float(torch.tensor(self.epsilon).to(scores.dtype))) / 2
+            safe &= (4 * n * big * big <= limit) & (numerator / eps <= limit)
+        else:
+            safe &= numerator <= limit
+        for g in (~safe).nonzero().flatten().tolist():
+            self._check_group(scores, (group == g).nonzero().flatten(), uid)
+
+    def _check_group(self, scores: torch.Tensor, rows: torch.Tensor, uid: Any) -> None:
+        """One group's statistics and advantages, computed as ingestion does, are finite.
+
+        Raises:
+            SpecError: They are not (field ``reward_key``).
+        """
+        mean, std = group_statistics(scores[rows])
+        adv = grpo_group_advantage(scores[rows], epsilon=self.epsilon,
+                                   norm_by_std=self.norm_by_std)
+        finite = bool(torch.isfinite(mean)) and bool(torch.isfinite(adv).all())
+        if not finite or (self.norm_by_std and not bool(torch.isfinite(std))):
+            raise SpecError(self.reward_key, f"group {uid[int(rows[0])]!r}: the mean or "
+                                             f"standard deviation of its scores overflows "
+                                             f"{scores.dtype}, so its advantages are not "
+                                             f"finite; scale the rewards down or put them "
+                                             f"in a wider dtype (.double())")
 
     def _build(self, tensors: Batch) -> ExperienceDataPlane:
         fields = {k: FieldSpec(shape=tuple(v.shape[1:]), dtype=v.dtype)
@@ -463,24 +505,3 @@ def _check_schedule(schedule: Any, num_minibatches: int) -> None:
         feasible_space(mode="on_policy", num_minibatches=num_minibatches).check(schedule)
     except ScheduleError as e:
         raise ConfigError("schedule", str(e)) from None
-
-
-def _check_device(device: Any) -> torch.device:
-    """``device`` as a ``torch.device`` this machine has.
-
-    Raises:
-        ConfigError: It names no device, or a CUDA device this machine lacks.
-    """
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise ConfigError("learner_device", f"expected a device name such as 'cpu' or "
-                                            f"'cuda:0', or a torch.device, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError("learner_device", f"{device!r} is not a device ({e}); use e.g. "
-                                            f"'cpu' or 'cuda:0'") from None
-    if dev.type == "cuda" and (not torch.cuda.is_available()
-                               or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError("learner_device", f"{device!r}: this machine has "
-                                            f"{torch.cuda.device_count()} CUDA device(s)")
-    return dev

@@ -161,7 +161,7 @@ class ConduitReplayBuffer:
         self.refill_fn = refill_fn
         self._plane: ExperienceDataPlane | None = None
         self._step_rows = 0
-        self._evicted: dict[str, int] = {}  # malformed groups evicted since the last metrics
+        self._unreported: dict[str, int] = {}  # evictions no returned metrics counted yet
         self._closed = False
 
     @property
@@ -170,27 +170,52 @@ class ConduitReplayBuffer:
         return self._plane
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
-        """Finished groups in ``partition_id`` (evicting failed ones first)."""
-        return len(self._finished(partition_id, {}))
+        """Finished groups in ``partition_id`` (evicting failed ones first; they are counted
+        in the metrics the next ``wait_for_sampleable`` or ``sample`` returns)."""
+        metrics: dict = {}
+        try:
+            return len(self._finished(partition_id, metrics))
+        finally:
+            self._defer(metrics)
 
-    def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int
-                            ) -> tuple[set[str], dict]:
+    def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int, *,
+                            timeout: float | None = None) -> tuple[set[str], dict]:
         """Wait until ``target_count`` groups are finished; returns their uids and metrics.
 
+        The metrics count the groups evicted while waiting, and those evicted since the last
+        returned metrics (by a call that raised, or by ``get_sampleable_count``): each
+        eviction is reported once.
+
+        Args:
+            global_steps: The trainer's step (unused: groups are on-policy).
+            partition_id: The TransferQueue partition.
+            target_count: Finished groups to wait for.
+            timeout: Seconds to wait at most (default ``sampler_kwargs.timeout``).
+
         Raises:
-            EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
+            EmptyBufferError: Not enough groups finished within the timeout (its evictions
+                are reported by the next metrics).
+            ConfigError: ``timeout`` is not a number >= 0.
         """
+        limit = self.config.timeout if timeout is None else check_real(
+            "timeout", timeout, positive=False, what="a number of seconds")
+        deadline = time.monotonic() + limit
         metrics: dict = {}
-        deadline = time.monotonic() + self.config.timeout
-        while True:
-            finished = self._finished(partition_id, metrics)
-            if len(finished) >= target_count:
-                return set(finished), metrics
-            if time.monotonic() >= deadline:
-                raise EmptyBufferError(f"{len(finished)} of {target_count} groups finished "
-                                       f"within {self.config.timeout} s in partition "
-                                       f"{partition_id!r}")
-            time.sleep(self.config.poll_interval)
+        try:
+            while True:
+                finished = self._finished(partition_id, metrics)
+                if len(finished) >= target_count:
+                    _merge(metrics, self._take_unreported())
+                    return set(finished), metrics
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EmptyBufferError(f"{len(finished)} of {target_count} groups "
+                                           f"finished within {round(limit, 2)} s in partition "
+                                           f"{partition_id!r}")
+                time.sleep(min(self.config.poll_interval, left))
+        except BaseException:
+            self._defer(metrics)
+            raise
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int
                ) -> tuple[KVBatchMeta, dict]:
@@ -202,7 +227,9 @@ class ConduitReplayBuffer:
         ``refill_fn`` on ``train``) and this call raises; the groups that were fine stay in
         the pool for the next call. If the plane fails once rows were pushed, it is closed and
         the next call builds a fresh one. The groups are chosen from the listing that counted
-        them; if some left the pool meanwhile (another consumer), it waits for more.
+        them; if some left the pool meanwhile (another consumer), it waits for more, within
+        the same ``sampler_kwargs.timeout`` (one deadline for the whole call). Evictions of a
+        call that raises are counted in the next metrics returned.
 
         Raises:
             ConfigError: ``batch_size`` is not a positive integer, or differs from the
@@ -220,28 +247,37 @@ class ConduitReplayBuffer:
         if self._closed:
             raise PlaneClosedError("the ConduitReplayBuffer is closed; build a new one")
         batch_size = check_int("batch_size", batch_size, minimum=1)
+        metrics: dict = {}
+        try:
+            return self._sample(global_steps, partition_id, batch_size, metrics)
+        except BaseException:
+            self._defer(metrics)  # reported by the next metrics returned
+            raise
+
+    def _sample(self, global_steps: int, partition_id: str, batch_size: int, metrics: dict
+                ) -> tuple[KVBatchMeta, dict]:
+        """:meth:`sample`, counting evictions in ``metrics`` as it goes."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout
-        metrics: dict = {}
         while True:
-            _, waited = self.wait_for_sampleable(global_steps, partition_id, batch_size)
-            for name, value in waited.items():
-                metrics[name] = metrics.get(name, 0) + value
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                _, waited = self.wait_for_sampleable(global_steps, partition_id, batch_size,
+                                                     timeout=left)
+            except EmptyBufferError as e:
+                raise EmptyBufferError(f"{e} (sample waits sampler_kwargs.timeout="
+                                       f"{self.config.timeout} s in all)") from None
+            _merge(metrics, waited)
             listing = tq.kv_list(partition_id).get(partition_id, {})
             finished = self._finished(partition_id, metrics, listing=listing)
             if len(finished) >= batch_size:
                 break
-            if time.monotonic() >= deadline:
-                raise EmptyBufferError(f"{len(finished)} of {batch_size} groups finished "
-                                       f"within {self.config.timeout} s in partition "
-                                       f"{partition_id!r}")
         chosen = sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
         keys, tags = self._trajectories(listing, chosen)
         train = partition_id == "train"
         self._evict_malformed(self._miscounted(keys, chosen, exact=train), partition_id)
         if not train:
             tq.kv_clear(keys=chosen, partition_id=partition_id)
-            metrics.update(self._evicted_metrics())
             return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
         mask, reward = self._read(keys, partition_id)
         self._evict_malformed(self._bad_layout(keys, chosen, mask, reward, partition_id),
@@ -252,8 +288,7 @@ class ConduitReplayBuffer:
         tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
         prefix = "training/conduit"
         metrics.update({f"{prefix}/score_mean": float(scores.mean()),
-                        f"{prefix}/sample_s": time.perf_counter() - t0,
-                        **self._evicted_metrics()})
+                        f"{prefix}/sample_s": time.perf_counter() - t0})
         return KVBatchMeta(partition_id=partition_id, keys=[keys[i] for i in order],
                            tags=[tags[i] for i in order]), metrics
 
@@ -410,8 +445,7 @@ class ConduitReplayBuffer:
         tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in bad],
                     partition_id=partition_id)
         kind = "training" if partition_id == "train" else "validation"
-        name = f"{kind}/conduit/evicted_malformed"
-        self._evicted[name] = self._evicted.get(name, 0) + len(bad)
+        self._defer({f"{kind}/conduit/evicted_malformed": len(bad)})
         if self.refill_fn is not None and partition_id == "train":
             self.refill_fn(len(bad))
         field, message = next(iter(bad.values()))
@@ -419,9 +453,13 @@ class ConduitReplayBuffer:
         raise SpecError(field, f"{message}. The group was evicted from partition "
                                f"{partition_id!r}{others}; the next sample goes on without it")
 
-    def _evicted_metrics(self) -> dict[str, int]:
-        """Malformed groups evicted since the last metrics (reported once)."""
-        out, self._evicted = self._evicted, {}
+    def _defer(self, metrics: Mapping[str, int]) -> None:
+        """Keep eviction counts no returned metrics carried, for the next metrics."""
+        _merge(self._unreported, metrics)
+
+    def _take_unreported(self) -> dict[str, int]:
+        """Evictions since the last returned metrics (reported once)."""
+        out, self._unreported = self._unreported, {}
         return out
 
     def _through_plane(self, mask: torch.Tensor, scores: torch.Tensor, tags: list[dict],
@@ -482,6 +520,12 @@ class ConduitReplayBuffer:
         advantage = grpo_group_advantage(group["score"], epsilon=self.config.epsilon,
                                          norm_by_std=self.config.norm_adv_by_std_in_grpo)
         return {**group, "advantage": advantage}
+
+
+def _merge(into: dict, counts: Mapping[str, int]) -> None:
+    """Add ``counts`` to ``into``, name by name."""
+    for name, value in counts.items():
+        into[name] = into.get(name, 0) + value
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
