@@ -128,6 +128,34 @@ def _scored(raw: Any, n: int, what: str) -> torch.Tensor:
     return r.to(torch.float32)
 
 
+def _check_one_prompt_per_group(prompts: tuple[torch.Tensor, torch.Tensor], g: int,
+                                what: str) -> None:
+    """Refuse packed ``prompts`` (values, lengths) unless each run of ``g`` rows repeats one
+    prompt: every token equals the one a row earlier in its group (vectorized).
+
+    Raises:
+        SpecError: A group holds two different prompts (field ``prompt_ids``).
+    """
+    if g == 1:
+        return
+    values, lengths = prompts
+    per_group = lengths.view(-1, g)
+    if bool((per_group == per_group[:, :1]).all()):
+        if bool((lengths == lengths[0]).all()):  # one length throughout: one comparison
+            rows = values.view(-1, g, int(lengths[0]))
+            same = bool((rows == rows[:, :1]).all())
+        else:  # each token against the same position one row earlier, within its group
+            later = (torch.arange(lengths.numel()) % g) != 0
+            at = torch.arange(values.numel())[torch.repeat_interleave(later, lengths)]
+            shift = torch.repeat_interleave(lengths, lengths)[at]
+            same = bool((values[at] == values[at - shift]).all())
+        if same:
+            return
+    raise SpecError("prompt_ids", f"{what}: a group's {g} completions must share one "
+                                  f"prompt (push the G completions of a prompt together, "
+                                  f"group after group)")
+
+
 def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One reward per completion from ``per_func`` (completions × reward functions): the
     weighted sum ignoring NaN; NaN where every function returned None (unscorable).
@@ -598,7 +626,7 @@ class GroupExperiencePath:
             if int(prompts[1].max()) > self._prompt_width:
                 raise SpecError("prompt_ids", f"{what} hold a prompt longer than the "
                                               f"iteration's prompt_width {self._prompt_width}")
-            self._check_one_prompt_per_group(prompts, what)
+            _check_one_prompt_per_group(prompts, self.group_size, what)
             serial, start = self._serial, self._pushed
             self._serial += 1
             unit = _Unit(start, prompt_ids, completion_ids, prompts, completions, payload)
@@ -613,34 +641,6 @@ class GroupExperiencePath:
                 self._lose([serial])
                 self._settle()
                 raise
-
-    def _check_one_prompt_per_group(self, prompts: tuple[torch.Tensor, torch.Tensor],
-                                    what: str) -> None:
-        """Refuse packed ``prompts`` (values, lengths) unless each run of G rows repeats one
-        prompt: every token equals the one a row earlier in its group (vectorized).
-
-        Raises:
-            SpecError: A group holds two different prompts (field ``prompt_ids``).
-        """
-        g = self.group_size
-        if g == 1:
-            return
-        values, lengths = prompts
-        per_group = lengths.view(-1, g)
-        if bool((per_group == per_group[:, :1]).all()):
-            if bool((lengths == lengths[0]).all()):  # one length throughout: one comparison
-                rows = values.view(-1, g, int(lengths[0]))
-                same = bool((rows == rows[:, :1]).all())
-            else:  # each token against the same position one row earlier, within its group
-                later = (torch.arange(lengths.numel()) % g) != 0
-                at = torch.arange(values.numel())[torch.repeat_interleave(later, lengths)]
-                shift = torch.repeat_interleave(lengths, lengths)[at]
-                same = bool((values[at] == values[at - shift]).all())
-            if same:
-                return
-        raise SpecError("prompt_ids", f"{what}: a group's {g} completions must share one "
-                                      f"prompt (push the G completions of a prompt together, "
-                                      f"group after group)")
 
     def recover(self) -> OperatorError | None:
         """Clear the plane's latched operator error (:meth:`ExperienceDataPlane.recover`) and
