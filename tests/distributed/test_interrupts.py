@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conduit.distributed import ShardUnavailableError
-from conduit.errors import DataLossError
+from conduit.errors import CapacityError, DataLossError
 from conduit.scheduling import Schedule
 from tests.distributed.helpers import check_rows, make_plane, rows
 
@@ -187,5 +187,159 @@ def test_an_interrupt_after_a_mini_batch_is_formed_keeps_it(cluster):
         ids, log = pull_iteration(plane, 0)
         assert fired and log == ["interrupt"] + ["batch"] * 4
         assert sorted(ids) == list(range(32)) and plane.policy_version == 1
+    finally:
+        plane.close()
+
+
+def test_an_interrupted_push_of_another_node_leaves_its_unit_unqueued(cluster):
+    plane = make_plane(cluster, capacity=100, batch_size=4, min_size=1, num_shards=2,
+                       schedule=Schedule(0, 2, 0, 1))
+    nodes = plane.nodes
+    calls = [0]
+
+    @plane.register_ingestion()
+    def ing(actor_in, exp_out):
+        calls[0] += 1
+        for unit in actor_in.read_units():
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            exp_out.write(unit)
+    try:
+        plane.push(rows(4, 0), node=nodes[0])  # acknowledged, queued
+        with pytest.raises(KeyboardInterrupt):  # runs node 0's unit only, interrupted
+            plane.push(rows(4, 100), node=nodes[1])
+        assert plane._ingestion.idle()  # the push that raised left nothing queued
+        plane.push(rows(4, 100), node=nodes[1])  # the caller retries it
+        plane.flush(timeout=30)
+        assert len(plane) == 4 and plane._ingress.counters["rows"] == 4  # stored once
+        assert set(plane.pull(timeout=10)["id"].tolist()) <= {100, 101, 102, 103}
+    finally:
+        with pytest.raises(DataLossError) as info:
+            plane.close()
+    assert info.value.lost_units == 1 and info.value.lost_rows == 4
+
+
+def test_a_push_waiting_for_the_next_iteration_finishes_a_failed_clear(cluster):
+    import threading
+    import time
+
+    import ray
+    plane = on_policy_plane(cluster)
+    rep, shards = plane._replicator, plane._shards
+    clear_all, get = rep.clear_all, shards.get
+    state = {"in_clear": False, "fired": False}
+
+    def failing_clear(deadline):
+        state["in_clear"] = True
+        try:
+            return clear_all(deadline)
+        finally:
+            state["in_clear"] = False
+
+    def failing_get(refs, deadline, *, shard):
+        if state["in_clear"] and not state["fired"]:  # the clears landed; no answer in time
+            state["fired"] = True
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            raise ShardUnavailableError(0, "no answer within the call's timeout")
+        return get(refs, deadline, shard=shard)
+    result = {}
+
+    def next_version_push():
+        start = time.monotonic()
+        try:
+            plane.push(rows(8, 100), policy_version=1, timeout=6)
+            result["outcome"] = "stored"
+        except Exception as exc:
+            result["outcome"] = type(exc).__name__
+        result["seconds"] = time.monotonic() - start
+    try:
+        rep.clear_all, shards.get = failing_clear, failing_get
+        for k in range(4):
+            plane.push(rows(8, 8 * k), policy_version=0)
+        for _ in range(3):
+            plane.pull(timeout=30)
+        pusher = threading.Thread(target=next_version_push)
+        pusher.start()
+        time.sleep(0.5)  # the push waits in the gate for iteration 0 to be consumed
+        with pytest.raises(ShardUnavailableError):
+            plane.pull(timeout=30)  # the last mini-batch; its clear fails
+        pusher.join(30)
+        assert result["outcome"] == "stored" and result["seconds"] < 4  # not its whole timeout
+        assert plane.policy_version == 1 and plane._gate.pushed == 8
+    finally:
+        rep.clear_all, shards.get = clear_all, get
+        plane.close()
+
+
+def test_minibatches_of_the_next_iteration_yield_only_its_own_rows(cluster):
+    import ray
+    plane = on_policy_plane(cluster)
+    rep, shards = plane._replicator, plane._shards
+    clear_all, get = rep.clear_all, shards.get
+    state = {"in_clear": False, "fired": False}
+
+    def interrupted_clear(deadline):
+        state["in_clear"] = True
+        try:
+            return clear_all(deadline)
+        finally:
+            state["in_clear"] = False
+
+    def interrupted_get(refs, deadline, *, shard):
+        if state["in_clear"] and not state["fired"]:  # the last mini-batch's clear
+            state["fired"] = True
+            ray.wait(refs, num_returns=1, timeout=30)
+            raise KeyboardInterrupt
+        return get(refs, deadline, shard=shard)
+    try:
+        rep.clear_all, shards.get = interrupted_clear, interrupted_get
+        for k in range(4):
+            plane.push(rows(8, 8 * k), policy_version=0)
+        first = []
+        with pytest.raises(KeyboardInterrupt):
+            for batch in plane.minibatches(timeout=30):
+                first.append(batch["id"].tolist())
+        assert state["fired"] and len(first) == 3
+        for k in range(4):
+            plane.push(rows(8, 100 + 8 * k), policy_version=1)
+        second = [batch["id"].tolist() for batch in plane.minibatches(timeout=30)]
+        assert len(second) == 4  # iteration 0's last mini-batch is not among them
+        assert sorted(i for ids in second for i in ids) == list(range(100, 132))
+        assert plane.policy_version == 2
+    finally:
+        rep.clear_all, shards.get = clear_all, get
+        plane.close()
+
+
+def test_a_timed_out_push_to_a_busy_shard_keeps_its_rows_until_settled(cluster):
+    import time
+
+    import ray
+    plane = make_plane(cluster, capacity=32, mode="on_policy", num_minibatches=2,
+                       replication=1, num_shards=1, timeout=3.0)
+
+    def busy(actor_self):
+        import time
+        time.sleep(4.0)
+        return 1
+    try:
+        plane.push(rows(8, 0), policy_version=0)
+        busy_ref = plane._shards.actors[0].__ray_call__.remote(busy)
+        time.sleep(0.3)
+        start = time.monotonic()
+        with pytest.raises(ShardUnavailableError):
+            plane.push(rows(8, 900), policy_version=0, timeout=0.5)  # sent, lands later
+        # the re-read is bounded by the push's own timeout (plus a short grace), and the
+        # rows it could not settle stay counted against the iteration
+        assert time.monotonic() - start < 2.5
+        assert plane._gate.pushed == 16 and plane._replicator.unsettled
+        ray.get(busy_ref)
+        for begin in (100, 108):
+            plane.push(rows(8, begin), policy_version=0)  # settles it first: it landed
+        assert plane._gate.pushed == 32 and plane._gate.rows == 32
+        with pytest.raises(CapacityError):
+            plane.push(rows(8, 116), policy_version=0)
+        ids = [i for b in plane.minibatches(timeout=30) for i in b["id"].tolist()]
+        assert sorted(ids) == [*range(8), *range(100, 116), *range(900, 908)]
     finally:
         plane.close()

@@ -122,9 +122,9 @@ class LearnerPort:
         self._next: Pending | None = None
         self._staged: list[Batch] = []  # batches of the last invocation not pulled yet
         self._staged_from: Pending | None = None
-        # a batch formed (its position committed) but not returned: an interrupt landed
-        # before pull() handed it back; the next pull returns it first
-        self._owed: Batch | None = None
+        # a batch formed (its position committed) but not returned, with the on-policy
+        # iteration it is of: an interrupt landed before pull() handed it back
+        self._owed: tuple[Batch, int] | None = None
         self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
         self.remote_wait_s = 0.0  # time pull() waited on Ray for a batch's rows
         self.pulls = 0
@@ -244,7 +244,11 @@ class LearnerPort:
 
         An interrupt (such as ``KeyboardInterrupt``) after the batch was formed (while the
         iteration is marked consumed and the shards cleared, or the next draw is submitted)
-        keeps it: the next pull returns it first, after finishing a clear cut short.
+        keeps it: the next pull returns it first, after finishing a clear cut short. On-policy
+        the kept batch is of the iteration it was formed in: :meth:`minibatches` yields it
+        first only in a loop over that iteration, and a loop started for a later iteration
+        (the interrupt cut short the last mini-batch's pull, so it ended the loop the batch
+        was of) drops it, so a loop yields only its own iteration's mini-batches.
 
         Raises:
             EmptyBufferError: No batch could be formed within ``timeout``.
@@ -258,13 +262,16 @@ class LearnerPort:
         plane._check_open()
         plane._ingestion.raise_if_failed()
         deadline = time.monotonic() + plane.config.wait_for(timeout)
+        if plane.config.on_policy and plane._replicator.unsettled:
+            with plane._cond:  # a push's write that may still land counts once it is known
+                plane._replicator.settle(deadline)
         if plane.config.on_policy and plane._gate.clearing:
             plane._finish_clear(deadline)  # a clear cut short by an interrupt or a timeout
         if self._owed is not None:  # formed, then an interrupt kept it from being returned
-            return self._hand_out(self._owed)
+            return self._hand_out(self._owed[0])
         if self._staged and self._fresh(self._staged_from):
             batch = self._staged.pop(0)
-            self._owed = batch
+            self._owed = batch, self._position[0]
             if plane.prefetch and not self._staged:
                 with plane._cond:
                     self._next = self._plan()
@@ -301,7 +308,7 @@ class LearnerPort:
                          batch_size=len(rows["_index"]) // batches, device=self.device)
         batch, self._staged, self._staged_from = staged[0], staged[1:], pending
         # From here the batch is this rank's: an interrupt below leaves it for the next pull.
-        self._owed = batch
+        self._owed = batch, self._position[0]
         if on:
             self._advance()
         if plane.prefetch and not self._staged:
@@ -343,7 +350,8 @@ class LearnerPort:
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:
         """On-policy: this rank's share of every mini-batch of the current iteration
-        (M × epochs), in order.
+        (M × epochs), in order. A batch an interrupt kept from an earlier iteration's last
+        pull is dropped, not yielded (see :meth:`pull`).
 
         Raises:
             ConfigError: The plane is off-policy.
@@ -352,5 +360,7 @@ class LearnerPort:
         if not plane.config.on_policy:
             raise ConfigError("mode", "minibatches() is for on-policy planes; use pull()")
         iteration = self._position[0]
+        if self._owed is not None and self._owed[1] < iteration:
+            self._owed = None  # the loop it was of ended with the interrupt that kept it
         while self._position[0] == iteration:  # its last share moves this rank on
             yield self.pull(timeout=timeout)

@@ -16,7 +16,14 @@ from typing import Any
 from conduit.distributed._ray import lost_object
 from conduit.distributed.cluster import ShardSet
 from conduit.distributed.iteration import IterationGate
-from conduit.distributed.operators import FrontIngestion, QueuedUnit, mark_stored, stored_rows_of
+from conduit.distributed.operators import (
+    FrontIngestion,
+    QueuedUnit,
+    mark_stored,
+    mark_unsettled,
+    stored_rows_of,
+    unsettled_rows_of,
+)
 from conduit.distributed.replication import Replicator, rollout_lost
 from conduit.distributed.shard import to_wire
 from conduit.errors import CapacityError, ConfigError
@@ -24,6 +31,9 @@ from conduit.plane.config import PlaneConfig
 from conduit.plane.data_plane import admit_rollout
 from conduit.scheduling.space import Schedule
 from conduit.spec import Batch
+
+SETTLE_GRACE_S = 1.0
+"""Seconds past a failed on-policy write's deadline its holders are re-read for."""
 
 
 class Ingress:
@@ -47,6 +57,7 @@ class Ingress:
         self._replicator, self._gate, self._cond, self._here = replicator, gate, cond, here
         self._route_turn = 0
         self.counters = {"units": 0, "rows": 0}
+        replicator.on_settled = self._settled
         self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
                                         on_lost=self._release, prepare=self._prepare_output,
                                         commit=self._commit_output)
@@ -96,14 +107,16 @@ class Ingress:
         unit = QueuedUnit(data, rows, node, policy_version)
         if cfg.on_policy:
             with self._cond:
-                # a consumed iteration whose clear was cut short is cleared first
-                self._gate.finish(lambda: self._replicator.clear_all(deadline))
-                self._gate.admit(rows, policy_version, deadline)
+                # a write whose holders could not be re-read is settled before rows are counted
+                self._replicator.settle(deadline)
+                # a consumed iteration whose clear was cut short is cleared by the push
+                self._gate.admit(rows, policy_version, deadline,
+                                 clear=lambda: self._replicator.clear_all(deadline))
         if ing.direct:
             try:
                 self._store(data, rows, node, deadline)
             except BaseException as exc:
-                self._release([unit], stored_rows_of(exc))
+                self._release([unit], stored_rows_of(exc) + unsettled_rows_of(exc))
                 raise
         else:
             ing.submit(unit, deadline)  # a unit it does not store, it releases
@@ -123,9 +136,19 @@ class Ingress:
         with self._cond:
             self.counters["units"] += 1
 
+    def _settled(self, rows: int, applied: bool) -> None:
+        """On-policy: a write of ``rows`` rows whose holders could not be re-read when it
+        raised is settled: its rows count as stored if they ``applied`` it, else they leave
+        the iteration (call with the lock held)."""
+        if applied:
+            self.counters["rows"] += rows
+            self._gate.stored(rows)
+        else:
+            self._gate.released(rows)
+
     def _release(self, units: list[QueuedUnit], stored: int = 0) -> None:
         """On-policy: admitted units that will not be stored leave the iteration, less the
-        ``stored`` rows of theirs that were stored all the same."""
+        ``stored`` rows of theirs that were stored all the same or are not settled yet."""
         if self.config.on_policy:
             with self._cond:
                 self._gate.released(sum(u.rows for u in units) - stored)
@@ -157,7 +180,11 @@ class Ingress:
         before the error goes on: the owner's holders are re-read (copies that differ get the
         primary's rows); when they applied it, its rows count as stored (the error carries
         them, :func:`~conduit.distributed.operators.stored_rows_of`), otherwise no holder
-        keeps them."""
+        keeps them. The re-read waits until the write's own ``deadline`` plus a short grace;
+        when it cannot settle the write by then (the write may still land), its rows stay
+        counted against the iteration (the error carries them,
+        :func:`~conduit.distributed.operators.unsettled_rows_of`) until the owner's next
+        successful re-read settles them."""
         payload = data if validate or prepared else self._ray.put(to_wire(data))
         with self._cond:
             on = self.config.on_policy
@@ -167,14 +194,29 @@ class Ingress:
             try:
                 added = self._replicator.write(owner, payload, validate, deadline)
             except BaseException as exc:
-                if on and self._replicator.applied(
-                        owner, rows, time.monotonic() + self.config.timeout):
-                    self.counters["rows"] += rows
-                    self._gate.stored(rows)
-                    mark_stored(exc, rows)
+                if on:
+                    self._settle_failed(exc, owner, rows, deadline)
                 raise
             self.counters["rows"] += added if validate else rows
             if self.config.on_policy:
                 self._gate.stored(rows)
             self._cond.notify_all()
 
+    def _settle_failed(self, exc: BaseException, owner: int, rows: int,
+                       deadline: float) -> None:
+        """On-policy: settle a write of ``rows`` rows to ``owner`` that raised ``exc``, by
+        re-reading the holders until ``deadline`` (or now, when it passed) plus
+        :data:`SETTLE_GRACE_S` (call with the lock held); what was found is recorded on
+        ``exc``."""
+        until = max(deadline, time.monotonic()) + min(SETTLE_GRACE_S, self.config.timeout)
+        try:
+            applied = self._replicator.applied(owner, rows, until)
+        except BaseException as again:  # an interrupt of the re-read: it stays unsettled
+            mark_unsettled(again, rows)
+            raise
+        if applied is None:
+            mark_unsettled(exc, rows)
+        elif applied:
+            self.counters["rows"] += rows
+            self._gate.stored(rows)
+            mark_stored(exc, rows)

@@ -41,16 +41,23 @@ class IterationGate:
         """All of the current iteration's rows are stored."""
         return self.rows >= self.capacity
 
-    def admit(self, rows: int, version: int | None, deadline: float) -> None:
+    def admit(self, rows: int, version: int | None, deadline: float,
+              clear: Callable[[], None] | None = None) -> None:
         """Wait until a rollout of ``rows`` rows from policy ``version`` may join the
-        iteration, then count them as pushed.
+        iteration, then count them as pushed. With ``clear``, a consumed iteration whose clear
+        was cut short (:attr:`clearing`) is cleared here first, and again whenever the wait
+        is woken by a clear that failed, so a newer ``version`` does not wait on a clear no
+        one finishes.
 
         Raises:
             StaleRolloutError: ``version`` is older than the current iteration.
             BackpressureTimeout: A newer ``version`` waited past ``deadline``.
             CapacityError: The rows do not fit the iteration.
             PlaneClosedError: The plane closed while waiting (from ``check_open``).
+            Exception: What ``clear`` raised (nothing was admitted).
         """
+        if clear is not None:
+            self.finish(clear)
         if version is not None and version < self.iteration:
             raise StaleRolloutError(f"policy_version {version} is older than the plane's "
                                     f"{self.iteration}")
@@ -61,6 +68,8 @@ class IterationGate:
                                           f"{self.iteration} to be consumed")
             self._cond.wait(left)
             self._check_open()
+            if clear is not None:
+                self.finish(clear)
         if self.pushed + rows > self.capacity:
             raise CapacityError(f"{rows} rows exceed the iteration's {self.capacity} (it holds "
                                 f"{self.pushed})", needed=rows,
@@ -114,10 +123,16 @@ class IterationGate:
 
     def finish(self, clear: Callable[[], None]) -> None:
         """Clear the consumed iteration (``clear`` is safe to run again after it was cut
-        short) and open the next one; nothing while the iteration is still being read."""
+        short) and open the next one; nothing while the iteration is still being read. When
+        ``clear`` raises, the waiters are woken (a push waiting in :meth:`admit` with its own
+        ``clear`` finishes it) and the error goes on."""
         if not self.clearing:
             return
-        clear()
+        try:
+            clear()
+        except BaseException:
+            self._cond.notify_all()
+            raise
         self.iteration += 1
         self.pushed, self.rows, self._done = 0, 0, set()
         self._cond.notify_all()

@@ -120,6 +120,22 @@ def mark_stored(exc: BaseException, rows: int) -> None:
     setattr(exc, STORED_ATTR, stored_rows_of(exc) + rows)
 
 
+UNSETTLED_ATTR = "conduit_unsettled_rows"
+
+
+def unsettled_rows_of(exc: BaseException) -> int:
+    """Rows of a failed write not known to be stored or not (its holders could not be
+    re-read), as :func:`mark_unsettled` recorded them on ``exc``: they stay counted against
+    the iteration until the write is settled."""
+    return int(getattr(exc, UNSETTLED_ATTR, 0))
+
+
+def mark_unsettled(exc: BaseException, rows: int) -> None:
+    """Record on ``exc`` that whether the write it ended stored its ``rows`` rows is not
+    known yet."""
+    setattr(exc, UNSETTLED_ATTR, unsettled_rows_of(exc) + rows)
+
+
 class FrontIngestion:
     """The operators of the sharded front: the ingestion operator with its queue, its thread
     and its error latch, and the delivery operator the learner ports run.
@@ -129,7 +145,8 @@ class FrontIngestion:
         timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
         on_lost: Called (with no lock of this class held) with the units that will not be
             stored (refused by :meth:`submit`, or taken by a failed or interrupted invocation)
-            and the rows of theirs that were stored all the same.
+            and the rows of theirs that were stored all the same or whose write is not settled
+            yet (they are not released).
         prepare: With ``commit``, on-policy (:attr:`iteration` set): an invocation's outputs
             are checked and readied as they are written, and stored only once the operator
             returned having written exactly its units' rows, so a failed invocation leaves no
@@ -208,7 +225,10 @@ class FrontIngestion:
 
     # -- the queue --------------------------------------------------------------------------
     def submit(self, unit: QueuedUnit, deadline: float) -> None:
-        """Queue ``unit``; inline, run every invocation that is due on this thread.
+        """Queue ``unit``; inline, run every invocation that is due on this thread. An
+        interrupt (such as ``KeyboardInterrupt``) of an invocation run here is re-raised, and
+        ``unit`` is left to no later invocation: when the interrupted one did not take it, it
+        is taken out of the queue (``on_lost``), so a retry of the push stores it once.
 
         Raises:
             BackpressureTimeout: No room in the queue by ``deadline``.
@@ -288,6 +308,7 @@ class FrontIngestion:
         hold = self.iteration is not None and prepare is not None and commit is not None
         held: list[tuple[Any, int]] = []
         stored = 0  # rows of this invocation's acknowledged writes (they stay on failure)
+        unsettled = 0  # rows of a write that raised and may still land (settled later)
 
         def write(batch: Mapping[str, Any]) -> int:
             nonlocal stored
@@ -311,12 +332,14 @@ class FrontIngestion:
                     stored += rows
         except Exception as exc:
             stored += stored_rows_of(exc)
+            unsettled += unsettled_rows_of(exc)
             err = OperatorError("ingestion", exc, lost_units=len(units),
                                 lost_rows=sum(u.rows for u in units), stored_rows=stored)
             err.__cause__ = exc
         except BaseException as exc:
             interrupt = exc
             stored += stored_rows_of(exc)
+            unsettled += unsettled_rows_of(exc)
             acked = [u for u in units if u is not current]
             err = OperatorError("ingestion", exc, lost_units=len(acked),
                                 lost_rows=sum(u.rows for u in acked), stored_rows=stored)
@@ -331,21 +354,40 @@ class FrontIngestion:
                 self._interrupted.append(err)
             self._cond.notify_all()
         if err is not None:
-            self._on_lost(units, stored)
+            self._on_lost(units, stored + unsettled)
         if interrupt is not None:
             raise interrupt
         return err
 
     def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None) -> None:
+        """Run every due invocation on this thread. ``current`` is the unit of the push
+        running them: when an interrupt cuts short an invocation without it, it is taken out
+        of the queue and handed to ``on_lost`` (the push raised, so it stores nothing; had it
+        stayed queued, a retry of the push would store its rows twice)."""
         while True:
             with self._cond:
                 self.raise_if_failed()
                 units = self._take(force=force)
             if units is None:
                 return
-            err = self._run(units, current)
+            try:
+                err = self._run(units, current)
+            except BaseException:
+                if current is not None and all(u is not current for u in units):
+                    self._withdraw(current)
+                raise
             if err is not None:
                 raise err
+
+    def _withdraw(self, unit: QueuedUnit) -> None:
+        """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``."""
+        with self._cond:
+            at = next((k for k, u in enumerate(self._pending) if u is unit), None)
+            if at is None:
+                return
+            del self._pending[at]
+            self._cond.notify_all()
+        self._on_lost([unit], 0)
 
     def _work(self) -> None:
         while True:

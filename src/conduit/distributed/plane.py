@@ -308,7 +308,9 @@ class RayExperienceDataPlane(ScheduledOperators):
                 The write may have been sent all the same: on-policy the holders are
                 re-read before this is raised (as after an interrupt), and when they applied
                 it its rows stay stored and count against the iteration, otherwise no holder
-                keeps them; off-policy the front counts such rows by its next change.
+                keeps them; when they cannot be re-read by the push's timeout (plus a short
+                grace), its rows stay counted against the iteration until the next push or
+                pull re-reads them; off-policy the front counts such rows by its next change.
             ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
                 ``ObjectRef``'s object is gone: the actor that put it died, or every copy
                 was lost (field ``rollout``; nothing was stored).

@@ -66,6 +66,12 @@ class Replicator:
         self._unsure: set[int] = set()
         self._leaf_bound: float | None = None  # prioritized: the shards' largest leaf
         self._sent: tuple[int, int] | None = None  # the last write sent: owner, count before
+        # on-policy: owner -> (count before, rows) of a write that raised and whose holders
+        # could not be re-read; settled (``on_settled``) by the owner's next successful re-read
+        self.unsettled: dict[int, tuple[int, int]] = {}
+        #: Called (with the lock held) with a write's rows and whether its holders applied
+        #: it, once an :attr:`unsettled` write is settled.
+        self.on_settled: Callable[[int, bool], None] = lambda rows, applied: None
 
     def run(self, fn: Callable[[], T], deadline: float) -> T:
         """Run ``fn`` (remote calls to shards); when a shard is found dead, heal and retry.
@@ -114,6 +120,9 @@ class Replicator:
                     states = shards.get([shards.actors[h].rows.remote(o)
                                          for h in shards.holders(o)], deadline, shard=o)
                 shards.acknowledged(o, states)
+                if o in self.unsettled:  # the holders answered after that write: it is known
+                    first, rows = self.unsettled.pop(o)
+                    self.on_settled(rows, shards.held[o].total_written >= first + rows)
         self.run(read, deadline)
         self._unsure.difference_update(todo)
 
@@ -194,20 +203,35 @@ class Replicator:
         self._sent = None
         return result
 
-    def applied(self, owner: int, rows: int, deadline: float) -> bool:
+    def applied(self, owner: int, rows: int, deadline: float) -> bool | None:
         """After :meth:`write` of ``rows`` rows to ``owner`` raised: whether its holders
         applied it. They are re-read first (a copy that differs from the primary gets the
         primary's rows), so either every holder keeps the write or none does. False when
-        the write was never sent, or the holders could not be read by ``deadline`` (they
-        are then re-read before the next change)."""
+        the write was never sent. None when the holders could not be read by ``deadline``:
+        the write may still land, so it is :attr:`unsettled` until the owner's next
+        successful re-read (:meth:`settle`, or before its next change), which reports it to
+        :attr:`on_settled`. A re-read cut short by an interrupt leaves it unsettled too, and
+        the interrupt goes on."""
         sent, self._sent = self._sent, None
         if sent is None or sent[0] != owner:
             return False
         try:
             self._sync([owner], deadline)
-        except Exception:
-            return False
+        except BaseException as exc:
+            self.unsettled[owner] = (sent[1], rows)
+            if not isinstance(exc, Exception):
+                raise
+            return None
         return self.shards.held[owner].total_written >= sent[1] + rows
+
+    def settle(self, deadline: float) -> None:
+        """Re-read the owners of :attr:`unsettled` writes, which settles them.
+
+        Raises:
+            ShardUnavailableError: A holder could not be reached or restored by ``deadline``.
+        """
+        if self.unsettled:
+            self._sync(list(self.unsettled), deadline)
 
     def clear_all(self, deadline: float) -> None:
         """Forget every shard's rows on every holder (an on-policy iteration was consumed)."""
