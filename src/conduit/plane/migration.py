@@ -47,6 +47,29 @@ class InitialPlacement:
     placement_map: PlacementMap | None = None
 
 
+def check_placement_arg(placement: Any, capacity: int) -> None:
+    """Refuse a ``placement`` argument no plane of ``capacity`` rows takes (before its spec is
+    known).
+
+    Raises:
+        ConfigError: ``placement`` is none of the accepted kinds (a
+            :class:`~conduit.storage.Placement`, a :class:`~conduit.placement.PlacementMap`,
+            ``"auto"`` or None), or a map solved for another capacity.
+    """
+    if placement is None or isinstance(placement, Placement):
+        return
+    if isinstance(placement, PlacementMap):
+        if placement.capacity != capacity:
+            raise ConfigError("placement", f"the PlacementMap was solved for "
+                                           f"{placement.capacity:,} rows, the plane holds "
+                                           f"{capacity:,}: its placements need not "
+                                           f"fit; build it with capacity={capacity}")
+        return
+    if not (isinstance(placement, str) and placement == "auto"):
+        raise ConfigError("placement", f"expected a Placement, a PlacementMap, 'auto' or None, "
+                                       f"got {placement!r}")
+
+
 def initial_placement(placement: PlacementArg, config: PlaneConfig) -> InitialPlacement:
     """Resolve a plane's ``placement`` argument.
 
@@ -58,19 +81,12 @@ def initial_placement(placement: PlacementArg, config: PlaneConfig) -> InitialPl
             capacity.
         CapacityError: The map holds no placement for the spec's size.
     """
+    check_placement_arg(placement, config.capacity)
     if placement is None or isinstance(placement, Placement):
         return InitialPlacement(placement)
     if isinstance(placement, PlacementMap):
-        if placement.capacity != config.capacity:
-            raise ConfigError("placement", f"the PlacementMap was solved for "
-                                           f"{placement.capacity:,} rows, the plane holds "
-                                           f"{config.capacity:,}: its placements need not "
-                                           f"fit; build it with capacity={config.capacity}")
         return InitialPlacement(placement.lookup(config.spec.bytes_per_sample),
                                 placement_map=placement)
-    if placement != "auto":
-        raise ConfigError("placement", f"expected a Placement, a PlacementMap, 'auto' or None, "
-                                       f"got {placement!r}")
     dev = config.learner_device
     learner = "cuda:0" if dev.type == "cuda" and dev.index is None else str(dev)
     decision = plan_placement(capacity=config.capacity, spec=config.spec, actor_device="cpu",

@@ -39,12 +39,10 @@ from conduit.integrations.verl.advantages import (
     token_level_advantage,
 )
 from conduit.integrations.verl.order import VerlOrderSampler
-from conduit.placement import PlacementMap
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
-from conduit.plane.migration import PlacementArg
+from conduit.plane.migration import PlacementArg, check_placement_arg
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
-from conduit.storage import Placement
 
 _ROW, _GROUP = "row_id", "group"
 _ADDED = ("advantages", "returns")
@@ -162,7 +160,7 @@ class GRPOBuffer:
                                                  f"(group_size × groups_per_step)")
         self.mini_batch_size, self.epochs = mini_batch_size, epochs
         self.num_minibatches = self.rows_per_step // mini_batch_size
-        _check_placement(placement, self.rows_per_step)
+        check_placement_arg(placement, self.rows_per_step)
         _check_schedule(schedule, self.num_minibatches)
         learner_device = check_device("learner_device", learner_device)
         self.shuffle, self.seed = shuffle, seed
@@ -477,22 +475,6 @@ class GRPOBuffer:
         tensors = {k: v for k, v in batch.items() if not k.startswith("_") and k != _ROW}
         return DataProto.from_dict(tensors=tensors, non_tensors=step.non_tensors(batch[_ROW]),
                                    meta_info=dict(step.meta_info))
-
-
-def _check_placement(placement: Any, rows: int) -> None:
-    """Raise ConfigError('placement') unless the plane of ``rows`` rows can take it."""
-    if isinstance(placement, PlacementMap):
-        if placement.capacity != rows:
-            raise ConfigError("placement", f"the PlacementMap was solved for "
-                                           f"{placement.capacity:,} rows, a step holds {rows:,} "
-                                           f"(group_size × groups_per_step); build it with "
-                                           f"capacity={rows}")
-        return
-    if placement is None or isinstance(placement, Placement) or (
-            isinstance(placement, str) and placement == "auto"):
-        return
-    raise ConfigError("placement", f"expected a Placement, a PlacementMap, 'auto' or None, "
-                                   f"got {placement!r}")
 
 
 def _check_schedule(schedule: Any, num_minibatches: int) -> None:
