@@ -209,6 +209,19 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
     return made[0]
 
 
+_UNREAD = object()
+"""What :func:`_saved` returns for a header it cannot read (a malformed header is reported
+as such when the plane is built)."""
+
+
+def _saved(meta: Mapping[str, Any], key: str) -> Any:
+    """The header's ``config[key]``, or :data:`_UNREAD`."""
+    try:
+        return meta["config"][key]
+    except (KeyError, TypeError):
+        return _UNREAD
+
+
 def _check_capacity(meta: Mapping[str, Any], capacity: Any) -> None:
     """Refuse a ``capacity`` override: slot ids, priorities and the ring's cursor are laid out
     for the saved capacity.
@@ -217,9 +230,9 @@ def _check_capacity(meta: Mapping[str, Any], capacity: Any) -> None:
         ConfigError: ``capacity`` differs from the checkpoint's.
     """
     try:
-        saved = int(meta["config"]["capacity"])
-    except (KeyError, TypeError, ValueError):
-        return  # a malformed header is reported as such when the plane is built
+        saved = int(_saved(meta, "capacity"))
+    except (TypeError, ValueError):
+        return  # unread, or not a number: reported when the plane is built
     if capacity != saved:
         raise ConfigError("capacity", f"a checkpoint loads with the capacity it was saved "
                                       f"with ({saved} rows), got {capacity!r}; drop the "
@@ -233,10 +246,9 @@ def _check_seed(meta: Mapping[str, Any], seed: Any) -> None:
     Raises:
         ConfigError: ``seed`` differs from the checkpoint's.
     """
-    try:
-        saved = meta["config"]["seed"]
-    except (KeyError, TypeError):
-        return  # a malformed header is reported as such when the plane is built
+    saved = _saved(meta, "seed")
+    if saved is _UNREAD:
+        return
     if seed != saved or isinstance(seed, bool):
         raise ConfigError("seed", f"a checkpoint resumes the saved random state (seed "
                                   f"{saved!r}: the sampler's generator and the on-policy "
@@ -252,11 +264,8 @@ def _check_mode(meta: Mapping[str, Any], mode: Any) -> None:
     Raises:
         ConfigError: ``mode`` differs from the checkpoint's.
     """
-    try:
-        saved = meta["config"]["mode"]
-    except (KeyError, TypeError):
-        return  # a malformed header is reported as such when the plane is built
-    if mode != saved:
+    saved = _saved(meta, "mode")
+    if saved is not _UNREAD and mode != saved:
         raise ConfigError("mode", f"a checkpoint loads in the mode it was saved in "
                                   f"({saved!r}: its sampler, iteration state and rows are "
                                   f"laid out for it), got {mode!r}; drop the override or "
