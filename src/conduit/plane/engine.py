@@ -34,6 +34,35 @@ from conduit.storage.state import StateDict, entry
 from conduit.timing import TimingRecord, Timings
 
 
+class _Loss:
+    """What :meth:`PlaneEngine.close` could not store: units and rows, and the first cause."""
+
+    def __init__(self) -> None:
+        self.units = self.rows = 0
+        self.cause: BaseException | None = None
+
+    def add(self, err: OperatorError | None) -> None:
+        """Count a failed invocation's lost units (None: nothing failed)."""
+        if err is not None:
+            self.cause = self.cause or err
+            self.units += err.lost_units
+            self.rows += err.lost_rows
+
+    def add_all(self, errors: list[OperatorError] | None) -> None:
+        """Count each of ``errors``."""
+        for err in errors or ():
+            self.add(err)
+
+    def add_queue(self, flow: Flow, *, inflight: bool) -> None:
+        """Count the queued units (and, with ``inflight``, those being ingested) as lost and
+        drop the queue."""
+        if inflight:
+            self.units += flow.inflight_units
+        self.units += len(flow.pending)
+        self.rows += sum(u.rows for u in flow.pending)
+        flow.pending.clear()
+
+
 class PlaneEngine:
     """Runs a flow's operators under a schedule.
 
@@ -351,38 +380,29 @@ class PlaneEngine:
                 return
             self.closed = True  # pushes after this point raise PlaneClosedError
             self.signals.wake(callers=True, ingestion=True, delivery=True)
-            cause: BaseException | None = None if rt.error_reported else rt.error
-            lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
+            loss = _Loss()
+            if not rt.error_reported:
+                loss.add(rt.error)
             rt.closing_errors = []  # failures from here on, on any thread, are counted below
         try:
             self.stop()
         except OperatorError as stuck:
             with lock:
-                for err in rt.closing_errors or ():  # failed before the stuck worker was found
-                    cause = cause or err
-                    lost_units += err.lost_units
-                    lost_rows += err.lost_rows
-                cause = cause or stuck
+                loss.add_all(rt.closing_errors)  # failed before the stuck worker was found
+                loss.cause = loss.cause or stuck
                 rt.closing_errors = None  # what is in flight is counted lost here
-                lost_units += flow.inflight_units + len(flow.pending)
-                lost_rows += sum(u.rows for u in flow.pending)
-                flow.pending.clear()
+                loss.add_queue(flow, inflight=True)
         deadline = time.perf_counter() + self.timeout
         ordered = rt.inline_ordered(self.timeout)
         try:
             with lock:
                 if not ordered and rt.closing_errors is not None:
-                    for err in rt.closing_errors:
-                        cause = cause or err
-                        lost_units += err.lost_units
-                        lost_rows += err.lost_rows
-                    cause = cause or OperatorError("runtime", TimeoutError(
+                    loss.add_all(rt.closing_errors)
+                    loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                         f"an inline ingestion on another thread did not finish within "
                         f"{self.timeout}s"))
                     rt.closing_errors = None
-                    lost_units += flow.inflight_units + len(flow.pending)
-                    lost_rows += sum(u.rows for u in flow.pending)
-                    flow.pending.clear()
+                    loss.add_queue(flow, inflight=True)
             while True:
                 with lock:
                     own = self._holders.count(threading.get_ident())
@@ -395,32 +415,24 @@ class PlaneEngine:
                         force=True, ignore_holds=rt.paused + rt.writes_held <= own)
                     if units is None:
                         if flow.pending:  # held by another thread past the timeout
-                            cause = cause or OperatorError("runtime", TimeoutError(
+                            loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                                 f"the operators stayed held (paused(), frozen() or a save on "
                                 f"another thread) past {self.timeout}s"))
-                            lost_units += len(flow.pending)
-                            lost_rows += sum(u.rows for u in flow.pending)
-                            flow.pending.clear()
+                            loss.add_queue(flow, inflight=False)
                         break
-                drained = rt.run_ingestion(units, latch=False)
-                if drained is not None:
-                    cause = cause or drained
-                    lost_units += drained.lost_units
-                    lost_rows += drained.lost_rows
+                loss.add(rt.run_ingestion(units, latch=False))
         finally:
             if ordered:
                 rt.end_inline_ordered()
         with lock:
-            rt.error = None  # counted above (``cause``) or below (``closing_errors``)
-            for err in rt.closing_errors or ():
-                cause = cause or err
-                lost_units += err.lost_units
-                lost_rows += err.lost_rows
+            rt.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
+            loss.add_all(rt.closing_errors)
             rt.closing_errors = None
-        if lost_units:
+        cause = loss.cause
+        if loss.units:
             raise DataLossError(
-                f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "
-                f"were not stored: {cause}", lost_units=lost_units,
-                lost_rows=lost_rows) from cause
+                f"close(): {loss.units} rollout units ({loss.rows} rows) acknowledged by push "
+                f"were not stored: {cause}", lost_units=loss.units,
+                lost_rows=loss.rows) from cause
         if cause is not None and not isinstance(cause, OperatorError):  # pragma: no cover
             raise cause
