@@ -151,18 +151,20 @@ def test_side_by_side_medians_make_the_ratio_and_the_floor_row_divides_the_rest(
 
 def test_fast_path_targets_read_the_side_by_side_loop() -> None:
     def rows_with(side: tuple[float, float, float], per: tuple[float, float],
-                  prefetch: float) -> list[RowResult]:
+                  prefetch: float, split: float | None = None) -> list[RowResult]:
         conduit_ms, cpprb_ms, floor_ms = side
         # The phases' own medians point the other way: only the loop must count.
         rows = [row("conduit", sample_uniform=1.0, sample_per_update=per[0]),
                 row("cpprb", sample_uniform=0.5, sample_per_update=per[1]),
                 row("conduit-prefetch", sample_uniform=prefetch),
                 row("conduit-pull", sample_uniform=1.0),
-                row("gather-floor", sample_uniform=0.1)]
+                row("gather-floor", sample_uniform=0.1),
+                row("conduit-split", sample_per_update=0.01)]
         rows[0].side_ms, rows[1].side_ms, rows[3].side_ms = conduit_ms, cpprb_ms, conduit_ms
         rows[0].floor_ms = rows[1].floor_ms = rows[3].floor_ms = floor_ms
         # The prioritized loop: its own pair, against phase medians 0.3 / 0.3 (speed-up 1).
         rows[0].side_per_ms, rows[1].side_per_ms = per
+        rows[5].side_per_ms = split  # None: not in the loop (its phase does not count)
         rows[0].metrics["sample_per_update"] = rows[1].metrics["sample_per_update"] = \
             row("x", sample_per_update=0.3).metrics["sample_per_update"]
         return rows
@@ -170,14 +172,22 @@ def test_fast_path_targets_read_the_side_by_side_loop() -> None:
     def verdicts(rows: list[RowResult]) -> dict[str, bool | None]:
         return {t["target"]: t["met"] for t in harness.fast_path_targets(rows)}
 
-    met = verdicts(rows_with((0.21, 0.22, 0.2), per=(0.2, 0.31), prefetch=0.01))
+    split = "PER speed-up vs cpprb, 2 threads (conduit-split)"
+    met = verdicts(rows_with((0.21, 0.22, 0.2), per=(0.2, 0.31), prefetch=0.01, split=0.2))
     assert met == {"uniform over floor": True, "inline pull over floor": True,
                    "uniform vs cpprb's": True,
-                   "PER sample+update speed-up vs cpprb": True, "prefetched pull ms": True}
-    missed = verdicts(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29), prefetch=0.06))
+                   "PER sample+update speed-up vs cpprb": True, split: True,
+                   "prefetched pull ms": True}
+    missed = verdicts(rows_with((0.24, 0.22, 0.2), per=(0.2, 0.29), prefetch=0.06, split=0.2))
     assert missed == {"uniform over floor": False, "inline pull over floor": False,
                       "uniform vs cpprb's": False,
-                      "PER sample+update speed-up vs cpprb": False, "prefetched pull ms": False}
+                      "PER sample+update speed-up vs cpprb": False, split: False,
+                      "prefetched pull ms": False}
+    # The split row is judged on its own loop time against cpprb's there, and only there.
+    assert verdicts(rows_with((0.21, 0.22, 0.2), per=(0.25, 0.3), prefetch=0.01,
+                              split=0.18))[split] is True
+    assert verdicts(rows_with((0.21, 0.22, 0.2), per=(0.25, 0.3), prefetch=0.01,
+                              split=None))[split] is None
     alone = [row("conduit", sample_uniform=0.2)]  # nothing to compare with: unmeasured
     assert set(verdicts(alone).values()) == {None}
     # Without the prioritized loop, the two phases' medians decide.

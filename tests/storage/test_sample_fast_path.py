@@ -219,9 +219,13 @@ def test_split_is_kept_only_where_it_measured_faster():
     def slow() -> None:
         time.sleep(0.01)
 
-    for _ in range(4):
-        workers.gather(100, lambda: None, [slow, slow])
-    assert workers.split is False
+    def whole() -> None:  # slow on torch's intra-op threads, fast on one
+        if torch.get_num_threads() > 1:
+            slow()
+
+    for _ in range(6):
+        workers.gather(100, whole, [slow, slow])
+    assert workers.split is False and workers.mode == "one"
     calls = []
     workers.gather(100, lambda: calls.append("whole"), [lambda: calls.append("part")] * 2)
     workers.gather(5, lambda: calls.append("small"), [lambda: calls.append("part")] * 2)

@@ -68,8 +68,10 @@ class ExperienceBuffer:
             :class:`~conduit.storage.MemmapColumnStore`); its spec and capacity must match.
         threads: Threads of the data path (see
             :func:`~conduit.storage.threads.data_path_threads`). Above one, a large gather
-            from a single-device store may be split over row ranges on a pool the buffer owns,
-            where that measures faster (:class:`~conduit.storage.threads.GatherWorkers`).
+            from a single-device store may run on that many threads (split over row ranges on
+            a pool the buffer owns, or on torch's intra-op threads) where and while that
+            measures faster (:class:`~conduit.storage.threads.GatherWorkers`,
+            :attr:`gather_mode`); the rows gathered are the same.
 
     Raises:
         ConfigError: ``threads`` is not a positive integer, ``store`` does not match
@@ -226,6 +228,16 @@ class ExperienceBuffer:
                                        device)
 
     _workers: GatherWorkers | None = None
+
+    @property
+    def gather_mode(self) -> str | None:
+        """How large gathers run with ``threads > 1``: one of
+        :data:`~conduit.storage.threads.GATHER_MODES` once measured (see
+        :class:`~conduit.storage.threads.GatherWorkers`); None with one thread, before the
+        first large gather, or while the trials run."""
+        workers = self._workers
+        return None if workers is None or self.threads < 2 else workers.mode
+
     @staticmethod
     def _delivered_ids(indices: Any) -> np.ndarray | None:
         """The row ids a gather gave with ``indices``, when ``indices`` is the ``_index``

@@ -1,10 +1,10 @@
 """Thread control for the data path.
 
 The data path sets its own torch intra-op thread count (one by default) instead of inheriting
-the process's: gathers and copies of a few MB gain nothing from intra-op parallelism, and a
-thread pool competing with the learner for cores slows them down (``docs/design.md §7``). The
-setting applies to the calling OS thread, so a worker can run with one thread while the learner
-keeps its own.
+the process's: a thread pool competing with the learner for cores can slow a gather by orders
+of magnitude (``docs/design.md §7``). The setting applies to the calling OS thread, so a worker
+can run with one thread while the learner keeps its own. A buffer built with more threads runs
+its large gathers on them only where and while that measures faster (:class:`GatherWorkers`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -61,44 +61,116 @@ def _stop(todos: list[queue.SimpleQueue]) -> None:
         todo.put(None)
 
 
+#: A large gather on the caller's thread alone, with one torch thread.
+ONE = "one"
+#: Split over row ranges on the pool's threads, the caller running the first range.
+SPLIT = "split"
+#: Whole on the caller's thread with ``threads`` torch intra-op threads (torch's own pool).
+INTRA_OP = "intra-op"
+#: Every way :class:`GatherWorkers` can run a large gather, in trial order.
+GATHER_MODES = (ONE, SPLIT, INTRA_OP)
+
+
+def pick_gather_mode(seconds_per_byte: Mapping[str, Sequence[float]], *,
+                     gain: float) -> str:
+    """The mode a gather should run in, from measured times per byte of each mode.
+
+    Each mode is judged by its median; a mode with more threads than one is chosen only when
+    its median is under ``gain`` times :data:`ONE`'s (its threads must pay for themselves),
+    and then the fastest such mode wins. Modes without samples are not candidates.
+
+    Raises:
+        ValueError: :data:`ONE` has no samples.
+    """
+    if not seconds_per_byte.get(ONE):
+        raise ValueError("seconds_per_byte: the one-thread mode needs samples to compare with")
+    medians = {m: statistics.median(t) for m, t in seconds_per_byte.items() if t}
+    bound = gain * medians[ONE]
+    faster = {m: v for m, v in medians.items() if m != ONE and v < bound}
+    return min(faster, key=faster.__getitem__) if faster else ONE
+
+
 class GatherWorkers:
-    """A small pool of threads, owned by one buffer, that splits a large gather over row ranges
-    while its caller waits anyway (the caller runs the first range itself).
+    """Runs a buffer's large gathers on more threads than the caller's, where and while that
+    measures faster: the caller waits for the gather anyway, so a core it leaves idle can
+    take part.
 
-    Whether the split pays depends on the machine: cores that are free, and memory bandwidth
-    per core against a hand-off of a few tens of microseconds. So the pool measures it: its
-    first ``trials`` gathers of at least ``min_bytes`` alternate one thread and the split, and
-    it then splits only if the split's median time per byte is under ``gain`` times the single
-    thread's. Smaller gathers always run on the caller's thread. Torch's intra-op threads are
-    not used: under contention they cost far more than they save (``docs/design.md §7``).
+    A gather of at least ``min_bytes`` runs in one of :data:`GATHER_MODES`: on the caller's
+    thread alone, split over row ranges on a small pool this object owns (the caller running
+    the first range), or whole with ``threads`` torch intra-op threads. Which one pays depends
+    on the machine and on its load now: free cores, memory bandwidth per core, and the cost
+    of waking a thread (tens of microseconds for the pool; torch's threads spin briefly
+    between parallel regions, so they wake fast on an idle core and are slow by orders of
+    magnitude when another busy thread holds it). So the choice is measured and watched:
 
-    One caller at a time (a buffer gathers under its lock). The threads end when the pool is
-    collected.
+    - **Trials.** The gathers cycle through the modes until each has ``trials`` samples; then
+      :func:`pick_gather_mode` chooses from their medians (time per byte). A mode two of
+      whose samples took over ``fallback`` times the one-thread median leaves the trials at
+      once.
+    - **Watch.** While a multi-thread mode is chosen, two gathers in a row that take over
+      ``fallback`` times the one-thread median of the trials (the cores are busy now) send
+      every later gather back to the caller's thread alone. One slow gather (a page fault, a
+      preemption) is not enough.
+    - **Recheck.** After ``recheck`` large gathers in the chosen mode (or on the caller's
+      thread after a fallback) the trials run again, so a machine whose load changed gets
+      another choice.
+
+    Smaller gathers always run on the caller's thread alone. One caller at a time (a buffer
+    gathers under its lock). The pool's threads end when this object is collected.
 
     Args:
-        threads: Threads a split gather runs on, the caller's included (at least 2).
-        min_bytes: Smallest gather that may be split.
-        trials: Measured gathers of each kind before the choice.
-        gain: How much faster the split must be to be kept.
+        threads: Threads a multi-thread gather runs on, the caller's included (at least 2).
+        min_bytes: Smallest gather that may run on more threads.
+        trials: Measured gathers per mode before a choice.
+        gain: How much faster (median time per byte) a multi-thread mode must be than one
+            thread to be chosen.
+        fallback: How many times the one-thread time per byte a gather in a multi-thread
+            mode may take before the caller's thread takes over.
+        recheck: Large gathers after which the trials run again.
+        modes: The modes to choose from (:data:`ONE` always included).
+
+    Raises:
+        ValueError: An argument is out of range or names an unknown mode.
     """
 
     def __init__(self, *, threads: int, min_bytes: int = 1 << 20, trials: int = 8,
-                 gain: float = 0.9) -> None:
+                 gain: float = 0.9, fallback: float = 2.0, recheck: int = 1024,
+                 modes: Sequence[str] = GATHER_MODES) -> None:
         if threads < 2:
-            raise ValueError(f"threads: a split needs at least 2, got {threads}")
+            raise ValueError(f"threads: a multi-thread gather needs at least 2, got {threads}")
+        unknown = set(modes) - set(GATHER_MODES)
+        if unknown:
+            raise ValueError(f"modes: unknown {sorted(unknown)}; choose from {GATHER_MODES}")
+        if trials < 1 or recheck < 1 or not gain > 0 or not fallback > 1:
+            raise ValueError(f"trials and recheck must be >= 1, gain > 0 and fallback > 1, got "
+                             f"trials={trials}, recheck={recheck}, gain={gain}, "
+                             f"fallback={fallback}")
         self.threads, self.min_bytes, self.trials, self.gain = threads, min_bytes, trials, gain
+        self.fallback, self.recheck = fallback, recheck
+        self.modes = tuple(m for m in GATHER_MODES if m == ONE or m in modes)
         self._todo: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads - 1)]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         for k, todo in enumerate(self._todo):
             threading.Thread(target=_work, args=(todo, self._done), daemon=True,
                              name=f"conduit-gather-{k}").start()
-        weakref.finalize(self, _stop, self._todo)
-        self._seconds_per_byte: dict[bool, list[float]] = {False: [], True: []}
-        #: Whether large gathers are split; None while the trials run.
-        self.split: bool | None = None
+        # Not at interpreter exit: the workers then stay blocked in their queues until the
+        # process ends, instead of ending their threads while it tears torch down.
+        weakref.finalize(self, _stop, self._todo).atexit = False
+        self._times: dict[str, list[float]] = {m: [] for m in self.modes}
+        self._dropped: set[str] = set()
+        self._slow: dict[str, int] = {m: 0 for m in self.modes}  # strikes per mode
+        self._baseline = 0.0  # the trials' one-thread median, seconds per byte
+        self._since = 0  # large gathers since the last choice
+        #: The mode large gathers run in; None while the trials run.
+        self.mode: str | None = None
+
+    @property
+    def split(self) -> bool | None:
+        """Whether large gathers run on more threads than the caller's (None: trials)."""
+        return None if self.mode is None else self.mode != ONE
 
     def run(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run ``jobs[0]`` here and the others on the workers; return when all are done.
+        """Run ``jobs[0]`` here and the others on the pool; return when all are done.
 
         Raises:
             BaseException: The first error a job raised (after every job finished).
@@ -118,25 +190,65 @@ class GatherWorkers:
         if err is not None:
             raise err
 
-    def gather(self, nbytes: int, whole: Callable[[], None],
-               parts: Sequence[Callable[[], None]]) -> None:
-        """Run a gather of ``nbytes``: ``whole`` on this thread, or ``parts`` (one row range
-        each, at most :attr:`threads`) split over the pool, as measured (see the class)."""
-        split = self.split
-        if nbytes < self.min_bytes or split is False:
-            whole()
-            return
-        if split:
-            self.run(parts)
-            return
-        times = self._seconds_per_byte
-        trial = len(times[True]) < len(times[False])
+    def _timed(self, mode: str, nbytes: int, whole: Callable[[], None],
+               parts: Sequence[Callable[[], None]]) -> float:
+        """Run the gather in ``mode``; its time per byte."""
         t0 = time.perf_counter()
-        if trial:
+        if mode == SPLIT:
             self.run(parts)
+        elif mode == INTRA_OP:
+            with data_path_threads(self.threads):
+                whole()
         else:
             whole()
-        times[trial].append((time.perf_counter() - t0) / nbytes)
-        if len(times[True]) >= self.trials:
-            self.split = (statistics.median(times[True])
-                          < self.gain * statistics.median(times[False]))
+        return (time.perf_counter() - t0) / nbytes
+
+    def gather(self, nbytes: int, whole: Callable[[], None],
+               parts: Sequence[Callable[[], None]]) -> None:
+        """Run a gather of ``nbytes``: ``whole`` (all rows), or ``parts`` (one row range each,
+        at most :attr:`threads`) on the pool, as measured (see the class)."""
+        mode = self.mode
+        if nbytes < self.min_bytes:
+            whole()
+            return
+        if mode is None:
+            self._trial(nbytes, whole, parts)
+            return
+        self._since += 1
+        if self._since > self.recheck:
+            self._restart()
+            self._trial(nbytes, whole, parts)
+            return
+        if mode == ONE:
+            whole()
+            return
+        if self._timed(mode, nbytes, whole, parts) <= self.fallback * self._baseline:
+            self._slow[mode] = 0
+            return
+        self._slow[mode] += 1
+        if self._slow[mode] >= 2:  # the cores are busy: back to one thread until recheck
+            self.mode, self._since = ONE, 0
+
+    def _restart(self) -> None:
+        self._times = {m: [] for m in self.modes}
+        self._slow = {m: 0 for m in self.modes}
+        self._dropped.clear()
+        self.mode = None
+
+    def _trial(self, nbytes: int, whole: Callable[[], None],
+               parts: Sequence[Callable[[], None]]) -> None:
+        times = self._times
+        live = [m for m in self.modes if m not in self._dropped]
+        mode = min(live, key=lambda m: len(times[m]))  # ties: trial order, one thread first
+        spent = self._timed(mode, nbytes, whole, parts)
+        times[mode].append(spent)
+        if mode != ONE and spent > self.fallback * statistics.median(times[ONE]):
+            self._slow[mode] += 1
+            if self._slow[mode] >= 2:
+                self._dropped.add(mode)
+                live.remove(mode)
+        if all(len(times[m]) >= self.trials for m in live):
+            self.mode = pick_gather_mode({m: times[m] for m in live}, gain=self.gain)
+            self._baseline = statistics.median(times[ONE])
+            self._slow = {m: 0 for m in self.modes}
+            self._since = 0

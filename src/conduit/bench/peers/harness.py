@@ -14,8 +14,9 @@ Inserts and epochs do not depend on the batch size, so they are measured with th
 Each peer runs in a phase of its own. The synchronous uniform samples the delivery fast path is
 judged by (Conduit's buffer, its inline ``pull()``, cpprb, and the gather floor) are then also
 timed side by side: all four buffers filled at once, their samples called in turn in one loop
-(:func:`measure_side_by_side`); so are Conduit's and cpprb's prioritized samples with their
-updates (:func:`measure_per_side_by_side`).
+(:func:`measure_side_by_side`); so are the prioritized samples with their updates of
+Conduit's buffer on one thread and on two (``conduit-split``) and of cpprb
+(:func:`measure_per_side_by_side`).
 It prints one table, a line per (d, batch, peer), whose cells carry the ratio Conduit/peer
 expressed as a speed-up (``×3.0`` means Conduit is three times faster at that operation,
 whether the metric is a throughput or a latency), and the threads each peer ran on while it
@@ -527,8 +528,11 @@ def rows_from_worker(doc_rows: list[dict[str, Any]], version: str | None) -> lis
 SIDE_BY_SIDE = ("conduit", "conduit-pull", "cpprb")
 """The synchronous uniform samples timed side by side with the gather floor (and each other)."""
 
-PER_SIDE_BY_SIDE = ("conduit", "cpprb")
+PER_SIDE_BY_SIDE = ("conduit", "conduit-split", "cpprb")
 """The prioritized samples + updates timed side by side with each other."""
+
+SPLIT_PEER = "conduit-split"
+"""Conduit's buffer with two data-path threads (a target of its own in the fast-path table)."""
 
 
 def _interleaved_medians(w: Workload, names: Sequence[str], cfg: PeersConfig,
@@ -752,8 +756,10 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
         mine = mine if mine and mine["side_by_side"] else None
         pull = pull if pull and pull["side_by_side"] else None
         side = {p: by[d, b, p].side_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
-        per = {p: by[d, b, p].side_per_ms for p in (REFERENCE, "cpprb") if (d, b, p) in by}
-        per_side = per.get(REFERENCE) and per.get("cpprb") and per["cpprb"] / per[REFERENCE]
+        per = {p: by[d, b, p].side_per_ms for p in (REFERENCE, SPLIT_PEER, "cpprb")
+               if (d, b, p) in by}
+        per_side, per_split = (per.get(p) and per.get("cpprb") and per["cpprb"] / per[p]
+                               for p in (REFERENCE, SPLIT_PEER))
         pre = by.get((d, b, "conduit-prefetch"))
         pre_res = pre.metrics.get("sample_uniform") if pre is not None else None
         checks = [
@@ -765,6 +771,8 @@ def fast_path_targets(rows: Sequence[RowResult]) -> list[dict[str, Any]]:
              and side[REFERENCE] / side["cpprb"], 1.0, "<="),
             ("PER sample+update speed-up vs cpprb", per_side or rat.get(
                 (d, b, "cpprb", "sample_per_update")), FAST_PATH["per_vs_cpprb"], ">="),
+            ("PER speed-up vs cpprb, 2 threads (conduit-split)", per_split,
+             FAST_PATH["per_vs_cpprb"], ">="),
             ("prefetched pull ms", pre_res.value if pre_res is not None
              and pre_res.status == "ok" else None, FAST_PATH["prefetch_ms"], "<="),
         ]
