@@ -339,7 +339,9 @@ class ExperienceDataPlane:
         Raises:
             ConfigError: ``schedule`` is not a :class:`~conduit.scheduling.Schedule`.
             ScheduleError: The schedule is outside the feasible space for this configuration.
+            ConfigError: Called from inside an operator (nothing changes).
         """
+        self._engine.refuse_inside_operator("set_schedule")
         self._check_open()
         self.space.check(_check_schedule(schedule))
         self.flush()  # queued units are ingested under the granularity they were queued for
@@ -352,7 +354,12 @@ class ExperienceDataPlane:
         return self._engine.schedule
 
     def paused(self) -> AbstractContextManager[None]:
-        """Quiesce both operators (in-flight invocations finish), e.g. for migration."""
+        """Quiesce both operators (in-flight invocations finish), e.g. for migration.
+
+        Raises:
+            ConfigError: Called from inside an operator, whose invocation it would wait for.
+        """
+        self._engine.refuse_inside_operator("paused")
         return self._engine.paused()
 
     def push(self, rollout: Mapping[str, Any], *, policy_version: int | None = None,
@@ -411,8 +418,10 @@ class ExperienceDataPlane:
             BackpressureTimeout: Ingestion did not finish within ``timeout``.
             OperatorError: An ingestion operator raised.
             PlaneClosedError: The plane is closed.
+            ConfigError: Called from inside an operator, whose invocation it would wait for.
         """
         self._check_open()
+        self._engine.refuse_inside_operator("flush")
         self._engine.ingestion.flush(time.perf_counter() + self.config.wait_for(timeout))
 
     def pull(self, *, timeout: float | None = None) -> Batch:
@@ -496,11 +505,12 @@ class ExperienceDataPlane:
 
         Raises:
             ConfigError: ``placement`` is not a Placement, or ``chunk_rows`` is not a positive
-                integer (nothing moves).
+                integer, or the call comes from inside an operator (nothing moves).
             SpecError: ``spec`` drops or narrows a field or changes a dtype.
             CapacityError: The new placement cannot hold the buffer.
         """
         self._check_open()
+        self._engine.refuse_inside_operator("migrate")
         chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
         if not isinstance(placement, Placement):
             raise ConfigError("placement", f"expected a Placement, got {placement!r}")
@@ -517,11 +527,12 @@ class ExperienceDataPlane:
         (the report then holds the Eq. 3 plan), otherwise it is widened where it is.
 
         Raises:
-            ConfigError: The plane was not built with a ``PlacementMap``, or ``chunk_rows``
-                is not a positive integer.
+            ConfigError: The plane was not built with a ``PlacementMap``, ``chunk_rows``
+                is not a positive integer, or the call comes from inside an operator.
             SpecError: ``spec`` is not a growth of the current spec.
             CapacityError: No placement of the map holds the new size.
         """
+        self._engine.refuse_inside_operator("grow")
         target = grow_target(self.placement_map, self.buffer.placement, self.spec, spec)
         return self.migrate(target, spec=spec, chunk_rows=chunk_rows)
 
@@ -548,7 +559,9 @@ class ExperienceDataPlane:
         Raises:
             OperatorError: An operator invocation did not finish within the plane's timeout
                 (a stuck operator); the plane stays usable.
+            ConfigError: Called from inside an operator, whose invocation it would wait for.
         """
+        self._engine.refuse_inside_operator("state_dict")
         with self.frozen(rows=rows) as state:
             return state
 
@@ -559,7 +572,12 @@ class ExperienceDataPlane:
         only those that change rows) and yield :meth:`state_dict`, without the buffer's entry
         unless ``buffer``; rows stay as they are. With ``reads`` and not ``buffer`` the caller
         reads the buffer in one call under its lock (``buffer.begin_snapshot()``), and where
-        that alone is a consistent instant (off-policy) nothing is held."""
+        that alone is a consistent instant (off-policy) nothing is held.
+
+        Raises:
+            ConfigError: Called from inside an operator, whose invocation it would wait for.
+        """
+        self._engine.refuse_inside_operator("frozen")
         if flush and self.failed is None:
             self.flush()
         with (self._engine.writes_held(atomic_buffer=not buffer) if reads
@@ -573,8 +591,10 @@ class ExperienceDataPlane:
             StateError: A key is missing or a value would corrupt the buffer; or, on-policy,
                 pushed units still wait for ingestion here (they would join the loaded
                 iteration): pull the iteration or call :meth:`flush` first. Nothing changes.
+            ConfigError: Called from inside an operator (nothing changes).
         """
         self._check_open()
+        self._engine.refuse_inside_operator("load_state_dict")
         with self.paused():
             self._engine.restore(state, rows=rows)
 
@@ -589,7 +609,10 @@ class ExperienceDataPlane:
                 operators pause, and nothing is written.
             OperatorError: An operator invocation did not finish within the plane's timeout
                 (a stuck operator); nothing is written and the plane stays usable.
+            ConfigError: ``path`` as above, or the call comes from inside an operator, whose
+                invocation it would wait for (nothing is written).
         """
+        self._engine.refuse_inside_operator("save")
         return checkpoint.save(self, path)
 
     @classmethod
@@ -658,7 +681,10 @@ class ExperienceDataPlane:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
                 ingestion failure not cleared by :meth:`recover`, one while draining, or an
                 operator stuck past the timeout). The plane is closed all the same.
+            ConfigError: Called from inside an operator, whose invocation close would wait
+                for; the plane stays open and nothing changes.
         """
+        self._engine.refuse_inside_operator("close")
         self._finalizer.detach()
         for snapshotter in list(self._snapshotters):
             snapshotter.close()

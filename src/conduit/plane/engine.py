@@ -17,6 +17,7 @@ import torch
 
 from conduit.errors import (
     BackpressureTimeout,
+    ConfigError,
     DataLossError,
     EmptyBufferError,
     OperatorError,
@@ -116,6 +117,21 @@ class PlaneEngine:
         self.ingestion.start()
         self.delivery.start()
 
+    def refuse_inside_operator(self, call: str) -> None:
+        """Raise if the calling thread runs an operator invocation of this plane: ``call``
+        waits for every invocation to end, its caller's included, so it would wait for
+        itself.
+
+        Raises:
+            ConfigError: (field ``call``) It does.
+        """
+        op = self.runtime.inside_operator()
+        if op is not None:
+            raise ConfigError(call, f"called from inside the {op} operator: it waits for the "
+                                    f"operators' invocations to end, this one included; call "
+                                    f"it from the thread that pushes or pulls (to fail the "
+                                    f"invocation, raise from the operator)")
+
     def stop(self) -> None:
         """Stop the workers (in-flight invocations finish).
 
@@ -139,7 +155,9 @@ class PlaneEngine:
                 it raises, replaces it, and :meth:`recover`, once the invocation has returned,
                 restarts the workers. An invocation on another caller's thread
                 (inline) still running after the timeout raises it too, not latched.
+            ConfigError: Called from inside an operator (nothing changes).
         """
+        self.refuse_inside_operator("paused")
         try:
             self.stop()
         except OperatorError as stuck:
@@ -195,6 +213,7 @@ class PlaneEngine:
                 worker or on another caller's thread); the hold is given back, so the plane
                 stays usable once the invocation returns. Not latched.
         """
+        self.refuse_inside_operator("frozen" if counter == "writes_held" else "paused")
         rt, me = self.runtime, threading.get_ident()
         deadline = time.perf_counter() + self.timeout
         with self.signals.lock:
@@ -374,6 +393,7 @@ class PlaneEngine:
                 cause is attached. An inline ingestion failing on another thread is raised
                 to that thread's caller, and not counted here again.
         """
+        self.refuse_inside_operator("close")
         rt, flow, lock = self.runtime, self.flow, self.signals.lock
         with lock:
             if self.closed:

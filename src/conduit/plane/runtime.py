@@ -73,7 +73,13 @@ class OperatorRuntime:
         #: which is told of the loss, and is not recorded here.
         self.closing_errors: list[OperatorError] | None = None
         self._inline_order = threading.RLock()  # see drain_inline
+        self._inside = threading.local()  # which operator the thread runs (inside_operator)
         flow.deliver_ready = self.deliver_ready
+
+    def inside_operator(self) -> str | None:
+        """The operator (``"ingestion"`` or ``"delivery"``) the calling thread is running
+        an invocation of, innermost first; None outside every invocation."""
+        return getattr(self._inside, "name", None)
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -215,7 +221,12 @@ class OperatorRuntime:
         try:
             for u in units:
                 u.check_unchanged()
-            self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]), out)
+            outer, self._inside.name = self.inside_operator(), "ingestion"
+            try:
+                self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]),
+                               out)
+            finally:
+                self._inside.name = outer
             self.flow.check_ingested(units, rows[0])
         except BaseException as exc:
             raised = exc
@@ -299,8 +310,12 @@ class OperatorRuntime:
                 direct = rows  # the gathered rows are the batch, where they are
             else:
                 out = LearnerOut(batches=job.batches, device=self.learner_device)
-                self.deliver_fn(BufferIn(rows, batches=job.batches, batch_size=job.batch_size),
-                                out)
+                outer, self._inside.name = self.inside_operator(), "delivery"
+                try:
+                    self.deliver_fn(BufferIn(rows, batches=job.batches,
+                                             batch_size=job.batch_size), out)
+                finally:
+                    self._inside.name = outer
                 staged = out.staged
                 if len(staged) != job.batches:
                     raise RuntimeError("the delivery operator did not call learn_out.write()")
