@@ -2,12 +2,13 @@
 choose between one thread, a split over the buffer's pool and torch's intra-op threads, the
 watch that falls back to one thread when the cores get busy, and the periodic recheck."""
 
-import time
+import os
 
 import pytest
 import torch
 
 from conduit.storage import ExperienceBuffer, PrioritizedSampler, data_path_threads
+from conduit.storage import threads as threads_module
 from conduit.storage.threads import (
     GATHER_MODES,
     INTRA_OP,
@@ -18,14 +19,33 @@ from conduit.storage.threads import (
 )
 from tests.conftest import make_rows
 
-SLOW = 0.02  # seconds: far above any scheduling noise of a call that does nothing
+
+class Clock:
+    """A stand-in for ``time.perf_counter`` in ``conduit.storage.threads``: it moves only
+    when a fake gather says it took time, so no test here depends on the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(threads_module, "time", fake)
+    return fake
 
 
 class Gather:
-    """A fake gather whose duration depends on how it runs: ``whole`` on one torch thread,
-    ``whole`` on several (intra-op), or as ``parts`` on the pool. Records each call."""
+    """A fake gather whose duration on ``clock`` depends on how it runs: ``whole`` on one
+    torch thread, ``whole`` on several (intra-op), or as ``parts`` on the pool (the caller's
+    part takes the time; the pool's part waits for nothing). Records each call."""
 
-    def __init__(self, *, one: float = 0.0, intra: float = 0.0, split: float = 0.0) -> None:
+    def __init__(self, clock: Clock, *, one: float = 1.0, intra: float = 1.0,
+                 split: float = 1.0) -> None:
+        self.clock = clock
         self.cost = {ONE: one, INTRA_OP: intra, SPLIT: split}
         self.calls: list[str] = []
         self.threads_seen: list[int] = []
@@ -35,16 +55,19 @@ class Gather:
         self.threads_seen.append(n)
         mode = INTRA_OP if n > 1 else ONE
         self.calls.append(mode)
-        time.sleep(self.cost[mode])
+        self.clock.now += self.cost[mode]
 
     def part(self) -> None:
         self.calls.append(SPLIT)
-        time.sleep(self.cost[SPLIT])  # the ranges run at once: the gather takes this long
+        self.clock.now += self.cost[SPLIT]
+
+    def other_part(self) -> None:
+        self.calls.append(SPLIT)
 
     def run(self, workers: GatherWorkers, times: int = 1) -> None:
         with data_path_threads(1):  # as a buffer calls it
             for _ in range(times):
-                workers.gather(100, self.whole, [self.part, self.part])
+                workers.gather(100, self.whole, [self.part, self.other_part])
 
 
 def test_pick_takes_the_fastest_mode_only_when_it_beats_one_thread_by_the_gain():
@@ -59,8 +82,8 @@ def test_pick_takes_the_fastest_mode_only_when_it_beats_one_thread_by_the_gain()
         pick_gather_mode({SPLIT: [0.5]}, gain=0.9)
 
 
-def test_intra_op_threads_are_kept_where_they_measured_faster_and_used_per_gather():
-    g = Gather(one=SLOW, split=SLOW)
+def test_intra_op_threads_are_kept_where_they_measured_faster_and_used_per_gather(clock):
+    g = Gather(clock, one=1.0, split=1.0, intra=0.5)
     workers = GatherWorkers(threads=2, min_bytes=10, trials=2)
     g.run(workers, 6)  # two trials per mode
     assert workers.mode == INTRA_OP and workers.split is True
@@ -73,8 +96,8 @@ def test_intra_op_threads_are_kept_where_they_measured_faster_and_used_per_gathe
     assert g.calls == [INTRA_OP] * 3 and g.threads_seen == [2] * 3
 
 
-def test_every_mode_gets_its_trials_in_turn_before_the_choice():
-    g = Gather()
+def test_every_mode_gets_its_trials_in_turn_before_the_choice(clock):
+    g = Gather(clock)
     workers = GatherWorkers(threads=2, min_bytes=10, trials=3)
     g.run(workers, 8)
     assert workers.mode is None  # one trial short
@@ -84,8 +107,8 @@ def test_every_mode_gets_its_trials_in_turn_before_the_choice():
     assert workers.mode in GATHER_MODES
 
 
-def test_restricted_modes_never_run_the_others():
-    g = Gather(one=SLOW, split=SLOW)  # intra-op would win, but it is not allowed
+def test_restricted_modes_never_run_the_others(clock):
+    g = Gather(clock, one=1.0, split=1.0, intra=0.1)  # intra-op would win; it is not allowed
     workers = GatherWorkers(threads=2, min_bytes=10, trials=2, modes=(ONE, SPLIT))
     g.run(workers, 10)
     assert INTRA_OP not in g.calls and workers.mode == ONE
@@ -95,17 +118,17 @@ def test_restricted_modes_never_run_the_others():
         GatherWorkers(threads=2, fallback=1.0)
 
 
-def test_a_mode_that_turns_slow_twice_in_a_row_sends_gathers_back_to_one_thread():
-    g = Gather(one=SLOW / 2, split=SLOW)
+def test_a_mode_that_turns_slow_twice_in_a_row_sends_gathers_back_to_one_thread(clock):
+    g = Gather(clock, one=1.0, split=2.0, intra=0.0)
     workers = GatherWorkers(threads=2, min_bytes=10, trials=2, fallback=2.0)
     g.run(workers, 6)
     assert workers.mode == INTRA_OP
-    g.cost[INTRA_OP] = 4 * SLOW  # another busy thread holds the second core now
+    g.cost[INTRA_OP] = 8.0  # another busy thread holds the second core now
     g.run(workers)
     assert workers.mode == INTRA_OP  # one slow gather is not enough
     g.cost[INTRA_OP] = 0.0
     g.run(workers)
-    g.cost[INTRA_OP] = 4 * SLOW
+    g.cost[INTRA_OP] = 8.0
     g.run(workers)
     assert workers.mode == INTRA_OP  # the strikes must come in a row
     g.run(workers)
@@ -115,8 +138,8 @@ def test_a_mode_that_turns_slow_twice_in_a_row_sends_gathers_back_to_one_thread(
     assert g.calls == [ONE] * 3
 
 
-def test_a_mode_slow_twice_in_its_trials_leaves_them_early():
-    g = Gather(one=SLOW / 4, split=SLOW, intra=0.0)
+def test_a_mode_slow_twice_in_its_trials_leaves_them_early(clock):
+    g = Gather(clock, one=1.0, split=4.0, intra=0.0)
     workers = GatherWorkers(threads=2, min_bytes=10, trials=6)
     g.run(workers, 6)  # one, split, intra, one, split (second strike), intra
     assert g.calls.count(SPLIT) == 4  # two split gathers of two ranges, then no more
@@ -125,21 +148,21 @@ def test_a_mode_slow_twice_in_its_trials_leaves_them_early():
     assert workers.mode == INTRA_OP
 
 
-def test_the_trials_run_again_after_recheck_gathers():
-    g = Gather(one=SLOW, split=SLOW)
+def test_the_trials_run_again_after_recheck_gathers(clock):
+    g = Gather(clock, one=1.0, split=1.0, intra=0.0)
     workers = GatherWorkers(threads=2, min_bytes=10, trials=1, recheck=4)
     g.run(workers, 3)
     assert workers.mode == INTRA_OP
-    g.cost = {ONE: 0.0, INTRA_OP: SLOW, SPLIT: SLOW}  # the load changed: one thread wins now
-    g.run(workers, 4)  # within the recheck period: still intra-op (no two strikes: 2x rule
-    # reads the trials' one-thread time, which was SLOW)
+    g.cost = {ONE: 0.2, INTRA_OP: 1.0, SPLIT: 1.0}  # the load changed: one thread wins now
+    g.run(workers, 4)  # within the recheck period: still intra-op (1.0 is not twice the
+    # trials' one-thread time, 1.0, so no strike)
     assert workers.mode == INTRA_OP
     g.run(workers, 4)  # the fifth gather since the choice starts new trials
     assert workers.mode == ONE
 
 
-def test_small_gathers_never_leave_the_callers_thread():
-    g = Gather()
+def test_small_gathers_never_leave_the_callers_thread(clock):
+    g = Gather(clock)
     workers = GatherWorkers(threads=2, min_bytes=1000, trials=1)
     g.run(workers, 5)  # 100 bytes each
     assert g.calls == [ONE] * 5 and workers.mode is None
@@ -164,3 +187,42 @@ def test_a_two_thread_prioritized_buffer_gathers_the_same_rows_in_every_mode(sma
             one.update_priorities(a["_index"], new)
             two.update_priorities(b["_index"], new)
         assert two._workers.mode == mode
+
+
+def _gather_in_child(workers: GatherWorkers, results) -> None:
+    calls = []
+    with data_path_threads(1):
+        workers.gather(100, lambda: calls.append("whole"), [lambda: calls.append("part")] * 2)
+    results.put(calls)
+
+
+@pytest.mark.parametrize("mode", [SPLIT, INTRA_OP])
+def test_a_forked_child_gathers_on_its_own_thread(mode):
+    """A fork has none of the pool's threads (a split would wait for them forever) and may
+    not use torch's OpenMP threads after its parent did: its gathers run whole, here."""
+    import multiprocessing
+
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=1)
+    workers.mode, workers._baseline = mode, float("inf")  # as if the trials had chosen it
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_gather_in_child, args=(workers, results))
+    child.start()
+    child.join(30)
+    try:
+        assert child.exitcode == 0, "the child's gather hung or failed"
+        assert results.get(timeout=5) == ["whole"]
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert os.getpid() == workers._pid  # the parent keeps its mode
+    assert workers.mode == mode
+
+
+def test_a_zero_byte_gather_is_timed_without_dividing_by_zero(clock):
+    g = Gather(clock)
+    workers = GatherWorkers(threads=2, min_bytes=0, trials=1)
+    with data_path_threads(1):
+        for _ in range(4):
+            workers.gather(0, g.whole, [g.part, g.other_part])
+    assert workers.mode in GATHER_MODES

@@ -1,6 +1,5 @@
 """The synchronous sample path: its draw, its delivery bookkeeping and its priority update."""
 
-import time
 
 import numpy as np
 import pytest
@@ -213,20 +212,25 @@ def test_split_gather_runs_every_range_and_reraises():
         workers.run([lambda: None] * 4)
 
 
-def test_split_is_kept_only_where_it_measured_faster():
+def test_split_is_kept_only_where_it_measured_faster(monkeypatch):
+    from conduit.storage import threads as threads_module
+
+    now = [0.0]
+    monkeypatch.setattr(threads_module, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: now[0])}))  # moved only by the fake gathers
     workers = GatherWorkers(threads=2, min_bytes=10, trials=2)
 
     def slow() -> None:
-        time.sleep(0.01)
+        now[0] += 1.0
 
     def whole() -> None:  # slow on torch's intra-op threads, fast on one
-        if torch.get_num_threads() > 1:
-            slow()
+        now[0] += 1.0 if torch.get_num_threads() > 1 else 0.1
 
-    for _ in range(6):
-        workers.gather(100, whole, [slow, slow])
-    assert workers.split is False and workers.mode == "one"
-    calls = []
-    workers.gather(100, lambda: calls.append("whole"), [lambda: calls.append("part")] * 2)
-    workers.gather(5, lambda: calls.append("small"), [lambda: calls.append("part")] * 2)
+    with data_path_threads(1):  # as a buffer calls it
+        for _ in range(6):
+            workers.gather(100, whole, [slow, lambda: None])
+        assert workers.split is False and workers.mode == "one"
+        calls = []
+        workers.gather(100, lambda: calls.append("whole"), [lambda: calls.append("part")] * 2)
+        workers.gather(5, lambda: calls.append("small"), [lambda: calls.append("part")] * 2)
     assert calls == ["whole", "small"]

@@ -9,6 +9,7 @@ its large gathers on them only where and while that measures faster (:class:`Gat
 
 from __future__ import annotations
 
+import os
 import queue
 import statistics
 import threading
@@ -115,8 +116,11 @@ class GatherWorkers:
       thread after a fallback) the trials run again, so a machine whose load changed gets
       another choice.
 
-    Smaller gathers always run on the caller's thread alone. One caller at a time (a buffer
-    gathers under its lock). The pool's threads end when this object is collected.
+    Smaller gathers always run on the caller's thread alone, and so does every gather in a
+    process forked from the one that made this object: the fork has none of the pool's
+    threads, and torch's OpenMP threads hang in a child whose parent had used them. One caller
+    at a time (a buffer gathers under its lock). The pool's threads end when this object is
+    collected.
 
     Args:
         threads: Threads a multi-thread gather runs on, the caller's included (at least 2).
@@ -147,6 +151,7 @@ class GatherWorkers:
                              f"fallback={fallback}")
         self.threads, self.min_bytes, self.trials, self.gain = threads, min_bytes, trials, gain
         self.fallback, self.recheck = fallback, recheck
+        self._pid = os.getpid()
         self.modes = tuple(m for m in GATHER_MODES if m == ONE or m in modes)
         self._todo: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads - 1)]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -201,14 +206,14 @@ class GatherWorkers:
                 whole()
         else:
             whole()
-        return (time.perf_counter() - t0) / nbytes
+        return (time.perf_counter() - t0) / max(nbytes, 1)
 
     def gather(self, nbytes: int, whole: Callable[[], None],
                parts: Sequence[Callable[[], None]]) -> None:
         """Run a gather of ``nbytes``: ``whole`` (all rows), or ``parts`` (one row range each,
         at most :attr:`threads`) on the pool, as measured (see the class)."""
         mode = self.mode
-        if nbytes < self.min_bytes:
+        if nbytes < self.min_bytes or os.getpid() != self._pid:
             whole()
             return
         if mode is None:
