@@ -4,6 +4,7 @@ it is refused at once with a typed error, and the plane goes on as if it had not
 
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 import torch
@@ -103,3 +104,141 @@ def test_an_operator_may_still_push_and_an_inline_delivery_may_pull():
     plane.flush()
     assert len(plane.buffer) == 55
     plane.close()
+
+
+def test_recover_inside_an_inline_delivery_is_refused_before_it_clears_anything():
+    plane = ExperienceDataPlane(spec=SPEC, capacity=1000, batch_size=8, schedule=INLINE,
+                                timeout=3)
+    got = {}
+
+    @plane.register_delivery(input="ExperienceBuffer", output="Learner")
+    def delivery(exp_in, learn_out):
+        rows = exp_in.read()
+        try:
+            plane.recover()
+        except ConfigError as exc:
+            got["error"] = exc
+        learn_out.write(rows)
+
+    plane.push(_rows(20))
+    plane.pull()
+    assert got["error"].field == "recover" and "inside the delivery" in str(got["error"])
+    plane.close()
+
+
+def test_close_from_an_operator_during_close_returns_and_the_drain_stores_everything():
+    """close() is idempotent: an operator of the drain that calls it finds the plane closing
+    and returns, instead of failing its invocation (which lost the unit)."""
+    plane = ExperienceDataPlane(spec=SPEC, capacity=1000, batch_size=8, timeout=3,
+                                schedule=Schedule(overlap_ing=1, g_ing=4, overlap_del=1,
+                                                  g_del=1))
+
+    @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
+    def ingestion(actor_in, exp_out):
+        exp_out.write(actor_in.read())
+        if plane.closed:
+            plane.close()
+
+    plane.push(_rows(4))  # fewer than g_ing units: stays queued until close drains it
+    plane.close()
+    assert len(plane.buffer) == 4
+
+
+@pytest.mark.parametrize(("mode", "schedule", "refused"), [
+    ("off_policy", OVERLAPPED, True),
+    ("on_policy", OVERLAPPED, True),
+    ("on_policy", INLINE, True),
+    ("off_policy", INLINE, False),  # an inline pull runs its own (nested) invocation
+])
+def test_pull_from_inside_a_delivery_operator(mode, schedule, refused):
+    kw = {"num_minibatches": 2} if mode == "on_policy" else {"batch_size": 8}
+    capacity = 16 if mode == "on_policy" else 1000
+    if mode == "on_policy":  # one mini-batch per delivery invocation
+        schedule = Schedule(overlap_ing=schedule.overlap_ing, g_ing=schedule.g_ing,
+                            overlap_del=schedule.overlap_del, g_del=Fraction(1, 2))
+    plane = ExperienceDataPlane(spec=SPEC, capacity=capacity, mode=mode, schedule=schedule,
+                                timeout=3, **kw)
+    got = {}
+
+    @plane.register_delivery(input="ExperienceBuffer", output="Learner")
+    def delivery(exp_in, learn_out):
+        rows = exp_in.read()
+        if not got:
+            got["t0"] = time.perf_counter()
+            try:
+                got["batch"] = plane.pull(timeout=2)
+            except Exception as exc:  # what it raised is the point
+                got["error"] = exc
+            got["seconds"] = time.perf_counter() - got["t0"]
+        learn_out.write(rows)
+
+    plane.push(_rows(16))
+    plane.pull()
+    if refused:
+        assert isinstance(got.get("error"), ConfigError) and got["error"].field == "pull"
+        assert got["seconds"] < 1.0
+    else:
+        assert got["batch"]["obs"].shape == (8, 4)
+    plane.close()
+
+
+def test_a_snapshot_waited_for_from_inside_an_operator_is_refused(tmp_path):
+    plane = ExperienceDataPlane(spec=SPEC, capacity=1000, batch_size=8, schedule=OVERLAPPED,
+                                timeout=3)
+    snap = plane.snapshots(tmp_path / "snap.ckpt", every_s=3600)
+    got = {}
+
+    @plane.register_ingestion(input="Actor", output="ExperienceBuffer")
+    def ingestion(actor_in, exp_out):
+        exp_out.write(actor_in.read())
+        t0 = time.perf_counter()
+        for name, call in (("request", lambda: snap.request(wait=True)),
+                           ("close", snap.close)):
+            try:
+                call()
+            except ConfigError as exc:
+                got[name] = exc
+        got["seconds"] = time.perf_counter() - t0
+
+    plane.push(_rows(10))
+    plane.flush()
+    assert got["request"].field == "request" and got["close"].field == "close"
+    assert got["seconds"] < 1.0
+    snap.request(wait=True)  # from the caller's thread it works
+    assert (tmp_path / "snap.ckpt").exists()
+    plane.close()
+
+
+def test_a_plane_collected_inside_its_own_operator_is_still_closed():
+    """Garbage collection runs on any thread: a dropped plane collected on its own worker,
+    inside an operator, is closed from another thread once that invocation ends."""
+    import gc
+
+    before = {t.ident for t in threading.enumerate()}
+    plane = ExperienceDataPlane(spec=SPEC, capacity=1000, batch_size=8, schedule=OVERLAPPED,
+                                timeout=3)
+    plane._cycle = plane  # only the cyclic collector frees it
+    go = threading.Event()
+
+    def ingestion(actor_in, exp_out):  # holds no reference to the plane
+        exp_out.write(actor_in.read())
+        go.wait(5)
+        gc.collect()
+
+    plane.register_ingestion()(ingestion)
+    plane.push(_rows(4))
+    del plane
+    gc.disable()
+    try:
+        go.set()
+        deadline = time.monotonic() + 10
+        left = None
+        while time.monotonic() < deadline:
+            left = [t.name for t in threading.enumerate()
+                    if t.ident not in before and t.name.startswith("conduit")]
+            if not left:
+                break
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert not left, f"threads of the collected plane still running: {left}"

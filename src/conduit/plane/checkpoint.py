@@ -623,10 +623,14 @@ class Snapshotter:
                 where :meth:`ExperienceDataPlane.save` would have raised one), also kept in
                 ``last_error``; the previous snapshot is intact.
             TimeoutError: (``wait``) The snapshot was not written within ``timeout``.
+            ConfigError: (``wait``) Called from inside one of the plane's operators, which the
+                snapshot would wait for.
             PlaneClosedError: The plane is closed (a closed plane takes no snapshot).
         """
         if self.plane.closed:
             raise PlaneClosedError(f"the plane is closed; no snapshot to {self.path} is taken")
+        if wait:  # the snapshot holds the operators, this caller's invocation included
+            self.plane._engine.refuse_inside_operator("request")
         with self._done:
             target = self._started + 1  # the first snapshot to begin from now on
         self._wake.set()
@@ -717,7 +721,13 @@ class Snapshotter:
                 self._done.notify_all()
 
     def close(self) -> None:
-        """Stop taking snapshots (a write in progress finishes first)."""
+        """Stop taking snapshots (a write in progress finishes first).
+
+        Raises:
+            ConfigError: Called from inside one of the plane's operators, which a snapshot in
+                progress may wait for (nothing changes).
+        """
+        self.plane._engine.refuse_inside_operator("close")
         self._stop = True
         self._wake.set()
         self._thread.join()

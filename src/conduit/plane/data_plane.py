@@ -17,6 +17,7 @@ every schedule for a seed.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 import weakref
@@ -155,7 +156,13 @@ def _check_schedule(schedule: Any) -> Schedule:
 
 def _close_dropped(engine: PlaneEngine) -> None:
     """Close a plane that was dropped without ``close()`` (its workers hold no reference to
-    the front, so it can be collected); a loss becomes a warning, as nobody can catch it."""
+    the front, so it can be collected); a loss becomes a warning, as nobody can catch it.
+    Collected on a thread inside one of its own operators (garbage collection runs on any
+    thread), it is closed from a new thread, which waits for that invocation to end."""
+    if engine.runtime.inside_operator() is not None:
+        threading.Thread(target=_close_dropped, args=(engine,), daemon=True,
+                         name="conduit-close-dropped").start()
+        return
     try:
         engine.close()
     except ConduitError as exc:
@@ -437,9 +444,17 @@ class ExperienceDataPlane:
                 on-policy iteration that never received its rows).
             OperatorError: A delivery (or ingestion) operator raised.
             PlaneClosedError: The plane is closed.
+            ConfigError: Called from inside an operator where the batch could only come from
+                that invocation: a delivery operator (unless delivery is inline and
+                off-policy, where the pull runs its own invocation) or, on-policy, an
+                ingestion operator.
         """
         t0 = time.perf_counter()
         self._check_open()
+        inside = self._engine.runtime.inside_operator()
+        if inside is not None and (self.mode == "on_policy" or (
+                inside == "delivery" and self._engine.delivery.overlapped)):
+            self._engine.refuse_inside_operator("pull")
         waited = self.config.wait_for(timeout)
         records: list[TimingRecord] = []  # of the deliveries this pull runs itself
         try:
@@ -665,8 +680,13 @@ class ExperienceDataPlane:
         After an operator raises on a worker, dependent calls raise its ``OperatorError``
         until this is called. Rows in the buffer stay intact (and can be saved meanwhile); the
         failed invocation's units are lost (counted in the error and ``counters``).
+
+        Raises:
+            ConfigError: Called from inside an operator (the restart waits for its
+                invocation); the error stays latched.
         """
         self._check_open()
+        self._engine.refuse_inside_operator("recover")
         return self._engine.recover()
 
     def close(self) -> None:
@@ -682,8 +702,11 @@ class ExperienceDataPlane:
                 ingestion failure not cleared by :meth:`recover`, one while draining, or an
                 operator stuck past the timeout). The plane is closed all the same.
             ConfigError: Called from inside an operator, whose invocation close would wait
-                for; the plane stays open and nothing changes.
+                for; the plane stays open and nothing changes. (Once the plane is closed,
+                a call returns at once from anywhere.)
         """
+        if self._engine.closed:
+            return
         self._engine.refuse_inside_operator("close")
         self._finalizer.detach()
         for snapshotter in list(self._snapshotters):

@@ -372,6 +372,7 @@ class PlaneEngine:
             OperatorError: A worker is still stuck in an operator past the timeout (the
                 error is latched again; call again once the invocation has returned).
         """
+        self.refuse_inside_operator("recover")
         err = self.runtime.recover()
         if err is not None and not self.closed:
             with self.paused():
@@ -393,7 +394,8 @@ class PlaneEngine:
                 cause is attached. An inline ingestion failing on another thread is raised
                 to that thread's caller, and not counted here again.
         """
-        self.refuse_inside_operator("close")
+        if not self.closed:  # once closed, a call returns at once from any thread
+            self.refuse_inside_operator("close")
         rt, flow, lock = self.runtime, self.flow, self.signals.lock
         with lock:
             if self.closed:
