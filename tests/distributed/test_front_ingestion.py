@@ -101,3 +101,39 @@ def test_a_switch_to_inline_stops_the_thread_and_keeps_order():
     ing.submit(unit(2, "a"), deadline)
     assert [ids for _, ids in store.writes] == [[0, 1], [2, 3]]
     ing.close()
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_calls_that_wait_for_the_operator_are_refused_from_inside_it(overlapped):
+    """flush, set_schedule and close wait for the operator's invocations to end: from inside
+    it they joined their own thread or waited the whole timeout; now they refuse at once."""
+    from conduit.errors import ConfigError
+
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=3.0)
+    schedule = Schedule(1 if overlapped else 0, 1, 0, 1)
+    got: dict[str, Any] = {}
+
+    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        exp_out.write(actor_in.read())
+        if got:
+            return
+        for name, call in (("flush", lambda: ing.flush(time.monotonic() + 3)),
+                           ("set_schedule", lambda: ing.set_schedule(schedule)),
+                           ("close", ing.close)):
+            t0 = time.perf_counter()
+            try:
+                call()
+            except ConfigError as exc:
+                got[name] = (exc.field, time.perf_counter() - t0)
+    ing.fn, ing.registered = op, True
+    ing.set_schedule(schedule)
+    ing.submit(unit(0, "a"), time.monotonic() + 5)
+    ing.flush(time.monotonic() + 5)
+    assert {k: v[0] for k, v in got.items()} == {"flush": "flush",
+                                                  "set_schedule": "set_schedule",
+                                                  "close": "close"}
+    assert all(seconds < 1.0 for _, seconds in got.values())
+    ing.submit(unit(2, "a"), time.monotonic() + 5)  # still open and running
+    ing.close()
+    assert [ids for _, ids in store.writes] == [[0, 1], [2, 3]]

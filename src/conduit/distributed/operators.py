@@ -177,6 +177,7 @@ class FrontIngestion:
         self.error_reported = False
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
         self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
+        self._inside = threading.local()  # set on a thread while it runs the operator
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
         self.iteration: tuple[int, Callable[[], bool]] | None = None
@@ -193,9 +194,26 @@ class FrontIngestion:
         return not self.registered and not self.overlapped and (
             self.iteration is not None or self.schedule.g_ing == 1)
 
+    def refuse_inside(self, call: str) -> None:
+        """Raise if the calling thread runs the ingestion operator: ``call`` waits for its
+        invocations to end, this one included.
+
+        Raises:
+            ConfigError: (field ``call``) It does.
+        """
+        if getattr(self._inside, "active", False):
+            raise ConfigError(call, "called from inside the ingestion operator: it waits for "
+                                    "the operator's invocations to end, this one included; "
+                                    "call it from the thread that pushes or pulls")
+
     def set_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` from now on (call after :meth:`flush`), starting or stopping the
-        thread."""
+        thread.
+
+        Raises:
+            ConfigError: Called from inside the ingestion operator (nothing changes).
+        """
+        self.refuse_inside("set_schedule")
         self._join()
         with self._cond:
             self.schedule, self._stop = schedule, False
@@ -322,9 +340,13 @@ class FrontIngestion:
         err = None
         interrupt: BaseException | None = None
         try:
-            with data_path_threads(1):
-                self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
-                        BufferOut(write))
+            outer, self._inside.active = getattr(self._inside, "active", False), True
+            try:
+                with data_path_threads(1):
+                    self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
+                            BufferOut(write))
+            finally:
+                self._inside.active = outer
             if hold:
                 check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
                 for payload, rows in held:
@@ -430,7 +452,9 @@ class FrontIngestion:
         Raises:
             BackpressureTimeout: Not done by ``deadline``.
             OperatorError: An invocation failed.
+            ConfigError: Called from inside the ingestion operator.
         """
+        self.refuse_inside("flush")
         if not self.overlapped:
             self._drain_inline(force=True)
             return
@@ -471,7 +495,9 @@ class FrontIngestion:
                 raised to a caller, an invocation cut short by an interrupt (such as
                 ``KeyboardInterrupt``), a failure while draining, or a thread stuck in the
                 operator past the timeout; the first cause is attached.
+            ConfigError: Called from inside the ingestion operator (nothing changes).
         """
+        self.refuse_inside("close")
         with self._cond:
             self._closed = True
             self._cond.notify_all()

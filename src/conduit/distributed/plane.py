@@ -418,10 +418,13 @@ class RayExperienceDataPlane(ScheduledOperators):
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
                 ingestion failure not cleared by :meth:`recover`, one while draining, or an
                 operator stuck past the timeout). The plane is closed all the same.
+            ConfigError: Called from inside the ingestion operator, which close would wait
+                for; nothing changes.
         """
         with self._cond:
             if self._closed:
                 return
+            self._ingestion.refuse_inside("close")
             self._closed = True
             self._cond.notify_all()
         try:
