@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,20 @@ def make_rows(spec: ExperienceSpec, n: int, start: int = 0) -> dict[str, torch.T
             base = ids.to(torch.float64).reshape(n, *([1] * len(fs.shape)))
             out[name] = (base + torch.zeros(n, *fs.shape, dtype=torch.float64)).to(fs.dtype)
     return out
+
+
+def one_and_two_threads(spec: ExperienceSpec, sampler: Callable[[], Any], rows: int = 64
+                        ) -> tuple[Any, Any]:
+    """Two buffers holding the same ``rows`` rows, each with its own ``sampler()`` (same
+    seed): one on one data-path thread, one on two; what they gather must be the same."""
+    from conduit.storage import ExperienceBuffer
+
+    data = make_rows(spec, rows)
+    one = ExperienceBuffer(spec=spec, capacity=rows, sampler=sampler())
+    two = ExperienceBuffer(spec=spec, capacity=rows, sampler=sampler(), threads=2)
+    for buf in (one, two):
+        buf.extend(data)
+    return one, two
 
 
 @pytest.fixture(autouse=True)

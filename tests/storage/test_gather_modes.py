@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conduit.storage import ExperienceBuffer, PrioritizedSampler, data_path_threads
+from conduit.storage import PrioritizedSampler, data_path_threads
 from conduit.storage import threads as threads_module
 from conduit.storage.threads import (
     GATHER_MODES,
@@ -17,7 +17,7 @@ from conduit.storage.threads import (
     GatherWorkers,
     pick_gather_mode,
 )
-from tests.conftest import make_rows
+from tests.conftest import one_and_two_threads
 
 
 class Clock:
@@ -169,12 +169,7 @@ def test_small_gathers_never_leave_the_callers_thread(clock):
 
 
 def test_a_two_thread_prioritized_buffer_gathers_the_same_rows_in_every_mode(small_spec):
-    rows = make_rows(small_spec, 64)
-    one = ExperienceBuffer(spec=small_spec, capacity=64, sampler=PrioritizedSampler(seed=3))
-    two = ExperienceBuffer(spec=small_spec, capacity=64, sampler=PrioritizedSampler(seed=3),
-                           threads=2)
-    for buf in (one, two):
-        buf.extend(rows)
+    one, two = one_and_two_threads(small_spec, lambda: PrioritizedSampler(seed=3))
     for mode in GATHER_MODES:
         two._workers = GatherWorkers(threads=2, min_bytes=0, trials=1)
         two._workers.mode = mode  # as if its trials had chosen it

@@ -22,7 +22,7 @@ from conduit.storage import (
 from conduit.storage import buffer as buffer_module
 from conduit.storage.column_store import GatherOutputs
 from conduit.storage.threads import GatherWorkers
-from tests.conftest import make_rows
+from tests.conftest import make_rows, one_and_two_threads
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 2**20, 2**31 - 1, 2**32 + 5, 10**12 + 7])
@@ -180,12 +180,7 @@ def test_data_path_threads_sets_and_restores():
 
 
 def test_split_gathers_return_the_same_rows(small_spec):
-    rows = make_rows(small_spec, 64)
-    one = ExperienceBuffer(spec=small_spec, capacity=64, sampler=UniformSampler(seed=1))
-    two = ExperienceBuffer(spec=small_spec, capacity=64, sampler=UniformSampler(seed=1),
-                           threads=2)
-    for buf in (one, two):
-        buf.extend(rows)
+    one, two = one_and_two_threads(small_spec, lambda: UniformSampler(seed=1))
     two._workers = GatherWorkers(threads=2, min_bytes=0, trials=3)
     for _ in range(12):  # trials of both kinds, then the chosen one
         a, b = one.sample(33), two.sample(33)
