@@ -309,6 +309,89 @@ def _check_sources(logprobs: Any) -> tuple[LogProbSource, ...]:
     return tuple(logprobs)
 
 
+def _checked_options(*, group_size: int, groups: int, num_minibatches: int, pad_token_id: Any,
+                     score: Any, schedule: Any, logprobs: Any, learner_device: Any,
+                     scale_rewards: Any, gate_prefetch: Any, pad_completions_to: Any
+                     ) -> tuple[tuple[LogProbSource, ...], torch.device]:
+    """:class:`GroupExperiencePath`'s arguments besides its sizes, checked in turn: the
+    log-prob sources and the learner's device, as the path keeps them.
+
+    Raises:
+        ConfigError: An argument is invalid (named by the error's field).
+    """
+    if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+            or not -(1 << 63) <= int(pad_token_id) < 1 << 63):
+        raise ConfigError("pad_token_id", f"must be an int within int64, got "
+                                          f"{pad_token_id!r}")
+    if not callable(score):
+        raise ConfigError("score", f"must be callable, got {score!r}")
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ConfigError("schedule", f"must be a conduit Schedule or None, got "
+                                      f"{schedule!r}")
+    sources = _check_sources(logprobs)
+    try:
+        learner_device = torch.device(learner_device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError("learner_device", f"not a device: {learner_device!r} "
+                                            f"({exc})") from exc
+    rows = group_size * groups
+    if rows % num_minibatches:
+        raise ConfigError("num_minibatches", f"{rows} rows per iteration do not split into "
+                                             f"{num_minibatches} equal mini-batches")
+    if scale_rewards not in ("group", "none"):
+        raise ConfigError("scale_rewards", f"per-group ingestion supports 'group' or "
+                                           f"'none', got {scale_rewards!r}")
+    if (isinstance(gate_prefetch, bool) or not isinstance(gate_prefetch, (int, float))
+            or not 0 <= gate_prefetch < math.inf):
+        raise ConfigError("gate_prefetch", f"must be a finite number of seconds >= 0, got "
+                                           f"{gate_prefetch!r}")
+    if pad_completions_to not in ("minibatch", "iteration"):
+        raise ConfigError("pad_completions_to", f"must be 'minibatch' or 'iteration', got "
+                                                f"{pad_completions_to!r}")
+    return sources, learner_device
+
+
+def _default_schedule(group_size: int, rows: int, m: int) -> Schedule:
+    """Inline ingestion of one group per invocation, overlapped delivery of one
+    mini-batch: the largest feasible ingestion granularity that a single group fills
+    (a group's share of the iteration itself, or a multiple of 1/M below it when a group
+    does not end on a mini-batch boundary)."""
+    unit = Fraction(group_size, rows)
+    space = feasible_space(mode="on_policy", num_minibatches=m, unit_fraction_ing=unit)
+    g_ing = max(g for g in space.g_ing if g <= unit)
+    return Schedule(0, g_ing, 1, Fraction(1, m))
+
+
+def _checked_order(order: Any) -> torch.Tensor:
+    """``order`` as a 1-D int64 CPU tensor.
+
+    Raises:
+        SpecError: It is not a 1-D tensor or sequence of integers.
+    """
+    if not isinstance(order, torch.Tensor):
+        try:
+            order = torch.as_tensor(order)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise SpecError("order", f"must be a 1-D tensor of row indices, got "
+                                     f"{type(order).__name__} ({exc})") from exc
+    if order.dtype == torch.bool or order.is_floating_point() or order.is_complex():
+        raise SpecError("order", f"must hold integer row indices, got dtype {order.dtype}")
+    if order.dim() != 1:
+        raise SpecError("order", f"must be 1-D, got shape {tuple(order.shape)}")
+    return as_indices(order)
+
+def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
+    """``src``'s leading mini-batches without log-probs in ``iteration``.
+
+    Raises:
+        ConfigError: A callable ``skip_first`` returned something else than an int >= 0.
+    """
+    n = src.skip_first(iteration) if callable(src.skip_first) else src.skip_first
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ConfigError(f"logprobs[{i}].skip_first", f"must give an int >= 0, got {n!r}")
+    return int(n)
+
+
 @dataclass
 class _Unit:
     """Groups pushed together: their first row in generation order, the sequences as given
@@ -320,6 +403,164 @@ class _Unit:
     prompts: tuple[torch.Tensor, torch.Tensor]
     completions: tuple[torch.Tensor, torch.Tensor]
     payload: Any
+
+
+def _unit_rewards(unit: _Unit, score: Callable[..., Any], group_size: int) -> torch.Tensor:
+    """The rewards ``score`` gives the completions of one push, checked.
+
+    Raises:
+        SpecError: They are not one finite real number (or NaN) per completion.
+    """
+    n, what = len(unit.completion_ids), f"groups from {unit.first // group_size}"
+    r = _scored(score(unit.payload, unit.prompt_ids, unit.completion_ids), n, what)
+    _has_nan(r, what=f"{what}: the scorer's output ")
+    return r
+
+
+def _logprobs_of(src: LogProbSource, batch: Batch) -> torch.Tensor:
+    """``src``'s per-token log-probs of a padded mini-batch, on one torch thread (a prefetch
+    must not take the learner's cores).
+
+    Raises:
+        SpecError: ``src.fn`` returned something else than a floating-point tensor shaped as
+            ``completion_ids`` (field ``src.key``).
+    """
+    completion_ids = batch["completion_ids"]
+    with data_path_threads(1):
+        logps = src.fn(batch["prompt_ids"], batch["prompt_mask"], completion_ids,
+                       batch["completion_mask"])
+    if (not isinstance(logps, torch.Tensor) or not logps.is_floating_point()
+            or logps.shape != completion_ids.shape):
+        got = (f"{logps.dtype} tensor of shape {tuple(logps.shape)}"
+               if isinstance(logps, torch.Tensor) else type(logps).__name__)
+        raise SpecError(src.key, f"LogProbSource {src.key!r}: fn returned {got}; return "
+                                 f"a floating-point tensor of per-token log-probs "
+                                 f"shaped as completion_ids, {tuple(completion_ids.shape)}")
+    return logps
+
+
+class _Pushes:
+    """The current iteration's pushes, in row order: the rows each reserved, the tokens of
+    those ingested (packed in ``ragged``, row ``r`` in slot ``r``), their rewards and
+    advantages, and the earliest row a failure lost.
+
+    Pushes, ingestion and delivery run on different threads: ``lock`` guards ``ragged`` and
+    the units. A failure marks the first row of the push it lost (:meth:`lose`);
+    :meth:`settle` then withdraws that push and every later one, whose rows would no longer
+    follow generation order, so that the count of pushed rows is again what the plane holds
+    or still ingests.
+    """
+
+    def __init__(self, ragged: RaggedStore, *, rows: int, group_size: int) -> None:
+        self.ragged, self.lock = ragged, threading.Lock()
+        self._rows, self._group_size = rows, group_size
+        # by serial, unique for the path's lifetime, so a push that was withdrawn after a
+        # failure can never be taken for its replacement
+        self.units: dict[int, _Unit] = {}
+        self.pushed = 0  # rows reserved by the pushes not withdrawn
+        self.rewards = torch.full((rows,), float("nan"))
+        self.advantages = torch.zeros(rows)
+        self._serial = 0
+        self._lost: int | None = None  # first row of the earliest lost push
+        self._spent: list[dict[int, _Unit]] = []  # earlier iterations' arrivals, to free
+
+    def restart(self) -> None:
+        """Empty, for the next iteration (the last one's arrivals wait for
+        :meth:`free_spent`)."""
+        with self.lock:
+            self.ragged.clear()
+            self._spent.append(self.units)
+            self.units, self.pushed, self._lost = {}, 0, None
+        self.rewards = torch.full((self._rows,), float("nan"))
+        self.advantages = torch.zeros(self._rows)
+
+    def add(self, unit: _Unit) -> int:
+        """Reserve ``unit``'s rows, from :attr:`pushed` on; returns its serial. The caller
+        holds the path's push lock."""
+        serial = self._serial
+        self._serial += 1
+        self.units[serial] = unit
+        self.pushed += len(unit.completion_ids)
+        return serial
+
+    def lose(self, serials: Sequence[int]) -> None:
+        """The pushes ``serials`` failed: those still live mark their first row lost (a
+        withdrawn one, or one of an earlier iteration, marks nothing)."""
+        with self.lock:
+            for serial in serials:
+                unit = self.units.get(serial)
+                if unit is not None and (self._lost is None or unit.first < self._lost):
+                    self._lost = unit.first
+
+    def settle(self) -> None:
+        """Withdraw the pushes from the earliest lost row on."""
+        with self.lock:
+            cut, self._lost = self._lost, None
+            if cut is None:
+                return
+            self.units = {s: u for s, u in self.units.items() if u.first < cut}
+            self.pushed = min(self.pushed, cut)
+            if len(self.ragged) > cut:  # rows of an invocation that failed after packing
+                self._truncate(cut)
+        self.rewards[cut:] = float("nan")
+        self.advantages[cut:] = 0.0
+
+    def _truncate(self, rows: int) -> None:
+        """Keep the ragged store's first ``rows`` rows (with :attr:`lock` held)."""
+        state = self.ragged.state_dict()
+        fields = {}
+        for name, entry in state["fields"].items():
+            off = entry["offsets"][:rows + 1]
+            fields[name] = {"values": entry["values"][:int(off[-1])], "offsets": off}
+        self.ragged.load_state_dict({"rows": rows, "fields": fields})
+
+    def live(self, serials: Sequence[int]) -> list[_Unit]:
+        """The pushes ``serials``, which an ingestion invocation holds.
+
+        Raises:
+            StateError: One was withdrawn after an earlier push of its iteration failed.
+        """
+        units = []
+        for serial in serials:
+            unit = self.units.get(serial)
+            if unit is None:
+                raise StateError("unit", "a push withdrawn after an earlier push of its "
+                                         "iteration failed; push its groups again")
+            units.append(unit)
+        return units
+
+    def pack(self, serials: Sequence[int], units: Sequence[_Unit]) -> None:
+        """Append the tokens of ``units`` (pushes ``serials``, consecutive), packed as one.
+
+        Raises:
+            StateError: They are not the next rows, or one was withdrawn meanwhile.
+        """
+        with self.lock:
+            at = len(self.ragged)
+            for serial, unit in zip(serials, units):
+                if self.units.get(serial) is not unit or unit.first != at:
+                    raise StateError("row", f"groups from {unit.first // self._group_size} "
+                                            f"were ingested out of order")
+                at += len(unit.completion_ids)
+            self.ragged.extend_packed({name: tuple(_joined(parts) for parts in zip(
+                *(getattr(unit, attr) for unit in units))) for name, attr in (
+                ("prompt_ids", "prompts"), ("completion_ids", "completions"))})
+
+    def unpack(self, rows: int) -> None:
+        """Keep the first ``rows`` rows' tokens (a write after :meth:`pack` failed)."""
+        with self.lock:
+            self._truncate(rows)
+
+    def free_spent(self) -> None:
+        """Drop earlier iterations' arrivals (their tensors)."""
+        with self.lock:
+            spent, self._spent = self._spent, []
+        del spent
+
+    @property
+    def spent(self) -> int:
+        """Earlier iterations whose arrivals are not freed yet."""
+        return len(self._spent)
 
 
 class GroupExperiencePath:
@@ -382,46 +623,22 @@ class GroupExperiencePath:
             ("num_minibatches", num_minibatches), ("num_epochs", num_epochs),
             ("max_prompt_length", max_prompt_length),
             ("max_completion_length", max_completion_length)))
-        if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
-                or not -(1 << 63) <= int(pad_token_id) < 1 << 63):
-            raise ConfigError("pad_token_id", f"must be an int within int64, got "
-                                              f"{pad_token_id!r}")
-        if not callable(score):
-            raise ConfigError("score", f"must be callable, got {score!r}")
-        if schedule is not None and not isinstance(schedule, Schedule):
-            raise ConfigError("schedule", f"must be a conduit Schedule or None, got "
-                                          f"{schedule!r}")
-        sources = _check_sources(logprobs)
-        try:
-            learner_device = torch.device(learner_device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError("learner_device", f"not a device: {learner_device!r} "
-                                                f"({exc})") from exc
+        sources, learner_device = _checked_options(
+            group_size=group_size, groups=groups, num_minibatches=num_minibatches,
+            pad_token_id=pad_token_id, score=score, schedule=schedule, logprobs=logprobs,
+            learner_device=learner_device, scale_rewards=scale_rewards,
+            gate_prefetch=gate_prefetch, pad_completions_to=pad_completions_to)
         rows = group_size * groups
-        if rows % num_minibatches:
-            raise ConfigError("num_minibatches", f"{rows} rows per iteration do not split into "
-                                                 f"{num_minibatches} equal mini-batches")
-        if scale_rewards not in ("group", "none"):
-            raise ConfigError("scale_rewards", f"per-group ingestion supports 'group' or "
-                                               f"'none', got {scale_rewards!r}")
-        if (isinstance(gate_prefetch, bool) or not isinstance(gate_prefetch, (int, float))
-                or not 0 <= gate_prefetch < math.inf):
-            raise ConfigError("gate_prefetch", f"must be a finite number of seconds >= 0, got "
-                                               f"{gate_prefetch!r}")
-        if pad_completions_to not in ("minibatch", "iteration"):
-            raise ConfigError("pad_completions_to", f"must be 'minibatch' or 'iteration', got "
-                                                    f"{pad_completions_to!r}")
         self.group_size, self.groups, self.rows = group_size, groups, rows
         self.num_minibatches, self.num_epochs = num_minibatches, num_epochs
         self.pad_token_id, self.scale_rewards = int(pad_token_id), scale_rewards
         self.pad_completions_to = pad_completions_to
         self._score, self._logprobs = score, sources
         self._skips = tuple(0 for _ in sources)  # per source, for the current iteration
-        self.ragged = RaggedStore(fields={
+        self._pushes = _Pushes(RaggedStore(fields={
             "prompt_ids": RaggedFieldSpec(torch.int64, max_length=max_prompt_length),
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
-            capacity=rows)
-        self._ragged_lock = threading.Lock()
+            capacity=rows), rows=rows, group_size=group_size)
         # held from a push's reservation of rows through plane.push, so the plane queues
         # pushes in row order; ingestion never takes it (a push from inside ingestion, such as
         # from the scorer, is refused: it would wait for the ingestion it runs in)
@@ -440,34 +657,19 @@ class GroupExperiencePath:
             spec=spec, capacity=rows, mode="on_policy", num_minibatches=m, num_epochs=num_epochs,
             sampler=self._sampler, rollout_rows=group_size, learner_device=learner_device,
             rollout_spec=ExperienceSpec.of(unit=((), torch.int64)), timeout=timeout,
-            schedule=schedule or self._default_schedule(group_size, rows, m))
+            schedule=schedule or _default_schedule(group_size, rows, m))
         self.plane.register_ingestion()(self._ingest)
         self.plane.register_delivery(
             whole_iteration=pad_completions_to == "iteration")(self._deliver)
         self.iteration = -1
-        # pushes of the iteration by serial (unique for the path's lifetime, so a push that
-        # was withdrawn after a failure can never be taken for its replacement)
-        self._units: dict[int, _Unit] = {}
-        self._serial = 0
-        self._lost: int | None = None  # first row of the earliest lost push (see _settle)
         self._part_of = [0] * rows  # row -> its mini-batch within the epoch
         self._all_rows = set(range(rows))
-        self._spent: list[dict[int, _Unit]] = []
         self._prompt_width = 0
-        self._pushed = 0
-        self._rewards = torch.full((rows,), float("nan"))
-        self._advantages = torch.zeros(rows)
 
-    @staticmethod
-    def _default_schedule(group_size: int, rows: int, m: int) -> Schedule:
-        """Inline ingestion of one group per invocation, overlapped delivery of one
-        mini-batch: the largest feasible ingestion granularity that a single group fills
-        (a group's share of the iteration itself, or a multiple of 1/M below it when a group
-        does not end on a mini-batch boundary)."""
-        unit = Fraction(group_size, rows)
-        space = feasible_space(mode="on_policy", num_minibatches=m, unit_fraction_ing=unit)
-        g_ing = max(g for g in space.g_ing if g <= unit)
-        return Schedule(0, g_ing, 1, Fraction(1, m))
+    @property
+    def ragged(self) -> RaggedStore:
+        """The iteration's prompt and completion tokens, packed (row ``r`` in slot ``r``)."""
+        return self._pushes.ragged
 
     # -- the trainer's side -------------------------------------------------------------------
 
@@ -489,7 +691,7 @@ class GroupExperiencePath:
         """
         if self.plane.closed:
             raise PlaneClosedError("begin_iteration: the experience path is closed")
-        order = self._check_order(order)
+        order = _checked_order(order)
         # Python on the ints: this runs right after generation, where a first numpy or torch
         # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
         in_order = order.tolist()
@@ -500,13 +702,14 @@ class GroupExperiencePath:
                 or not 1 <= int(prompt_width) <= longest):
             raise ConfigError("prompt_width", f"must be an int in [1, max_prompt_length="
                                               f"{longest}], got {prompt_width!r}")
-        self._settle()
+        pushes = self._pushes
+        pushes.settle()
         restart = self.iteration >= 0 and self.plane.policy_version <= self.iteration
-        if restart and self._pushed:
+        if restart and pushes.pushed:
             raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
                                           f"to pull")
         iteration = self.iteration if restart else self.iteration + 1
-        skips = tuple(self._skip_of(i, src, iteration) for i, src in enumerate(self._logprobs))
+        skips = tuple(_skip_of(i, src, iteration) for i, src in enumerate(self._logprobs))
         # checked: from here on nothing raises
         self.iteration, self._skips = iteration, skips
         if not self._closing:  # generation is over and the learner is not updating
@@ -515,52 +718,15 @@ class GroupExperiencePath:
         per_part = self.rows // self.num_minibatches  # equal parts, in delivery order
         for position, row in enumerate(in_order):
             self._part_of[row] = position // per_part
-        with self._ragged_lock:
-            self.ragged.clear()
-            # the last iteration's arrivals are freed by the next delivery on the worker
-            self._spent.append(self._units)
-            self._units, self._pushed, self._lost = {}, 0, None
+        pushes.restart()  # the last iteration's arrivals are freed by a delivery on the worker
         self._prompt_width = int(prompt_width)
-        self._rewards = torch.full((self.rows,), float("nan"))
-        self._advantages = torch.zeros(self.rows)
-
-    @staticmethod
-    def _check_order(order: Any) -> torch.Tensor:
-        """``order`` as a 1-D int64 CPU tensor.
-
-        Raises:
-            SpecError: It is not a 1-D tensor or sequence of integers.
-        """
-        if not isinstance(order, torch.Tensor):
-            try:
-                order = torch.as_tensor(order)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise SpecError("order", f"must be a 1-D tensor of row indices, got "
-                                         f"{type(order).__name__} ({exc})") from exc
-        if order.dtype == torch.bool or order.is_floating_point() or order.is_complex():
-            raise SpecError("order", f"must hold integer row indices, got dtype {order.dtype}")
-        if order.dim() != 1:
-            raise SpecError("order", f"must be 1-D, got shape {tuple(order.shape)}")
-        return as_indices(order)
-
-    @staticmethod
-    def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
-        """``src``'s leading mini-batches without log-probs in ``iteration``.
-
-        Raises:
-            ConfigError: A callable ``skip_first`` returned something else than an int >= 0.
-        """
-        n = src.skip_first(iteration) if callable(src.skip_first) else src.skip_first
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ConfigError(f"logprobs[{i}].skip_first", f"must give an int >= 0, got {n!r}")
-        return int(n)
 
     @property
     def pushed_groups(self) -> int:
         """Groups of the iteration pushed and not lost: the next push holds the groups from
         this one on (after a failure, the first lost group)."""
-        self._settle()
-        return self._pushed // self.group_size
+        self._pushes.settle()
+        return self._pushes.pushed // self.group_size
 
     def push_group(self, *, prompt_ids: Sequence[Sequence[int]],
                    completion_ids: Sequence[Sequence[int]], payload: Any = None) -> None:
@@ -603,9 +769,10 @@ class GroupExperiencePath:
                                                 "before pushing groups")
         _check_sequences(prompt_ids, "prompt_ids")
         _check_sequences(completion_ids, "completion_ids")
+        pushes = self._pushes
         with self._push_lock:
-            self._settle()
-            first = self._pushed // self.group_size
+            pushes.settle()
+            first = pushes.pushed // self.group_size
             n = len(completion_ids)
             if n == 0 or n % self.group_size:
                 raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
@@ -614,9 +781,9 @@ class GroupExperiencePath:
             if len(prompt_ids) != n:
                 raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} "
                                               f"prompts for {n} completions")
-            if self._pushed + n > self.rows:
+            if pushes.pushed + n > self.rows:
                 raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups "
-                                      f"and {self._pushed // self.group_size} are pushed; call "
+                                      f"and {pushes.pushed // self.group_size} are pushed; call "
                                       f"begin_iteration for the next one")
             what = f"groups {first}..{first + n // self.group_size - 1}"
             prompts = self.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
@@ -627,19 +794,16 @@ class GroupExperiencePath:
                 raise SpecError("prompt_ids", f"{what} hold a prompt longer than the "
                                               f"iteration's prompt_width {self._prompt_width}")
             _check_one_prompt_per_group(prompts, self.group_size, what)
-            serial, start = self._serial, self._pushed
-            self._serial += 1
-            unit = _Unit(start, prompt_ids, completion_ids, prompts, completions, payload)
-            self._units[serial] = unit
-            self._pushed += n
+            serial = pushes.add(_Unit(pushes.pushed, prompt_ids, completion_ids, prompts,
+                                      completions, payload))
             try:
                 self.plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
                                 policy_version=self.iteration)
             except BaseException:
                 # refused, or ingested here and failed: withdrawn (a copy the plane still
                 # holds fails its ingestion, as its serial is gone)
-                self._lose([serial])
-                self._settle()
+                pushes.lose([serial])
+                pushes.settle()
                 raise
 
     def recover(self) -> OperatorError | None:
@@ -662,7 +826,7 @@ class GroupExperiencePath:
                 break
             except OperatorError:
                 self.plane.recover()
-        self._settle()
+        self._pushes.settle()
         return err
 
     def pull(self) -> Batch:
@@ -702,22 +866,22 @@ class GroupExperiencePath:
         try:
             self.plane.flush()
         finally:
-            self._settle()
+            self._pushes.settle()
 
     @property
     def rewards(self) -> torch.Tensor:
         """Rewards of the iteration's ingested rows, in generation order (NaN before)."""
-        return self._rewards
+        return self._pushes.rewards
 
     @property
     def advantages(self) -> torch.Tensor:
         """Advantages of the iteration's ingested rows, in generation order."""
-        return self._advantages
+        return self._pushes.advantages
 
     def completion_tokens(self) -> int:
         """Completion tokens of the iteration ingested so far."""
-        with self._ragged_lock:
-            return self.ragged.tokens("completion_ids")
+        with self._pushes.lock:
+            return self._pushes.ragged.tokens("completion_ids")
 
     def close(self) -> None:
         """Stop the plane's workers (a delivery waiting for :meth:`update_started` is let
@@ -725,40 +889,6 @@ class GroupExperiencePath:
         self._closing = True
         self._permit.set()
         self.plane.close()
-
-    # -- failures -----------------------------------------------------------------------------
-
-    def _lose(self, serials: Sequence[int]) -> None:
-        """The pushes ``serials`` failed: those still live mark their first row lost (a
-        withdrawn one, or one of an earlier iteration, marks nothing)."""
-        with self._ragged_lock:
-            for serial in serials:
-                unit = self._units.get(serial)
-                if unit is not None and (self._lost is None or unit.first < self._lost):
-                    self._lost = unit.first
-
-    def _settle(self) -> None:
-        """Withdraw the pushes from the earliest lost row on: the path then counts what the
-        plane holds (or still ingests) again, and the next push continues from there."""
-        with self._ragged_lock:
-            cut, self._lost = self._lost, None
-            if cut is None:
-                return
-            self._units = {s: u for s, u in self._units.items() if u.first < cut}
-            self._pushed = min(self._pushed, cut)
-            if len(self.ragged) > cut:  # rows of an invocation that failed after packing
-                self._truncate_ragged(cut)
-        self._rewards[cut:] = float("nan")
-        self._advantages[cut:] = 0.0
-
-    def _truncate_ragged(self, rows: int) -> None:
-        """Keep the ragged store's first ``rows`` rows (with ``_ragged_lock`` held)."""
-        state = self.ragged.state_dict()
-        fields = {}
-        for name, entry in state["fields"].items():
-            off = entry["offsets"][:rows + 1]
-            fields[name] = {"values": entry["values"][:int(off[-1])], "offsets": off}
-        self.ragged.load_state_dict({"rows": rows, "fields": fields})
 
     # -- operators ----------------------------------------------------------------------------
 
@@ -770,47 +900,25 @@ class GroupExperiencePath:
         try:
             self._ingest_units(serials, exp_out)
         except BaseException:
-            self._lose(serials)  # the plane drops the invocation's units
+            self._pushes.lose(serials)  # the plane drops the invocation's units
             raise
         finally:
             self._ingesting.active = False
 
     def _ingest_units(self, serials: list[int], exp_out: Any) -> None:
-        units = []
-        for serial in serials:
-            unit = self._units.get(serial)
-            if unit is None:
-                raise StateError("unit", "a push withdrawn after an earlier push of its "
-                                         "iteration failed; push its groups again")
-            units.append(unit)
-        rewards = []
-        for unit in units:
-            n, what = len(unit.completion_ids), f"groups from {unit.first // self.group_size}"
-            r = _scored(self._score(unit.payload, unit.prompt_ids, unit.completion_ids), n, what)
-            _has_nan(r, what=f"{what}: the scorer's output ")
-            rewards.append(r)
-        reward = _joined(rewards)
+        pushes = self._pushes
+        units = pushes.live(serials)
+        reward = _joined([_unit_rewards(unit, self._score, self.group_size) for unit in units])
         adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
-        packed = {name: tuple(_joined(parts) for parts in zip(
-            *(getattr(unit, attr) for unit in units)))
-            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
         start, n = units[0].first, reward.numel()  # consecutive rows, in push order
-        with self._ragged_lock:
-            at = len(self.ragged)
-            for serial, unit in zip(serials, units):
-                if self._units.get(serial) is not unit or unit.first != at:
-                    raise StateError("row", f"groups from {unit.first // self.group_size} "
-                                            f"were ingested out of order")
-                at += len(unit.completion_ids)
-            self.ragged.extend_packed(packed)
+        pushes.pack(serials, units)
         try:
             exp_out.write({"advantage": adv})
         except BaseException:
-            with self._ragged_lock:
-                self._truncate_ragged(start)
+            pushes.unpack(start)
             raise
-        self._rewards[start:start + n] = reward
-        self._advantages[start:start + n] = adv
+        pushes.rewards[start:start + n] = reward
+        pushes.advantages[start:start + n] = adv
 
     def _wait_for_permit(self) -> None:
         """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
@@ -824,21 +932,19 @@ class GroupExperiencePath:
 
     def _deliver(self, exp_in: Any, learn_out: Any) -> None:
         self._wait_for_permit()
-        if self._spent and (len(self._spent) > 1 or not getattr(self._pulling, "active", False)):
-            # on the worker; on the learner only once two iterations' arrivals wait
-            with self._ragged_lock:
-                spent, self._spent = self._spent, []
-            del spent
+        pushes = self._pushes
+        if pushes.spent > 1 or (pushes.spent and not getattr(self._pulling, "active", False)):
+            pushes.free_spent()  # on the worker; on the learner once two iterations' wait
         rows = exp_in.read()
         slots = rows["_index"]  # generation rows, and ragged slots (see the spec)
-        with self._ragged_lock:
-            prompt_ids, prompt_mask = self.ragged.padded_with_mask(
+        with pushes.lock:
+            prompt_ids, prompt_mask = pushes.ragged.padded_with_mask(
                 "prompt_ids", slots, pad_value=self.pad_token_id, side="left",
                 width=self._prompt_width, mask_dtype=torch.int64)
             width = None
             if self.pad_completions_to == "iteration":
-                width = int(self.ragged.lengths("completion_ids").max())
-            completion_ids, completion_mask = self.ragged.padded_with_mask(
+                width = int(pushes.ragged.lengths("completion_ids").max())
+            completion_ids, completion_mask = pushes.ragged.padded_with_mask(
                 "completion_ids", slots, pad_value=self.pad_token_id, width=width,
                 mask_dtype=torch.int64)
         out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
@@ -846,19 +952,8 @@ class GroupExperiencePath:
                "advantages": rows["advantage"], "row": slots}
         part = self._part_of[int(slots.numpy()[0])] if slots.numel() else 0
         for src, skip in zip(self._logprobs, self._skips):
-            if self.num_epochs == 1 and part < skip:
-                continue
-            with data_path_threads(1):  # a prefetch must not take the learner's cores
-                logps = src.fn(prompt_ids, prompt_mask, completion_ids, completion_mask)
-            if (not isinstance(logps, torch.Tensor) or not logps.is_floating_point()
-                    or logps.shape != completion_ids.shape):
-                got = (f"{logps.dtype} tensor of shape {tuple(logps.shape)}"
-                       if isinstance(logps, torch.Tensor) else type(logps).__name__)
-                raise SpecError(src.key, f"LogProbSource {src.key!r}: fn returned {got}; return "
-                                         f"a floating-point tensor of per-token log-probs "
-                                         f"shaped as completion_ids, "
-                                         f"{tuple(completion_ids.shape)}")
-            out[src.key] = logps
+            if self.num_epochs > 1 or part >= skip:
+                out[src.key] = _logprobs_of(src, out)
         learn_out.write(out)
 
     def __enter__(self) -> GroupExperiencePath:
