@@ -18,6 +18,8 @@ def check_int(field: str, value: Any, *, minimum: int) -> int:
     Raises:
         ConfigError: ``value`` is not an integer ``>= minimum``.
     """
+    if type(value) is int and value >= minimum:  # the usual case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(field, f"must be {what}, got {value!r}")

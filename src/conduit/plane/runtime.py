@@ -35,6 +35,14 @@ def identity_delivery(exp_in: BufferIn, learn_out: LearnerOut) -> None:
     learn_out.write(exp_in.read())
 
 
+def _on_host(rows: Batch) -> bool:
+    """Whether every tensor of ``rows`` is in host memory."""
+    for v in rows.values():
+        if not v.is_cpu:
+            return False
+    return True
+
+
 class OperatorRuntime:
     """Runs ingestion and delivery invocations for a flow.
 
@@ -306,7 +314,7 @@ class OperatorRuntime:
                     else self.flow.buffer.gather(job.info))
             if (self.deliver_fn is identity_delivery and job.batches == 1
                     and self.learner_device.type == "cpu"
-                    and all(v.is_cpu for v in rows.values())):  # (no device objects made)
+                    and _on_host(rows)):  # (no device objects made)
                 direct = rows  # the gathered rows are the batch, where they are
             else:
                 out = LearnerOut(batches=job.batches, device=self.learner_device)
