@@ -19,7 +19,6 @@ from conduit.storage import (
     column_store,
     data_path_threads,
 )
-from conduit.storage import buffer as buffer_module
 from conduit.storage.column_store import GatherOutputs
 from conduit.storage.threads import GatherWorkers
 from tests.conftest import make_rows, one_and_two_threads
@@ -101,7 +100,7 @@ def test_only_samplers_with_priorities_record_delivered_rows(small_spec):
 @pytest.mark.parametrize("compiled", [True, False], ids=["numba", "numpy"])
 def test_update_skips_exactly_the_overwritten_rows(small_spec, monkeypatch, compiled):
     if not compiled:
-        monkeypatch.setattr(buffer_module.compiled, "load", lambda name: None)
+        monkeypatch.setattr("conduit.storage.compiled.load", lambda name: None)
     buf = ExperienceBuffer(spec=small_spec, capacity=8, sampler=PrioritizedSampler(seed=0))
     buf.extend(make_rows(small_spec, 8))
     got = buf.gather(torch.arange(8))

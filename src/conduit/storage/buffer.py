@@ -12,17 +12,14 @@ import torch
 from conduit._checks import check_device, check_int
 from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
-from conduit.storage import compiled
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
+from conduit.storage.row_ids import RowIds
 from conduit.storage.samplers import PrioritizedSampler, SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
-
-#: The attribute of a delivered ``_index`` tensor holding the ids of the rows it names.
-_ROW_IDS = "_conduit_row_ids"
 
 
 def _batch_size(value: Any) -> int:
@@ -47,6 +44,45 @@ def priority_input(values: Any, field: str) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError) as e:
         raise PriorityError(f"{field}: must be a tensor, array or list of numbers, got "
                             f"{type(values).__name__} ({e})") from None
+
+
+def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
+    """Slots given by a caller, as int64: integers in ``[0, size)`` (checked before a
+    gather, which would read an unfilled slot's leftovers, or on a sharded store an output
+    row no shard fills).
+
+    Raises:
+        ConfigError: They are not such slots (field ``indices``).
+    """
+    if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
+                             torch.uint8):
+        raise ConfigError("indices", f"must be integer slots (a batch's _index), got "
+                                     f"dtype {indices.dtype}")
+    if indices.device.type != "cpu":
+        raise ConfigError("indices", f"must be on the CPU, got {indices.device}")
+    if indices.dim() == 0:
+        raise ConfigError("indices", f"must have a batch dimension, got a 0-d tensor "
+                                     f"({int(indices)}); pass {int(indices)} as a "
+                                     f"1-element tensor")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
+                                     f"[{int(indices.min())}, {int(indices.max())}]")
+    return indices.to(torch.int64)
+
+
+def _check_priorities_fit(sampler: Sampler, size: int, capacity: int) -> None:
+    """Refuse a prioritized sampler's state with priorities for slots at or after the
+    writer's ``size``, which hold no row (they would be drawn).
+
+    Raises:
+        StateError: Such a slot has a priority (key ``buffer.sampler.tree.set``).
+    """
+    if size < capacity and isinstance(sampler, PrioritizedSampler):
+        beyond = np.flatnonzero(sampler.tree.is_set()[size:])
+        if beyond.size:
+            raise StateError("buffer.sampler.tree.set", f"slot {size + int(beyond[0])} "
+                                                        f"has a priority but the writer "
+                                                        f"holds rows in [0, {size}) only")
 
 
 class ExperienceBuffer:
@@ -98,8 +134,8 @@ class ExperienceBuffer:
         self.sampler.bind(self.capacity)
         self.threads = int(threads)
         self._lock = threading.RLock()
-        self._row_id = np.full(self.capacity, -1, dtype=np.int64)  # id of the row in a slot
-        self._delivered_id = np.full(self.capacity, -1, dtype=np.int64)  # id last delivered
+        self._ids = RowIds(self.capacity)
+        self._row_id, self._delivered_id = self._ids.row, self._ids.delivered  # (in place only)
         self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
         self._largest_write = 0  # rows of the largest extend so far (a snapshot's lead)
 
@@ -147,8 +183,7 @@ class ExperienceBuffer:
                     snap.preserve(store_start, store_start + length)
                     snap.preserve_ids("row_id", slice(store_start, store_start + length))
                 self.store.set_range(store_start, part)
-                self._row_id[store_start:store_start + length] = np.arange(
-                    first_id + b0, first_id + b0 + length)
+                self._ids.written(store_start, length, first_id + b0)
             idx = RingWriter.indices(pieces)
             self.sampler.on_write(idx, data, size=self.writer.size)
         return idx
@@ -186,32 +221,12 @@ class ExperienceBuffer:
         device = None if device is None else check_device("device", device)
         with self._lock:
             if isinstance(info, torch.Tensor):
-                info = SampleInfo(self._checked_slots(info))
+                info = SampleInfo(_checked_slots(info, self.writer.size))
             elif not isinstance(info, SampleInfo):
                 raise ConfigError("indices", f"must be a SampleInfo or a tensor of slots, got "
                                              f"{type(info).__name__}; pass "
                                              f"torch.as_tensor(slots)")
             return self._gather_locked(info, device)
-
-    def _checked_slots(self, indices: torch.Tensor) -> torch.Tensor:
-        """Slots given by a caller, as int64: integers in ``[0, len(self))`` (checked before
-        a gather, which would read an unfilled slot's leftovers, or on a sharded store an
-        output row no shard fills)."""
-        if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
-                                 torch.uint8):
-            raise ConfigError("indices", f"must be integer slots (a batch's _index), got "
-                                         f"dtype {indices.dtype}")
-        if indices.device.type != "cpu":
-            raise ConfigError("indices", f"must be on the CPU, got {indices.device}")
-        if indices.dim() == 0:
-            raise ConfigError("indices", f"must have a batch dimension, got a 0-d tensor "
-                                         f"({int(indices)}); pass {int(indices)} as a "
-                                         f"1-element tensor")
-        size = self.writer.size
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
-            raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
-                                         f"[{int(indices.min())}, {int(indices.max())}]")
-        return indices.to(torch.int64)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
         """Draw and gather one batch.
@@ -238,24 +253,6 @@ class ExperienceBuffer:
         workers = self._workers
         return None if workers is None or self.threads < 2 else workers.mode
 
-    @staticmethod
-    def _delivered_ids(indices: Any) -> np.ndarray | None:
-        """The row ids a gather gave with ``indices``, when ``indices`` is the ``_index``
-        tensor of a delivered batch (or a slice of one): the gather keeps them on that tensor
-        as ``_conduit_row_ids``. None for indices in any other form."""
-        if not isinstance(indices, torch.Tensor):
-            return None
-        ids = getattr(indices, _ROW_IDS, None)
-        if ids is not None:
-            return ids if ids.shape[0] == indices.numel() else None
-        base = indices._base
-        ids = None if base is None else getattr(base, _ROW_IDS, None)
-        if ids is None or indices.dim() != 1 or indices.stride(0) != 1 or base.dim() != 1:
-            return None
-        at = indices.storage_offset() - base.storage_offset()
-        n = indices.shape[0]
-        return ids[at:at + n] if at >= 0 and at + n <= ids.shape[0] else None
-
     def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
         indices = info.indices
         if self.threads > 1 and isinstance(self.store, ColumnStore):
@@ -272,13 +269,9 @@ class ExperienceBuffer:
                 out = self.store.get(indices, device=device)
         if self.sampler.accepts_priorities:
             # Only a priority update reads which row a slot delivered (see update_priorities).
-            # Flat, in the order update_priorities flattens an index of any shape.
-            slots = indices.numpy().reshape(-1)
             for snap in self._snapshots:
-                snap.preserve_ids("delivered_id", slots)
-            ids = self._row_id[slots]
-            self._delivered_id[slots] = ids
-            setattr(indices, _ROW_IDS, ids)  # the batch's own rows (update_priorities)
+                snap.preserve_ids("delivered_id", indices.numpy().reshape(-1))
+            self._ids.deliver(indices)
         out["_index"] = indices
         if info.weights is not None:
             out["_weight"] = info.weights
@@ -315,26 +308,7 @@ class ExperienceBuffer:
             slots = idx.numpy().astype(np.int64, copy=False)
             size = self.writer.size
             current = np.empty(slots.shape[0], dtype=np.bool_)
-            kernels = compiled.load("_row_kernels")
-            ids = self._delivered_ids(indices)
-            kept = -2  # -2: not matched to a delivery of its own
-            if ids is not None and kernels is not None:  # its own rows, exactly
-                kept = kernels.delivered_rows(slots, size, ids, self._row_id, current)
-            elif ids is not None:
-                kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
-                if kept == 0:
-                    np.equal(self._row_id[slots], ids, out=current)
-                    kept = int(current.sum())
-            if kept == -2 and kernels is not None:
-                kept = kernels.current_rows(slots, size, self._delivered_id, self._row_id,
-                                            current)
-            elif kept == -2:
-                kept = -1 if slots.size and (slots.min() < 0 or slots.max() >= size) else 0
-                if kept == 0:
-                    delivered = self._delivered_id[slots]
-                    np.logical_or(delivered == -1, delivered == self._row_id[slots],
-                                  out=current)
-                    kept = int(current.sum())
+            kept = self._ids.matching(indices, slots, size, current)
             if kept < 0:
                 raise PriorityError(f"indices: must be filled slots in [0, {size}), got "
                                     f"[{slots.min()}, {slots.max()}]")
@@ -370,8 +344,7 @@ class ExperienceBuffer:
             for snap in self._snapshots:
                 snap.preserve_ids("row_id", slots)
                 snap.preserve_ids("delivered_id", slots)
-            self._row_id[slots] = -1
-            self._delivered_id[slots] = -1
+            self._ids.forget(slots)
             w.size -= n
             w.cursor = w.size
             w.total_written -= n
@@ -389,7 +362,7 @@ class ExperienceBuffer:
                 snap.preserve_ids("row_id")
             self.writer.reset()
             self.sampler.reset()
-            self._row_id.fill(-1)
+            self._ids.clear()
 
     def filled_blocks(self) -> Blocks:
         """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
@@ -473,8 +446,7 @@ class ExperienceBuffer:
             for snap in self._snapshots:
                 snap.preserve_ids()
             self.writer.load_state_dict(other.writer.state_dict())
-            self._row_id[:] = other._row_id
-            self._delivered_id[:] = other._delivered_id
+            self._ids.load(other._ids.row, other._ids.delivered)
 
     def state_dict(self, *, rows: bool = True) -> StateDict:
         """Writer cursor, sampler state, row ids and (``rows``) a copy of the store."""
@@ -506,7 +478,7 @@ class ExperienceBuffer:
             before = self.sampler.state_dict()
             try:  # a sampler that refuses part way is put back too
                 self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
-                self._check_priorities_fit(writer.size)
+                _check_priorities_fit(self.sampler, writer.size, self.capacity)
                 if rows:
                     for snap in self._snapshots:
                         snap.preserve(0, snap.size)
@@ -517,21 +489,7 @@ class ExperienceBuffer:
             for snap in self._snapshots:
                 snap.preserve_ids()
             self.writer.load_state_dict(writer.state_dict())
-            self._row_id[:], self._delivered_id[:] = ids["row_id"], ids["delivered_id"]
-
-    def _check_priorities_fit(self, size: int) -> None:
-        """Refuse a prioritized sampler's state with priorities for slots at or after the
-        writer's ``size``, which hold no row (they would be drawn).
-
-        Raises:
-            StateError: Such a slot has a priority (key ``buffer.sampler.tree.set``).
-        """
-        if size < self.capacity and isinstance(self.sampler, PrioritizedSampler):
-            beyond = np.flatnonzero(self.sampler.tree.is_set()[size:])
-            if beyond.size:
-                raise StateError("buffer.sampler.tree.set", f"slot {size + int(beyond[0])} "
-                                                            f"has a priority but the writer "
-                                                            f"holds rows in [0, {size}) only")
+            self._ids.load(ids["row_id"], ids["delivered_id"])
 
     def rows_in(self, state: StateDict) -> int:
         """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.
