@@ -111,3 +111,84 @@ class OneStepEpisodes:
         eps.t_started, eps.t = t_started, t_started + len(rewards)
         return eps
 
+
+class SampledEpisodes:
+    """Sampled transitions as the list of one-step episodes RLlib's replay buffer of the same
+    kind returns: RLlib's ``EpisodeReplayBuffer`` (uniform) or its
+    ``PrioritizedEpisodeReplayBuffer`` (``prioritized``: fresh episode ids, importance
+    weights, numpy-ized on request). The first transition of each pair of spaces is built by
+    ``SingleAgentEpisode``'s constructor, the rest by copying it (:class:`OneStepEpisodes`).
+
+    Args:
+        prioritized: Build them as the prioritized buffer does.
+    """
+
+    #: Makers kept at most (one per pair of spaces and ``to_numpy``); then all are dropped.
+    MOST_MAKERS = 64
+
+    def __init__(self, *, prioritized: bool) -> None:
+        self.prioritized = prioritized
+        # per (observation space, action space, to_numpy), by ids; a maker holds the spaces,
+        # so their ids stay theirs while it is kept
+        self._makers: dict[tuple[int, int, bool], tuple[Any, Any, OneStepEpisodes]] = {}
+
+    def episodes(self, batch: Any, table: Mapping[int, Any], *,
+                 to_numpy: bool) -> list[SingleAgentEpisode]:
+        """The rows of ``batch`` (sampled transitions, as columns: ``index``, ``obs``,
+        ``next_obs``, ``action``, ``reward``, ``n_step``, ``t``, ``episode``, ``terminated``,
+        ``truncated``, ``weight``), each a one-step episode; ``table`` maps a row's
+        ``episode`` to its episode's id, agent, module and spaces."""
+        out: list[SingleAgentEpisode] = []
+        size = len(batch.index)
+        # Columns as lists once: NumPy scalars and views, as indexing row by row gives them.
+        obs, next_obs = list(batch.obs), list(batch.next_obs)
+        action, reward = list(batch.action), list(batch.reward)
+        n_step, t, episode = batch.n_step.tolist(), batch.t.tolist(), batch.episode.tolist()
+        terminated, truncated = batch.terminated.tolist(), batch.truncated.tolist()
+        weights = (batch.weight.tolist() if self.prioritized and batch.weight is not None
+                   else [1.0] * size)
+        ids = episode_ids(size) if self.prioritized else None
+        for i in range(size):
+            meta = table[episode[i]]
+            key = id(meta.observation_space), id(meta.action_space), to_numpy
+            maker = self._makers.get(key)
+            if maker is None:
+                out.append(self._first(batch, meta, i, to_numpy))
+                if len(self._makers) >= self.MOST_MAKERS:
+                    self._makers.clear()
+                self._makers[key] = (meta.observation_space, meta.action_space,
+                                     OneStepEpisodes(out[-1]))
+                continue
+            eps = maker[2].make(
+                id_=meta.id_ if ids is None else ids[i], observations=(obs[i], next_obs[i]),
+                actions=(action[i],), rewards=(reward[i],),
+                extra={"n_step": (n_step[i],), "weights": (weights[i],)}, t_started=t[i],
+                terminated=terminated[i], truncated=truncated[i])
+            if ids is None:
+                eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
+            out.append(eps)
+        return out
+
+    def _first(self, batch: Any, meta: Any, i: int, to_numpy: bool) -> SingleAgentEpisode:
+        """Row ``i`` (of the episode ``meta``) as RLlib's buffer of this kind builds it."""
+        n, t = int(batch.n_step[i]), int(batch.t[i])
+        common = {"observations": [batch.obs[i], batch.next_obs[i]],
+                  "actions": [batch.action[i]], "rewards": [batch.reward[i]],
+                  "terminated": bool(batch.terminated[i]),
+                  "truncated": bool(batch.truncated[i]),
+                  "observation_space": meta.observation_space,
+                  "action_space": meta.action_space, "t_started": t, "len_lookback_buffer": 0}
+        if self.prioritized:
+            weight = float(batch.weight[i]) if batch.weight is not None else 1.0
+            eps = SingleAgentEpisode(**common, extra_model_outputs={"weights": [weight],
+                                                                    "n_step": [n]})
+            if to_numpy:
+                eps.to_numpy()
+            return eps
+        eps = SingleAgentEpisode(id_=meta.id_, agent_id=meta.agent_id,
+                                 module_id=meta.module_id, infos=[{}, {}],
+                                 extra_model_outputs={}, **common)
+        eps.extra_model_outputs["n_step"] = InfiniteLookbackBuffer(np.full((1,), n),
+                                                                   lookback=0)
+        eps.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones((1,)), lookback=0)
+        return eps

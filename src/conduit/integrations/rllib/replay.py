@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
@@ -42,7 +41,7 @@ from conduit.errors import (
     StateError,
 )
 from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep
-from conduit.integrations.rllib.episodes import OneStepEpisodes, episode_ids
+from conduit.integrations.rllib.episodes import SampledEpisodes
 from conduit.integrations.rllib.metrics import CachedMetricsLogger
 from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
 from conduit.integrations.rllib.windows import (
@@ -152,8 +151,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._plane: ExperienceDataPlane | None = None
         self._last_index: np.ndarray | None = None
         self._last_rows: np.ndarray | None = None  # their rows' numbers in the ring's order
-        #: Per (observation space, action space, to_numpy), by ids: makes sampled episodes.
-        self._makers: dict[tuple[int, int, bool], tuple[Any, Any, OneStepEpisodes]] = {}
+        self._build = SampledEpisodes(prioritized=self.prioritized)
         #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
         self.discarded_batches = 0
 
@@ -322,7 +320,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         batch = Transitions.of(self._pull(plane))
         self._last_index = batch.index
         self.sampled_timesteps += size
-        episodes = self._episodes(batch, to_numpy)
+        episodes = self._build.episodes(batch, self._rows.table, to_numpy=to_numpy)
         self._log_sample(batch, self._sampler.resamples - resamples)
         self.schedule.sampled()
         return episodes
@@ -352,67 +350,6 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             self.discarded_batches += 1
         raise EmptyBufferError(f"{4 * G_MAX + 4} batches in a row were drawn for other sample "
                                f"arguments or lost rows to adds; sample with schedule='inline'")
-
-    def _episodes(self, batch: Transitions, to_numpy: bool) -> list[SingleAgentEpisode]:
-        """The rows of ``batch`` as RLlib's buffer of this kind returns them: each made like an
-        episode RLlib's constructor built for the same spaces (:attr:`_makers`; the first row
-        of new spaces is built by that constructor)."""
-        out: list[SingleAgentEpisode] = []
-        size, table = len(batch.index), self._rows.table
-        # Columns as lists once: NumPy scalars and views, as indexing row by row gives them.
-        obs, next_obs = list(batch.obs), list(batch.next_obs)
-        action, reward = list(batch.action), list(batch.reward)
-        n_step, t, episode = batch.n_step.tolist(), batch.t.tolist(), batch.episode.tolist()
-        terminated, truncated = batch.terminated.tolist(), batch.truncated.tolist()
-        weights = (batch.weight.tolist() if self.prioritized and batch.weight is not None
-                   else [1.0] * size)
-        ids = episode_ids(size) if self.prioritized else None
-        for i in range(size):
-            meta = table[episode[i]]
-            key = id(meta.observation_space), id(meta.action_space), to_numpy
-            maker = self._makers.get(key)
-            if maker is None:
-                out.append(self._episode(batch, i, to_numpy))
-                if len(self._makers) >= 64:
-                    self._makers.clear()
-                # The maker holds the spaces, so their ids stay theirs while it is kept.
-                self._makers[key] = (meta.observation_space, meta.action_space,
-                                     OneStepEpisodes(out[-1]))
-                continue
-            eps = maker[2].make(
-                id_=meta.id_ if ids is None else ids[i], observations=(obs[i], next_obs[i]),
-                actions=(action[i],), rewards=(reward[i],),
-                extra={"n_step": (n_step[i],), "weights": (weights[i],)}, t_started=t[i],
-                terminated=terminated[i], truncated=truncated[i])
-            if ids is None:
-                eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
-            out.append(eps)
-        return out
-
-    def _episode(self, batch: Transitions, i: int, to_numpy: bool) -> SingleAgentEpisode:
-        """Row ``i`` as RLlib's buffer of this kind builds it."""
-        meta = self._rows.table[int(batch.episode[i])]
-        n, t = int(batch.n_step[i]), int(batch.t[i])
-        common = {"observations": [batch.obs[i], batch.next_obs[i]],
-                  "actions": [batch.action[i]], "rewards": [batch.reward[i]],
-                  "terminated": bool(batch.terminated[i]),
-                  "truncated": bool(batch.truncated[i]),
-                  "observation_space": meta.observation_space,
-                  "action_space": meta.action_space, "t_started": t, "len_lookback_buffer": 0}
-        if self.prioritized:
-            weight = float(batch.weight[i]) if batch.weight is not None else 1.0
-            eps = SingleAgentEpisode(**common, extra_model_outputs={"weights": [weight],
-                                                                    "n_step": [n]})
-            if to_numpy:
-                eps.to_numpy()
-            return eps
-        eps = SingleAgentEpisode(id_=meta.id_, agent_id=meta.agent_id,
-                                 module_id=meta.module_id, infos=[{}, {}],
-                                 extra_model_outputs={}, **common)
-        eps.extra_model_outputs["n_step"] = InfiniteLookbackBuffer(np.full((1,), n),
-                                                                   lookback=0)
-        eps.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones((1,)), lookback=0)
-        return eps
 
     def _log_sample(self, batch: Transitions, resamples: int) -> None:
         size = len(batch.index)
