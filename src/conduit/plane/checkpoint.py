@@ -25,7 +25,9 @@ import numbers
 import os
 import threading
 import time
+import traceback
 import warnings
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -544,6 +546,17 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in ``exc``'s tracebacks (and its causes'), so
+    that keeping the error keeps none of the objects they referred to; the lines stay."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+
+
 class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
@@ -559,6 +572,11 @@ class Snapshotter:
     written (a missing folder, a full disk) warns with a ``RuntimeWarning``, is counted in
     :attr:`stats` and kept in ``last_error``, and the next one is tried on schedule;
     ``request(wait=True)`` raises it. Closing the plane closes its snapshotters.
+
+    A snapshotter holds its plane weakly (its thread too): a plane dropped without ``close()``
+    is collected and closed by its finaliser, which tells its snapshotters to stop (a
+    snapshot being written finishes). Their calls then raise ``PlaneClosedError``, except
+    :meth:`close`, which still stops the snapshotter.
 
     Args:
         plane: The plane to snapshot.
@@ -585,7 +603,7 @@ class Snapshotter:
         if isinstance(every_s, bool) or not isinstance(every_s, numbers.Real) or not every_s > 0:
             raise ConfigError("every_s", f"must be a number of seconds > 0 (math.inf: only on "
                                          f"request), got {every_s!r}")
-        self.plane, self.path = plane, check_path("path", path, file=True)
+        self._plane, self.path = weakref.ref(plane), check_path("path", path, file=True)
         bound = getattr(plane, "_snapshotters", None)  # plane.close() closes this one
         self.every_s = float(every_s)
         self.double_buffer = check_bool("double_buffer", double_buffer)
@@ -609,6 +627,30 @@ class Snapshotter:
         if bound is not None:
             bound.add(self)
 
+    @property
+    def plane(self) -> ExperienceDataPlane:
+        """The plane this snapshotter takes snapshots of.
+
+        Raises:
+            PlaneClosedError: The plane was dropped (collected, and closed by its finaliser).
+        """
+        plane = self._plane()
+        if plane is None:
+            raise PlaneClosedError(f"the plane was dropped without close() and closed when "
+                                   f"collected; no snapshot to {self.path} is taken")
+        return plane
+
+    def _plane_closed(self) -> bool:
+        """Whether the plane is closed, or was dropped."""
+        plane = self._plane()
+        return plane is None or plane.closed
+
+    def stop_soon(self) -> None:
+        """Tell the snapshot thread to stop after the snapshot in progress, without waiting
+        for it (the finaliser of a dropped plane calls it, from any thread)."""
+        self._stop = True
+        self._wake.set()
+
     def request(self, *, wait: bool = False, timeout: float = 60.0) -> None:
         """Take a snapshot now.
 
@@ -625,7 +667,8 @@ class Snapshotter:
             TimeoutError: (``wait``) The snapshot was not written within ``timeout``.
             ConfigError: (``wait``) Called from inside one of the plane's operators, which the
                 snapshot would wait for.
-            PlaneClosedError: The plane is closed (a closed plane takes no snapshot).
+            PlaneClosedError: The plane is closed, or was dropped (a closed plane takes no
+                snapshot).
         """
         if self.plane.closed:
             raise PlaneClosedError(f"the plane is closed; no snapshot to {self.path} is taken")
@@ -640,7 +683,7 @@ class Snapshotter:
                                            timeout):
                     raise TimeoutError(f"snapshot to {self.path} not written within "
                                        f"{timeout} s")
-                if self._count < target and self.plane.closed:
+                if self._count < target and self._plane_closed():
                     raise PlaneClosedError(f"the plane closed before the snapshot to "
                                            f"{self.path} was taken")
                 if self._ok < target <= self._count and self.last_error is not None:
@@ -692,33 +735,41 @@ class Snapshotter:
             self._spare = rows.kept
 
     def _run(self) -> None:
-        while not self._stop:
-            self._wake.wait(None if self.every_s == float("inf") else self.every_s)
-            self._wake.clear()
-            if self._stop or self.plane.closed:
-                with self._done:  # a closed plane takes no snapshot: waiting requests end
-                    self._stop = True
+        # Holds the plane only inside ``_mark`` (a weak reference between snapshots), so a
+        # plane its user dropped is collected, and closed by its finaliser.
+        try:
+            while not self._stop:
+                self._wake.wait(None if self.every_s == float("inf") else self.every_s)
+                self._wake.clear()
+                if self._stop or self._plane_closed():
+                    break
+                ok = False
+                with self._done:
+                    self._started += 1
+                try:
+                    marked = self._mark()
+                    self._writes.append(self._io.submit(self._write, *marked).result())
+                    ok = True
+                except Exception as exc:
+                    if isinstance(exc, PlaneClosedError) and self._plane_closed():
+                        break  # closed or dropped meanwhile: no snapshot, as above
+                    _drop_locals(exc)  # its frames would keep the plane alive
+                    self._failures += 1
+                    self.last_error = exc
+                    warnings.warn(f"snapshot {self._count + 1} to {self.path} failed "
+                                  f"({type(exc).__name__}: {exc}); the previous snapshot is "
+                                  f"intact (failures so far: {self._failures})",
+                                  RuntimeWarning, stacklevel=1)
+                with self._done:
+                    self._count += 1
+                    if ok:
+                        self._ok = self._count
                     self._done.notify_all()
-                break
-            ok = False
-            with self._done:
-                self._started += 1
-            try:
-                marked = self._mark()
-                self._writes.append(self._io.submit(self._write, *marked).result())
-                ok = True
-            except Exception as exc:
-                self._failures += 1
-                self.last_error = exc
-                warnings.warn(f"snapshot {self._count + 1} to {self.path} failed "
-                              f"({type(exc).__name__}: {exc}); the previous snapshot is "
-                              f"intact (failures so far: {self._failures})", RuntimeWarning,
-                              stacklevel=1)
-            with self._done:
-                self._count += 1
-                if ok:
-                    self._ok = self._count
+        finally:
+            with self._done:  # a closed plane takes no snapshot: waiting requests end
+                self._stop = True
                 self._done.notify_all()
+            self._io.shutdown(wait=True)  # nothing is in flight: every write was waited for
 
     def close(self) -> None:
         """Stop taking snapshots (a write in progress finishes first).
@@ -727,7 +778,10 @@ class Snapshotter:
             ConfigError: Called from inside one of the plane's operators, which a snapshot in
                 progress may wait for (nothing changes).
         """
-        self.plane._engine.refuse_inside_operator("close")
+        plane = self._plane()
+        if plane is not None:
+            plane._engine.refuse_inside_operator("close")
+        del plane
         self._stop = True
         self._wake.set()
         self._thread.join()

@@ -154,11 +154,16 @@ def _check_schedule(schedule: Any) -> Schedule:
     return schedule
 
 
-def _close_dropped(engine: PlaneEngine) -> None:
-    """Close a plane that was dropped without ``close()`` (its workers hold no reference to
-    the front, so it can be collected); a loss becomes a warning, as nobody can catch it.
-    Collected on a thread inside one of its own operators (garbage collection runs on any
-    thread), it is closed from a new thread, which waits for that invocation to end."""
+def _close_dropped(engine: PlaneEngine,
+                   snapshotters: weakref.WeakSet[checkpoint.Snapshotter] | None = None) -> None:
+    """Close a plane that was dropped without ``close()`` (its workers and snapshotters hold
+    no reference to the front, so it can be collected); a loss becomes a warning, as nobody
+    can catch it. Its snapshotters are told to stop first (not waited for: garbage collection
+    runs on any thread, one of theirs included); a snapshot being written finishes. Collected
+    on a thread inside one of its own operators, it is closed from a new thread, which waits
+    for that invocation to end."""
+    for snapshotter in list(snapshotters or ()):
+        snapshotter.stop_soon()
     if engine.runtime.inside_operator() is not None:
         threading.Thread(target=_close_dropped, args=(engine,), daemon=True,
                          name="conduit-close-dropped").start()
@@ -258,7 +263,8 @@ class ExperienceDataPlane:
         schedule = cfg.default_schedule() if schedule is None else schedule
         self.space.check(schedule)
         self._engine.start(schedule)
-        self._finalizer = weakref.finalize(self, _close_dropped, self._engine)
+        self._finalizer = weakref.finalize(self, _close_dropped, self._engine,
+                                           self._snapshotters)
 
     @property
     def spec(self) -> ExperienceSpec:
@@ -406,16 +412,19 @@ class ExperienceDataPlane:
         t0 = time.perf_counter()
         self._check_open()
         policy_version = check_policy_version(policy_version)
-        data, rows = admit_rollout(rollout, spec=self.spec, rollout_spec=self.rollout_spec,
-                                   capacity=self.capacity, raw=self._ingest_registered)
+        spec, raw = self.spec, self._ingest_registered
+        data, rows = admit_rollout(rollout, spec=spec, rollout_spec=self.rollout_spec,
+                                   capacity=self.capacity, raw=raw)
         waited = self.config.wait_for(timeout)
         sched = self._engine.schedule
         data, guards = hold_rollout(rollout, data, may_wait=(
             sched.overlap_ing == 1 or sched.g_ing != 1 or self.config.on_policy
             # operators held on another thread (a save): the unit waits past this push
             or bool(self._engine.runtime.paused or self._engine.runtime.writes_held)))
-        self._engine.submit(Unit(data, rows, policy_version, guards), deadline=t0 + waited,
-                            waited=waited)
+        checked = None if raw or self.rollout_spec is not None else spec
+        self._engine.submit(Unit(data, rows, policy_version, guards, spec=checked,
+                                 pusher=threading.current_thread()),
+                            deadline=t0 + waited, waited=waited)
         self._record("push", "sync_ing" if self._engine.ingestion.overlapped else None, t0)
 
     def flush(self, *, timeout: float | None = None) -> None:
@@ -515,7 +524,8 @@ class ExperienceDataPlane:
         pause, rows move ``chunk_rows`` at a time keeping their slots (so the ring cursor,
         priorities and FIFO layout stay valid), and the operators resume. No row is lost or
         duplicated: rollout units pushed before the call and not ingested yet are widened
-        too (unless a ``rollout_spec`` or a registered ingestion operator shapes them).
+        too (unless a ``rollout_spec`` or a registered ingestion operator shapes them), and
+        so are those of pushes that checked their rollout before it and queue it after.
         Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
 
         Raises:
@@ -656,7 +666,8 @@ class ExperienceDataPlane:
                   double_buffer: bool = True) -> checkpoint.Snapshotter:
         """Start periodic background snapshots to ``path`` (see
         :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop (:meth:`close`
-        stops it too).
+        stops it too). The snapshotter does not keep the plane alive: a plane dropped without
+        :meth:`close` is closed by its finaliser, which stops the snapshotter.
 
         Raises:
             ConfigError: ``path`` does not name a file (or names a folder, a device or a
@@ -679,7 +690,9 @@ class ExperienceDataPlane:
 
         After an operator raises on a worker, dependent calls raise its ``OperatorError``
         until this is called. Rows in the buffer stay intact (and can be saved meanwhile); the
-        failed invocation's units are lost (counted in the error and ``counters``).
+        failed invocation's units are lost (counted in the error and ``counters``). The call
+        also clears the losses of inline ingestions that failed on another thread than the
+        one that pushed their units, which :meth:`close` would otherwise report.
 
         Raises:
             ConfigError: Called from inside an operator (the restart waits for its
@@ -699,8 +712,10 @@ class ExperienceDataPlane:
 
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
-                ingestion failure not cleared by :meth:`recover`, one while draining, or an
-                operator stuck past the timeout). The plane is closed all the same.
+                ingestion failure not cleared by :meth:`recover`, one while draining, an
+                inline ingestion failure raised on another thread than the one that pushed
+                them and not cleared by :meth:`recover` either, or an operator stuck past the
+                timeout). The plane is closed all the same.
             ConfigError: Called from inside an operator, whose invocation close would wait
                 for; the plane stays open and nothing changes. (Once the plane is closed,
                 a call returns at once from anywhere.)

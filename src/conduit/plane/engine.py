@@ -286,7 +286,9 @@ class PlaneEngine:
             raise PlaneClosedError("the plane is closed; create a new ExperienceDataPlane")
 
     def submit(self, unit: Unit, *, deadline: float, waited: float) -> None:
-        """Queue ``unit`` once the flow admits it, then run inline ingestion if due.
+        """Queue ``unit`` once the flow admits it, then run inline ingestion if due. A unit
+        checked against an older buffer spec (``unit.spec``; a migration completed since) is
+        widened to the current one when it is queued.
 
         Raises:
             BackpressureTimeout: No room by ``deadline`` (``waited`` is for the message).
@@ -313,6 +315,11 @@ class PlaneEngine:
                         f"queued, {flow.inflight_units} being ingested, policy version "
                         f"{flow.policy_version}")
                 self.signals.callers.wait(remaining)
+            if unit.spec is not None and unit.spec is not flow.spec:
+                # A migration widened the spec between the push's check and here: the unit
+                # is widened as those queued before it were (migrate's ``widen_pending``).
+                from conduit.plane.migration import widen_batch  # (it imports this module)
+                unit.data, unit.spec = widen_batch(unit.data, unit.spec, flow.spec), flow.spec
             flow.enqueue_locked(unit)
             self.signals.wake(ingestion=True)
             ingestion = self.ingestion
@@ -392,7 +399,10 @@ class PlaneEngine:
                 closing on a worker or in close's own ingestion, a worker stuck in an
                 operator, or operators held by another thread past the timeout); the first
                 cause is attached. An inline ingestion failing on another thread is raised
-                to that thread's caller, and not counted here again.
+                to that thread's caller, and only the units that caller's thread pushed are
+                not counted here again: those other threads pushed (their pushes returned)
+                are counted, as nobody told their callers, unless :meth:`recover` cleared
+                them.
         """
         if not self.closed:  # once closed, a call returns at once from any thread
             self.refuse_inside_operator("close")
@@ -411,8 +421,9 @@ class PlaneEngine:
         except OperatorError as stuck:
             with lock:
                 loss.add_all(rt.closing_errors)  # failed before the stuck worker was found
+                loss.add_all(rt.untold)
                 loss.cause = loss.cause or stuck
-                rt.closing_errors = None  # what is in flight is counted lost here
+                rt.closing_errors = rt.untold = None  # what is in flight is counted lost here
                 loss.add_queue(flow, inflight=True)
         deadline = time.perf_counter() + self.timeout
         ordered = rt.inline_ordered(self.timeout)
@@ -420,10 +431,11 @@ class PlaneEngine:
             with lock:
                 if not ordered and rt.closing_errors is not None:
                     loss.add_all(rt.closing_errors)
+                    loss.add_all(rt.untold)
                     loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                         f"an inline ingestion on another thread did not finish within "
                         f"{self.timeout}s"))
-                    rt.closing_errors = None
+                    rt.closing_errors = rt.untold = None
                     loss.add_queue(flow, inflight=True)
             while True:
                 with lock:
@@ -449,7 +461,8 @@ class PlaneEngine:
         with lock:
             rt.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
             loss.add_all(rt.closing_errors)
-            rt.closing_errors = None
+            loss.add_all(rt.untold)  # inline losses told only to another thread's caller
+            rt.closing_errors = rt.untold = None
         cause = loss.cause
         if loss.units:
             raise DataLossError(

@@ -109,12 +109,20 @@ class Unit:
         version: Its policy version (on-policy).
         guards: ``(field, tensor, version counter at push)`` of each held tensor of the
             caller's (:func:`hold_rollout`).
+        spec: The buffer spec the unit was checked against at ``push`` (None: it was checked
+            against a rollout spec, or an ingestion operator shapes it); a migration that
+            widened the spec before the unit was queued widens it when it is queued.
+        pusher: The thread whose ``push`` acknowledged it: an inline ingestion that fails on
+            another thread reports the loss to that thread's caller only, so ``close()``
+            reports it (:attr:`~conduit.plane.runtime.OperatorRuntime.untold`).
     """
 
     data: Batch
     rows: int
     version: int | None
     guards: tuple[tuple[str, torch.Tensor, int], ...] = ()
+    spec: ExperienceSpec | None = None
+    pusher: threading.Thread | None = None
 
     def check_unchanged(self) -> None:
         """Raise if the caller wrote into a held tensor since the push.

@@ -37,7 +37,7 @@ def identity_delivery(exp_in: BufferIn, learn_out: LearnerOut) -> None:
 
 def _on_host(rows: Batch) -> bool:
     """Whether every tensor of ``rows`` is in host memory."""
-    for v in rows.values():
+    for v in rows.values():  # noqa: SIM110 - a loop: no generator on an inline pull's path
         if not v.is_cpu:
             return False
     return True
@@ -80,6 +80,10 @@ class OperatorRuntime:
         #: recording). An inline invocation's error is raised to the caller that ran it,
         #: which is told of the loss, and is not recorded here.
         self.closing_errors: list[OperatorError] | None = None
+        #: The share of failed inline invocations that no caller was told of: units pushed
+        #: (and acknowledged) on other threads than the one that ran the invocation and got
+        #: its error; ``close()`` counts them (None once it has).
+        self.untold: list[OperatorError] | None = []
         self._inline_order = threading.RLock()  # see drain_inline
         self._inside = threading.local()  # which operator the thread runs (inside_operator)
         flow.deliver_ready = self.deliver_ready
@@ -146,10 +150,13 @@ class OperatorRuntime:
             raise err
 
     def recover(self) -> OperatorError | None:
-        """Unlatch the operator error (the caller handled it); returns it."""
+        """Unlatch the operator error (the caller handled it), and forget the :attr:`untold`
+        inline losses (handled as well); returns the latched error."""
         with self.signals.lock:
             err, self.error = self.error, None
             self.error_provisional = False
+            if self.untold is not None:
+                self.untold = []
             self.signals.wake(callers=True, ingestion=True, delivery=True)
         return err
 
@@ -185,8 +192,10 @@ class OperatorRuntime:
         """Run every ready ingestion invocation on the calling thread.
 
         Raises:
-            OperatorError: An invocation failed (its units are lost; the error is not kept),
-                or an operator failed earlier on a worker (the error stays latched).
+            OperatorError: An invocation failed (its units are lost; the error is not latched,
+                and the units that other threads pushed are kept in :attr:`untold` for
+                ``close()``), or an operator failed earlier on a worker (the error stays
+                latched).
         """
         while True:
             # Invocations on different callers' threads (a push, a flush or save on another)
@@ -198,7 +207,25 @@ class OperatorRuntime:
                 if units is None:
                     return
                 with data_path_threads(1):
-                    self.raise_own(self.run_ingestion(units, latch=False))
+                    err = self.run_ingestion(units, latch=False)
+                if err is not None:
+                    self._keep_untold(err, units)
+                self.raise_own(err)
+
+    def _keep_untold(self, err: OperatorError, units: Sequence[Unit]) -> None:
+        """Keep the share of ``err`` (an inline invocation over ``units`` that failed on the
+        calling thread) that its caller does not answer for: the units other threads pushed,
+        whose pushes returned."""
+        me = threading.current_thread()
+        others = [u for u in units if u.pusher is not None and u.pusher is not me]
+        if not others:
+            return
+        share = OperatorError(err.operator, err.__cause__ or err, lost_units=len(others),
+                              lost_rows=sum(u.rows for u in others))
+        share.__cause__ = err.__cause__
+        with self.signals.lock:
+            if self.untold is not None:
+                self.untold.append(share)
 
     def run_ingestion(self, units: list[Unit], *, latch: bool = True) -> OperatorError | None:
         """One ingestion invocation over ``units`` (taken with :meth:`take_ingestion_locked`).

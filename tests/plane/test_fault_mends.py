@@ -1,0 +1,230 @@
+"""Faults at the edges of the local plane's contracts: a loss reported only to another caller,
+a push that straddles a migration, and a dropped plane that a snapshotter still refers to.
+Each test names the defect it guards."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from conduit import (
+    DataLossError,
+    ExperienceDataPlane,
+    ExperienceSpec,
+    OperatorError,
+    Placement,
+    PlaneClosedError,
+    Schedule,
+)
+from conduit.plane.checkpoint import Snapshotter
+from tests.conftest import make_rows
+
+
+def stored_ids(plane: ExperienceDataPlane) -> list[int]:
+    idx = torch.arange(len(plane.buffer), dtype=torch.int64)
+    return sorted(plane.buffer.store.get(idx)["id"].tolist())
+
+
+def _failing_on_negative_ids(plane: ExperienceDataPlane) -> None:
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if (data["id"] < 0).any():
+            raise ValueError("bad rollout")
+        exp_out.write(data)
+
+
+def _push_on_another_thread(plane: ExperienceDataPlane, rollout: dict) -> None:
+    """Push ``rollout`` on a thread of its own; the push must return (acknowledged)."""
+    done: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            plane.push(rollout)
+            done.append(None)
+        except BaseException as exc:  # pragma: no cover - reported below
+            done.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert done == [None]
+
+
+# -- a loss reported only to another caller ------------------------------------------------------
+
+
+def test_close_reports_units_of_other_threads_lost_by_an_inline_ingestion(small_spec):
+    """Defect: with inline ingestion and g_ing > 1, a push on one thread ran the invocation
+    over a unit another thread's push had acknowledged; the operator raised, the error went to
+    the running thread only, and close() raised nothing, so the other actor never learned its
+    rows were lost."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    _push_on_another_thread(plane, make_rows(small_spec, 4))  # queued: 1 of g_ing = 2
+    with pytest.raises(OperatorError) as failed:
+        plane.push(make_rows(small_spec, 3, start=-10))  # runs the invocation over both
+    assert (failed.value.lost_units, failed.value.lost_rows) == (2, 7)
+    plane.push(make_rows(small_spec, 2, start=100))  # the plane stays usable
+    plane.flush()
+    with pytest.raises(DataLossError) as lost:
+        plane.close()
+    # Only the other thread's acknowledged unit: the raising push's own unit was never
+    # acknowledged, and its caller was told.
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)
+    assert isinstance(lost.value.__cause__, OperatorError)
+    assert plane.closed
+    assert stored_ids(plane) == [100, 101]
+
+
+def test_close_reports_units_an_inline_pull_lost_for_an_actor_thread(small_spec):
+    """Defect: a pull that ingested queued units inline (nothing else to deliver) reported
+    their loss to the learner only; the actor whose push returned was never told."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4, min_size=1,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    _push_on_another_thread(plane, make_rows(small_spec, 4, start=-4))
+    with pytest.raises(OperatorError) as failed:
+        plane.pull(timeout=5)
+    assert failed.value.lost_units == 1
+    with pytest.raises(DataLossError) as lost:
+        plane.close()
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)
+
+
+def test_an_inline_loss_told_to_the_thread_that_pushed_is_not_reported_again(small_spec):
+    """The contract's other half: units the raising caller's thread pushed itself were
+    reported to it, so close() does not count them a second time."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    plane.push(make_rows(small_spec, 4))
+    with pytest.raises(OperatorError) as failed:
+        plane.push(make_rows(small_spec, 3, start=-10))
+    assert failed.value.lost_units == 2
+    plane.close()  # no DataLossError
+    assert plane.counters["lost_units"] == 2
+
+
+def test_recover_clears_an_inline_loss_told_to_another_thread(small_spec):
+    """recover() is the caller's word that it handled the failures: close() then reports
+    nothing for them, as for a latched error recover() cleared."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    _push_on_another_thread(plane, make_rows(small_spec, 4))
+    with pytest.raises(OperatorError):
+        plane.push(make_rows(small_spec, 3, start=-10))
+    assert plane.recover() is None  # nothing was latched
+    plane.close()  # no DataLossError
+    assert plane.counters["lost_units"] == 2
+
+
+# -- a push that straddles a migration -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", [Schedule(0, 1, 0, 1), Schedule(1, 1, 0, 1)],
+                         ids=lambda s: s.label())
+def test_a_push_straddling_a_migration_that_widens_the_spec_is_stored(small_spec, schedule):
+    """Defect: a push validated its rollout against the old spec, a migration to a wider spec
+    completed, then the push queued its unit unwidened; ingestion then refused it against the
+    new spec (an OperatorError, the acknowledged unit lost) instead of storing it padded like
+    the units queued before the migration."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2, min_size=1,
+                                schedule=schedule, timeout=5)
+    wide = ExperienceSpec.of(obs=((6,), torch.float32), id=((), torch.int64),
+                             done=((), torch.bool))
+    engine = plane._engine
+    submit = engine.submit
+
+    def migrate_then_submit(unit, **kw):  # type: ignore[no-untyped-def]
+        plane.migrate(Placement.pageable(), spec=wide)  # between validation and queuing
+        submit(unit, **kw)
+
+    engine.submit = migrate_then_submit  # type: ignore[method-assign]
+    rollout = make_rows(small_spec, 3, start=5)
+    plane.push(rollout)
+    del engine.submit
+    plane.flush()
+    assert plane.failed is None
+    assert plane.counters["lost_units"] == 0
+    assert stored_ids(plane) == [5, 6, 7]
+    obs = plane.buffer.store.get(torch.arange(3))["obs"]
+    assert obs.shape == (3, 6)
+    assert torch.equal(obs[:, :4], rollout["obs"])
+    assert not obs[:, 4:].any()
+    plane.close()
+
+
+# -- a dropped plane and its snapshotter ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("every_s", [3600.0, float("inf")])
+def test_a_dropped_plane_with_a_snapshotter_is_closed_by_its_finaliser(small_spec, tmp_path,
+                                                                       every_s):
+    """Defect: a plane dropped without close() while a snapshotter of it was alive was never
+    closed by its finaliser: the snapshotter (and its thread) held the plane strongly, so the
+    plane, its workers and the snapshot thread lived on for the rest of the process."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 1, 1), timeout=5)
+    plane.push(make_rows(small_spec, 4))
+    engine = plane._engine
+    snap = plane.snapshots(tmp_path / "s.ckpt", every_s=every_s)
+    snap.request(wait=True)
+    thread = snap._thread
+    gone = weakref.ref(plane)
+    del plane
+    gc.collect()
+    assert gone() is None
+    assert engine.closed  # the finaliser closed it, and stored the queue
+    thread.join(10)
+    assert not thread.is_alive()  # the finaliser stopped the snapshotter
+    with pytest.raises(PlaneClosedError):
+        snap.request()
+    with pytest.raises(PlaneClosedError):
+        _ = snap.plane
+    snap.close()  # still idempotent and quiet
+    assert (tmp_path / "s.ckpt").exists()
+
+
+def test_a_dropped_plane_and_its_dropped_snapshotter_leave_no_thread(small_spec, tmp_path):
+    """Defect: dropping the plane and the snapshotter that ``snapshots()`` returned left the
+    snapshot thread running forever, holding both."""
+    def snapshot_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "conduit-snapshot"}
+
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4, timeout=5)
+    others = snapshot_threads()  # (of other tests, if any)
+    plane.snapshots(tmp_path / "s.ckpt", every_s=3600)
+    mine = snapshot_threads() - others
+    assert len(mine) == 1
+    gone = weakref.ref(plane)
+    del plane
+    gc.collect()
+    assert gone() is None
+    for t in mine:
+        t.join(10)
+        assert not t.is_alive()
+
+
+def test_a_snapshotter_that_failed_does_not_keep_its_plane_alive(small_spec, tmp_path):
+    """A failed snapshot's error is kept (``last_error``, raised by ``request(wait=True)``);
+    the frames of its traceback (the plane's own calls) must not keep the plane alive."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    plane.push(make_rows(small_spec, 4, start=-4))  # queued; the snapshot's flush runs it
+    snap = Snapshotter(plane, tmp_path / "s.ckpt", every_s=3600)
+    with pytest.warns(RuntimeWarning), pytest.raises(OperatorError):
+        snap.request(wait=True)
+    gone = weakref.ref(plane)
+    del plane
+    with pytest.warns(ResourceWarning, match="dropped without close"):  # its lost unit
+        gc.collect()
+    assert gone() is None
+    snap.close()
