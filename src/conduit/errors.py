@@ -115,14 +115,19 @@ class OperatorError(ConduitError, RuntimeError):
         stored_rows: Rows the failed ingestion invocation wrote before it raised that stay
             in the buffer (0 when it wrote none, or they could be taken back); pushing the
             lost units again stores those rows a second time.
+        unsettled_rows: Rows the failed invocation wrote whose write was sent but not
+            acknowledged, and not found stored or not (a sharded plane's shard did not answer
+            in time): they may still land, so pushing the lost units again may store them a
+            second time (always 0 on a local plane).
     """
 
     def __init__(self, operator: str, original: BaseException, *, lost_units: int = 0,
-                 lost_rows: int = 0, stored_rows: int = 0) -> None:
+                 lost_rows: int = 0, stored_rows: int = 0, unsettled_rows: int = 0) -> None:
         self.operator = operator
         self.lost_units = lost_units
         self.lost_rows = lost_rows
         self.stored_rows = stored_rows
+        self.unsettled_rows = unsettled_rows
         lost = (f" ({lost_units} rollout units, {lost_rows} rows, were not stored)"
                 if lost_units else "")
         if lost_units and stored_rows:

@@ -4,6 +4,9 @@ acknowledgement, on the three-node test cluster: each is raised by the test at o
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from conduit.distributed import ShardUnavailableError
@@ -84,6 +87,7 @@ def test_an_on_policy_push_that_timed_out_after_it_was_sent_counts_once(cluster)
             plane.push(rows(8, 900), policy_version=0, timeout=0.0)  # sent, not acknowledged
         # the holders applied it: it is stored and counts against the iteration
         assert plane._gate.pushed == 8 and plane._gate.rows == 8 and len(plane) == 8
+        assert (info.value.stored_rows, info.value.unsettled_rows) == (8, 0)
         assert "call's timeout" in str(info.value)  # the push's, not the plane's 60 s
         for start in (100, 108, 116):
             plane.push(rows(8, start), policy_version=0)
@@ -134,39 +138,52 @@ def pull_iteration(plane, version: int) -> tuple[list[int], list[str]]:
     return ids, log
 
 
-def test_an_interrupted_clear_is_finished_by_the_next_pull(cluster):
+@contextlib.contextmanager
+def failing_once_in_clear(plane, error: BaseException, *, landed: str
+                          ) -> Iterator[dict[str, bool]]:
+    """While inside, the first wait for the shards' answers within an on-policy clear raises
+    ``error``, once the clears were sent and ``landed`` (``"one"`` or ``"all"``) of them were
+    applied. Yields the state (``"fired"``: it did); the plane's methods are put back on
+    exit."""
     import ray
-    plane = on_policy_plane(cluster)
     rep, shards = plane._replicator, plane._shards
     clear_all, get = rep.clear_all, shards.get
     state = {"in_clear": False, "fired": False}
 
-    def interrupted_clear(deadline):
+    def clear_once_failing(deadline):
         state["in_clear"] = True
         try:
             return clear_all(deadline)
         finally:
             state["in_clear"] = False
 
-    def interrupted_get(refs, deadline, *, shard):
-        if state["in_clear"] and not state["fired"]:  # the clears were sent; one landed
+    def get_once_failing(refs, deadline, *, shard):
+        if state["in_clear"] and not state["fired"]:
             state["fired"] = True
-            ray.wait(refs, num_returns=1, timeout=30)
-            raise KeyboardInterrupt
+            ray.wait(refs, num_returns=1 if landed == "one" else len(refs), timeout=30)
+            raise error
         return get(refs, deadline, shard=shard)
+    rep.clear_all, shards.get = clear_once_failing, get_once_failing
     try:
-        rep.clear_all, shards.get = interrupted_clear, interrupted_get
-        for k in range(4):
-            plane.push(rows(8, 8 * k), policy_version=0)
-        ids, log = pull_iteration(plane, 0)
-        assert state["fired"] and log == ["batch"] * 3 + ["interrupt", "batch"]
-        assert sorted(ids) == list(range(32)) and plane.policy_version == 1
-        for k in range(4):
-            plane.push(rows(8, 100 + 8 * k), policy_version=1)
-        ids, log = pull_iteration(plane, 1)
-        assert sorted(ids) == list(range(100, 132)) and log == ["batch"] * 4
+        yield state
     finally:
         rep.clear_all, shards.get = clear_all, get
+
+
+def test_an_interrupted_clear_is_finished_by_the_next_pull(cluster):
+    plane = on_policy_plane(cluster)
+    try:
+        with failing_once_in_clear(plane, KeyboardInterrupt(), landed="one") as state:
+            for k in range(4):
+                plane.push(rows(8, 8 * k), policy_version=0)
+            ids, log = pull_iteration(plane, 0)
+            assert state["fired"] and log == ["batch"] * 3 + ["interrupt", "batch"]
+            assert sorted(ids) == list(range(32)) and plane.policy_version == 1
+            for k in range(4):
+                plane.push(rows(8, 100 + 8 * k), policy_version=1)
+            ids, log = pull_iteration(plane, 1)
+            assert sorted(ids) == list(range(100, 132)) and log == ["batch"] * 4
+    finally:
         plane.close()
 
 
@@ -223,25 +240,7 @@ def test_a_push_waiting_for_the_next_iteration_finishes_a_failed_clear(cluster):
     import threading
     import time
 
-    import ray
     plane = on_policy_plane(cluster)
-    rep, shards = plane._replicator, plane._shards
-    clear_all, get = rep.clear_all, shards.get
-    state = {"in_clear": False, "fired": False}
-
-    def failing_clear(deadline):
-        state["in_clear"] = True
-        try:
-            return clear_all(deadline)
-        finally:
-            state["in_clear"] = False
-
-    def failing_get(refs, deadline, *, shard):
-        if state["in_clear"] and not state["fired"]:  # the clears landed; no answer in time
-            state["fired"] = True
-            ray.wait(refs, num_returns=len(refs), timeout=30)
-            raise ShardUnavailableError(0, "no answer within the call's timeout")
-        return get(refs, deadline, shard=shard)
     result = {}
 
     def next_version_push():
@@ -253,61 +252,44 @@ def test_a_push_waiting_for_the_next_iteration_finishes_a_failed_clear(cluster):
             result["outcome"] = type(exc).__name__
         result["seconds"] = time.monotonic() - start
     try:
-        rep.clear_all, shards.get = failing_clear, failing_get
-        for k in range(4):
-            plane.push(rows(8, 8 * k), policy_version=0)
-        for _ in range(3):
-            plane.pull(timeout=30)
-        pusher = threading.Thread(target=next_version_push)
-        pusher.start()
-        time.sleep(0.5)  # the push waits in the gate for iteration 0 to be consumed
-        with pytest.raises(ShardUnavailableError):
-            plane.pull(timeout=30)  # the last mini-batch; its clear fails
-        pusher.join(30)
-        assert result["outcome"] == "stored" and result["seconds"] < 4  # not its whole timeout
-        assert plane.policy_version == 1 and plane._gate.pushed == 8
+        # the clears land; no answer in time
+        with failing_once_in_clear(plane, ShardUnavailableError(
+                0, "no answer within the call's timeout"), landed="all"):
+            for k in range(4):
+                plane.push(rows(8, 8 * k), policy_version=0)
+            for _ in range(3):
+                plane.pull(timeout=30)
+            pusher = threading.Thread(target=next_version_push)
+            pusher.start()
+            time.sleep(0.5)  # the push waits in the gate for iteration 0 to be consumed
+            with pytest.raises(ShardUnavailableError):
+                plane.pull(timeout=30)  # the last mini-batch; its clear fails
+            pusher.join(30)
+            assert result["outcome"] == "stored" and result["seconds"] < 4  # not its timeout
+            assert plane.policy_version == 1 and plane._gate.pushed == 8
     finally:
-        rep.clear_all, shards.get = clear_all, get
         plane.close()
 
 
 def test_minibatches_of_the_next_iteration_yield_only_its_own_rows(cluster):
-    import ray
     plane = on_policy_plane(cluster)
-    rep, shards = plane._replicator, plane._shards
-    clear_all, get = rep.clear_all, shards.get
-    state = {"in_clear": False, "fired": False}
-
-    def interrupted_clear(deadline):
-        state["in_clear"] = True
-        try:
-            return clear_all(deadline)
-        finally:
-            state["in_clear"] = False
-
-    def interrupted_get(refs, deadline, *, shard):
-        if state["in_clear"] and not state["fired"]:  # the last mini-batch's clear
-            state["fired"] = True
-            ray.wait(refs, num_returns=1, timeout=30)
-            raise KeyboardInterrupt
-        return get(refs, deadline, shard=shard)
     try:
-        rep.clear_all, shards.get = interrupted_clear, interrupted_get
-        for k in range(4):
-            plane.push(rows(8, 8 * k), policy_version=0)
-        first = []
-        with pytest.raises(KeyboardInterrupt):
-            for batch in plane.minibatches(timeout=30):
-                first.append(batch["id"].tolist())
-        assert state["fired"] and len(first) == 3
-        for k in range(4):
-            plane.push(rows(8, 100 + 8 * k), policy_version=1)
-        second = [batch["id"].tolist() for batch in plane.minibatches(timeout=30)]
-        assert len(second) == 4  # iteration 0's last mini-batch is not among them
-        assert sorted(i for ids in second for i in ids) == list(range(100, 132))
-        assert plane.policy_version == 2
+        # the last mini-batch's clear is interrupted
+        with failing_once_in_clear(plane, KeyboardInterrupt(), landed="one") as state:
+            for k in range(4):
+                plane.push(rows(8, 8 * k), policy_version=0)
+            first = []
+            with pytest.raises(KeyboardInterrupt):
+                for batch in plane.minibatches(timeout=30):
+                    first.append(batch["id"].tolist())
+            assert state["fired"] and len(first) == 3
+            for k in range(4):
+                plane.push(rows(8, 100 + 8 * k), policy_version=1)
+            second = [batch["id"].tolist() for batch in plane.minibatches(timeout=30)]
+            assert len(second) == 4  # iteration 0's last mini-batch is not among them
+            assert sorted(i for ids in second for i in ids) == list(range(100, 132))
+            assert plane.policy_version == 2
     finally:
-        rep.clear_all, shards.get = clear_all, get
         plane.close()
 
 
@@ -327,11 +309,12 @@ def test_a_timed_out_push_to_a_busy_shard_keeps_its_rows_until_settled(cluster):
         busy_ref = plane._shards.actors[0].__ray_call__.remote(busy)
         time.sleep(0.3)
         start = time.monotonic()
-        with pytest.raises(ShardUnavailableError):
+        with pytest.raises(ShardUnavailableError) as info:
             plane.push(rows(8, 900), policy_version=0, timeout=0.5)  # sent, lands later
         # the re-read is bounded by the push's own timeout (plus a short grace), and the
         # rows it could not settle stay counted against the iteration
         assert time.monotonic() - start < 2.5
+        assert (info.value.stored_rows, info.value.unsettled_rows) == (0, 8)
         assert plane._gate.pushed == 16 and plane._replicator.unsettled
         ray.get(busy_ref)
         for begin in (100, 108):

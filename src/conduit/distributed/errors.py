@@ -35,12 +35,24 @@ class ShardUnavailableError(ConduitError, TimeoutError):
     """A shard's data could not be read or written within the plane's timeout: its actor died
     and its restore did not finish in time, or no node can host it.
 
+    Raised by a push (a mapping) whose write failed, it says what became of the rows: when
+    ``stored_rows`` and ``unsettled_rows`` are both 0 no holder keeps any of them and pushing
+    the rollout again stores it once; otherwise a retry may store rows twice.
+
     Attributes:
         shard: The shard's id.
         lost_rows: Rows known lost with it (0 while a replica holds them).
+        stored_rows: Rows of the failed write that its holders applied all the same
+            (on-policy, where they are re-read before the error is raised): they stay
+            stored and count against the iteration.
+        unsettled_rows: Rows of the failed write whose holders were not re-read (off-policy)
+            or could not be re-read in time (on-policy): they may still land (0 for a pushed
+            ``ObjectRef``, whose rows the front does not know).
     """
 
     def __init__(self, shard: int, message: str, *, lost_rows: int = 0) -> None:
         self.shard = shard
         self.lost_rows = lost_rows
+        self.stored_rows = 0
+        self.unsettled_rows = 0
         super().__init__(f"shard {shard}: {message}")

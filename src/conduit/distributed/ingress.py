@@ -184,7 +184,8 @@ class Ingress:
         when it cannot settle the write by then (the write may still land), its rows stay
         counted against the iteration (the error carries them,
         :func:`~conduit.distributed.operators.unsettled_rows_of`) until the owner's next
-        successful re-read settles them."""
+        successful re-read settles them. Off-policy the holders are not re-read: the rows of a
+        write that raised after it was sent are carried as not settled."""
         payload = data if validate or prepared else self._ray.put(to_wire(data))
         with self._cond:
             on = self.config.on_policy
@@ -196,6 +197,8 @@ class Ingress:
             except BaseException as exc:
                 if on:
                     self._settle_failed(exc, owner, rows, deadline)
+                elif self._replicator.sent(owner):
+                    mark_unsettled(exc, rows)  # the holders may apply it all the same
                 raise
             self.counters["rows"] += added if validate else rows
             if self.config.on_policy:

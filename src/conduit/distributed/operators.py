@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from conduit.distributed.errors import ShardUnavailableError
 from conduit.errors import (
     BackpressureTimeout,
     ConfigError,
@@ -107,33 +108,42 @@ def deliver(fn: DeliveryFn, rows: Batch, *, batches: int, batch_size: int,
 
 
 STORED_ATTR = "conduit_stored_rows"
+"""Where :func:`mark_stored` records rows on an exception that documents no such attribute
+(a :class:`ShardUnavailableError` has its public ``stored_rows``)."""
+
+
+def _rows_attr(exc: BaseException, public: str, private: str) -> str:
+    return public if isinstance(exc, ShardUnavailableError) else private
 
 
 def stored_rows_of(exc: BaseException) -> int:
     """Rows a failed write stored all the same (it was sent, not acknowledged, and the holders
     applied it), as :func:`mark_stored` recorded them on ``exc``."""
-    return int(getattr(exc, STORED_ATTR, 0))
+    return int(getattr(exc, _rows_attr(exc, "stored_rows", STORED_ATTR), 0))
 
 
 def mark_stored(exc: BaseException, rows: int) -> None:
     """Record on ``exc`` that the write it ended stored ``rows`` rows all the same."""
-    setattr(exc, STORED_ATTR, stored_rows_of(exc) + rows)
+    setattr(exc, _rows_attr(exc, "stored_rows", STORED_ATTR), stored_rows_of(exc) + rows)
 
 
 UNSETTLED_ATTR = "conduit_unsettled_rows"
+"""Where :func:`mark_unsettled` records rows on an exception that documents no such attribute
+(a :class:`ShardUnavailableError` has its public ``unsettled_rows``)."""
 
 
 def unsettled_rows_of(exc: BaseException) -> int:
-    """Rows of a failed write not known to be stored or not (its holders could not be
-    re-read), as :func:`mark_unsettled` recorded them on ``exc``: they stay counted against
-    the iteration until the write is settled."""
-    return int(getattr(exc, UNSETTLED_ATTR, 0))
+    """Rows of a failed write not known to be stored or not (its holders were not or could
+    not be re-read), as :func:`mark_unsettled` recorded them on ``exc``: on-policy they stay
+    counted against the iteration until the write is settled."""
+    return int(getattr(exc, _rows_attr(exc, "unsettled_rows", UNSETTLED_ATTR), 0))
 
 
 def mark_unsettled(exc: BaseException, rows: int) -> None:
     """Record on ``exc`` that whether the write it ended stored its ``rows`` rows is not
     known yet."""
-    setattr(exc, UNSETTLED_ATTR, unsettled_rows_of(exc) + rows)
+    setattr(exc, _rows_attr(exc, "unsettled_rows", UNSETTLED_ATTR),
+            unsettled_rows_of(exc) + rows)
 
 
 class FrontIngestion:
@@ -243,15 +253,17 @@ class FrontIngestion:
 
     # -- the queue --------------------------------------------------------------------------
     def submit(self, unit: QueuedUnit, deadline: float) -> None:
-        """Queue ``unit``; inline, run every invocation that is due on this thread. An
-        interrupt (such as ``KeyboardInterrupt``) of an invocation run here is re-raised, and
-        ``unit`` is left to no later invocation: when the interrupted one did not take it, it
-        is taken out of the queue (``on_lost``), so a retry of the push stores it once.
+        """Queue ``unit``; inline, run every invocation that is due on this thread. When an
+        invocation run here fails (its :class:`OperatorError`, or an interrupt such as
+        ``KeyboardInterrupt``, is re-raised), ``unit`` is left to no later invocation: when
+        the failed one did not take it (units of another node queued before it), it is taken
+        out of the queue (``on_lost``), so a retry of the push stores it once.
 
         Raises:
             BackpressureTimeout: No room in the queue by ``deadline``.
-            OperatorError: The operator raised here (the unit's rows are lost, the error is
-                not kept) or earlier on the thread (latched until ``recover``).
+            OperatorError: The operator raised here (the error is not kept; it counts the
+                failed invocation's units, and ``unit`` is not stored) or earlier on the
+                thread (latched until ``recover``; ``unit`` is not queued).
             PlaneClosedError: :meth:`close` began (the unit is not taken).
         """
         try:
@@ -356,7 +368,8 @@ class FrontIngestion:
             stored += stored_rows_of(exc)
             unsettled += unsettled_rows_of(exc)
             err = OperatorError("ingestion", exc, lost_units=len(units),
-                                lost_rows=sum(u.rows for u in units), stored_rows=stored)
+                                lost_rows=sum(u.rows for u in units), stored_rows=stored,
+                                unsettled_rows=unsettled)
             err.__cause__ = exc
         except BaseException as exc:
             interrupt = exc
@@ -364,7 +377,8 @@ class FrontIngestion:
             unsettled += unsettled_rows_of(exc)
             acked = [u for u in units if u is not current]
             err = OperatorError("ingestion", exc, lost_units=len(acked),
-                                lost_rows=sum(u.rows for u in acked), stored_rows=stored)
+                                lost_rows=sum(u.rows for u in acked), stored_rows=stored,
+                                unsettled_rows=unsettled)
             err.__cause__ = exc
         with self._cond:
             self._inflight -= len(units)
@@ -383,23 +397,25 @@ class FrontIngestion:
 
     def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None) -> None:
         """Run every due invocation on this thread. ``current`` is the unit of the push
-        running them: when an interrupt cuts short an invocation without it, it is taken out
-        of the queue and handed to ``on_lost`` (the push raised, so it stores nothing; had it
-        stayed queued, a retry of the push would store its rows twice)."""
+        running them: when an invocation without it fails (the operator raised, or an
+        interrupt cut it short), it is taken out of the queue and handed to ``on_lost`` (the
+        push raises, so it stores nothing; had it stayed queued, a retry of the push would
+        store its rows twice)."""
         while True:
-            with self._cond:
-                self.raise_if_failed()
-                units = self._take(force=force)
-            if units is None:
-                return
+            units: list[QueuedUnit] = []
             try:
+                with self._cond:
+                    self.raise_if_failed()
+                    units = self._take(force=force) or []
+                if not units:
+                    return
                 err = self._run(units, current)
+                if err is not None:
+                    raise err
             except BaseException:
                 if current is not None and all(u is not current for u in units):
                     self._withdraw(current)
                 raise
-            if err is not None:
-                raise err
 
     def _withdraw(self, unit: QueuedUnit) -> None:
         """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``."""

@@ -303,14 +303,22 @@ class RayExperienceDataPlane(ScheduledOperators):
             StaleRolloutError: On-policy rollout from an older policy.
             BackpressureTimeout: The ingestion queue had no room, or (on-policy) the current
                 iteration was not consumed in time.
-            OperatorError: The ingestion operator raised (here, or earlier on the thread).
+            OperatorError: The ingestion operator raised, here (in an invocation this
+                push ran: the error counts that invocation's units, and this push's unit is
+                not left queued, also when that invocation did not take it, so pushing it
+                again stores it once; rows the invocation's writes left are its
+                ``stored_rows`` and ``unsettled_rows``) or earlier on the thread (this
+                push's unit is not queued).
             ShardUnavailableError: The shard could not be written or restored in time.
                 The write may have been sent all the same: on-policy the holders are
                 re-read before this is raised (as after an interrupt), and when they applied
-                it its rows stay stored and count against the iteration, otherwise no holder
-                keeps them; when they cannot be re-read by the push's timeout (plus a short
-                grace), its rows stay counted against the iteration until the next push or
-                pull re-reads them; off-policy the front counts such rows by its next change.
+                it its rows stay stored and count against the iteration
+                (``stored_rows``), otherwise no holder keeps them; when they cannot be
+                re-read by the push's timeout (plus a short grace), its rows stay counted
+                against the iteration until the next push or pull re-reads them
+                (``unsettled_rows``); off-policy the front counts such rows by its next
+                change (``unsettled_rows``). With both 0, pushing the rollout again stores
+                it once.
             ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
                 ``ObjectRef``'s object is gone: the actor that put it died, or every copy
                 was lost (field ``rollout``; nothing was stored).

@@ -224,6 +224,12 @@ class Replicator:
             return None
         return self.shards.held[owner].total_written >= sent[1] + rows
 
+    def sent(self, owner: int) -> bool:
+        """After :meth:`write` to ``owner`` raised (off-policy, where it is not re-read):
+        whether it was sent, so its holders may apply it all the same."""
+        sent, self._sent = self._sent, None
+        return sent is not None and sent[0] == owner
+
     def settle(self, deadline: float) -> None:
         """Re-read the owners of :attr:`unsettled` writes, which settles them.
 
