@@ -119,6 +119,20 @@ def test_lp_zero_bandwidth_means_no_path() -> None:
         solve_transfer_plan([5, 5], [10, 0], [[0, 1], [0, 1]])
 
 
+@pytest.mark.parametrize("slow", [1e-3, 1e-300])
+def test_lp_bandwidths_too_far_apart_are_refused_by_name(slow) -> None:
+    """Beyond the span the solver weighs, HiGHS rejected the model (reported as "no feasible
+    plan", though the slow path makes one) or a coefficient overflowed (a raw ValueError)."""
+    with pytest.raises(PlacementError, match="bandwidth: positive finite bandwidths span"):
+        solve_transfer_plan([5, 5], [2, 8], [[1e12, slow], [slow, 1e12]])
+
+
+def test_lp_bandwidths_within_the_span_use_the_slow_path_when_they_must() -> None:
+    plan = solve_transfer_plan([5, 5], [2, 8], [[1e12, 1.0], [1.0, 1e12]])
+    np.testing.assert_allclose(plan.matrix(), [[2, 3], [0, 5]], atol=1e-6)
+    assert plan.makespan_s == pytest.approx(3.0)
+
+
 def test_lp_bad_inputs() -> None:
     with pytest.raises(PlacementError, match="sum V must equal"):
         solve_transfer_plan([1, 2], [4], [[1], [1]])

@@ -81,6 +81,11 @@ class TransferPlan:
         return float(sum(self.source_volumes))
 
 
+BANDWIDTH_SPAN = 1e12
+"""Largest ratio between two positive finite bandwidths :func:`solve_transfer_plan` takes
+(NVLink next to a 1 Gb/s network is about 3e3)."""
+
+
 def solve_transfer_plan(source_volumes: Sequence[float], target_volumes: Sequence[float],
                         bandwidth: Sequence[Sequence[float]] | np.ndarray, *,
                         sources: Sequence[str] | None = None,
@@ -99,8 +104,9 @@ def solve_transfer_plan(source_volumes: Sequence[float], target_volumes: Sequenc
         The optimal plan.
 
     Raises:
-        PlacementError: Negative volumes or bandwidths, mismatched totals or shapes, or no
-            feasible plan (some volume has no path).
+        PlacementError: Negative volumes or bandwidths, positive finite bandwidths that
+            span more than :data:`BANDWIDTH_SPAN` (field ``bandwidth``), mismatched totals or
+            shapes, or no feasible plan (some volume has no path).
     """
     v = np.asarray(source_volumes, dtype=np.float64).reshape(-1)
     w = np.asarray(target_volumes, dtype=np.float64).reshape(-1)
@@ -141,6 +147,13 @@ def solve_transfer_plan(source_volumes: Sequence[float], target_volumes: Sequenc
     # finite one, so HiGHS's absolute tolerances mean the same thing at any size.
     finite = bw[np.isfinite(bw) & (bw > 0)]
     bscale = float(finite.max()) if finite.size else 1.0
+    if finite.size and bscale > BANDWIDTH_SPAN * float(finite.min()):
+        # Beyond it HiGHS rejects the model (or a coefficient overflows), which would read as
+        # "no path" where there is one.
+        raise PlacementError(f"bandwidth: positive finite bandwidths span {float(finite.min()):.3g}"
+                             f" to {bscale:.3g} B/s, more than the {BANDWIDTH_SPAN:.0e} the "
+                             f"linear program weighs together; give a path that slow 0 (no "
+                             f"path)")
     vs, ws = v / total, w / total
     nf = m * n
     c = np.zeros(nf + 1)
