@@ -130,10 +130,13 @@ class OperatorError(ConduitError, RuntimeError):
         self.unsettled_rows = unsettled_rows
         lost = (f" ({lost_units} rollout units, {lost_rows} rows, were not stored)"
                 if lost_units else "")
-        if lost_units and stored_rows:
+        if lost_units and (stored_rows or unsettled_rows):
+            kept = (f"{stored_rows} rows the operator wrote before it raised stay in the "
+                    f"buffer" if stored_rows else "")
+            unknown = (f"{unsettled_rows} rows it wrote may still land (their shard did not "
+                       f"answer in time)" if unsettled_rows else "")
             lost = (f" ({lost_units} rollout units, {lost_rows} rows, failed to ingest; "
-                    f"{stored_rows} rows the operator wrote before it raised stay in the "
-                    f"buffer)")
+                    f"{'; '.join(x for x in (kept, unknown) if x)})")
         super().__init__(f"{operator} operator raised {type(original).__name__}: "
                          f"{original}{lost}")
 

@@ -84,6 +84,7 @@ def test_a_failed_ingestion_write_says_its_rows_may_have_landed(cluster):
         err = info.value
         assert (err.lost_units, err.lost_rows) == (1, 4)
         assert (err.stored_rows, err.unsettled_rows) == (0, 4)
+        assert "4 rows it wrote may still land" in str(err)
         assert isinstance(err.__cause__, ShardUnavailableError)
         plane.push(rows(4, 300), node=node)
         assert len(plane) == 8  # they had landed

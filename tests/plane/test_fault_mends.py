@@ -228,3 +228,61 @@ def test_a_snapshotter_that_failed_does_not_keep_its_plane_alive(small_spec, tmp
         gc.collect()
     assert gone() is None
     snap.close()
+
+
+def test_a_failure_raised_by_request_does_not_keep_the_callers_plane_alive(small_spec,
+                                                                           tmp_path):
+    """Defect: ``request(wait=True)`` raised the kept ``last_error`` object itself, which
+    added the caller's frames (one holding the plane) to its traceback for good: the dropped
+    plane was then never collected or closed."""
+    def work() -> tuple[Snapshotter, weakref.ref, object]:
+        plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                    schedule=Schedule(0, 2, 0, 1), timeout=5)
+        _failing_on_negative_ids(plane)
+        plane.push(make_rows(small_spec, 4, start=-4))  # the snapshot's flush runs it
+        snap = Snapshotter(plane, tmp_path / "s.ckpt", every_s=3600)
+        with pytest.warns(RuntimeWarning), pytest.raises(OperatorError) as raised:
+            snap.request(wait=True)
+        assert raised.value is not snap.last_error  # a copy, with the same content
+        assert type(raised.value) is type(snap.last_error)
+        assert str(raised.value) == str(snap.last_error)
+        assert raised.value.__cause__ is snap.last_error.__cause__
+        return snap, weakref.ref(plane), plane._engine
+
+    snap, gone, engine = work()
+    with pytest.warns(ResourceWarning, match="dropped without close"):  # its lost unit
+        gc.collect()
+    assert gone() is None
+    assert engine.closed
+    snap.close()
+
+
+def test_a_kept_snapshot_failure_leaves_the_operators_frames_whole(small_spec, tmp_path):
+    """Defect: keeping a failed snapshot's error cleared the locals of every frame in its
+    cause chain, the user's operator included, though the same exception is the cause that
+    ``close()`` reports."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=5)
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        marker = "operator state"  # noqa: F841 - read back from the traceback below
+        if (data["id"] < 0).any():
+            raise ValueError("bad rollout")
+        exp_out.write(data)
+
+    plane.push(make_rows(small_spec, 4, start=-4))
+    snap = Snapshotter(plane, tmp_path / "s.ckpt", every_s=3600)
+    with pytest.warns(RuntimeWarning), pytest.raises(OperatorError):
+        snap.request(wait=True)
+    snap.close()
+    root = snap.last_error.__cause__
+    assert isinstance(root, ValueError)
+    tb = root.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "ingest"
+    assert tb.tb_frame.f_locals.get("marker") == "operator state"
+    with pytest.raises(DataLossError):
+        plane.close()

@@ -35,9 +35,11 @@ class ShardUnavailableError(ConduitError, TimeoutError):
     """A shard's data could not be read or written within the plane's timeout: its actor died
     and its restore did not finish in time, or no node can host it.
 
-    Raised by a push (a mapping) whose write failed, it says what became of the rows: when
+    Raised by a push of a mapping whose write failed, it says what became of the rows: when
     ``stored_rows`` and ``unsettled_rows`` are both 0 no holder keeps any of them and pushing
-    the rollout again stores it once; otherwise a retry may store rows twice.
+    the rollout again stores it once; otherwise a retry may store rows twice. For a pushed
+    ``ObjectRef`` the front does not know the rows, so both stay 0 and say nothing: its write
+    may have landed.
 
     Attributes:
         shard: The shard's id.
@@ -46,8 +48,7 @@ class ShardUnavailableError(ConduitError, TimeoutError):
             (on-policy, where they are re-read before the error is raised): they stay
             stored and count against the iteration.
         unsettled_rows: Rows of the failed write whose holders were not re-read (off-policy)
-            or could not be re-read in time (on-policy): they may still land (0 for a pushed
-            ``ObjectRef``, whose rows the front does not know).
+            or could not be re-read in time (on-policy): they may still land.
     """
 
     def __init__(self, shard: int, message: str, *, lost_rows: int = 0) -> None:

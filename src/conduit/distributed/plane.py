@@ -317,8 +317,8 @@ class RayExperienceDataPlane(ScheduledOperators):
                 re-read by the push's timeout (plus a short grace), its rows stay counted
                 against the iteration until the next push or pull re-reads them
                 (``unsettled_rows``); off-policy the front counts such rows by its next
-                change (``unsettled_rows``). With both 0, pushing the rollout again stores
-                it once.
+                change (``unsettled_rows``). With both 0, pushing the rollout (a mapping)
+                again stores it once; for an ``ObjectRef`` both stay 0 and say nothing.
             ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
                 ``ObjectRef``'s object is gone: the actor that put it died, or every copy
                 was lost (field ``rollout``; nothing was stored).

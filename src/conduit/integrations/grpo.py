@@ -380,6 +380,7 @@ def _checked_order(order: Any) -> torch.Tensor:
         raise SpecError("order", f"must be 1-D, got shape {tuple(order.shape)}")
     return as_indices(order)
 
+
 def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
     """``src``'s leading mini-batches without log-probs in ``iteration``.
 
@@ -535,16 +536,17 @@ class _Pushes:
         Raises:
             StateError: They are not the next rows, or one was withdrawn meanwhile.
         """
-        with self.lock:
+        packed = {name: tuple(_joined(parts) for parts in zip(
+            *(getattr(unit, attr) for unit in units)))
+            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
+        with self.lock:  # (joined before: delivery pads under this lock)
             at = len(self.ragged)
             for serial, unit in zip(serials, units):
                 if self.units.get(serial) is not unit or unit.first != at:
                     raise StateError("row", f"groups from {unit.first // self._group_size} "
                                             f"were ingested out of order")
                 at += len(unit.completion_ids)
-            self.ragged.extend_packed({name: tuple(_joined(parts) for parts in zip(
-                *(getattr(unit, attr) for unit in units))) for name, attr in (
-                ("prompt_ids", "prompts"), ("completion_ids", "completions"))})
+            self.ragged.extend_packed(packed)
 
     def unpack(self, rows: int) -> None:
         """Keep the first ``rows`` rows' tokens (a write after :meth:`pack` failed)."""

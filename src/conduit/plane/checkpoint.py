@@ -547,14 +547,23 @@ def _lowest_priority() -> None:
 
 
 def _drop_locals(exc: BaseException) -> None:
-    """Clear the locals of the finished frames in ``exc``'s tracebacks (and its causes'), so
-    that keeping the error keeps none of the objects they referred to; the lines stay."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__
+    """Clear the locals of the finished frames of ``exc``'s own traceback (the snapshot
+    thread's calls into the plane), so that keeping the error keeps none of the objects they
+    referred to; the lines stay. Its causes' frames (an operator's, say) are left as they
+    are: the same objects may be reported elsewhere, where their locals help debugging."""
+    traceback.clear_frames(exc.__traceback__)
+
+
+def _again(err: BaseException) -> BaseException:
+    """A copy of the kept error ``err`` (same type, arguments, attributes, causes and
+    traceback) to raise to a caller: raising ``err`` itself would add the caller's frames,
+    and whatever they refer to (the plane included), to the kept object for good."""
+    new = type(err).__new__(type(err), *err.args)
+    new.__dict__.update(getattr(err, "__dict__", {}))
+    new.args = err.args
+    new.__cause__, new.__context__ = err.__cause__, err.__context__
+    new.__suppress_context__ = err.__suppress_context__
+    return new.with_traceback(err.__traceback__)
 
 
 class Snapshotter:
@@ -687,7 +696,7 @@ class Snapshotter:
                     raise PlaneClosedError(f"the plane closed before the snapshot to "
                                            f"{self.path} was taken")
                 if self._ok < target <= self._count and self.last_error is not None:
-                    raise self.last_error
+                    raise _again(self.last_error)
 
     @property
     def stats(self) -> SnapshotStats:
