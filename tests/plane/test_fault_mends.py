@@ -286,3 +286,71 @@ def test_a_kept_snapshot_failure_leaves_the_operators_frames_whole(small_spec, t
     assert tb.tb_frame.f_locals.get("marker") == "operator state"
     with pytest.raises(DataLossError):
         plane.close()
+
+
+# -- whose failure an inline invocation reports --------------------------------------------------
+
+
+def test_a_push_whose_rows_were_stored_is_not_told_of_a_later_unit_failing(small_spec):
+    """Defect: a push's inline drain went on after its own unit was stored, took a unit
+    another thread queued meanwhile, and raised that unit's failure to this push: its caller
+    retried rows that were stored (twice), while the other push, whose unit failed, returned."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    queued = threading.Event()
+    other: dict[str, BaseException | None] = {}
+
+    def push_other() -> None:
+        try:
+            plane.push(make_rows(small_spec, 2, start=-20))
+            other["raised"] = None
+        except BaseException as exc:
+            other["raised"] = exc
+
+    calls = []
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        calls.append(data["id"].tolist())
+        if len(calls) == 1:  # another actor pushes while this push's own invocation runs
+            threading.Thread(target=push_other).start()
+            while not plane._engine.flow.pending:
+                queued.wait(0.001)
+        if (data["id"] < 0).any():
+            raise ValueError("bad rollout")
+        exp_out.write(data)
+
+    plane.push(make_rows(small_spec, 3, start=10))  # its own rows stored: no error
+    for _ in range(500):
+        if "raised" in other:
+            break
+        queued.wait(0.01)
+    assert isinstance(other["raised"], OperatorError)  # told to the push that brought it
+    assert other["raised"].lost_units == 1
+    assert stored_ids(plane) == [10, 11, 12]
+    plane.close()  # the loss was told: nothing more to report
+
+
+def test_a_push_is_not_told_of_an_invocation_over_units_queued_before_its_own(small_spec):
+    """An invocation a push runs over units other pushes queued before its own fails: the
+    error is not the push's (its unit is still queued, and is stored next); the units are
+    reported by ``close()``, as their pushes returned."""
+    from conduit.plane.flows import Unit
+
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    _failing_on_negative_ids(plane)
+    engine = plane._engine
+    elsewhere = threading.Thread(target=lambda: None)  # the earlier unit's pusher
+    earlier = Unit(make_rows(small_spec, 2, start=-2), 2, None, pusher=elsewhere)
+    mine = Unit(make_rows(small_spec, 3, start=10), 3, None,
+                pusher=threading.current_thread())
+    with engine.signals.lock:
+        engine.flow.enqueue_locked(earlier)
+        engine.flow.enqueue_locked(mine)
+    engine.runtime.drain_inline(force=False, current=mine)  # the push's drain: no error
+    assert stored_ids(plane) == [10, 11, 12]
+    with pytest.raises(DataLossError) as lost:
+        plane.close()
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 2)

@@ -406,7 +406,11 @@ class ExperienceDataPlane:
             CapacityError: On-policy rows beyond the iteration's capacity.
             ConfigError: ``policy_version`` is not an integer.
             BackpressureTimeout: No room within ``timeout``.
-            OperatorError: An ingestion operator raised (now or on the worker earlier).
+            OperatorError: An ingestion operator raised: on the worker earlier (latched), or
+                inline here in the invocation that held this push's unit (its rows are not
+                stored, except the error's ``stored_rows``). An inline invocation this push
+                runs over units other pushes queued before its own is not this push's to
+                report: when it fails, the push goes on and ``close()`` counts those units.
             PlaneClosedError: The plane is closed.
         """
         t0 = time.perf_counter()

@@ -323,7 +323,7 @@ class PlaneEngine:
             flow.enqueue_locked(unit)
             self.signals.wake(ingestion=True)
             ingestion = self.ingestion
-        ingestion.after_push()
+        ingestion.after_push(unit)
 
     def next_batch(self, *, deadline: float, waited: float,
                    records: list[TimingRecord]) -> Batch:

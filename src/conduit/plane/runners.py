@@ -102,9 +102,10 @@ class InlineIngestion(Runner[list[Unit]]):
 
     operator = "ingestion"
 
-    def after_push(self) -> None:
-        """Ingest if ``g_ing`` units are queued."""
-        self.rt.drain_inline(force=False)
+    def after_push(self, unit: Unit) -> None:
+        """Ingest if ``g_ing`` units are queued, until ``unit`` (the push's) is taken (see
+        :meth:`~conduit.plane.runtime.OperatorRuntime.drain_inline`)."""
+        self.rt.drain_inline(force=False, current=unit)
 
     def make_room(self) -> bool:
         """Ingest what is queued so a waiting push gets room; True when it ran."""
@@ -138,7 +139,7 @@ class ThreadedIngestion(InlineIngestion):
             self.hurried = True
             self.rt.signals.wake(ingestion=True)
 
-    def after_push(self) -> None:
+    def after_push(self, unit: Unit) -> None:
         """Nothing: the worker was woken when the unit was queued."""
         return None
 

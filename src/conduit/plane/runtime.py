@@ -188,14 +188,20 @@ class OperatorRuntime:
         """End :meth:`inline_ordered`'s exclusion."""
         self._inline_order.release()
 
-    def drain_inline(self, *, force: bool) -> None:
-        """Run every ready ingestion invocation on the calling thread.
+    def drain_inline(self, *, force: bool, current: Unit | None = None) -> None:
+        """Run every ready ingestion invocation on the calling thread; for a push
+        (``current``: its unit), until its unit has been taken by an invocation (this
+        thread's or, before it, another's).
+
+        A failed invocation's error goes to the call that brought its input: it is raised
+        here unless this is a push and the invocation did not hold ``current`` (units other
+        pushes queued before it); then the push goes on, its own unit still queued.
 
         Raises:
-            OperatorError: An invocation failed (its units are lost; the error is not latched,
-                and the units that other threads pushed are kept in :attr:`untold` for
-                ``close()``), or an operator failed earlier on a worker (the error stays
-                latched).
+            OperatorError: An invocation raised here failed (its units are lost; the error is
+                not latched, and the units that other threads pushed are kept in
+                :attr:`untold` for ``close()``, as are all the units of a failure not raised),
+                or an operator failed earlier on a worker (the error stays latched).
         """
         while True:
             # Invocations on different callers' threads (a push, a flush or save on another)
@@ -203,21 +209,28 @@ class OperatorRuntime:
             with self._inline_order:
                 with self.signals.lock:
                     self.raise_if_failed()
+                    if current is not None and all(u is not current
+                                                   for u in self.flow.pending):
+                        return  # taken: ingested, or failed where its caller was running
                     units = self.take_ingestion_locked(force=force)
                 if units is None:
                     return
                 with data_path_threads(1):
                     err = self.run_ingestion(units, latch=False)
-                if err is not None:
-                    self._keep_untold(err, units)
-                self.raise_own(err)
+                if err is None:
+                    continue
+                told = current is None or any(u is current for u in units)
+                self._keep_untold(err, units, told=told)
+                if told:
+                    raise err
 
-    def _keep_untold(self, err: OperatorError, units: Sequence[Unit]) -> None:
+    def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
         """Keep the share of ``err`` (an inline invocation over ``units`` that failed on the
-        calling thread) that its caller does not answer for: the units other threads pushed,
-        whose pushes returned."""
+        calling thread) that no caller answers for: the units other threads pushed, whose
+        pushes returned, when ``err`` is raised to the calling thread (``told``), else every
+        unit."""
         me = threading.current_thread()
-        others = [u for u in units if u.pusher is not None and u.pusher is not me]
+        others = [u for u in units if not told or (u.pusher is not None and u.pusher is not me)]
         if not others:
             return
         share = OperatorError(err.operator, err.__cause__ or err, lost_units=len(others),
