@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conduit.distributed.operators import FrontIngestion, QueuedUnit
-from conduit.errors import BackpressureTimeout, PlaneClosedError
+from conduit.errors import BackpressureTimeout, DataLossError, OperatorError, PlaneClosedError
 from conduit.plane.ports import ActorIn, BufferOut
 from conduit.scheduling import Schedule
 
@@ -137,3 +137,73 @@ def test_calls_that_wait_for_the_operator_are_refused_from_inside_it(overlapped)
     ing.submit(unit(2, "a"), time.monotonic() + 5)  # still open and running
     ing.close()
     assert [ids for _, ids in store.writes] == [[0, 1], [2, 3]]
+
+
+def _failing_on_negative_ids(ing: FrontIngestion, hook: Any = None) -> None:
+    def operator(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        data = actor_in.read()
+        if hook is not None:
+            hook(data)
+        if (data["id"] < 0).any():
+            raise ValueError("bad rollout")
+        exp_out.write(data)
+    ing.fn, ing.registered = operator, True
+
+
+def test_a_push_whose_unit_was_stored_is_not_told_of_a_later_failure():
+    """Defect: a push's inline drain went on after its own unit was stored, took a unit that
+    another push had queued meanwhile and raised its failure to this push: its caller would
+    retry rows that were stored."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    other = QueuedUnit({"id": torch.tensor([-7])}, 1, "n1", None)
+    calls = []
+
+    def queue_another(data: Mapping[str, Any]) -> None:
+        calls.append(data["id"].tolist())
+        if len(calls) == 1:  # another actor's push queues its unit, not drained yet
+            ing._queue(other, time.monotonic() + 5)
+
+    _failing_on_negative_ids(ing, queue_another)
+    ing.submit(unit(10, "n1"), time.monotonic() + 5)  # returns: its rows are stored
+    assert store.writes == [("n1", [10, 11])]
+    assert list(ing._pending) == [other]  # left to its own push
+
+
+def test_close_reports_an_inline_loss_told_to_another_thread_only():
+    """Defect: a push on one thread ran the invocation over a unit another thread's push had
+    acknowledged; the error went to the running thread only, and close() reported nothing,
+    so the other actor never learned its rows were lost."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(Schedule(0, 2, 0, 1))
+    _failing_on_negative_ids(ing)
+    acked = unit(0, "n1", 4)
+    pusher = threading.Thread(target=ing.submit, args=(acked, time.monotonic() + 5))
+    acked.pusher = pusher
+    pusher.start()
+    pusher.join(10)  # its push returned: 1 of g_ing = 2 units queued
+    bad = QueuedUnit({"id": torch.tensor([-1, -2])}, 2, "n1", None, threading.current_thread())
+    with pytest.raises(OperatorError) as raised:
+        ing.submit(bad, time.monotonic() + 5)
+    assert (raised.value.lost_units, raised.value.lost_rows) == (2, 6)
+    with pytest.raises(DataLossError) as lost:
+        ing.close()
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)  # the other thread's only
+
+
+def test_recover_clears_an_inline_loss_told_to_another_thread():
+    ing = FrontIngestion(store=Recorder(), timeout=5.0)
+    ing.set_schedule(Schedule(0, 2, 0, 1))
+    _failing_on_negative_ids(ing)
+    acked = unit(0, "n1", 4)
+    pusher = threading.Thread(target=ing.submit, args=(acked, time.monotonic() + 5))
+    acked.pusher = pusher
+    pusher.start()
+    pusher.join(10)
+    bad = QueuedUnit({"id": torch.tensor([-1, -2])}, 2, "n1", None, threading.current_thread())
+    with pytest.raises(OperatorError):
+        ing.submit(bad, time.monotonic() + 5)
+    assert ing.recover() is None  # nothing was latched
+    ing.close()  # no DataLossError

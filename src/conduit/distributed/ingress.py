@@ -104,7 +104,7 @@ class Ingress:
                                        capacity=self.row_limit, raw=True)
         else:
             data, rows = self._admit(rollout, what="rollout")
-        unit = QueuedUnit(data, rows, node, policy_version)
+        unit = QueuedUnit(data, rows, node, policy_version, threading.current_thread())
         if cfg.on_policy:
             with self._cond:
                 # a write whose holders could not be re-read is settled before rows are counted

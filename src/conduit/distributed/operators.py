@@ -69,12 +69,15 @@ class QueuedUnit:
         rows: Its rows.
         node: The Ray node it was pushed on (its rows go to that node's shard).
         version: On-policy: the policy version it was pushed with.
+        pusher: The thread whose ``push`` queued it: a failed inline invocation reports the
+            units of other threads' pushes, which returned, at ``close()``.
     """
 
     data: Batch
     rows: int
     node: str | None
     version: int | None
+    pusher: threading.Thread | None = None
 
 
 def check_schedule(space: ScheduleSpace, schedule: Schedule, *, on_policy: bool) -> None:
@@ -187,6 +190,8 @@ class FrontIngestion:
         self.error_reported = False
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
         self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
+        #: Shares of failed inline invocations no caller was told of (see _drain_inline).
+        self._untold: list[OperatorError] = []
         self._inside = threading.local()  # set on a thread while it runs the operator
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
@@ -245,25 +250,25 @@ class FrontIngestion:
                 raise self.error
 
     def recover(self) -> OperatorError | None:
-        """Unlatch the operator error (the caller handled it); returns it."""
+        """Unlatch the operator error (the caller handled it), and forget the failed inline
+        invocations no caller was told of (handled as well); returns the latched error."""
         with self._cond:
             err, self.error = self.error, None
+            self._untold.clear()
             self._cond.notify_all()
         return err
 
     # -- the queue --------------------------------------------------------------------------
     def submit(self, unit: QueuedUnit, deadline: float) -> None:
-        """Queue ``unit``; inline, run every invocation that is due on this thread. When an
-        invocation run here fails (its :class:`OperatorError`, or an interrupt such as
-        ``KeyboardInterrupt``, is re-raised), ``unit`` is left to no later invocation: when
-        the failed one did not take it (units of another node queued before it), it is taken
-        out of the queue (``on_lost``), so a retry of the push stores it once.
+        """Queue ``unit``; inline, run the invocations that are due on this thread until
+        ``unit`` is taken (see :meth:`_drain_inline`).
 
         Raises:
             BackpressureTimeout: No room in the queue by ``deadline``.
-            OperatorError: The operator raised here (the error is not kept; it counts the
-                failed invocation's units, and ``unit`` is not stored) or earlier on the
-                thread (latched until ``recover``; ``unit`` is not queued).
+            OperatorError: The operator raised here, in the invocation that held ``unit``
+                (the error is not kept; it counts that invocation's units, ``unit`` among
+                them), or earlier on the thread (latched until ``recover``; ``unit`` is not
+                queued).
             PlaneClosedError: :meth:`close` began (the unit is not taken).
         """
         try:
@@ -396,26 +401,47 @@ class FrontIngestion:
         return err
 
     def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None) -> None:
-        """Run every due invocation on this thread. ``current`` is the unit of the push
-        running them: when an invocation without it fails (the operator raised, or an
-        interrupt cut it short), it is taken out of the queue and handed to ``on_lost`` (the
-        push raises, so it stores nothing; had it stayed queued, a retry of the push would
-        store its rows twice)."""
+        """Run the due invocations on this thread: every one (a flush), or, for a push
+        (``current``: its unit), those until its unit is taken, by this thread or another.
+
+        A failed invocation's error goes to the call that brought its input: it is raised
+        here unless this is a push and the invocation did not hold ``current`` (units of
+        other pushes queued before it); the push then goes on, its unit still queued. The
+        units of a failure that other threads pushed, or of one not raised, are kept for
+        :meth:`close` (their pushes returned). An interrupt (such as ``KeyboardInterrupt``)
+        of an invocation without ``current`` takes ``current`` out of the queue and hands it
+        to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
+        of the push would store its rows twice)."""
         while True:
             units: list[QueuedUnit] = []
             try:
                 with self._cond:
                     self.raise_if_failed()
+                    if current is not None and all(u is not current for u in self._pending):
+                        return  # taken: stored, or failed where its push was told
                     units = self._take(force=force) or []
                 if not units:
                     return
                 err = self._run(units, current)
-                if err is not None:
-                    raise err
             except BaseException:
                 if current is not None and all(u is not current for u in units):
                     self._withdraw(current)
                 raise
+            if err is None:
+                continue
+            told = current is None or any(u is current for u in units)
+            me = threading.current_thread()
+            others = [u for u in units
+                      if not told or (u.pusher is not None and u.pusher is not me)]
+            if others:
+                share = OperatorError("ingestion", err.__cause__ or err,
+                                      lost_units=len(others),
+                                      lost_rows=sum(u.rows for u in others))
+                share.__cause__ = err.__cause__
+                with self._cond:
+                    self._untold.append(share)
+            if told:
+                raise err
 
     def _withdraw(self, unit: QueuedUnit) -> None:
         """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``."""
@@ -508,9 +534,11 @@ class FrontIngestion:
 
         Raises:
             DataLossError: Some acknowledged units were not stored: a latched failure never
-                raised to a caller, an invocation cut short by an interrupt (such as
-                ``KeyboardInterrupt``), a failure while draining, or a thread stuck in the
-                operator past the timeout; the first cause is attached.
+                raised to a caller, an inline failure raised to another thread's call than
+                the pushes of its units (or to none) and not cleared by :meth:`recover`, an
+                invocation cut short by an interrupt (such as ``KeyboardInterrupt``), a
+                failure while draining, or a thread stuck in the operator past the timeout;
+                the first cause is attached.
             ConfigError: Called from inside the ingestion operator (nothing changes).
         """
         self.refuse_inside("close")
@@ -521,11 +549,12 @@ class FrontIngestion:
         with self._cond:
             cause: BaseException | None = None if self.error_reported else self.error
             lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
-            for err in self._interrupted:
+            for err in (*self._interrupted, *self._untold):
                 cause = cause or err
                 lost_units += err.lost_units
                 lost_rows += err.lost_rows
             self._interrupted.clear()
+            self._untold.clear()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
                 stuck = OperatorError("runtime", TimeoutError(

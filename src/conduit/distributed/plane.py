@@ -303,12 +303,12 @@ class RayExperienceDataPlane(ScheduledOperators):
             StaleRolloutError: On-policy rollout from an older policy.
             BackpressureTimeout: The ingestion queue had no room, or (on-policy) the current
                 iteration was not consumed in time.
-            OperatorError: The ingestion operator raised, here (in an invocation this
-                push ran: the error counts that invocation's units, and this push's unit is
-                not left queued, also when that invocation did not take it, so pushing it
-                again stores it once; rows the invocation's writes left are its
-                ``stored_rows`` and ``unsettled_rows``) or earlier on the thread (this
-                push's unit is not queued).
+            OperatorError: The ingestion operator raised: here, in the inline invocation
+                that held this push's unit (the error counts that invocation's units; rows
+                its writes left are its ``stored_rows`` and ``unsettled_rows``), or earlier
+                on the thread (this push's unit is not queued). An invocation this push runs
+                over units other pushes queued before its own is not this push's to report:
+                when it fails, the push goes on and ``close()`` counts those units.
             ShardUnavailableError: The shard could not be written or restored in time.
                 The write may have been sent all the same: on-policy the holders are
                 re-read before this is raised (as after an interrupt), and when they applied
