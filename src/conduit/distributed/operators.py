@@ -44,7 +44,13 @@ from conduit.errors import (
 from conduit.plane.config import PlaneConfig
 from conduit.plane.flows import check_written_rows
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
-from conduit.plane.runtime import DeliveryFn, IngestionFn, identity_delivery, identity_ingestion
+from conduit.plane.runtime import (
+    DeliveryFn,
+    IngestionFn,
+    identity_delivery,
+    identity_ingestion,
+    untold_share,
+)
 from conduit.scheduling.space import Schedule, ScheduleSpace
 from conduit.spec import Batch
 from conduit.storage import data_path_threads
@@ -430,14 +436,8 @@ class FrontIngestion:
             if err is None:
                 continue
             told = current is None or any(u is current for u in units)
-            me = threading.current_thread()
-            others = [u for u in units
-                      if not told or (u.pusher is not None and u.pusher is not me)]
-            if others:
-                share = OperatorError("ingestion", err.__cause__ or err,
-                                      lost_units=len(others),
-                                      lost_rows=sum(u.rows for u in others))
-                share.__cause__ = err.__cause__
+            share = untold_share(err, units, told=told)
+            if share is not None:
                 with self._cond:
                     self._untold.append(share)
             if told:

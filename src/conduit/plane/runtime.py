@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,29 @@ def _on_host(rows: Batch) -> bool:
         if not v.is_cpu:
             return False
     return True
+
+
+class _Pushed(Protocol):
+    """A queued unit, as :func:`untold_share` reads it (a local or a sharded plane's)."""
+
+    rows: int
+    pusher: threading.Thread | None
+
+
+def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
+                 told: bool) -> OperatorError | None:
+    """The share of ``err`` (an inline ingestion invocation over ``units`` that failed on the
+    calling thread) that no caller answers for, or None: the units other threads pushed
+    (their pushes returned) when ``err`` is raised to the calling thread (``told``), else
+    every unit."""
+    me = threading.current_thread()
+    others = [u for u in units if not told or (u.pusher is not None and u.pusher is not me)]
+    if not others:
+        return None
+    share = OperatorError(err.operator, err.__cause__ or err, lost_units=len(others),
+                          lost_rows=sum(u.rows for u in others))
+    share.__cause__ = err.__cause__
+    return share
 
 
 class OperatorRuntime:
@@ -225,17 +248,10 @@ class OperatorRuntime:
                     raise err
 
     def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
-        """Keep the share of ``err`` (an inline invocation over ``units`` that failed on the
-        calling thread) that no caller answers for: the units other threads pushed, whose
-        pushes returned, when ``err`` is raised to the calling thread (``told``), else every
-        unit."""
-        me = threading.current_thread()
-        others = [u for u in units if not told or (u.pusher is not None and u.pusher is not me)]
-        if not others:
+        """Keep :func:`untold_share` of ``err`` for ``close()``."""
+        share = untold_share(err, units, told=told)
+        if share is None:
             return
-        share = OperatorError(err.operator, err.__cause__ or err, lost_units=len(others),
-                              lost_rows=sum(u.rows for u in others))
-        share.__cause__ = err.__cause__
         with self.signals.lock:
             if self.untold is not None:
                 self.untold.append(share)
