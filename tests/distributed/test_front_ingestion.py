@@ -150,6 +150,18 @@ def _failing_on_negative_ids(ing: FrontIngestion, hook: Any = None) -> None:
     ing.fn, ing.registered = operator, True
 
 
+def _fail_over_another_threads_unit(ing: FrontIngestion) -> None:
+    """With g_ing = 2: another thread's push queues 4 rows and returns; this thread's push of
+    2 bad rows runs the invocation over both units, which fails (OperatorError raised)."""
+    acked = unit(0, "n1", 4)
+    pusher = threading.Thread(target=ing.submit, args=(acked, time.monotonic() + 5))
+    acked.pusher = pusher
+    pusher.start()
+    pusher.join(10)  # its push returned: 1 of g_ing = 2 units queued
+    bad = QueuedUnit({"id": torch.tensor([-1, -2])}, 2, "n1", None, threading.current_thread())
+    ing.submit(bad, time.monotonic() + 5)
+
+
 def test_a_push_whose_unit_was_stored_is_not_told_of_a_later_failure():
     """Defect: a push's inline drain went on after its own unit was stored, took a unit that
     another push had queued meanwhile and raised its failure to this push: its caller would
@@ -179,14 +191,8 @@ def test_close_reports_an_inline_loss_told_to_another_thread_only():
     ing = FrontIngestion(store=store, timeout=5.0)
     ing.set_schedule(Schedule(0, 2, 0, 1))
     _failing_on_negative_ids(ing)
-    acked = unit(0, "n1", 4)
-    pusher = threading.Thread(target=ing.submit, args=(acked, time.monotonic() + 5))
-    acked.pusher = pusher
-    pusher.start()
-    pusher.join(10)  # its push returned: 1 of g_ing = 2 units queued
-    bad = QueuedUnit({"id": torch.tensor([-1, -2])}, 2, "n1", None, threading.current_thread())
     with pytest.raises(OperatorError) as raised:
-        ing.submit(bad, time.monotonic() + 5)
+        _fail_over_another_threads_unit(ing)
     assert (raised.value.lost_units, raised.value.lost_rows) == (2, 6)
     with pytest.raises(DataLossError) as lost:
         ing.close()
@@ -197,13 +203,52 @@ def test_recover_clears_an_inline_loss_told_to_another_thread():
     ing = FrontIngestion(store=Recorder(), timeout=5.0)
     ing.set_schedule(Schedule(0, 2, 0, 1))
     _failing_on_negative_ids(ing)
-    acked = unit(0, "n1", 4)
-    pusher = threading.Thread(target=ing.submit, args=(acked, time.monotonic() + 5))
-    acked.pusher = pusher
-    pusher.start()
-    pusher.join(10)
-    bad = QueuedUnit({"id": torch.tensor([-1, -2])}, 2, "n1", None, threading.current_thread())
     with pytest.raises(OperatorError):
-        ing.submit(bad, time.monotonic() + 5)
+        _fail_over_another_threads_unit(ing)
     assert ing.recover() is None  # nothing was latched
     ing.close()  # no DataLossError
+
+
+def test_close_waits_for_an_inline_invocation_on_another_thread():
+    """Defect: close() counted the losses kept so far while an inline invocation still ran on
+    another thread: a failure that ended after it was never reported (nor the acknowledged
+    unit of a third thread it took)."""
+    ing = FrontIngestion(store=Recorder(), timeout=5.0)
+    ing.set_schedule(Schedule(0, 2, 0, 1))
+    inside, go = threading.Event(), threading.Event()
+
+    def held(data: Mapping[str, Any]) -> None:
+        if (data["id"] < 0).any():
+            inside.set()
+            go.wait(10)
+
+    _failing_on_negative_ids(ing, held)
+    raised: list[BaseException] = []
+
+    def push_bad() -> None:
+        try:
+            _fail_over_another_threads_unit(ing)
+        except OperatorError as exc:
+            raised.append(exc)
+
+    pusher = threading.Thread(target=push_bad)
+    pusher.start()
+    assert inside.wait(10)  # the invocation over both units runs, held
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            ing.close()
+            outcome.append(None)
+        except DataLossError as exc:
+            outcome.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(0.5)  # it waits for the invocation (before, it returned here)
+    go.set()
+    closer.join(10)
+    pusher.join(10)
+    assert len(raised) == 1 and raised[0].lost_units == 2
+    assert len(outcome) == 1 and isinstance(outcome[0], DataLossError)
+    assert (outcome[0].lost_units, outcome[0].lost_rows) == (1, 4)  # the other thread's

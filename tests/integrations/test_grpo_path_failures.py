@@ -498,3 +498,36 @@ def test_a_push_from_the_scorer_is_refused_instead_of_deadlocking() -> None:
         if not (flusher.is_alive() or generator.is_alive()):  # a deadlock would hang these
             path.recover()
             path.close()
+
+
+def test_a_group_after_one_that_failed_unseen_names_that_failure():
+    """The next push ran the earlier group's invocation (queued while a save held the
+    operators on another thread), whose scorer failed; that failure is not the push's, so its
+    own group, which follows the lost one, fails naming it (not "ingested out of order")."""
+    import threading
+
+    score, _ = _flaky({2})  # the second scoring call fails
+    path = _path(score=score, groups=GROUPS + 1)  # group 2 is not the iteration's last
+    groups = [*_groups(), ([[9] * 2] * G, [[40 + i] * 3 for i in range(G)])]
+    try:
+        path.begin_iteration(torch.arange(G * (GROUPS + 1)), prompt_width=WIDTH)
+        path.push_group(prompt_ids=groups[0][0], completion_ids=groups[0][1])
+
+        def push_1() -> None:
+            path.push_group(prompt_ids=groups[1][0], completion_ids=groups[1][1])
+        with path.plane.frozen(reads=True, flush=False):  # group 1 waits in the queue
+            t = threading.Thread(target=push_1)
+            t.start()
+            t.join(10)
+        with pytest.raises(OperatorError) as raised:
+            path.push_group(prompt_ids=groups[2][0], completion_ids=groups[2][1])
+        cause = raised.value.__cause__
+        assert isinstance(cause, StateError) and "push the groups again from group 1" in str(cause)
+        assert isinstance(cause.__cause__, RuntimeError)  # the scorer's failure
+        assert path.pushed_groups == 1
+        path.recover()  # group 1's push returned on another thread: close() would report it
+        for g in range(1, GROUPS + 1):
+            path.push_group(prompt_ids=groups[g][0], completion_ids=groups[g][1])
+        assert len([path.pull() for _ in range(M)]) == M
+    finally:
+        path.close()

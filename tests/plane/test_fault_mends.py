@@ -22,20 +22,7 @@ from conduit import (
 )
 from conduit.plane.checkpoint import Snapshotter
 from tests.conftest import make_rows
-
-
-def stored_ids(plane: ExperienceDataPlane) -> list[int]:
-    idx = torch.arange(len(plane.buffer), dtype=torch.int64)
-    return sorted(plane.buffer.store.get(idx)["id"].tolist())
-
-
-def _failing_on_negative_ids(plane: ExperienceDataPlane) -> None:
-    @plane.register_ingestion()
-    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
-        data = actor_in.read()
-        if (data["id"] < 0).any():
-            raise ValueError("bad rollout")
-        exp_out.write(data)
+from tests.plane.helpers import refusing_ingestion, stored_ids
 
 
 def _push_on_another_thread(plane: ExperienceDataPlane, rollout: dict) -> None:
@@ -65,7 +52,7 @@ def test_close_reports_units_of_other_threads_lost_by_an_inline_ingestion(small_
     rows were lost."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 2, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     _push_on_another_thread(plane, make_rows(small_spec, 4))  # queued: 1 of g_ing = 2
     with pytest.raises(OperatorError) as failed:
         plane.push(make_rows(small_spec, 3, start=-10))  # runs the invocation over both
@@ -87,7 +74,7 @@ def test_close_reports_units_an_inline_pull_lost_for_an_actor_thread(small_spec)
     their loss to the learner only; the actor whose push returned was never told."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4, min_size=1,
                                 schedule=Schedule(0, 2, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     _push_on_another_thread(plane, make_rows(small_spec, 4, start=-4))
     with pytest.raises(OperatorError) as failed:
         plane.pull(timeout=5)
@@ -102,7 +89,7 @@ def test_an_inline_loss_told_to_the_thread_that_pushed_is_not_reported_again(sma
     reported to it, so close() does not count them a second time."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 2, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     plane.push(make_rows(small_spec, 4))
     with pytest.raises(OperatorError) as failed:
         plane.push(make_rows(small_spec, 3, start=-10))
@@ -116,7 +103,7 @@ def test_recover_clears_an_inline_loss_told_to_another_thread(small_spec):
     nothing for them, as for a latched error recover() cleared."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 2, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     _push_on_another_thread(plane, make_rows(small_spec, 4))
     with pytest.raises(OperatorError):
         plane.push(make_rows(small_spec, 3, start=-10))
@@ -217,7 +204,7 @@ def test_a_snapshotter_that_failed_does_not_keep_its_plane_alive(small_spec, tmp
     the frames of its traceback (the plane's own calls) must not keep the plane alive."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 2, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     plane.push(make_rows(small_spec, 4, start=-4))  # queued; the snapshot's flush runs it
     snap = Snapshotter(plane, tmp_path / "s.ckpt", every_s=3600)
     with pytest.warns(RuntimeWarning), pytest.raises(OperatorError):
@@ -238,7 +225,7 @@ def test_a_failure_raised_by_request_does_not_keep_the_callers_plane_alive(small
     def work() -> tuple[Snapshotter, weakref.ref, object]:
         plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                     schedule=Schedule(0, 2, 0, 1), timeout=5)
-        _failing_on_negative_ids(plane)
+        refusing_ingestion(plane)
         plane.push(make_rows(small_spec, 4, start=-4))  # the snapshot's flush runs it
         snap = Snapshotter(plane, tmp_path / "s.ckpt", every_s=3600)
         with pytest.warns(RuntimeWarning), pytest.raises(OperatorError) as raised:
@@ -340,7 +327,7 @@ def test_a_push_is_not_told_of_an_invocation_over_units_queued_before_its_own(sm
 
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
                                 schedule=Schedule(0, 1, 0, 1), timeout=5)
-    _failing_on_negative_ids(plane)
+    refusing_ingestion(plane)
     engine = plane._engine
     elsewhere = threading.Thread(target=lambda: None)  # the earlier unit's pusher
     earlier = Unit(make_rows(small_spec, 2, start=-2), 2, None, pusher=elsewhere)
@@ -354,3 +341,61 @@ def test_a_push_is_not_told_of_an_invocation_over_units_queued_before_its_own(sm
     with pytest.raises(DataLossError) as lost:
         plane.close()
     assert (lost.value.lost_units, lost.value.lost_rows) == (1, 2)
+
+
+def test_a_push_whose_rows_were_stored_returns_though_a_worker_failed_meanwhile(small_spec):
+    """Defect: a push's drain checked the error a worker latched before checking whether its
+    own unit was taken: a push whose rows were stored raised the delivery worker's error, and
+    its caller's retry stored the rows twice."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 1, 1), timeout=5)
+    failed = threading.Event()
+
+    @plane.register_delivery()
+    def deliver(exp_in, learn_out) -> None:  # type: ignore[no-untyped-def]
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("delivery failed")
+        learn_out.write(exp_in.read())
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        exp_out.write(actor_in.read())  # the rows land; the delivery worker wakes and fails
+        for _ in range(300):
+            if plane._engine.runtime.error is not None:
+                break
+            failed.wait(0.01)
+
+    plane.push(make_rows(small_spec, 3, start=10))  # returns: its rows are stored
+    assert stored_ids(plane) == [10, 11, 12]
+    with pytest.raises(OperatorError):  # the next call is told
+        plane.pull()
+    plane.recover()
+    plane.close()
+
+
+def test_an_interrupt_of_an_invocation_over_earlier_units_reaches_the_push(small_spec):
+    """Defect: a KeyboardInterrupt in an invocation a push ran over units queued before its
+    own was kept for close() only: the push returned as if nothing happened. It is raised,
+    and the push's own unit is withdrawn (a retry stores it once)."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if (data["id"] < 0).any():
+            raise KeyboardInterrupt
+        exp_out.write(data)
+
+    with plane.frozen(reads=True, flush=False):  # the other thread's unit waits in the queue
+        _push_on_another_thread(plane, make_rows(small_spec, 2, start=-5))
+    with pytest.raises(OperatorError) as raised:
+        plane.push(make_rows(small_spec, 3, start=10))
+    assert isinstance(raised.value.__cause__, KeyboardInterrupt)
+    assert stored_ids(plane) == [] and plane.stats()["pending_units"] == 0
+    plane.push(make_rows(small_spec, 3, start=10))  # the caller retries: stored once
+    assert stored_ids(plane) == [10, 11, 12]
+    with pytest.raises(DataLossError) as lost:
+        plane.close()
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 2)  # the other thread's

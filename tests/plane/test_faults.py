@@ -27,12 +27,7 @@ from conduit import (
 )
 from conduit.storage import FifoSampler, UniformSampler
 from tests.conftest import make_rows
-
-
-def stored_ids(plane: ExperienceDataPlane) -> list[int]:
-    idx = torch.arange(len(plane.buffer), dtype=torch.int64)
-    return sorted(plane.buffer.store.get(idx)["id"].tolist())
-
+from tests.plane.helpers import stored_ids
 
 # -- shutdown ------------------------------------------------------------------------------------
 

@@ -23,22 +23,7 @@ from conduit.plane.config import PlaneConfig
 from conduit.plane.runtime import OperatorRuntime
 from conduit.storage import UniformSampler
 from tests.conftest import make_rows
-
-
-def stored_ids(plane: ExperienceDataPlane) -> list[int]:
-    idx = torch.arange(len(plane.buffer), dtype=torch.int64)
-    return sorted(plane.buffer.store.get(idx)["id"].tolist())
-
-
-def refusing_ingestion(plane: ExperienceDataPlane) -> None:
-    """Register an ingestion operator that refuses rollouts with a negative id."""
-
-    @plane.register_ingestion()
-    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
-        data = actor_in.read()
-        if (data["id"] < 0).any():
-            raise ValueError("bad rollout")
-        exp_out.write(data)
+from tests.plane.helpers import refusing_ingestion, stored_ids
 
 
 def slow_raise_own(monkeypatch: pytest.MonkeyPatch, during=None) -> None:  # type: ignore[no-untyped-def]
@@ -530,9 +515,8 @@ def test_a_sampler_raising_reaches_pull_as_an_operator_error(small_spec, overlap
                                 schedule=Schedule(0, 1, overlap_del, 1), timeout=5)
     try:
         sampler.fail = True  # the first draw raises (a worker would prefetch ahead of a later one)
-        plane.push(make_rows(small_spec, 16))
-        plane.flush()
-        with pytest.raises(OperatorError) as exc:
+        plane.push(make_rows(small_spec, 16))  # (ingested inline: no flush, which would raise
+        with pytest.raises(OperatorError) as exc:  # the worker's error if it came first)
             plane.pull()
         assert isinstance(exc.value.__cause__, ValueError)
         plane.recover()

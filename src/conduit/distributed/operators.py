@@ -198,6 +198,7 @@ class FrontIngestion:
         self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
         #: Shares of failed inline invocations no caller was told of (see _drain_inline).
         self._untold: list[OperatorError] = []
+        self._draining = 0  # threads in _drain_inline (close() waits for them)
         self._inside = threading.local()  # set on a thread while it runs the operator
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
@@ -417,14 +418,25 @@ class FrontIngestion:
         :meth:`close` (their pushes returned). An interrupt (such as ``KeyboardInterrupt``)
         of an invocation without ``current`` takes ``current`` out of the queue and hands it
         to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
-        of the push would store its rows twice)."""
+        of the push would store its rows twice). :meth:`close` waits for the drains on
+        other threads, so what they keep is counted."""
+        with self._cond:
+            self._draining += 1
+        try:
+            self._drain(force=force, current=current)
+        finally:
+            with self._cond:
+                self._draining -= 1
+                self._cond.notify_all()
+
+    def _drain(self, *, force: bool, current: QueuedUnit | None) -> None:
         while True:
             units: list[QueuedUnit] = []
             try:
                 with self._cond:
-                    self.raise_if_failed()
                     if current is not None and all(u is not current for u in self._pending):
                         return  # taken: stored, or failed where its push was told
+                    self.raise_if_failed()
                     units = self._take(force=force) or []
                 if not units:
                     return
@@ -547,6 +559,11 @@ class FrontIngestion:
             self._cond.notify_all()
         stopped = self._join()
         with self._cond:
+            # Inline drains on other threads first: what they fail or keep is counted below.
+            deadline = time.monotonic() + self._timeout
+            while self._draining and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            stopped = stopped and not self._draining
             cause: BaseException | None = None if self.error_reported else self.error
             lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
             for err in (*self._interrupted, *self._untold):
@@ -558,7 +575,8 @@ class FrontIngestion:
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
                 stuck = OperatorError("runtime", TimeoutError(
-                    f"the ingestion thread did not stop within {self._timeout:g} s"))
+                    f"the ingestion thread, or an inline ingestion on another thread, did not "
+                    f"finish within {self._timeout:g} s"))
                 cause = cause or stuck
                 lost_units += self._inflight + len(self._pending)
                 lost_rows += sum(u.rows for u in self._pending)

@@ -463,6 +463,7 @@ class _Pushes:
         self.advantages = torch.zeros(rows)
         self._serial = 0
         self._lost: int | None = None  # first row of the earliest lost push
+        self._lost_to: BaseException | None = None  # the failure that lost it
         self._spent: list[dict[int, _Unit]] = []  # earlier iterations' arrivals, to free
 
     def restart(self) -> None:
@@ -471,7 +472,7 @@ class _Pushes:
         with self.lock:
             self.ragged.clear()
             self._spent.append(self.units)
-            self.units, self.pushed, self._lost = {}, 0, None
+            self.units, self.pushed, self._lost, self._lost_to = {}, 0, None, None
         self.rewards = torch.full((self._rows,), float("nan"))
         self.advantages = torch.zeros(self._rows)
 
@@ -484,19 +485,19 @@ class _Pushes:
         self.pushed += len(unit.completion_ids)
         return serial
 
-    def lose(self, serials: Sequence[int]) -> None:
-        """The pushes ``serials`` failed: those still live mark their first row lost (a
-        withdrawn one, or one of an earlier iteration, marks nothing)."""
+    def lose(self, serials: Sequence[int], cause: BaseException | None = None) -> None:
+        """The pushes ``serials`` failed (of ``cause``): those still live mark their first row
+        lost (a withdrawn one, or one of an earlier iteration, marks nothing)."""
         with self.lock:
             for serial in serials:
                 unit = self.units.get(serial)
                 if unit is not None and (self._lost is None or unit.first < self._lost):
-                    self._lost = unit.first
+                    self._lost, self._lost_to = unit.first, cause
 
     def settle(self) -> None:
         """Withdraw the pushes from the earliest lost row on."""
         with self.lock:
-            cut, self._lost = self._lost, None
+            cut, self._lost, self._lost_to = self._lost, None, None
             if cut is None:
                 return
             self.units = {s: u for s, u in self.units.items() if u.first < cut}
@@ -519,14 +520,21 @@ class _Pushes:
         """The pushes ``serials``, which an ingestion invocation holds.
 
         Raises:
-            StateError: One was withdrawn after an earlier push of its iteration failed.
+            StateError: One was withdrawn after an earlier push of its iteration failed, or
+                follows one that failed and is not withdrawn yet (chained to that failure).
         """
         units = []
+        lost, cause = self._lost, self._lost_to
         for serial in serials:
             unit = self.units.get(serial)
             if unit is None:
                 raise StateError("unit", "a push withdrawn after an earlier push of its "
                                          "iteration failed; push its groups again")
+            if lost is not None and unit.first >= lost:
+                g = self._group_size
+                raise StateError("unit", f"groups from {unit.first // g} follow groups from "
+                                         f"{lost // g}, which failed ({cause!r}); push the "
+                                         f"groups again from group {lost // g}") from cause
             units.append(unit)
         return units
 
@@ -605,7 +613,8 @@ class GroupExperiencePath:
     (:attr:`pushed_groups`), so pushing the lost groups again, in order, completes the
     iteration; an iteration with no group left can also be begun again with
     :meth:`begin_iteration`. With overlapped ingestion, clear the plane's latched error with
-    :meth:`recover` first.
+    :meth:`recover` first; call it too when a call on another thread (a flush, a save) ran
+    the failed ingestion, or ``close()`` reports the lost groups (``DataLossError``).
 
     Raises:
         ConfigError: An argument is invalid.
@@ -901,8 +910,8 @@ class GroupExperiencePath:
         self._ingesting.active = True
         try:
             self._ingest_units(serials, exp_out)
-        except BaseException:
-            self._pushes.lose(serials)  # the plane drops the invocation's units
+        except BaseException as exc:
+            self._pushes.lose(serials, exc)  # the plane drops the invocation's units
             raise
         finally:
             self._ingesting.active = False

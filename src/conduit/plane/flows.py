@@ -295,6 +295,19 @@ class Flow(abc.ABC):
         self.counters["pushed_units"] += 1
         self.counters["pushed_rows"] += unit.rows
 
+    def withdraw_locked(self, unit: Unit) -> bool:
+        """Take ``unit`` back out of the queue, as if it had never been pushed (its push
+        raises); False when it is no longer queued."""
+        for k, queued in enumerate(self.pending):
+            if queued is unit:
+                del self.pending[k]
+                self.pending_rows -= unit.rows
+                self.counters["pushed_units"] -= 1
+                self.counters["pushed_rows"] -= unit.rows
+                self.signals.wake(callers=True)  # room for a waiting push
+                return True
+        return False
+
     @abc.abstractmethod
     def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
         """The units of the next ingestion invocation, or None if it should not run yet
@@ -578,6 +591,12 @@ class OnPolicyFlow(Flow):
     def enqueue_locked(self, unit: Unit) -> None:
         super().enqueue_locked(unit)
         self.iter_pushed_rows += unit.rows
+
+    def withdraw_locked(self, unit: Unit) -> bool:
+        if not super().withdraw_locked(unit):
+            return False
+        self.iter_pushed_rows -= unit.rows
+        return True
 
     def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
         if not self.pending:

@@ -103,9 +103,10 @@ class OperatorRuntime:
         #: recording). An inline invocation's error is raised to the caller that ran it,
         #: which is told of the loss, and is not recorded here.
         self.closing_errors: list[OperatorError] | None = None
-        #: The share of failed inline invocations that no caller was told of: units pushed
+        #: The shares of failed inline invocations that no caller was told of: units pushed
         #: (and acknowledged) on other threads than the one that ran the invocation and got
-        #: its error; ``close()`` counts them (None once it has).
+        #: its error, and every unit of a failure raised to no caller (a push's invocation
+        #: over units queued before its own); ``close()`` counts them (None once it has).
         self.untold: list[OperatorError] | None = []
         self._inline_order = threading.RLock()  # see drain_inline
         self._inside = threading.local()  # which operator the thread runs (inside_operator)
@@ -218,23 +219,29 @@ class OperatorRuntime:
 
         A failed invocation's error goes to the call that brought its input: it is raised
         here unless this is a push and the invocation did not hold ``current`` (units other
-        pushes queued before it); then the push goes on, its own unit still queued.
+        pushes queued before it); then the push goes on, its own unit still queued. An
+        interrupt (such as ``KeyboardInterrupt``) is raised whatever the invocation held, and
+        a push's unit still queued is withdrawn first (the push raises: a retry stores it
+        once). A push returns with its unit queued when an operator error is latched on a
+        worker meanwhile: the unit is acknowledged, and stored after ``recover()`` (or by
+        ``close()``); the next call raises the error.
 
         Raises:
             OperatorError: An invocation raised here failed (its units are lost; the error is
                 not latched, and the units that other threads pushed are kept in
                 :attr:`untold` for ``close()``, as are all the units of a failure not raised),
-                or an operator failed earlier on a worker (the error stays latched).
+                or (not for a push) an operator failed earlier on a worker (the error stays
+                latched).
         """
         while True:
             # Invocations on different callers' threads (a push, a flush or save on another)
             # run one at a time, in the order they took their units: rows land in push order.
             with self._inline_order:
                 with self.signals.lock:
+                    if current is not None and (self.error is not None or all(
+                            u is not current for u in self.flow.pending)):
+                        return  # taken (ingested, or failed where its caller was running)
                     self.raise_if_failed()
-                    if current is not None and all(u is not current
-                                                   for u in self.flow.pending):
-                        return  # taken: ingested, or failed where its caller was running
                     units = self.take_ingestion_locked(force=force)
                 if units is None:
                     return
@@ -242,7 +249,11 @@ class OperatorRuntime:
                     err = self.run_ingestion(units, latch=False)
                 if err is None:
                     continue
-                told = current is None or any(u is current for u in units)
+                interrupted = not isinstance(err.__cause__, Exception)
+                told = current is None or interrupted or any(u is current for u in units)
+                if told and interrupted and current is not None:
+                    with self.signals.lock:
+                        self.flow.withdraw_locked(current)
                 self._keep_untold(err, units, told=told)
                 if told:
                     raise err
