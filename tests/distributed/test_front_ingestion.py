@@ -252,3 +252,41 @@ def test_close_waits_for_an_inline_invocation_on_another_thread():
     assert len(raised) == 1 and raised[0].lost_units == 2
     assert len(outcome) == 1 and isinstance(outcome[0], DataLossError)
     assert (outcome[0].lost_units, outcome[0].lost_rows) == (1, 4)  # the other thread's
+
+
+def test_a_learners_drain_after_close_began_leaves_the_queue_to_close():
+    """Defect: a learner's hurry after close() began drained concurrently with close's own
+    drain; a failure it met was kept after close() had counted, so the acknowledged unit of
+    another thread was reported nowhere."""
+    ing = FrontIngestion(store=Recorder(), timeout=5.0)
+    ing.set_schedule(Schedule(0, 3, 0, 1))  # two units of two nodes wait: none is due
+    inside, go = threading.Event(), threading.Event()
+
+    def held(data: Mapping[str, Any]) -> None:
+        if int(data["id"][0]) == 0:
+            inside.set()
+            go.wait(10)
+
+    _failing_on_negative_ids(ing, held)
+    actor = threading.Thread(target=lambda: None)  # the thread whose pushes returned
+    for start, node in ((0, "a"), (-4, "b")):
+        acked = unit(start, node)
+        acked.pusher = actor
+        ing.submit(acked, time.monotonic() + 5)
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            ing.close()
+            outcome.append(None)
+        except DataLossError as exc:
+            outcome.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    assert inside.wait(10)  # close's own drain runs node a's unit
+    ing.hurry()  # a learner waiting for rows: the queue is close's now
+    go.set()
+    closer.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], DataLossError)
+    assert (outcome[0].lost_units, outcome[0].lost_rows) == (1, 2)

@@ -399,3 +399,87 @@ def test_an_interrupt_of_an_invocation_over_earlier_units_reaches_the_push(small
     with pytest.raises(DataLossError) as lost:
         plane.close()
     assert (lost.value.lost_units, lost.value.lost_rows) == (1, 2)  # the other thread's
+
+
+def test_a_push_whose_unit_waits_when_a_worker_fails_raises_and_stores_nothing(small_spec):
+    """A push waiting for its turn behind another thread's invocation while the delivery
+    worker latches an error raises it, and its unit is withdrawn: stored later (after
+    recover()), it would have held whatever the caller wrote into its arrays since."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 1, 1), timeout=5)
+    engine, tick = plane._engine, threading.Event()
+
+    @plane.register_delivery()
+    def deliver(exp_in, learn_out) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("delivery failed")
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if int(data["id"][0]) == 0:  # the other thread's unit: this push's waits behind it
+            for _ in range(500):
+                if engine.flow.pending:
+                    break
+                tick.wait(0.01)
+            exp_out.write(data)  # the delivery worker wakes and fails
+            for _ in range(500):
+                if engine.runtime.error is not None:
+                    break
+                tick.wait(0.01)
+            return
+        exp_out.write(data)
+
+    other = threading.Thread(target=plane.push, args=(make_rows(small_spec, 2, start=0),))
+    other.start()
+    for _ in range(500):  # the other push's invocation runs
+        if engine.flow.inflight_units:
+            break
+        tick.wait(0.01)
+    with pytest.raises(OperatorError) as raised:
+        plane.push(make_rows(small_spec, 3, start=10))
+    other.join(10)
+    assert raised.value.operator == "delivery"
+    assert plane.stats()["pending_units"] == 0  # withdrawn
+    plane.recover()
+    plane.flush()
+    assert stored_ids(plane) == [0, 1]
+    plane.close()
+
+
+class _InterruptedOnce:
+    """A lock whose first ``with`` raises KeyboardInterrupt (an interrupt while waiting)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock, self.fired = lock, False
+
+    def __enter__(self) -> bool:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+    def acquire(self, *args: object, **kw: object) -> bool:
+        return self._lock.acquire(*args, **kw)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_a_push_interrupted_while_waiting_its_turn_withdraws_its_unit(small_spec):
+    """Defect: a KeyboardInterrupt while a push waited to run its invocation left its unit
+    queued: the push raised, the unit was stored by the next call, and a retry stored it
+    twice."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    rt = plane._engine.runtime
+    rt._inline_order = _InterruptedOnce(rt._inline_order)
+    with pytest.raises(KeyboardInterrupt):
+        plane.push(make_rows(small_spec, 3, start=10))
+    assert plane.stats()["pending_units"] == 0
+    plane.push(make_rows(small_spec, 3, start=10))  # the caller retries: stored once
+    plane.flush()
+    assert stored_ids(plane) == [10, 11, 12]
+    plane.close()

@@ -284,7 +284,7 @@ class FrontIngestion:
             self._on_lost([unit], 0)
             raise
         if not self.overlapped:
-            self._drain_inline(force=False, current=unit)
+            self._drain_inline(force=False, current=unit, counted=True)
 
     def _queue(self, unit: QueuedUnit, deadline: float) -> None:
         with self._cond:
@@ -303,6 +303,8 @@ class FrontIngestion:
                         f"wait); the ingestion operator is slower than the actors")
                 self._cond.wait(left)
             self._pending.append(unit)
+            if not self.overlapped:
+                self._draining += 1  # its push's drain, counted before close() can begin
             self._cond.notify_all()
 
     def _take(self, *, force: bool) -> list[QueuedUnit] | None:
@@ -407,7 +409,8 @@ class FrontIngestion:
             raise interrupt
         return err
 
-    def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None) -> None:
+    def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None,
+                      counted: bool = False) -> None:
         """Run the due invocations on this thread: every one (a flush), or, for a push
         (``current``: its unit), those until its unit is taken, by this thread or another.
 
@@ -419,9 +422,13 @@ class FrontIngestion:
         of an invocation without ``current`` takes ``current`` out of the queue and hands it
         to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
         of the push would store its rows twice). :meth:`close` waits for the drains on
-        other threads, so what they keep is counted."""
+        other threads, so what they keep is counted; one that would begin after it (a flush
+        or a learner's hurry, ``counted`` False) leaves the queue to it."""
         with self._cond:
-            self._draining += 1
+            if not counted:
+                if self._closed:
+                    return
+                self._draining += 1
         try:
             self._drain(force=force, current=current)
         finally:
@@ -591,6 +598,13 @@ class FrontIngestion:
                 cause = cause or err
                 lost_units += err.lost_units
                 lost_rows += err.lost_rows
+        with self._cond:  # kept by a drain that outlived the wait above
+            for err in (*self._interrupted, *self._untold):
+                cause = cause or err
+                lost_units += err.lost_units
+                lost_rows += err.lost_rows
+            self._interrupted.clear()
+            self._untold.clear()
         if lost_units:
             raise DataLossError(
                 f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "

@@ -411,6 +411,9 @@ class ExperienceDataPlane:
                 stored, except the error's ``stored_rows``). An inline invocation this push
                 runs over units other pushes queued before its own is not this push's to
                 report: when it fails, the push goes on and ``close()`` counts those units.
+                A push that raises (this error, or an interrupt such as
+                ``KeyboardInterrupt``) never has its unit stored later: pushing it again
+                stores it once.
             PlaneClosedError: The plane is closed.
         """
         t0 = time.perf_counter()

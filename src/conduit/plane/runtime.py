@@ -219,27 +219,33 @@ class OperatorRuntime:
 
         A failed invocation's error goes to the call that brought its input: it is raised
         here unless this is a push and the invocation did not hold ``current`` (units other
-        pushes queued before it); then the push goes on, its own unit still queued. An
-        interrupt (such as ``KeyboardInterrupt``) is raised whatever the invocation held, and
-        a push's unit still queued is withdrawn first (the push raises: a retry stores it
-        once). A push returns with its unit queued when an operator error is latched on a
-        worker meanwhile: the unit is acknowledged, and stored after ``recover()`` (or by
-        ``close()``); the next call raises the error.
+        pushes queued before it); then the push goes on, its own unit still queued. Whenever
+        a push raises with its unit still queued (an interrupt such as ``KeyboardInterrupt``,
+        in an invocation over earlier units or while it waits its turn; an operator error a
+        worker latched meanwhile), the unit is withdrawn first: a push that raises stores
+        nothing later, so a retry stores it once.
 
         Raises:
             OperatorError: An invocation raised here failed (its units are lost; the error is
                 not latched, and the units that other threads pushed are kept in
                 :attr:`untold` for ``close()``, as are all the units of a failure not raised),
-                or (not for a push) an operator failed earlier on a worker (the error stays
-                latched).
+                or an operator failed earlier on a worker (the error stays latched).
         """
+        try:
+            self._drain_inline(force=force, current=current)
+        except BaseException:
+            if current is not None:
+                with self.signals.lock:
+                    self.flow.withdraw_locked(current)  # (False: taken, and told if it failed)
+            raise
+
+    def _drain_inline(self, *, force: bool, current: Unit | None) -> None:
         while True:
             # Invocations on different callers' threads (a push, a flush or save on another)
             # run one at a time, in the order they took their units: rows land in push order.
             with self._inline_order:
                 with self.signals.lock:
-                    if current is not None and (self.error is not None or all(
-                            u is not current for u in self.flow.pending)):
+                    if current is not None and all(u is not current for u in self.flow.pending):
                         return  # taken (ingested, or failed where its caller was running)
                     self.raise_if_failed()
                     units = self.take_ingestion_locked(force=force)
@@ -251,9 +257,6 @@ class OperatorRuntime:
                     continue
                 interrupted = not isinstance(err.__cause__, Exception)
                 told = current is None or interrupted or any(u is current for u in units)
-                if told and interrupted and current is not None:
-                    with self.signals.lock:
-                        self.flow.withdraw_locked(current)
                 self._keep_untold(err, units, told=told)
                 if told:
                     raise err
