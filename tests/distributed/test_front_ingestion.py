@@ -150,6 +150,23 @@ def _failing_on_negative_ids(ing: FrontIngestion, hook: Any = None) -> None:
     ing.fn, ing.registered = operator, True
 
 
+def _closing(ing: FrontIngestion) -> tuple[threading.Thread, list[BaseException | None]]:
+    """``ing.close()`` started on a thread of its own; the list gets its DataLossError, or
+    None once it returned."""
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            ing.close()
+            outcome.append(None)
+        except DataLossError as exc:
+            outcome.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    return closer, outcome
+
+
 def _fail_over_another_threads_unit(ing: FrontIngestion) -> None:
     """With g_ing = 2: another thread's push queues 4 rows and returns; this thread's push of
     2 bad rows runs the invocation over both units, which fails (OperatorError raised)."""
@@ -234,17 +251,7 @@ def test_close_waits_for_an_inline_invocation_on_another_thread():
     pusher = threading.Thread(target=push_bad)
     pusher.start()
     assert inside.wait(10)  # the invocation over both units runs, held
-    outcome: list[BaseException | None] = []
-
-    def close() -> None:
-        try:
-            ing.close()
-            outcome.append(None)
-        except DataLossError as exc:
-            outcome.append(exc)
-
-    closer = threading.Thread(target=close)
-    closer.start()
+    closer, outcome = _closing(ing)
     closer.join(0.5)  # it waits for the invocation (before, it returned here)
     go.set()
     closer.join(10)
@@ -273,17 +280,7 @@ def test_a_learners_drain_after_close_began_leaves_the_queue_to_close():
         acked = unit(start, node)
         acked.pusher = actor
         ing.submit(acked, time.monotonic() + 5)
-    outcome: list[BaseException | None] = []
-
-    def close() -> None:
-        try:
-            ing.close()
-            outcome.append(None)
-        except DataLossError as exc:
-            outcome.append(exc)
-
-    closer = threading.Thread(target=close)
-    closer.start()
+    closer, outcome = _closing(ing)
     assert inside.wait(10)  # close's own drain runs node a's unit
     ing.hurry()  # a learner waiting for rows: the queue is close's now
     go.set()

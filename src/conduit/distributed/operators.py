@@ -571,22 +571,15 @@ class FrontIngestion:
             while self._draining and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             stopped = stopped and not self._draining
-            cause: BaseException | None = None if self.error_reported else self.error
-            lost_units, lost_rows = (cause.lost_units, cause.lost_rows) if cause else (0, 0)
-            for err in (*self._interrupted, *self._untold):
-                cause = cause or err
-                lost_units += err.lost_units
-                lost_rows += err.lost_rows
-            self._interrupted.clear()
-            self._untold.clear()
+            latched = None if self.error_reported else self.error
+            errors = [latched, *self._kept_locked()] if latched else self._kept_locked()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
-                stuck = OperatorError("runtime", TimeoutError(
+                errors.append(OperatorError("runtime", TimeoutError(
                     f"the ingestion thread, or an inline ingestion on another thread, did not "
-                    f"finish within {self._timeout:g} s"))
-                cause = cause or stuck
-                lost_units += self._inflight + len(self._pending)
-                lost_rows += sum(u.rows for u in self._pending)
+                    f"finish within {self._timeout:g} s"),
+                    lost_units=self._inflight + len(self._pending),
+                    lost_rows=sum(u.rows for u in self._pending)))
                 self._pending.clear()
         while True:
             with self._cond:
@@ -595,21 +588,25 @@ class FrontIngestion:
                 break
             err = self._run(units)
             if err is not None:
-                cause = cause or err
-                lost_units += err.lost_units
-                lost_rows += err.lost_rows
+                errors.append(err)
         with self._cond:  # kept by a drain that outlived the wait above
-            for err in (*self._interrupted, *self._untold):
-                cause = cause or err
-                lost_units += err.lost_units
-                lost_rows += err.lost_rows
-            self._interrupted.clear()
-            self._untold.clear()
+            errors += self._kept_locked()
+        lost_units = sum(e.lost_units for e in errors)
+        lost_rows = sum(e.lost_rows for e in errors)
         if lost_units:
+            cause = errors[0]
             raise DataLossError(
                 f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "
                 f"were not stored: {cause}", lost_units=lost_units,
                 lost_rows=lost_rows) from cause
+
+    def _kept_locked(self) -> list[OperatorError]:
+        """The losses kept for :meth:`close` (interrupted invocations, failures no caller was
+        told of), forgotten here."""
+        kept = [*self._interrupted, *self._untold]
+        self._interrupted.clear()
+        self._untold.clear()
+        return kept
 
 
 def check_ports(kind: str, got: tuple[str, str], want: tuple[str, str]) -> None:
