@@ -420,22 +420,19 @@ class PlaneEngine:
             self.stop()
         except OperatorError as stuck:
             with lock:
-                loss.add_all(rt.closing_errors)  # failed before the stuck worker was found
-                loss.add_all(rt.untold)
+                # failed before the stuck worker was found; what is in flight is counted lost here
+                loss.add_all(rt.take_unreported_locked())
                 loss.cause = loss.cause or stuck
-                rt.closing_errors = rt.untold = None  # what is in flight is counted lost here
                 loss.add_queue(flow, inflight=True)
         deadline = time.perf_counter() + self.timeout
         ordered = rt.inline_ordered(self.timeout)
         try:
             with lock:
                 if not ordered and rt.closing_errors is not None:
-                    loss.add_all(rt.closing_errors)
-                    loss.add_all(rt.untold)
+                    loss.add_all(rt.take_unreported_locked())
                     loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                         f"an inline ingestion on another thread did not finish within "
                         f"{self.timeout}s"))
-                    rt.closing_errors = rt.untold = None
                     loss.add_queue(flow, inflight=True)
             while True:
                 with lock:
@@ -460,9 +457,7 @@ class PlaneEngine:
                 rt.end_inline_ordered()
         with lock:
             rt.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
-            loss.add_all(rt.closing_errors)
-            loss.add_all(rt.untold)  # inline losses told only to another thread's caller
-            rt.closing_errors = rt.untold = None
+            loss.add_all(rt.take_unreported_locked())
         cause = loss.cause
         if loss.units:
             raise DataLossError(

@@ -112,6 +112,13 @@ class OperatorRuntime:
         self._inside = threading.local()  # which operator the thread runs (inside_operator)
         flow.deliver_ready = self.deliver_ready
 
+    def take_unreported_locked(self) -> list[OperatorError]:
+        """The losses kept for ``close()`` (:attr:`closing_errors`, :attr:`untold`); both stop
+        recording (None) from here on."""
+        kept = [*(self.closing_errors or ()), *(self.untold or ())]
+        self.closing_errors = self.untold = None
+        return kept
+
     def inside_operator(self) -> str | None:
         """The operator (``"ingestion"`` or ``"delivery"``) the calling thread is running
         an invocation of, innermost first; None outside every invocation."""
