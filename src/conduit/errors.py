@@ -173,3 +173,15 @@ class StateError(ConduitError, ValueError):
 class BackpressureTimeout(ConduitError, TimeoutError):  # noqa: N818 - reads as Reverb names it
     """A push waited longer than its timeout for room in the bounded actor queue, or a flush
     for ingestion to finish."""
+
+
+def raised_again(err: BaseException) -> BaseException:
+    """A copy of the kept error ``err`` to raise to a caller: same type, arguments,
+    attributes, causes and traceback. Raising ``err`` itself again and again would add every
+    caller's frames, and whatever they refer to, to the kept object for good."""
+    new = type(err).__new__(type(err), *err.args)
+    new.__dict__.update(getattr(err, "__dict__", {}))
+    new.args = err.args
+    new.__cause__, new.__context__ = err.__cause__, err.__context__
+    new.__suppress_context__ = err.__suppress_context__
+    return new.with_traceback(err.__traceback__)

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -287,3 +289,119 @@ def test_a_learners_drain_after_close_began_leaves_the_queue_to_close():
     closer.join(10)
     assert len(outcome) == 1 and isinstance(outcome[0], DataLossError)
     assert (outcome[0].lost_units, outcome[0].lost_rows) == (1, 2)
+
+
+def test_an_interrupted_push_keeps_its_unit_from_other_threads_drains():
+    """Defect: inline drains on different threads were not serialised. While a push's
+    invocation over an earlier unit ran, a flush on another thread stored the push's own
+    unit; the invocation was then interrupted and the push raised ``KeyboardInterrupt``, so
+    its caller would retry rows that were stored (stored twice)."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    stored_mine = threading.Event()
+    calls: list[list[int]] = []
+
+    def operator(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        data = actor_in.read()
+        calls.append(data["id"].tolist())
+        if int(data["id"][0]) == 0:  # the earlier unit, on the push's thread
+            flusher.start()
+            stored_mine.wait(1.0)  # long enough for the flush to take the push's unit
+            raise KeyboardInterrupt
+        exp_out.write(data)
+        if int(data["id"][0]) == 10:
+            stored_mine.set()
+
+    ing.fn, ing.registered = operator, True
+    flusher = threading.Thread(target=ing.flush, args=(time.monotonic() + 10,))
+    earlier = unit(0, "n1")
+    earlier.pusher = threading.Thread(target=lambda: None)  # its push returned
+    ing._queue(earlier, time.monotonic() + 5)
+    ing._draining -= 1  # queued as a returned push's unit: no drain of its own
+    mine = QueuedUnit({"id": torch.tensor([10, 11])}, 2, "n1", None,
+                      threading.current_thread())
+    with pytest.raises(KeyboardInterrupt):
+        ing.submit(mine, time.monotonic() + 5)
+    flusher.join(10)
+    assert not flusher.is_alive()
+    # The push raised, so it stored nothing: a retry stores its rows once.
+    assert [ids for _, ids in store.writes].count([10, 11]) == 0
+    with pytest.raises(DataLossError) as lost:  # the earlier, acknowledged unit was cut short
+        ing.close()
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 2)
+    assert calls[0] == [0, 1]
+
+
+def test_a_push_interrupted_while_waiting_its_turn_withdraws_its_unit():
+    """A push whose drain waits for another thread's invocation (over earlier units) and is
+    interrupted there (SIGINT in the main thread) takes its unit out of the queue, so that
+    the other drain does not store rows of a push that raised."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    inside, go = threading.Event(), threading.Event()
+
+    def operator(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        data = actor_in.read()
+        if int(data["id"][0]) == 0:
+            inside.set()
+            go.wait(10)
+        exp_out.write(data)
+
+    ing.fn, ing.registered = operator, True
+    earlier = unit(0, "n1")
+    ing._queue(earlier, time.monotonic() + 5)
+    ing._draining -= 1  # queued as a returned push's unit: no drain of its own
+    flusher = threading.Thread(target=ing.flush, args=(time.monotonic() + 10,))
+    flusher.start()
+    assert inside.wait(10)  # the flush runs the earlier unit, holding the order
+    mine = QueuedUnit({"id": torch.tensor([10, 11])}, 2, "n1", None,
+                      threading.current_thread())
+    armed = threading.Event()
+    armed.set()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if armed.is_set():  # a late signal after the test is ignored
+            raise KeyboardInterrupt
+
+    def send_when_waiting() -> None:
+        deadline = time.monotonic() + 10
+        while mine not in ing._pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # the push now waits for the flush's invocation
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        threading.Thread(target=send_when_waiting, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            ing.submit(mine, time.monotonic() + 5)
+    finally:
+        armed.clear()
+        signal.signal(signal.SIGINT, previous)
+    go.set()
+    flusher.join(10)
+    assert [ids for _, ids in store.writes] == [[0, 1]]  # not the interrupted push's rows
+    ing.close()
+
+
+def test_the_latched_error_raised_again_and_again_keeps_its_size():
+    """Defect: each call raising the latched error raised the kept object itself, adding the
+    caller's frames to its traceback for good (a loop catching it grew it without bound)."""
+    ing = FrontIngestion(store=Recorder(), timeout=5.0)
+    _failing_on_negative_ids(ing)
+    ing.set_schedule(Schedule(1, 1, 0, 1))
+    ing.submit(unit(-4, "n1"), time.monotonic() + 5)
+    with pytest.raises(OperatorError):
+        ing.flush(time.monotonic() + 5)
+    kept = ing.error
+    assert kept is not None
+    frames = len(traceback.extract_tb(kept.__traceback__))
+    for _ in range(20):
+        with pytest.raises(OperatorError) as raised:
+            ing.submit(unit(0, "n1"), time.monotonic() + 5)
+        assert raised.value.__cause__ is kept.__cause__
+    assert len(traceback.extract_tb(kept.__traceback__)) == frames
+    assert ing.recover() is kept
+    ing.close()  # the failure was raised (to the flush): no loss left to report

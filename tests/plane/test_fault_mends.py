@@ -483,3 +483,36 @@ def test_a_push_interrupted_while_waiting_its_turn_withdraws_its_unit(small_spec
     plane.flush()
     assert stored_ids(plane) == [10, 11, 12]
     plane.close()
+
+
+# -- a latched error raised again and again ------------------------------------------------------
+
+
+def _frames(exc: BaseException) -> int:
+    tb, n = exc.__traceback__, 0
+    while tb is not None:
+        tb, n = tb.tb_next, n + 1
+    return n
+
+
+def test_raising_a_latched_error_again_and_again_keeps_it_the_same_size(small_spec):
+    """Defect: every call that raised the latched operator error raised the kept object
+    itself, which added the caller's frames (and everything they refer to) to its traceback
+    for good: a loop that catches the error and pushes on grew it without bound."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 0, 1), timeout=5)
+    refusing_ingestion(plane)
+    plane.push(make_rows(small_spec, 2, start=-5))  # fails on the ingestion thread
+    with pytest.raises(OperatorError):
+        plane.flush()
+    kept = plane.failed
+    assert kept is not None
+    size = _frames(kept)
+    for _ in range(50):
+        with pytest.raises(OperatorError) as raised:
+            plane.push(make_rows(small_spec, 2))
+        assert raised.value.lost_units == kept.lost_units  # the same failure
+        assert raised.value.__cause__ is kept.__cause__
+    assert _frames(kept) == size
+    assert plane.recover() is kept
+    plane.close()

@@ -40,6 +40,7 @@ from conduit.errors import (
     DataLossError,
     OperatorError,
     PlaneClosedError,
+    raised_again,
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.flows import check_written_rows
@@ -199,6 +200,7 @@ class FrontIngestion:
         #: Shares of failed inline invocations no caller was told of (see _drain_inline).
         self._untold: list[OperatorError] = []
         self._draining = 0  # threads in _drain_inline (close() waits for them)
+        self._inline_order = threading.RLock()  # see _drain
         self._inside = threading.local()  # set on a thread while it runs the operator
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
@@ -254,7 +256,7 @@ class FrontIngestion:
         with self._cond:
             if self.error is not None:
                 self.error_reported = True
-                raise self.error
+                raise raised_again(self.error)
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it), and forget the failed inline
@@ -421,9 +423,13 @@ class FrontIngestion:
         :meth:`close` (their pushes returned). An interrupt (such as ``KeyboardInterrupt``)
         of an invocation without ``current`` takes ``current`` out of the queue and hands it
         to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
-        of the push would store its rows twice). :meth:`close` waits for the drains on
-        other threads, so what they keep is counted; one that would begin after it (a flush
-        or a learner's hurry, ``counted`` False) leaves the queue to it."""
+        of the push would store its rows twice). Drains on different threads run their
+        invocations one at a time, in the order they took their units (rows land in push
+        order; no other thread takes a push's unit while it runs earlier ones); a push
+        interrupted while it waits its turn withdraws its unit too, if no earlier drain has
+        taken it. :meth:`close` waits for the drains on other threads, so what they keep is
+        counted; one that would begin after it (a flush or a learner's hurry, ``counted``
+        False) leaves the queue to it."""
         with self._cond:
             if not counted:
                 if self._closed:
@@ -431,6 +437,10 @@ class FrontIngestion:
                 self._draining += 1
         try:
             self._drain(force=force, current=current)
+        except BaseException:
+            if current is not None:  # e.g. interrupted while waiting its turn
+                self._withdraw(current)
+            raise
         finally:
             with self._cond:
                 self._draining -= 1
@@ -439,19 +449,25 @@ class FrontIngestion:
     def _drain(self, *, force: bool, current: QueuedUnit | None) -> None:
         while True:
             units: list[QueuedUnit] = []
-            try:
-                with self._cond:
-                    if current is not None and all(u is not current for u in self._pending):
-                        return  # taken: stored, or failed where its push was told
-                    self.raise_if_failed()
-                    units = self._take(force=force) or []
-                if not units:
-                    return
-                err = self._run(units, current)
-            except BaseException:
-                if current is not None and all(u is not current for u in units):
-                    self._withdraw(current)
-                raise
+            # Invocations on different callers' threads run one at a time, in the order they
+            # took their units: rows land in push order, and while a push's invocation over
+            # earlier units runs, no other thread takes its unit, so a push that raises
+            # withdraws it (under the same lock) before anyone could store it.
+            with self._inline_order:
+                try:
+                    with self._cond:
+                        if current is not None and all(u is not current
+                                                       for u in self._pending):
+                            return  # taken: stored, or failed where its push was told
+                        self.raise_if_failed()
+                        units = self._take(force=force) or []
+                    if not units:
+                        return
+                    err = self._run(units, current)
+                except BaseException:
+                    if current is not None and all(u is not current for u in units):
+                        self._withdraw(current)
+                    raise
             if err is None:
                 continue
             told = current is None or any(u is current for u in units)

@@ -47,6 +47,7 @@ from conduit.errors import (
     ScheduleError,
     SpecError,
     StateError,
+    raised_again,
 )
 from conduit.scheduling.space import Schedule
 from conduit.spec import ExperienceSpec
@@ -554,18 +555,6 @@ def _drop_locals(exc: BaseException) -> None:
     traceback.clear_frames(exc.__traceback__)
 
 
-def _again(err: BaseException) -> BaseException:
-    """A copy of the kept error ``err`` (same type, arguments, attributes, causes and
-    traceback) to raise to a caller: raising ``err`` itself would add the caller's frames,
-    and whatever they refer to (the plane included), to the kept object for good."""
-    new = type(err).__new__(type(err), *err.args)
-    new.__dict__.update(getattr(err, "__dict__", {}))
-    new.args = err.args
-    new.__cause__, new.__context__ = err.__cause__, err.__context__
-    new.__suppress_context__ = err.__suppress_context__
-    return new.with_traceback(err.__traceback__)
-
-
 class Snapshotter:
     """Periodic snapshots of a plane that hardly stall the learner.
 
@@ -696,7 +685,7 @@ class Snapshotter:
                     raise PlaneClosedError(f"the plane closed before the snapshot to "
                                            f"{self.path} was taken")
                 if self._ok < target <= self._count and self.last_error is not None:
-                    raise _again(self.last_error)
+                    raise raised_again(self.last_error)
 
     @property
     def stats(self) -> SnapshotStats:

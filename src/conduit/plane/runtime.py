@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from conduit.errors import OperatorError
+from conduit.errors import OperatorError, raised_again
 from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.spec import Batch
@@ -172,7 +172,7 @@ class OperatorRuntime:
         """Raise the latched operator error, if any."""
         if self.error is not None:
             self.error_reported = True
-            raise self.error
+            raise raised_again(self.error)
 
     def raise_own(self, err: OperatorError | None) -> None:
         """Raise ``err``, the (unlatched) error of an invocation the calling thread ran: the
