@@ -405,3 +405,36 @@ def test_the_latched_error_raised_again_and_again_keeps_its_size():
     assert len(traceback.extract_tb(kept.__traceback__)) == frames
     assert ing.recover() is kept
     ing.close()  # the failure was raised (to the flush): no loss left to report
+
+
+def test_close_timing_out_counts_the_acknowledged_units_of_a_stuck_invocation():
+    """Defect: close() timing out on another thread's inline invocation counted every unit
+    the invocation held, the running push's own (not acknowledged: the push reports it)
+    included, and none of their rows."""
+    ing = FrontIngestion(store=Recorder(), timeout=0.5)
+    ing.set_schedule(Schedule(0, 2, 0, 1))
+    inside, go = threading.Event(), threading.Event()
+
+    def held(data: Mapping[str, Any]) -> None:
+        inside.set()
+        go.wait(10)
+
+    _failing_on_negative_ids(ing, held)
+    outcome: list[BaseException | None] = []
+
+    def push_both() -> None:  # another thread's 4 rows are queued; this push's 2 join them
+        try:
+            _fail_over_another_threads_unit(ing)
+            outcome.append(None)
+        except OperatorError as exc:
+            outcome.append(exc)
+
+    pusher = threading.Thread(target=push_both)
+    pusher.start()
+    assert inside.wait(10)
+    with pytest.raises(DataLossError) as lost:
+        ing.close()  # the invocation is stuck past the timeout
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)  # the other thread's
+    go.set()
+    pusher.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], OperatorError)  # told to the push

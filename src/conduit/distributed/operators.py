@@ -156,6 +156,70 @@ def mark_unsettled(exc: BaseException, rows: int) -> None:
             unsettled_rows_of(exc) + rows)
 
 
+def invoke(fn: IngestionFn, units: list[QueuedUnit], *, store: StoreFn,
+           hold: tuple[PrepareFn, CommitFn] | None, deadline: float,
+           current: QueuedUnit | None, inside: threading.local
+           ) -> tuple[OperatorError | None, BaseException | None, int]:
+    """Run the ingestion operator ``fn`` once over ``units`` on the calling thread, its writes
+    stored at once (``store``) or, with ``hold``, readied as they are written and stored only
+    once ``fn`` returned having written exactly its units' rows.
+
+    Args:
+        fn: The operator.
+        units: Its input (the first unit's node receives the rows).
+        store: Stores one write.
+        hold: ``(prepare, commit)`` to hold the writes until ``fn`` returned.
+        deadline: For the writes (``time.monotonic()``).
+        current: The unit of the push running this invocation inline, if any: not
+            acknowledged, so not counted as lost when an interrupt ends the invocation.
+        inside: Its ``active`` is True on this thread while ``fn`` runs.
+
+    Returns:
+        ``(error, interrupt, kept)``: the invocation's error, if it failed (its units, or on
+        an interrupt the acknowledged ones, counted as lost); the interrupt (a
+        ``BaseException`` that is not an ``Exception``, such as ``KeyboardInterrupt``), if
+        one ended it, for the caller to re-raise; the rows of its units that were stored all
+        the same or whose write is not settled yet.
+    """
+    first = units[0]
+    held: list[tuple[Any, int]] = []
+    stored = 0  # rows of this invocation's acknowledged writes (they stay on failure)
+
+    def write(batch: Mapping[str, Any]) -> int:
+        nonlocal stored
+        if hold is None:
+            rows = store(batch, first, deadline)
+            stored += rows
+            return rows
+        held.append(hold[0](batch))
+        return held[-1][1]
+
+    try:
+        outer, inside.active = getattr(inside, "active", False), True
+        try:
+            with data_path_threads(1):
+                fn(ActorIn([u.data for u in units], [u.version for u in units]),
+                   BufferOut(write))
+        finally:
+            inside.active = outer
+        if hold is not None:
+            check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
+            for payload, rows in held:
+                hold[1](payload, rows, first, deadline)
+                stored += rows
+    except BaseException as exc:
+        interrupt = None if isinstance(exc, Exception) else exc
+        stored += stored_rows_of(exc)
+        unsettled = unsettled_rows_of(exc)  # a write that raised and may still land
+        lost = [u for u in units if interrupt is None or u is not current]
+        err = OperatorError("ingestion", exc, lost_units=len(lost),
+                            lost_rows=sum(u.rows for u in lost), stored_rows=stored,
+                            unsettled_rows=unsettled)
+        err.__cause__ = exc
+        return err, interrupt, stored + unsettled
+    return None, None, stored
+
+
 class FrontIngestion:
     """The operators of the sharded front: the ingestion operator with its queue, its thread
     and its error latch, and the delivery operator the learner ports run.
@@ -188,6 +252,8 @@ class FrontIngestion:
         self._cond = threading.Condition(threading.RLock())
         self._pending: deque[QueuedUnit] = deque()
         self._inflight = 0  # units taken by a running invocation
+        #: The running invocations' units, each with the unit of the push running it inline.
+        self._running: dict[int, tuple[list[QueuedUnit], QueuedUnit | None]] = {}
         self._hurry = 0  # flushes waiting: ingest fewer than g_ing units
         self._hurried = False  # a learner waits for rows: ingest what is queued
         self._thread: threading.Thread | None = None
@@ -348,54 +414,18 @@ class FrontIngestion:
         ``current`` is the unit of the push running this invocation inline (not acknowledged,
         so not counted as lost).
         """
-        deadline = time.monotonic() + self._timeout
-        first = units[0]
         prepare, commit = self._prepare, self._commit
-        hold = self.iteration is not None and prepare is not None and commit is not None
-        held: list[tuple[Any, int]] = []
-        stored = 0  # rows of this invocation's acknowledged writes (they stay on failure)
-        unsettled = 0  # rows of a write that raised and may still land (settled later)
-
-        def write(batch: Mapping[str, Any]) -> int:
-            nonlocal stored
-            if not hold:
-                rows = self._store(batch, first, deadline)
-                stored += rows
-                return rows
-            held.append(prepare(batch))
-            return held[-1][1]
-
-        err = None
-        interrupt: BaseException | None = None
+        hold = (prepare, commit) if (self.iteration is not None and prepare is not None
+                                     and commit is not None) else None
+        with self._cond:
+            self._running[id(units)] = (units, current)
         try:
-            outer, self._inside.active = getattr(self._inside, "active", False), True
-            try:
-                with data_path_threads(1):
-                    self.fn(ActorIn([u.data for u in units], [u.version for u in units]),
-                            BufferOut(write))
-            finally:
-                self._inside.active = outer
-            if hold:
-                check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
-                for payload, rows in held:
-                    commit(payload, rows, first, deadline)
-                    stored += rows
-        except Exception as exc:
-            stored += stored_rows_of(exc)
-            unsettled += unsettled_rows_of(exc)
-            err = OperatorError("ingestion", exc, lost_units=len(units),
-                                lost_rows=sum(u.rows for u in units), stored_rows=stored,
-                                unsettled_rows=unsettled)
-            err.__cause__ = exc
-        except BaseException as exc:
-            interrupt = exc
-            stored += stored_rows_of(exc)
-            unsettled += unsettled_rows_of(exc)
-            acked = [u for u in units if u is not current]
-            err = OperatorError("ingestion", exc, lost_units=len(acked),
-                                lost_rows=sum(u.rows for u in acked), stored_rows=stored,
-                                unsettled_rows=unsettled)
-            err.__cause__ = exc
+            err, interrupt, kept = invoke(self.fn, units, store=self._store, hold=hold,
+                                          deadline=time.monotonic() + self._timeout,
+                                          current=current, inside=self._inside)
+        finally:
+            with self._cond:
+                del self._running[id(units)]
         with self._cond:
             self._inflight -= len(units)
             self.counters["invocations"] += 1
@@ -406,7 +436,7 @@ class FrontIngestion:
                 self._interrupted.append(err)
             self._cond.notify_all()
         if err is not None:
-            self._on_lost(units, stored + unsettled)
+            self._on_lost(units, kept)
         if interrupt is not None:
             raise interrupt
         return err
@@ -591,11 +621,14 @@ class FrontIngestion:
             errors = [latched, *self._kept_locked()] if latched else self._kept_locked()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
+                # Acknowledged units still queued or in a running invocation (a push's own
+                # unit is not acknowledged: the push reports it).
+                acked = [u for units, current in self._running.values() for u in units
+                         if u is not current] + list(self._pending)
                 errors.append(OperatorError("runtime", TimeoutError(
                     f"the ingestion thread, or an inline ingestion on another thread, did not "
                     f"finish within {self._timeout:g} s"),
-                    lost_units=self._inflight + len(self._pending),
-                    lost_rows=sum(u.rows for u in self._pending)))
+                    lost_units=len(acked), lost_rows=sum(u.rows for u in acked)))
                 self._pending.clear()
         while True:
             with self._cond:
@@ -727,7 +760,8 @@ class ScheduledOperators:
 
     @property
     def failed(self) -> OperatorError | None:
-        """The operator error that calls now raise (until :meth:`recover`), if any."""
+        """The operator error that calls now raise (until :meth:`recover`), if any: each
+        raises a copy of it (same type, attributes, cause and traceback)."""
         return self._ingestion.error
 
     def recover(self) -> OperatorError | None:

@@ -578,7 +578,8 @@ class ExperienceDataPlane:
 
     @property
     def failed(self) -> OperatorError | None:
-        """The operator error that calls now raise (until :meth:`recover`), if any."""
+        """The operator error that calls now raise (until :meth:`recover`), if any: each
+        raises a copy of it (same type, attributes, cause and traceback)."""
         return self._engine.runtime.error
 
     def state_dict(self, *, rows: bool = True) -> dict[str, Any]:
