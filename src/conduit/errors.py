@@ -181,6 +181,8 @@ def raised_again(err: BaseException) -> BaseException:
     caller's frames, and whatever they refer to, to the kept object for good."""
     new = type(err).__new__(type(err), *err.args)
     new.__dict__.update(getattr(err, "__dict__", {}))
+    if isinstance(getattr(err, "__notes__", None), list):
+        new.__notes__ = list(err.__notes__)  # a note added to the copy stays on the copy
     new.args = err.args
     new.__cause__, new.__context__ = err.__cause__, err.__context__
     new.__suppress_context__ = err.__suppress_context__

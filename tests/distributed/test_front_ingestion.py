@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -438,3 +439,91 @@ def test_close_timing_out_counts_the_acknowledged_units_of_a_stuck_invocation():
     go.set()
     pusher.join(10)
     assert len(outcome) == 1 and isinstance(outcome[0], OperatorError)  # told to the push
+
+
+def _held_push(ing: FrontIngestion, first: int = 0) -> tuple[threading.Thread, threading.Event,
+                                                              threading.Event]:
+    """A push on a thread of its own whose inline invocation (over ids from ``first``) is
+    held until the returned ``go`` is set; waits until it runs."""
+    inside, go = threading.Event(), threading.Event()
+
+    def operator(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        data = actor_in.read()
+        if int(data["id"][0]) == first:
+            inside.set()
+            go.wait(10)
+        exp_out.write(data)
+
+    ing.fn, ing.registered = operator, True
+    pusher = threading.Thread(target=ing.submit, args=(unit(first, "n1"),
+                                                       time.monotonic() + 20))
+    pusher.start()
+    assert inside.wait(10)
+    return pusher, inside, go
+
+
+def test_a_learners_hurry_leaves_the_queue_to_a_running_inline_drain():
+    """Defect: a learner's hurry waited for another thread's inline invocation to end, past
+    the pull's timeout (and for good when that operator waited for a lock the learner held)."""
+    ing = FrontIngestion(store=Recorder(), timeout=20.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    pusher, _, go = _held_push(ing)
+    learner = threading.Thread(target=ing.hurry)
+    learner.start()
+    learner.join(5)
+    returned = not learner.is_alive()
+    go.set()
+    pusher.join(10)
+    learner.join(10)
+    assert returned  # while the push's invocation was still held
+    ing.close()
+
+
+def test_a_push_whose_turn_does_not_come_by_its_deadline_times_out_and_stores_nothing():
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=20.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+    pusher, _, go = _held_push(ing)
+    with pytest.raises(BackpressureTimeout, match="turn"):
+        ing.submit(unit(10, "n1"), time.monotonic() + 0.3)
+    with pytest.raises(BackpressureTimeout, match="turn"):
+        ing.flush(time.monotonic() + 0.3)
+    go.set()
+    pusher.join(10)
+    ing.flush(time.monotonic() + 5)
+    assert [ids for _, ids in store.writes] == [[0, 1]]  # the timed-out push's unit withdrawn
+    ing.close()
+
+
+def test_close_waits_for_inline_drains_while_they_make_progress():
+    """Defect: close() gave the inline drains on other threads one timeout in all; run one
+    at a time, pushes of 0.6 s each outlasted a 1 s timeout, and close() reported rows lost
+    that were stored."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=1.0)
+    ing.set_schedule(Schedule(0, 1, 0, 1))
+
+    def slow(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        time.sleep(0.6)
+        exp_out.write(actor_in.read())
+
+    ing.fn, ing.registered = slow, True
+    acknowledged: list[int] = []
+
+    def push(k: int) -> None:
+        with contextlib.suppress(PlaneClosedError):  # not queued: close() had begun
+            ing.submit(unit(10 * k, "n1"), time.monotonic() + 20)
+            acknowledged.append(10 * k)
+
+    pushers = [threading.Thread(target=push, args=(k,)) for k in range(4)]
+    for p in pushers:
+        p.start()
+    deadline = time.monotonic() + 10
+    while ing._inflight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the others queue (two of them) or wait for room
+    ing.close()  # no DataLossError: every drain finished, one after the other
+    for p in pushers:
+        p.join(10)
+    stored = sorted(ids[0] for _, ids in store.writes)
+    assert stored == sorted(acknowledged) and len(stored) >= 3  # 3 x 0.6 s > the timeout

@@ -516,3 +516,23 @@ def test_raising_a_latched_error_again_and_again_keeps_it_the_same_size(small_sp
     assert _frames(kept) == size
     assert plane.recover() is kept
     plane.close()
+
+
+def test_a_note_added_to_a_raised_latched_error_stays_on_that_copy(small_spec):
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(1, 1, 0, 1), timeout=5)
+    refusing_ingestion(plane)
+    plane.push(make_rows(small_spec, 2, start=-5))
+    with pytest.raises(OperatorError):
+        plane.flush()
+    kept = plane.failed
+    assert kept is not None
+    kept.add_note("kept")  # a note on the kept error is on every copy, once
+    for _ in range(3):
+        with pytest.raises(OperatorError) as again:
+            plane.push(make_rows(small_spec, 2))
+        again.value.add_note("seen by this caller")
+        assert again.value.__notes__ == ["kept", "seen by this caller"]
+    assert kept.__notes__ == ["kept"]
+    plane.recover()
+    plane.close()

@@ -339,7 +339,9 @@ class FrontIngestion:
         ``unit`` is taken (see :meth:`_drain_inline`).
 
         Raises:
-            BackpressureTimeout: No room in the queue by ``deadline``.
+            BackpressureTimeout: No room in the queue by ``deadline``, or, inline, its turn
+                to ingest (after other threads' inline invocations) did not come by then (the
+                unit is withdrawn).
             OperatorError: The operator raised here, in the invocation that held ``unit``
                 (the error is not kept; it counts that invocation's units, ``unit`` among
                 them), or earlier on the thread (latched until ``recover``; ``unit`` is not
@@ -352,7 +354,7 @@ class FrontIngestion:
             self._on_lost([unit], 0)
             raise
         if not self.overlapped:
-            self._drain_inline(force=False, current=unit, counted=True)
+            self._drain_inline(force=False, deadline=deadline, current=unit, counted=True)
 
     def _queue(self, unit: QueuedUnit, deadline: float) -> None:
         with self._cond:
@@ -441,8 +443,8 @@ class FrontIngestion:
             raise interrupt
         return err
 
-    def _drain_inline(self, *, force: bool, current: QueuedUnit | None = None,
-                      counted: bool = False) -> None:
+    def _drain_inline(self, *, force: bool, deadline: float | None,
+                      current: QueuedUnit | None = None, counted: bool = False) -> None:
         """Run the due invocations on this thread: every one (a flush), or, for a push
         (``current``: its unit), those until its unit is taken, by this thread or another.
 
@@ -453,20 +455,30 @@ class FrontIngestion:
         :meth:`close` (their pushes returned). An interrupt (such as ``KeyboardInterrupt``)
         of an invocation without ``current`` takes ``current`` out of the queue and hands it
         to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
-        of the push would store its rows twice). Drains on different threads run their
-        invocations one at a time, in the order they took their units (rows land in push
-        order; no other thread takes a push's unit while it runs earlier ones); a push
-        interrupted while it waits its turn withdraws its unit too, if no earlier drain has
-        taken it. :meth:`close` waits for the drains on other threads, so what they keep is
-        counted; one that would begin after it (a flush or a learner's hurry, ``counted``
-        False) leaves the queue to it."""
+        of the push would store its rows twice).
+
+        Drains on different threads run their invocations one at a time, in the order they
+        took their units (rows land in push order; no other thread takes a push's unit while
+        that push runs earlier ones). A drain waits its turn until ``deadline``
+        (``time.monotonic()``); without one (a learner's hurry) it leaves the queue to the
+        drain that runs. A push that raises while it waits its turn (its deadline passed, an
+        interrupt) withdraws its unit if it is still queued; one that a drain before it has
+        taken meanwhile stays with that drain (after an interrupt, its rows may then be stored
+        although the push raised). :meth:`close` waits for the drains on other threads, so
+        what they keep is counted; one that would begin after it (a flush or a learner's
+        hurry, ``counted`` False) leaves the queue to it.
+
+        Raises:
+            BackpressureTimeout: ``deadline`` passed while another thread's inline
+                invocations ran (a push's unit is then withdrawn).
+        """
         with self._cond:
             if not counted:
                 if self._closed:
                     return
                 self._draining += 1
         try:
-            self._drain(force=force, current=current)
+            self._drain(force=force, current=current, deadline=deadline)
         except BaseException:
             if current is not None:  # e.g. interrupted while waiting its turn
                 self._withdraw(current)
@@ -476,28 +488,39 @@ class FrontIngestion:
                 self._draining -= 1
                 self._cond.notify_all()
 
-    def _drain(self, *, force: bool, current: QueuedUnit | None) -> None:
+    def _drain(self, *, force: bool, current: QueuedUnit | None,
+               deadline: float | None) -> None:
+        order = self._inline_order
         while True:
             units: list[QueuedUnit] = []
             # Invocations on different callers' threads run one at a time, in the order they
             # took their units: rows land in push order, and while a push's invocation over
             # earlier units runs, no other thread takes its unit, so a push that raises
             # withdraws it (under the same lock) before anyone could store it.
-            with self._inline_order:
-                try:
-                    with self._cond:
-                        if current is not None and all(u is not current
-                                                       for u in self._pending):
-                            return  # taken: stored, or failed where its push was told
-                        self.raise_if_failed()
-                        units = self._take(force=force) or []
-                    if not units:
-                        return
-                    err = self._run(units, current)
-                except BaseException:
-                    if current is not None and all(u is not current for u in units):
-                        self._withdraw(current)
-                    raise
+            if not (order.acquire(blocking=False) if deadline is None
+                    else order.acquire(timeout=max(0.0, deadline - time.monotonic()))):
+                if deadline is None or (current is not None and not self._withdraw(current)):
+                    return  # the running drain ingests; or this push's unit was taken
+                raise BackpressureTimeout(
+                    f"{'push' if current is not None else 'flush'}: waited its turn past the "
+                    f"timeout while another thread's inline ingestion ran (inline "
+                    f"invocations run one at a time, in push order); pass a longer timeout or "
+                    f"check the ingestion operator")
+            try:
+                with self._cond:
+                    if current is not None and all(u is not current for u in self._pending):
+                        return  # taken: stored, or failed where its push was told
+                    self.raise_if_failed()
+                    units = self._take(force=force) or []
+                if not units:
+                    return
+                err = self._run(units, current)
+            except BaseException:
+                if current is not None and all(u is not current for u in units):
+                    self._withdraw(current)
+                raise
+            finally:
+                order.release()
             if err is None:
                 continue
             told = current is None or any(u is current for u in units)
@@ -508,15 +531,17 @@ class FrontIngestion:
             if told:
                 raise err
 
-    def _withdraw(self, unit: QueuedUnit) -> None:
-        """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``."""
+    def _withdraw(self, unit: QueuedUnit) -> bool:
+        """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``;
+        False if it was not queued any more (taken by an invocation)."""
         with self._cond:
             at = next((k for k, u in enumerate(self._pending) if u is unit), None)
             if at is None:
-                return
+                return False
             del self._pending[at]
             self._cond.notify_all()
         self._on_lost([unit], 0)
+        return True
 
     def _work(self) -> None:
         while True:
@@ -539,14 +564,15 @@ class FrontIngestion:
 
     def hurry(self) -> None:
         """A learner waits for rows: ingest what is queued, however few units (inline: on
-        this thread, which must not hold the front's lock; overlapped: on the thread)."""
+        this thread, which must not hold the front's lock, unless another thread's inline
+        ingestion runs, which it leaves the queue to; overlapped: on the thread)."""
         if self.overlapped:
             with self._cond:
                 if self._pending and not self._hurried:
                     self._hurried = True
                     self._cond.notify_all()
             return
-        self._drain_inline(force=True)
+        self._drain_inline(force=True, deadline=None)
 
     def idle(self) -> bool:
         """Whether no unit waits or is being ingested."""
@@ -563,7 +589,7 @@ class FrontIngestion:
         """
         self.refuse_inside("flush")
         if not self.overlapped:
-            self._drain_inline(force=True)
+            self._drain_inline(force=True, deadline=deadline)
             return
         with self._cond:
             self._hurry += 1
@@ -613,9 +639,14 @@ class FrontIngestion:
         stopped = self._join()
         with self._cond:
             # Inline drains on other threads first: what they fail or keep is counted below.
-            deadline = time.monotonic() + self._timeout
+            # They run one at a time, so the wait lasts while they make progress: it ends
+            # when ``timeout`` passes without an invocation finishing.
+            deadline, done = time.monotonic() + self._timeout, self.counters["invocations"]
             while self._draining and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
+                if self.counters["invocations"] != done:
+                    deadline, done = time.monotonic() + self._timeout, self.counters[
+                        "invocations"]
             stopped = stopped and not self._draining
             latched = None if self.error_reported else self.error
             errors = [latched, *self._kept_locked()] if latched else self._kept_locked()

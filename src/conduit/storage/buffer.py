@@ -15,7 +15,7 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
 from conduit.storage.row_ids import RowIds
-from conduit.storage.samplers import PrioritizedSampler, SampleInfo, Sampler, UniformSampler
+from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
@@ -68,21 +68,6 @@ def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
         raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
                                      f"[{int(indices.min())}, {int(indices.max())}]")
     return indices.to(torch.int64)
-
-
-def _check_priorities_fit(sampler: Sampler, size: int, capacity: int) -> None:
-    """Refuse a prioritized sampler's state with priorities for slots at or after the
-    writer's ``size``, which hold no row (they would be drawn).
-
-    Raises:
-        StateError: Such a slot has a priority (key ``buffer.sampler.tree.set``).
-    """
-    if size < capacity and isinstance(sampler, PrioritizedSampler):
-        beyond = np.flatnonzero(sampler.tree.is_set()[size:])
-        if beyond.size:
-            raise StateError("buffer.sampler.tree.set", f"slot {size + int(beyond[0])} "
-                                                        f"has a priority but the writer "
-                                                        f"holds rows in [0, {size}) only")
 
 
 class ExperienceBuffer:
@@ -478,7 +463,7 @@ class ExperienceBuffer:
             before = self.sampler.state_dict()
             try:  # a sampler that refuses part way is put back too
                 self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
-                _check_priorities_fit(self.sampler, writer.size, self.capacity)
+                self.sampler.check_rows(size=writer.size, head=writer.cursor)
                 if rows:
                     for snap in self._snapshots:
                         snap.preserve(0, snap.size)

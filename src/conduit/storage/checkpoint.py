@@ -289,7 +289,7 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     """
     path = check_path("path", path, file=True)
     _drop_cached(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp = path.with_name(f".{_short(path.name)}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                  0o666)
@@ -304,6 +304,19 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     _sync_folder(path.parent)
+
+
+_NAME_BYTES = 255 - len(".." + "0" * 12 + ".tmp")
+"""Bytes of a file's name kept in its temporary name (most file systems allow 255)."""
+
+
+def _short(name: str) -> str:
+    """``name``, cut to :data:`_NAME_BYTES` bytes (UTF-8) where it is longer, so that the
+    temporary name of a name near the file system's limit is not too long."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= _NAME_BYTES:
+        return name
+    return raw[:_NAME_BYTES].decode("utf-8", "ignore")
 
 
 def check_path(field: str, value: Any, *, file: bool = False) -> Path:

@@ -430,6 +430,11 @@ def _check_state(spec: ExperienceSpec, capacity: int, state: StateDict) -> None:
             raise SpecError(name, "missing from the saved state")
         if saved.fields[name] != fs:
             raise SpecError(name, f"saved as {saved.fields[name]}, store expects {fs}")
+    for name in saved.fields:
+        if name not in spec.fields:
+            raise SpecError(name, f"is saved in the state ({saved.fields[name]}) but not in "
+                                  f"this store's spec (its rows would be dropped); load it "
+                                  f"into a buffer built with the saved spec")
 
 
 def _check_columns(spec: ExperienceSpec, capacity: int, state: StateDict) -> None:

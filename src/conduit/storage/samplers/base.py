@@ -86,6 +86,17 @@ class Sampler(abc.ABC):
         """Called after rows were written at ``indices``; ``size`` is the new fill level."""
         return None
 
+    def check_rows(self, *, size: int, head: int) -> None:
+        """Called by the buffer after :meth:`load_state_dict`, with the rows its loaded writer
+        holds (``size``) and the slot it writes next (``head``): a sampler whose state
+        describes its rows refuses a state that describes other rows (they would be drawn
+        from slots that hold none, or never drawn).
+
+        Raises:
+            StateError: The loaded state does not fit those rows (the key is named).
+        """
+        return None
+
     @abc.abstractmethod
     def sample(self, size: int, batch_size: int) -> SampleInfo:
         """Draw ``batch_size`` rows out of the ``size`` filled slots."""

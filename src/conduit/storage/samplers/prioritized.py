@@ -241,3 +241,17 @@ class PrioritizedSampler(Sampler):
         self.tree.load_state_dict(entry(state, "tree", "sampler"), bound=bound)
         self._rng.bit_generator.state = rng
         self.max_priority = max_priority
+
+    def check_rows(self, *, size: int, head: int) -> None:
+        """Refuse priorities for slots at or after the writer's ``size``, which hold no row
+        (they would be drawn).
+
+        Raises:
+            StateError: Such a slot has a priority (key ``sampler.tree.set``).
+        """
+        if size < self.capacity:
+            beyond = np.flatnonzero(self.tree.is_set()[size:])
+            if beyond.size:
+                raise StateError("sampler.tree.set", f"slot {size + int(beyond[0])} has a "
+                                                     f"priority but the writer holds rows in "
+                                                     f"[0, {size}) only")

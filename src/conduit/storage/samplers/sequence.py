@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from conduit._checks import check_int
-from conduit.errors import ConfigError, EmptyBufferError, SpecError
+from conduit.errors import ConfigError, EmptyBufferError, SpecError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict, array, integer, tensor
@@ -118,3 +118,18 @@ class SequenceSampler(Sampler):
         super().load_state_dict(state)
         self._ends, self._cursor, self._size = ends, cursor, size
         self._valid = None
+
+    def check_rows(self, *, size: int, head: int) -> None:
+        """Refuse a state whose fill level or write head is not the writer's.
+
+        Raises:
+            StateError: ``sampler.size`` or ``sampler.cursor`` differs from the writer's.
+        """
+        if self._size != size:
+            raise StateError("sampler.size", f"{self._size}, but the writer holds {size} "
+                                             f"rows (slices would start in slots that hold "
+                                             f"no row, or skip rows)")
+        if size and self._cursor != head:
+            raise StateError("sampler.cursor", f"{self._cursor}, but the writer's next slot "
+                                               f"is {head} (the oldest row would be "
+                                               f"misplaced)")
