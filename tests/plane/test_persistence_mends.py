@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conduit import ExperienceDataPlane, ExperienceSpec, SpecError, StateError
-from conduit.storage import SequenceSampler
+from conduit import ConfigError, ExperienceDataPlane, ExperienceSpec, SpecError, StateError
+from conduit.storage import FifoSampler, SequenceSampler
 from tests.conftest import make_rows
 
 WIDE = ExperienceSpec.of(obs=((4,), torch.float32), id=((), torch.int64),
@@ -71,3 +71,44 @@ def test_a_file_name_near_the_limit_can_be_saved_to(tmp_path, small_spec):
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary left
     with ExperienceDataPlane.load(path) as loaded:
         assert len(loaded.buffer) == 8
+
+
+ON = ExperienceSpec.of(obs=((4,), torch.float32), id=((), torch.int64))
+ON_KW = {"spec": ON, "capacity": 32, "batch_size": 8, "mode": "on_policy",
+         "num_minibatches": 4, "num_epochs": 2, "seed": 5}
+
+
+def _saved_after(pulls: int, path) -> tuple[list[int], dict]:  # type: ignore[no-untyped-def]
+    with ExperienceDataPlane(**ON_KW) as a:
+        a.push(make_rows(ON, 32), policy_version=0)
+        ids = [i for _ in range(pulls) for i in a.pull()["id"].tolist()]
+        a.save(path)
+        return ids, a.state_dict()
+
+
+def test_an_epoch_saved_part_way_is_not_laid_out_again_by_another_sampler(tmp_path):
+    """Defect: an on-policy plane saved part way through an epoch, loaded with a sampler of
+    another seed (a sampler= override, or load_state_dict into a plane built so), laid the
+    rest of the epoch out anew: rows delivered before the save came again, others never."""
+    first, state = _saved_after(1, tmp_path / "ck")
+    with pytest.raises(ConfigError) as err:
+        ExperienceDataPlane.load(tmp_path / "ck",
+                                 sampler=FifoSampler(num_minibatches=4, seed=99))
+    assert err.value.field == "sampler" and "flow.layout" in str(err.value)
+    with ExperienceDataPlane(**{**ON_KW, "seed": 99}) as other:
+        with pytest.raises(StateError) as refused:
+            other.load_state_dict(state)
+        assert refused.value.key == "flow.layout"
+        assert len(other.buffer) == 0  # nothing loaded
+    with ExperienceDataPlane.load(tmp_path / "ck") as same:  # the saved sampler: exact
+        rest = [i for _ in range(3) for i in same.pull()["id"].tolist()]
+    assert sorted(first + rest) == list(range(32))
+
+
+def test_an_epoch_saved_at_its_end_loads_with_another_sampler(tmp_path):
+    """At an epoch's end nothing of the next is laid out yet: another sampler may lay it."""
+    _, state = _saved_after(4, tmp_path / "ck")
+    with ExperienceDataPlane(**{**ON_KW, "seed": 99}) as other:
+        other.load_state_dict(state)
+        epoch = [i for _ in range(4) for i in other.pull()["id"].tolist()]
+    assert sorted(epoch) == list(range(32))  # every row once in the second epoch

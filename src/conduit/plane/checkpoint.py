@@ -257,7 +257,7 @@ def _check_seed(meta: Mapping[str, Any], seed: Any) -> None:
                                   f"{saved!r}: the sampler's generator and the on-policy "
                                   f"layout go on from where they were), got {seed!r}; drop "
                                   f"the override (the loaded plane draws as the saved one "
-                                  f"would have)")
+                                  f"would have, after the batches it had staged ahead)")
 
 
 def _check_mode(meta: Mapping[str, Any], mode: Any) -> None:
@@ -465,7 +465,8 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
             raise
         part = getattr(exc, "key", None) or getattr(exc, "field", None)
         saved = (_other_sampler(plane, meta) if "sampler" in overrides
-                 and isinstance(part, str) and part.split(".")[0] == "sampler" else None)
+                 and isinstance(part, str) and (part.split(".")[0] == "sampler"
+                                                or part == "flow.layout") else None)
         if saved is not None:  # the override's fault, not the file's
             raise ConfigError("sampler", f"a {type(plane.buffer.sampler).__name__} cannot "
                                          f"take the saved sampler's state ({exc}); the file "

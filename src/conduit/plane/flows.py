@@ -13,6 +13,7 @@ Methods whose name ends in ``_locked`` are called with the plane's lock
 from __future__ import annotations
 
 import abc
+import json
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -847,11 +848,18 @@ class OnPolicyFlow(Flow):
                 f"rows ingested ({self.iter_pushed_rows} pushed); push the whole rollout "
                 f"before pulling")
 
-    def state_dict(self) -> dict[str, int]:
-        """Policy version, rows written and mini-batches delivered in the iteration."""
+    def state_dict(self) -> dict[str, Any]:
+        """Policy version, rows written and mini-batches delivered in the iteration, and the
+        sampler that laid out its epochs (``layout``: kind and configuration)."""
         return {"policy_version": self.policy_version,
                 "iter_written_rows": self.iter_written_rows,
-                "delivered_in_iter": self.delivered_in_iter}
+                "delivered_in_iter": self.delivered_in_iter, "layout": self._layout()}
+
+    def _layout(self) -> dict[str, Any]:
+        sampler = self.buffer.sampler
+        # as a checkpoint's JSON holds it (a value JSON lacks is compared as its text)
+        return json.loads(json.dumps({"kind": type(sampler).__name__,
+                                      "config": sampler.config()}, default=repr))
 
     def check_state(self, state: Mapping[str, int], *, rows: int) -> None:
         integer(state, "policy_version", "flow")
@@ -867,6 +875,20 @@ class OnPolicyFlow(Flow):
                                                        f"from an iteration that is not full "
                                                        f"(at most {self.MOST_STAGED} are "
                                                        f"delivered early)")
+        saved = state.get("layout")  # absent from states made before it was recorded
+        if saved is not None and delivered % self.config.num_minibatches:
+            mine = self._layout()
+            if saved != mine:
+                # the rest of the epoch is laid out again from the sampler's configuration
+                was = (f"a {saved.get('kind')} with {saved.get('config')}"
+                       if isinstance(saved, dict) else repr(saved))
+                raise StateError("flow.layout", f"the saved epoch was laid out by {was}; "
+                                                f"this plane's {mine['kind']} with "
+                                                f"{mine['config']} lays it out otherwise: "
+                                                f"rows delivered before the save would be "
+                                                f"delivered again and others never; load "
+                                                f"into a plane whose sampler is like the "
+                                                f"saved one (or save at an epoch's end)")
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
