@@ -112,3 +112,4 @@ def test_an_epoch_saved_at_its_end_loads_with_another_sampler(tmp_path):
         other.load_state_dict(state)
         epoch = [i for _ in range(4) for i in other.pull()["id"].tolist()]
     assert sorted(epoch) == list(range(32))  # every row once in the second epoch
+

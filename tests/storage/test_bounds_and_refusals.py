@@ -364,3 +364,22 @@ def test_sampler_from_config_rebuilds_every_built_in_sampler():
                     FifoSampler(num_minibatches=2), SequenceSampler(length=3)):
         again = sampler_from_config(type(sampler).__name__, sampler.config())
         assert type(again) is type(sampler) and again.config() == sampler.config()
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"spec": "x"}, "spec"),
+                                               ({"sampler": "uniform"}, "sampler"),
+                                               ({"placement": "cpu"}, "placement"),
+                                               ({"store": 1}, "store")])
+def test_buffer_parts_of_the_wrong_type_are_refused_by_name(kwargs, field):
+    """Defect: these raised AttributeErrors from deep inside the constructor."""
+    with pytest.raises(ConfigError) as err:
+        ExperienceBuffer(**{"spec": SPEC, "capacity": 8, **kwargs})
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("key", [3, "", None])
+def test_a_sequence_boundary_key_that_is_not_a_name_is_refused(key):
+    """Defect: SequenceSampler(boundary_key=3) was accepted and failed at the first pull."""
+    with pytest.raises(ConfigError) as err:
+        SequenceSampler(length=2, boundary_key=key)
+    assert err.value.field == "boundary_key"

@@ -644,6 +644,9 @@ class ExperienceDataPlane:
                 (a stuck operator); nothing is written and the plane stays usable.
             ConfigError: ``path`` as above, or the call comes from inside an operator, whose
                 invocation it would wait for (nothing is written).
+            OSError: The folder does not exist or cannot be written (``FileNotFoundError``,
+                ``PermissionError``, ...), as ``open`` raises it; an earlier file at ``path``
+                is left as it was.
         """
         self._engine.refuse_inside_operator("save")
         return checkpoint.save(self, path)
@@ -667,6 +670,8 @@ class ExperienceDataPlane:
                 :class:`~conduit.errors.ScheduleError` and
                 :class:`~conduit.errors.PlacementError`); ``field`` names it.
             SpecError: A ``spec`` override differs from the saved spec (the field is named).
+            FileNotFoundError: ``path`` does not exist (``OSError`` for others that ``open``
+                raises).
         """
         return checkpoint.load(cls, path, **overrides)
 

@@ -70,6 +70,27 @@ def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
     return indices.to(torch.int64)
 
 
+def _check_parts(spec: Any, sampler: Any, placement: Any, store: Any) -> None:
+    """Refuse constructor arguments of the wrong type, naming them.
+
+    Raises:
+        ConfigError: One is not of its type.
+    """
+    if not isinstance(spec, ExperienceSpec):
+        raise ConfigError("spec", f"expected an ExperienceSpec (ExperienceSpec.of(obs=((4,), "
+                                  f"torch.float32), ...)), got {type(spec).__name__}")
+    if sampler is not None and not isinstance(sampler, Sampler):
+        raise ConfigError("sampler", f"expected a Sampler (UniformSampler(), "
+                                     f"PrioritizedSampler(), ...), got {sampler!r}; names such "
+                                     f"as 'uniform' are for ExperienceDataPlane")
+    if placement is not None and not isinstance(placement, Placement):
+        raise ConfigError("placement", f"expected a Placement (Placement.pageable(), "
+                                       f"Placement.pinned(), ...), got {placement!r}")
+    if store is not None and not all(hasattr(store, a) for a in ("spec", "capacity", "get")):
+        raise ConfigError("store", f"expected a store (ColumnStore, MemmapColumnStore, "
+                                   f"...), got {type(store).__name__}")
+
+
 class ExperienceBuffer:
     """A replay or rollout buffer: validated vectorized writes, sampled vectorized reads.
 
@@ -95,8 +116,9 @@ class ExperienceBuffer:
             :attr:`gather_mode`); the rows gathered are the same.
 
     Raises:
-        ConfigError: ``threads`` is not a positive integer, ``store`` does not match
-            ``spec`` and ``capacity``, or ``sampler`` needs a field ``spec`` lacks (such as a
+        ConfigError: ``threads`` is not a positive integer; ``spec``, ``sampler``,
+            ``placement`` or ``store`` is not of its type; ``store`` does not match ``spec``
+            and ``capacity``; or ``sampler`` needs a field ``spec`` lacks (such as a
             :class:`~conduit.storage.SequenceSampler`'s ``boundary_key``).
     """
 
@@ -104,6 +126,7 @@ class ExperienceBuffer:
                  placement: Placement | None = None, threads: int = 1,
                  store: Store | None = None) -> None:
         threads = check_int("threads", threads, minimum=1)
+        _check_parts(spec, sampler, placement, store)
         sampler = sampler or UniformSampler()
         sampler.check_spec(spec)
         self.spec = spec

@@ -22,11 +22,19 @@ class SequenceSampler(Sampler):
         length: L, steps per slice.
         boundary_key: Boolean field marking the last step of an episode (e.g. ``"done"``).
         seed: Generator seed.
+
+    Raises:
+        ConfigError: ``length`` is not a positive integer, or ``boundary_key`` not a
+            non-empty string.
     """
 
     def __init__(self, *, length: int, boundary_key: str = "done", seed: int = 0) -> None:
         super().__init__(seed=seed)
         self.length = check_int("length", length, minimum=1)
+        if not isinstance(boundary_key, str) or not boundary_key:
+            raise ConfigError("boundary_key", f"expected the name of the boolean field that "
+                                              f"marks an episode's last step (such as "
+                                              f"'done'), got {boundary_key!r}")
         self.boundary_key = boundary_key
         self._ends = np.zeros(0, dtype=bool)
         self._cursor = 0
