@@ -13,6 +13,7 @@ Subcommands:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -46,6 +47,11 @@ _BENCHES = {
     "grpo": ("conduit.bench.grpo", "TRL's GRPOTrainer alone vs TRL + Conduit on a CPU LM"),
     "rllib": ("conduit.bench.rllib", "RLlib alone vs RLlib + Conduit: DQN, SAC, PPO; buffers"),
 }
+
+_BENCH_HELP = """\
+Run one benchmark: conduit bench BENCH [flags]. Each prints its tables and writes JSON and
+PNG files, by default under runs/bench/BENCH (--out); 'conduit bench BENCH --help' lists its
+flags (all but convergence take --quick, a short development run)."""
 
 _COMMANDS = {
     "demo": ("conduit.workloads.cli", "demo_main",
@@ -97,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks (tables, JSON, PNG)")
+    bench = sub.add_parser("bench", help="benchmarks (tables, JSON, PNG)",
+                           description=_BENCH_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     for name, (_, help_text) in _BENCHES.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)

@@ -22,13 +22,13 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any, Literal
 
 import torch
 
-from conduit.cli_args import arg, check_reachable, command_parser, parse_command
+from conduit.cli_args import arg, check_reachable, command_parser, parse_command, usage_error
 from conduit.errors import ConfigError
 from conduit.placement import (
     DeliveryTerm,
@@ -39,6 +39,7 @@ from conduit.placement import (
     preset,
     preset_names,
 )
+from conduit.placement.transfer import check_endpoint
 from conduit.plane import ExperienceDataPlane, profile_plane
 from conduit.plane.config import PlaneConfig
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
@@ -330,8 +331,9 @@ def _check_rl_config(args: PlanArgs) -> None:
 
 def check_args(args: PlanArgs) -> None:
     """What :func:`plan` would refuse, found before any work: the RL configuration, the
-    schedule space, and the topology (a preset, an existing file, or a Ray address something
-    answers at; nothing is started).
+    schedule space, the topology (a preset, an existing file, or a Ray address something
+    answers at; nothing is started) and, on a topology known without a cluster, the
+    ``--actor-device`` and ``--learner-device`` endpoints.
 
     Raises:
         ConfigError: Naming the flag's field.
@@ -341,8 +343,11 @@ def check_args(args: PlanArgs) -> None:
     name = args.topology
     if name == "ray" or name.startswith("ray:"):
         check_reachable("topology", name.partition(":")[2] or "auto")
-    elif name and name not in preset_names() and not os.path.exists(name):
-        load_topology(name)
+        return  # the endpoints are known once the cluster is (main reports them)
+    topology = load_topology(name)
+    check_endpoint(topology, args.actor_device, "actor_device")
+    if args.learner_device:
+        check_endpoint(topology, args.learner_device, "learner_device")
 
 
 def plan(args: PlanArgs) -> PlanResult:
@@ -405,13 +410,20 @@ def render(result: PlanResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit plan``.
 
+    A bad flag value is a usage error naming the flag (exit status 2).
+
     Raises:
-        ConfigError: Bad arguments, or ``--json-out`` cannot be written.
+        ConfigError: ``--json-out`` cannot be written.
         CapacityError: No placement fits the buffer.
     """
     p = command_parser("conduit plan", __doc__, PlanArgs)
     args = parse_command(p, PlanArgs, argv, check=check_args)
-    result = plan(args)
+    try:
+        result = plan(args)
+    except ConfigError as exc:  # one only the cluster could tell (--topology ray)
+        if exc.field not in {f.name for f in fields(PlanArgs)}:
+            raise
+        usage_error(p, exc.field, exc.reason)
     print(render(result))
     if args.json_out:
         path = write_json(args.json_out, result.to_dict(), field="json_out")

@@ -42,6 +42,10 @@ class FieldSpec:
     Attributes:
         shape: Per-sample shape, without the batch dimension. ``()`` for a scalar.
         dtype: Element type.
+
+    Raises:
+        ConfigError: ``shape`` is not a sequence of non-negative ints (a bool is not one), or
+            ``dtype`` is not a storable ``torch.dtype``.
     """
 
     shape: tuple[int, ...] = ()
@@ -53,8 +57,10 @@ class FieldSpec:
         except TypeError:
             raise ConfigError("shape", f"expected a tuple of non-negative ints, got "
                                        f"{self.shape!r}") from None
-        if any((not isinstance(s, (int, np.integer))) or s < 0 for s in shape):
-            raise ConfigError("shape", f"expected non-negative ints, got {self.shape!r}")
+        if any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0
+               for s in shape):
+            raise ConfigError("shape", f"expected non-negative ints (True and False are not "
+                                       f"sizes), got {self.shape!r}")
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("dtype", f"expected a torch.dtype, got {self.dtype!r}")
@@ -93,11 +99,20 @@ class ExperienceSpec:
 
     Attributes:
         fields: Field name -> :class:`FieldSpec`, in a fixed order.
+
+    Raises:
+        ConfigError: ``fields`` is not a non-empty mapping of Python identifiers (not starting
+            with ``_``) to :class:`FieldSpec`.
     """
 
     fields: Mapping[str, FieldSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fields, Mapping):
+            raise ConfigError("spec.fields", f"expected a mapping of field name to FieldSpec, "
+                                             f"such as {{'obs': FieldSpec((4,), torch.float32)}}"
+                                             f" (or ExperienceSpec.of(obs=((4,), "
+                                             f"torch.float32))), got {self.fields!r}")
         if not self.fields:
             raise ConfigError("spec.fields", "an experience spec needs at least one field")
         fixed: dict[str, FieldSpec] = {}
@@ -119,14 +134,32 @@ class ExperienceSpec:
 
     @classmethod
     def of(cls, **fields: tuple[tuple[int, ...], torch.dtype] | FieldSpec) -> ExperienceSpec:
-        """Build a spec from keyword arguments ``name=(shape, dtype)`` or ``name=FieldSpec``."""
+        """Build a spec from keyword arguments ``name=(shape, dtype)`` or ``name=FieldSpec``.
+
+        Raises:
+            ConfigError: A value is neither a FieldSpec nor a pair ``((shape...), dtype)``
+                (for example ``obs=(4,)``, ``obs=(4, torch.float32)`` or ``obs=None``), its
+                shape is not a sequence of non-negative ints, or its dtype is not a
+                ``torch.dtype``: the error's field is the keyword (``obs``). A ``torch.dtype``
+                the store cannot hold (``torch.uint16``) is refused with field ``dtype``, the
+                keyword named in the message.
+        """
+        form = "expected ((shape...), dtype) such as ((4,), torch.float32), or a FieldSpec"
         out: dict[str, FieldSpec] = {}
         for name, v in fields.items():
             if isinstance(v, FieldSpec):
                 out[name] = v
-            else:
-                shape, dtype = v
-                out[name] = FieldSpec(shape=tuple(shape), dtype=dtype)
+                continue
+            if not isinstance(v, (tuple, list)) or len(v) != 2:
+                raise ConfigError(name, f"{form}; got {v!r}")
+            try:
+                out[name] = FieldSpec(shape=v[0], dtype=v[1])
+            except ConfigError as exc:
+                if exc.field == "dtype" and isinstance(v[1], torch.dtype):
+                    # A real dtype the store cannot hold: the dtype is at fault, not the form.
+                    raise ConfigError("dtype", f"{exc.reason} (field {name!r})") from None
+                raise ConfigError(name, f"{form}; got {v!r}, whose {exc.field} is wrong: "
+                                        f"{exc.reason}") from None
         return cls(fields=out)
 
     @property

@@ -113,3 +113,21 @@ def test_an_epoch_saved_at_its_end_loads_with_another_sampler(tmp_path):
         epoch = [i for _ in range(4) for i in other.pull()["id"].tolist()]
     assert sorted(epoch) == list(range(32))  # every row once in the second epoch
 
+
+
+def test_an_off_policy_file_saved_with_num_epochs_loads(tmp_path, small_spec):
+    """num_epochs did nothing off-policy and is now refused there: files saved with another
+    value still load (as they did)."""
+    from conduit.storage import read_checkpoint, write_checkpoint
+
+    with ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4) as plane:
+        plane.push(make_rows(small_spec, 8))
+        plane.save(tmp_path / "ck")
+    meta, parts = read_checkpoint(tmp_path / "ck")
+    meta["config"]["num_epochs"] = 3
+    write_checkpoint(tmp_path / "old", tensors=parts, meta=meta)
+    with ExperienceDataPlane.load(tmp_path / "old") as loaded:
+        assert len(loaded.buffer) == 8 and loaded.config.num_epochs == 1
+    with pytest.raises(ConfigError) as err:
+        ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4, num_epochs=3)
+    assert err.value.field == "num_epochs"

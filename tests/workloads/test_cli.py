@@ -156,16 +156,18 @@ def _train(tmp_path: Path, *flags: str) -> list[str]:
 
 
 @pytest.mark.parametrize("text", ["bogus", "x,1,0,1", "1,1/0,0,1", "1,1,0"])
-def test_a_malformed_schedule_is_a_config_error_naming_the_form(text: str,
-                                                                tmp_path: Path) -> None:
+def test_a_malformed_schedule_is_a_config_error_naming_the_form(text: str, tmp_path: Path,
+                                                                capsys) -> None:
     from conduit.errors import ConfigError
     from conduit.workloads.args import parse_schedule
 
     with pytest.raises(ConfigError, match="ov_ing,g_ing,ov_del,g_del") as exc:
         parse_schedule(text)
     assert exc.value.field == "schedule"
-    with pytest.raises(ConfigError, match="schedule"):
+    with pytest.raises(SystemExit) as exited:  # a usage error naming --schedule
         train_main(_train(tmp_path, "--schedule", text))
+    assert exited.value.code == 2
+    assert "argument --schedule" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
 
 

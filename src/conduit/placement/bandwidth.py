@@ -26,6 +26,7 @@ Results are cached per machine as JSON under ``$CONDUIT_CACHE_DIR`` (default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -155,6 +156,43 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "conduit"
 
 
+def _cache_error(folder: Path, exc: OSError) -> ConfigError:
+    """The error of a cache folder that cannot be created or written, naming where it comes
+    from (``CONDUIT_CACHE_DIR`` when set, else the default folder)."""
+    what = ("it is not a folder" if folder.exists() and not folder.is_dir()
+            else exc.strerror or type(exc).__name__)
+    if os.environ.get("CONDUIT_CACHE_DIR"):
+        return ConfigError("CONDUIT_CACHE_DIR", f"cannot write the bandwidth cache in "
+                                                f"{str(folder)!r} ({what}); set "
+                                                "CONDUIT_CACHE_DIR to a writable folder, or "
+                                                "pass --no-cache")
+    return ConfigError("cache_dir", f"cannot write the bandwidth cache in {str(folder)!r} "
+                                    f"({what}); set CONDUIT_CACHE_DIR to a writable folder, "
+                                    "or pass --no-cache")
+
+
+def check_cache_dir() -> Path:
+    """Create the cache folder if needed and make sure a file can be written in it, before any
+    measurement is spent.
+
+    Returns:
+        The cache folder.
+
+    Raises:
+        ConfigError: The folder cannot be created or written (field ``CONDUIT_CACHE_DIR``
+            when that variable is set, else ``cache_dir``).
+    """
+    folder = cache_dir()
+    probe = folder / f".write-test{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise _cache_error(folder, exc) from exc
+    return folder
+
+
 def machine_identity() -> tuple[str, str, tuple[str, ...]]:
     """``(hostname, torch version, device names)`` of this machine."""
     devs = [CPU]
@@ -190,12 +228,22 @@ def load_cached_profile(key: str | None = None) -> BandwidthProfile | None:
 
 
 def save_profile(profile: BandwidthProfile) -> Path:
-    """Write ``profile`` to its cache file (atomically) and return the path."""
+    """Write ``profile`` to its cache file (atomically) and return the path.
+
+    Raises:
+        ConfigError: The cache folder cannot be created or written (field
+            ``CONDUIT_CACHE_DIR`` when that variable is set, else ``cache_dir``).
+    """
     path = cache_path(profile.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise _cache_error(path.parent, exc) from exc
     return path
 
 
@@ -285,7 +333,9 @@ def profile_bandwidth(*, sizes: Sequence[int] | None = None, repeats: int = DEFA
         The profile (``from_cache`` tells whether it was measured now).
 
     Raises:
-        ConfigError: ``sizes`` or ``repeats`` are not positive integers.
+        ConfigError: ``sizes`` or ``repeats`` are not positive integers; with ``use_cache``,
+            the cache folder cannot be written (field ``CONDUIT_CACHE_DIR`` when that
+            variable is set, else ``cache_dir``), found before anything is measured.
     """
     sizes = tuple(DEFAULT_SIZES if sizes is None else sizes)
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
@@ -298,6 +348,8 @@ def profile_bandwidth(*, sizes: Sequence[int] | None = None, repeats: int = DEFA
         cached = load_cached_profile(key)
         if cached is not None and cached.sizes == sizes:
             return cached
+    if use_cache:
+        check_cache_dir()  # before the measurement, not after it
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -398,15 +450,30 @@ def run_profile_cli(args: Sequence[str] | None = None) -> int:
     Returns:
         Exit status (0). A bad ``--sizes`` or ``--repeats`` exits with status 2 and a usage
         line naming the flag.
+
+    Raises:
+        ConfigError: The cache folder cannot be written (field ``CONDUIT_CACHE_DIR`` when that
+            variable is set, else ``cache_dir``); ``conduit`` prints it as one line, exit
+            status 2.
     """
-    ap = argparse.ArgumentParser(prog="conduit profile",
-                                 description="Measure copy and gather bandwidths on this machine.")
+    ap = argparse.ArgumentParser(
+        prog="conduit profile", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure copy and gather bandwidths on this machine.\n\n"
+                    "The profile is cached as JSON in $CONDUIT_CACHE_DIR, by default "
+                    "~/.cache/conduit\n"
+                    f"(here: {cache_dir()}), one file per host name, torch version and "
+                    "device names;\nthis machine's topology (conduit plan, auto "
+                    "placement) reads it.")
     ap.add_argument("--sizes", type=_sizes_flag, default=None,
-                    help="comma-separated payload sizes, e.g. 64K,1M,16M (default)")
+                    help="comma-separated payload sizes in bytes, with an optional binary "
+                         "suffix K (KiB), M (MiB) or G (GiB), e.g. 4096,64K,1M (default: "
+                         "64K,1M,16M)")
     ap.add_argument("--repeats", type=_repeats_flag, default=DEFAULT_REPEATS,
                     help=f"timed copies per size and path; the median is kept "
                          f"(default: {DEFAULT_REPEATS})")
-    ap.add_argument("--refresh", action="store_true", help="ignore the cache and re-measure")
+    ap.add_argument("--refresh", action="store_true",
+                    help="re-measure even when a cached profile of the same sizes exists, "
+                         "and overwrite it")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ns = ap.parse_args(list(args) if args is not None else None)

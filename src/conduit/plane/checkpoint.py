@@ -337,8 +337,13 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
             raise ConfigError(name, f"is not an argument of {cls.__name__}; overrides are "
                                     f"constructor arguments ({', '.join(known)})")
     try:
+        config = dict(meta["config"])
+        if config.get("mode") == "off_policy":
+            # ignored off-policy, and refused other than 1 since: files saved with another
+            # value load as they did
+            config["num_epochs"] = 1
         kwargs: dict[str, Any] = {
-            **meta["config"], "spec": ExperienceSpec.from_dict(meta["spec"]),
+            **config, "spec": ExperienceSpec.from_dict(meta["spec"]),
             "rollout_spec": (ExperienceSpec.from_dict(meta["rollout_spec"])
                              if meta["rollout_spec"] else None),
             "schedule": _schedule(meta["schedule"], path),

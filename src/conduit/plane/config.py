@@ -38,6 +38,11 @@ class PlaneConfig:
 
     Every field is validated in ``__post_init__``; a bad value raises
     :class:`~conduit.errors.ConfigError` naming the field.
+
+    Raises:
+        ConfigError: A field is invalid, among them a ``rollout_spec`` that is neither None nor
+            an ExperienceSpec, and a ``num_epochs`` other than 1 off-policy (epochs are
+            on-policy only).
     """
 
     spec: ExperienceSpec
@@ -64,6 +69,15 @@ class PlaneConfig:
         # Integers are stored as Python ints (a NumPy integer is taken, and kept as JSON's int).
         for name in ("capacity", "batch_size", "num_minibatches", "num_epochs", "g_max"):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
+        if self.rollout_spec is not None and not isinstance(self.rollout_spec, ExperienceSpec):
+            raise ConfigError("rollout_spec", f"expected None or an ExperienceSpec (the spec "
+                                              f"pushed rollouts must match), got "
+                                              f"{self.rollout_spec!r}")
+        if self.mode == "off_policy" and self.num_epochs != 1:
+            raise ConfigError("num_epochs", f"only applies on-policy (passes over each "
+                                            f"iteration's rows); an off-policy plane samples "
+                                            f"without epochs, so leave it at 1 or pass "
+                                            f"mode='on_policy', got {self.num_epochs}")
         if self.mode == "off_policy" and self.batch_size > self.capacity:
             raise ConfigError("batch_size", f"{self.batch_size} exceeds capacity {self.capacity}")
         if self.mode == "on_policy" and self.num_minibatches > self.capacity:

@@ -11,6 +11,7 @@ on-policy); an infeasible cap is rejected with :class:`~conduit.errors.ConfigErr
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -37,9 +38,10 @@ class Schedule:
     Granularities are stored as ``Fraction``s with denominators up to 1024.
 
     Raises:
-        ScheduleError: An overlap flag is not 0 or 1, or a granularity is not a finite
-            positive number, is above 1 but not whole, or rounds to 0 when stored (below about
-            1/2048); the message starts with the field name (``g_ing: ...``).
+        ScheduleError: An overlap flag is not 0 or 1 (``True``/``False`` are refused), or a
+            granularity is not a finite positive number, is above 1 but not whole, or rounds
+            to 0 when stored (below about 1/2048); the message starts with the field name
+            (``g_ing: ...``).
     """
 
     overlap_ing: int = 0
@@ -50,8 +52,9 @@ class Schedule:
     def __post_init__(self) -> None:
         for name in ("overlap_ing", "overlap_del"):
             v = getattr(self, name)
-            if v not in (0, 1) or (isinstance(v, float) and not float(v).is_integer()):
-                raise ScheduleError(f"{name}: must be 0 or 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or v not in (0, 1):
+                hint = "; pass int(flag) for a bool" if isinstance(v, bool) else ""
+                raise ScheduleError(f"{name}: must be 0 or 1, got {v!r}{hint}")
             object.__setattr__(self, name, int(v))
         for name in ("g_ing", "g_del"):
             v = getattr(self, name)

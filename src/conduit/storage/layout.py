@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,8 +36,10 @@ class Placement:
             1).
 
     Raises:
-        PlacementError: An unknown kind or device, the wrong number of devices for the kind,
-            or shares that are not finite, positive and summing to 1.
+        PlacementError: An unknown kind or device, ``devices`` that is not a list or tuple of
+            device names (a bare string such as ``"cpu"`` or None is refused), the wrong
+            number of devices for the kind, or shares that are not finite, positive and
+            summing to 1.
     """
 
     kind: PlacementKind
@@ -47,6 +49,9 @@ class Placement:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise PlacementError(f"placement.kind: {self.kind!r} is not one of {_KINDS}")
+        if not isinstance(self.devices, (list, tuple)):
+            raise PlacementError(f"placement.devices: must be a sequence of device names such "
+                                 f"as ('cpu',) or ('cuda:0', 'cuda:1'), got {self.devices!r}")
         devs = tuple(str(d) for d in self.devices)
         if not devs:
             raise PlacementError("placement.devices: at least one device is needed")
@@ -96,8 +101,12 @@ class Placement:
     @classmethod
     def sharded(cls, devices: list[str] | tuple[str, ...],
                 shares: tuple[float, ...] | None = None) -> Placement:
-        """Rows split over ``devices`` (even split unless ``shares`` says otherwise)."""
-        return cls(kind="sharded", devices=tuple(str(d) for d in devices), shares=shares)
+        """Rows split over ``devices`` (even split unless ``shares`` says otherwise).
+
+        Raises:
+            PlacementError: As the constructor (``devices`` must be a list or tuple).
+        """
+        return cls(kind="sharded", devices=devices, shares=shares)
 
     @property
     def primary_device(self) -> torch.device:
@@ -124,9 +133,17 @@ class Placement:
 
     @classmethod
     def from_dict(cls, d: dict) -> Placement:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            PlacementError: ``d`` is not a mapping, lacks a key, or describes no valid
+                placement (as the constructor).
+        """
+        if not isinstance(d, Mapping):
+            raise PlacementError(f"placement: expected a mapping with keys 'kind', 'devices' "
+                                 f"and 'shares', got {d!r}")
         try:
-            return cls(kind=d["kind"], devices=tuple(d["devices"]),
+            return cls(kind=d["kind"], devices=d["devices"],
                        shares=tuple(d["shares"]) if d.get("shares") else None)
         except KeyError as exc:
             raise PlacementError(f"placement: missing key {exc.args[0]!r}") from exc

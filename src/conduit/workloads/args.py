@@ -13,13 +13,17 @@ from typing import Literal
 import torch
 
 from conduit import Placement, Schedule
-from conduit.cli_args import arg
-from conduit.errors import ConfigError
+from conduit.cli_args import arg, check_reachable
+from conduit.errors import ConfigError, PlacementError, ScheduleError
 from conduit.workloads.envs import EnvInfo, env_info
 
 MIN_IMAGE_SIZE = 9
 """Smallest image payload side the workloads' conv encoder (a 5x5 then a 3x3 convolution,
 both of stride 2, see :class:`~conduit.workloads.nets.ConvEncoder`) can take."""
+
+ADDRESS_TIMEOUT_S = 3.0
+"""Seconds ``--address`` is given to answer before a run is refused (``ray.init`` would retry
+an address nothing listens on for minutes)."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,14 @@ class TrainerArgs:
     learner_threads: int = arg(0, "torch threads of the learner (0: the cores the actors "
                                "leave free, at least 1)")
     use_ray: bool = arg(True, "run actors as Ray actors (otherwise in the driver process)")
-    address: str = arg("", "Ray cluster address to attach to (empty: start a local Ray; "
-                       "refused with --no-use-ray)")
+    address: str = arg("", "Ray cluster address HOST:PORT to attach to (empty: start a local "
+                       "Ray; refused with --no-use-ray, and when nothing answers at it within "
+                       f"{ADDRESS_TIMEOUT_S:g} s)")
     log_every: int = arg(10, "print a progress line every this many iterations (0: never)")
-    out: str = arg("", "write the JSON log here (empty: do not write)", output="file")
-    plot: str = arg("", "write the PNG breakdown here (empty: do not write)", output="file")
+    out: str = arg("", "write the JSON log here (empty: runs/train/<algo>_<env>_<buffer>.json)",
+                   output="file")
+    plot: str = arg("", "write the PNG breakdown here (empty: "
+                    "runs/train/<algo>_<env>_<buffer>.png)", output="file")
 
 
 def parse_schedule(text: str) -> Schedule | Literal["auto"]:
@@ -81,7 +88,11 @@ def parse_schedule(text: str) -> Schedule | Literal["auto"]:
 
 def parse_placement(text: str, learner_device: torch.device) -> Placement | Literal["auto"]:
     """``"auto"``, ``"pageable"``, ``"pinned"`` (pageable without CUDA), ``"learner"`` (the
-    learner's device; pageable for a CPU learner) or a device name such as ``"cuda:0"``."""
+    learner's device; pageable for a CPU learner) or a device name such as ``"cuda:0"``.
+
+    Raises:
+        PlacementError: ``text`` names no device.
+    """
     if text == "auto":
         return "auto"
     if text == "pageable":
@@ -112,7 +123,8 @@ def check_trainer_args(args: TrainerArgs) -> None:
     Raises:
         ConfigError: The image payload is too small (field ``image_size``); ``--buffer
             inline`` is given a schedule or placement it would not run (fields ``schedule``,
-            ``placement``); ``--no-use-ray`` is given a Ray address (field ``address``).
+            ``placement``); ``--no-use-ray`` is given a Ray address, or nothing answers at
+            the address within :data:`ADDRESS_TIMEOUT_S` seconds (field ``address``).
     """
     check_image_size(args.image_size)
     if args.buffer == "inline":
@@ -129,6 +141,44 @@ def check_trainer_args(args: TrainerArgs) -> None:
         raise ConfigError("address", f"{args.address!r} does not apply with --no-use-ray (the "
                                      "actors run in this process); drop --no-use-ray or "
                                      "--address")
+    if args.use_ray and args.address and not _ray_initialized():
+        # Refused in seconds: ray.init retries an address nothing listens on for minutes.
+        check_reachable("address", args.address, timeout=ADDRESS_TIMEOUT_S)
+
+
+def _ray_initialized() -> bool:
+    """Whether this process is attached to Ray already (the run then uses that Ray, not
+    ``--address``); False without importing Ray when it is not loaded."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+
+
+def check_schedule_and_placement(schedule: str, placement: str, device: torch.device) -> None:
+    """``--schedule`` and ``--placement`` as the run will read them, before Ray starts.
+
+    Args:
+        schedule: The ``--schedule`` text (see :func:`parse_schedule`).
+        placement: The ``--placement`` text (see :func:`parse_placement`).
+        device: The learner device ``--placement learner`` resolves to.
+
+    Raises:
+        ConfigError: The text is malformed, or names a schedule or placement that cannot be
+            built (field ``schedule`` or ``placement``; the reason is that of the
+            :class:`~conduit.errors.ScheduleError` or
+            :class:`~conduit.errors.PlacementError`).
+    """
+    try:
+        parse_schedule(schedule)
+    except ScheduleError as exc:
+        raise ConfigError("schedule", f"{schedule!r}: {exc}") from exc
+    try:
+        parse_placement(placement, device)
+    except ConfigError as exc:
+        raise ConfigError("placement", exc.reason) from exc
+    except PlacementError as exc:
+        raise ConfigError("placement", str(exc)) from exc
 
 
 def check_replay(*, buffer_size: int, batch_size: int, learning_starts: int) -> None:

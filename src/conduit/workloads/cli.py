@@ -2,9 +2,9 @@
 
 ``conduit train --algo {dqn,sac,ppo,grpo} [--flags of that trainer's Args]`` trains one
 workload, prints a progress line with the per-iteration breakdown, and writes a JSON log and a
-PNG of the breakdown (GRPO: its reward curve). ``conduit demo`` runs a heavy-payload workload
-inline and then through Conduit, and prints the exposed-path and end-to-end reductions and the
-plan Conduit chose.
+PNG of the breakdown (GRPO: its reward curve), by default under ``runs/train/``. ``conduit
+demo`` runs a heavy-payload workload inline and then through Conduit, and prints the
+exposed-path and end-to-end reductions and the plan Conduit chose.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from conduit.workloads.args import (
     MIN_IMAGE_SIZE,
     TrainerArgs,
     check_image_size,
-    parse_placement,
-    parse_schedule,
+    check_schedule_and_placement,
 )
 from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
 from conduit.workloads.figures import plot_breakdown
@@ -38,7 +37,8 @@ ALGOS = tuple(TRAINERS)
 _TRAIN_HELP = """\
 Train DQN, SAC or PPO with Ray rollout actors, or GRPO on a tiny causal LM with TRL
 ([trl] extra); the experience path runs inline (the sequential baseline) or through Conduit.
-Prints a per-iteration breakdown (GRPO: the reward curve) and writes a JSON log and a PNG.
+Prints a per-iteration breakdown (GRPO: the reward curve) and writes a JSON log and a PNG
+(--out, --plot; by default under runs/train/).
 Flags depend on --algo (see 'conduit train --algo sac --help')."""
 
 _DEMO_HELP = """\
@@ -78,6 +78,21 @@ def _print_summary(result: RunResult) -> None:
     print(f"  final mean return: {s['final_return']:.1f}   losses finite: {finite}")
 
 
+def _check_trainer(mod: ModuleType, args: TrainerArgs) -> None:
+    """The trainer's own checks, then ``--schedule`` and ``--placement`` as the run reads them.
+
+    Raises:
+        ConfigError: Naming the field of the flag at fault (see the trainer's ``check`` and
+            :func:`~conduit.workloads.args.check_schedule_and_placement`).
+    """
+    mod.check(args)
+    try:
+        device = resolve_device(args.device)
+    except ConfigError:
+        return  # train_main reports the device; --placement learner cannot be judged without
+    check_schedule_and_placement(args.schedule, args.placement, device)
+
+
 def train_main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit train``; returns the exit status."""
     pre = argparse.ArgumentParser(prog="conduit train", add_help=False)
@@ -87,13 +102,12 @@ def train_main(argv: list[str] | None = None) -> int:
     mod = TRAINERS[known.algo]
     # Checks that need several flags (or the environment) are usage errors naming the flag,
     # before any output and before Ray starts.
-    args = parse_command(parser, mod.Args, argv, check=getattr(mod, "check", None))
     if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
+        args = parse_command(parser, mod.Args, argv, check=getattr(mod, "check", None))
         return mod.report(mod.train(args), args)
-    # Bad input fails here, before Ray starts and the run is spent (the trainer checks the
-    # environment before it starts Ray).
-    parse_schedule(args.schedule)
-    parse_placement(args.placement, resolve_device(args.device))
+    args = parse_command(parser, mod.Args, argv, check=lambda a: _check_trainer(mod, a))
+    # An unknown --device fails here (a ConfigError naming it), before Ray starts.
+    resolve_device(args.device)
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
     out_path = check_output_path(args.out or f"{stem}.json", "out")
     png_path = check_output_path(args.plot or f"{stem}.png", "plot")

@@ -40,13 +40,13 @@ class Args(TrainerArgs):
     buffer_size: int = arg(50_000, "replay capacity in transitions", min=1)
     batch_size: int = arg(128, "transitions per training batch", min=1)
     learning_rate: float = arg(5e-4, "Adam learning rate", positive=True)
-    gamma: float = arg(0.99, "discount factor")
+    gamma: float = arg(0.99, "discount factor", min=0, max=1)
     updates_per_iter: int = arg(16, "gradient steps per iteration", min=1)
     target_update_every: int = arg(250, "gradient steps between target-network copies", min=1)
     learning_starts: int = arg(1_000, "transitions stored before learning starts (0: learn "
                                "from the first rollout); at most --buffer-size")
-    start_e: float = arg(1.0, "initial exploration epsilon")
-    end_e: float = arg(0.05, "final exploration epsilon")
+    start_e: float = arg(1.0, "initial exploration epsilon", min=0, max=1)
+    end_e: float = arg(0.05, "final exploration epsilon", min=0, max=1)
     exploration_steps: int = arg(15_000, "transitions over which epsilon decays linearly",
                                  min=1)
     prioritized: bool = arg(False, "prioritized experience replay")

@@ -24,7 +24,7 @@ from conduit.errors import ConfigError
 from conduit.storage import FifoSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs, check_trainer_args
+from conduit.workloads.args import TrainerArgs, check_trainer_args, probe_env
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import MULTI_AGENT_CARTPOLE, EnvInfo, env_info
 from conduit.workloads.learner import setup_learner
@@ -50,14 +50,14 @@ class Args(TrainerArgs):
     learning_rate: float = arg(1e-3, "Adam learning rate (annealed linearly to 0)",
                                positive=True)
     anneal_lr: bool = arg(True, "anneal the learning rate over the run")
-    gamma: float = arg(0.98, "discount factor")
-    gae_lambda: float = arg(0.8, "GAE lambda")
+    gamma: float = arg(0.98, "discount factor", min=0, max=1)
+    gae_lambda: float = arg(0.8, "GAE lambda", min=0, max=1)
     num_minibatches: int = arg(4, "M: mini-batches per epoch", min=1)
     update_epochs: int = arg(10, "epochs over each iteration's samples", min=1)
-    clip_coef: float = arg(0.2, "surrogate clipping coefficient")
+    clip_coef: float = arg(0.2, "surrogate clipping coefficient", positive=True)
     ent_coef: float = arg(0.0, "entropy bonus coefficient")
     vf_coef: float = arg(0.5, "value loss coefficient")
-    max_grad_norm: float = arg(0.5, "gradient clipping norm")
+    max_grad_norm: float = arg(0.5, "gradient clipping norm", positive=True)
     norm_adv: bool = arg(True, "normalize advantages per mini-batch (in delivery)")
     lead_first: bool = arg(True, "draw each iteration's first mini-batch from every rollout "
                            "unit but the last (FifoSampler first_within = 1 - 1/units), so the "
@@ -155,7 +155,8 @@ def check(args: Args) -> None:
 
     Raises:
         ConfigError: ``MultiAgentCartPole`` (field ``env``): PPO here sizes an iteration with
-            one row per env and step, while a multi-agent env yields one per live agent;
+            one row per env and step, while a multi-agent env yields one per live agent; the
+            environment needs an optional extra that is not installed (field ``env``);
             ``--num-minibatches`` does not divide an iteration's samples; or a shared flag
             is refused (see :func:`~conduit.workloads.args.check_trainer_args`).
     """
@@ -169,6 +170,7 @@ def check(args: Args) -> None:
                                              f"{rows} samples of an iteration (--actors x "
                                              "--envs-per-actor x --steps-per-rollout x "
                                              "--rollout-fragments)")
+    probe_env(args.env)  # an unknown id is left to env_info, which names it
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None

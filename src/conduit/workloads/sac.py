@@ -40,7 +40,7 @@ class Args(TrainerArgs):
     batch_size: int = arg(256, "transitions per training batch", min=1)
     q_lr: float = arg(1e-3, "critic learning rate", positive=True)
     policy_lr: float = arg(3e-4, "actor learning rate", positive=True)
-    gamma: float = arg(0.99, "discount factor")
+    gamma: float = arg(0.99, "discount factor", min=0, max=1)
     tau: float = arg(0.005, "target smoothing coefficient (1: copy the critics every step)",
                      positive=True, max=1.0)
     reward_scale: float = arg(1.0, "reward multiplier applied in ingestion")

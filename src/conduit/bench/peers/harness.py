@@ -240,12 +240,12 @@ class PeersConfig:
     capacity: int = arg(100_000, "replay capacity in rows; lowered automatically (and "
                                  "reported) when the machine's free memory cannot hold it", min=1)
     batches: tuple[int, ...] = arg((256, 1024), "rows per uniform / prioritized sample; "
-                                                "every size is a workload of its own")
+                                                "every size is a workload of its own", min=1)
     epoch_rows: int = arg(8192, "rows of one on-policy rollout", min=1)
     minibatches: int = arg(8, "shuffled mini-batches per on-policy epoch (M)", min=1)
-    warmup: int = arg(5, "untimed repetitions before each metric")
+    warmup: int = arg(5, "untimed repetitions before each metric", min=0)
     repeats: int = arg(50, "timed repetitions per sampling metric (the median is reported)", min=1)
-    insert_64_repeats: int = arg(200, "timed inserts of 64-row chunks")
+    insert_64_repeats: int = arg(200, "timed inserts of 64-row chunks", min=1)
     epoch_repeats: int = arg(10, "timed on-policy epochs", min=1)
     rounds: int = arg(1, "measure every in-process peer this many times, alternating the "
                          "order each round, and report the median of the round medians (a "
@@ -258,12 +258,14 @@ class PeersConfig:
                    output="dir")
     torch_threads: int = arg(1, "torch intra-op threads for every in-process peer", min=1)
     memory_fraction: float = arg(0.5, "share of available memory one buffer (with the peers' "
-                                      "overheads) may take when sizing the capacity")
+                                      "overheads) may take when sizing the capacity",
+                                 positive=True, max=1)
     reverb_python: str = arg("", "Python of the Reverb virtualenv (default: .venv-reverb/bin/"
                                  "python)")
     reverb_modes: tuple[str, ...] = arg(("inproc", "grpc"), "Reverb server modes: inproc "
                                         "(same process) and/or grpc (separate process)")
-    reverb_timeout_s: float = arg(3600.0, "wall-clock limit of one Reverb worker run")
+    reverb_timeout_s: float = arg(3600.0, "wall-clock limit of one Reverb worker run",
+                                  positive=True)
     plot: bool = arg(True, "write the PNG bar chart")
     seed: int = arg(0, "seed of every random draw")
 
@@ -286,6 +288,9 @@ class PeersConfig:
             raise ValueError(f"reverb_modes: {bad_modes} not in ('inproc', 'grpc')")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if not 0 < self.reverb_timeout_s < float("inf"):
+            raise ValueError(f"reverb_timeout_s: must be a finite number > 0, got "
+                             f"{self.reverb_timeout_s}")
 
 
 QUICK = {"dims": (128, 1000), "batches": (256,), "capacity": 16384, "warmup": 2, "repeats": 15,
