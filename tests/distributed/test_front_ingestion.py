@@ -527,3 +527,28 @@ def test_close_waits_for_inline_drains_while_they_make_progress():
         p.join(10)
     stored = sorted(ids[0] for _, ids in store.writes)
     assert stored == sorted(acknowledged) and len(stored) >= 3  # 3 x 0.6 s > the timeout
+
+
+@pytest.mark.parametrize(("before", "after"), [(Schedule(0, 1, 0, 1), Schedule(1, 1, 0, 1)),
+                                               (Schedule(1, 1, 0, 1), Schedule(0, 1, 0, 1))])
+def test_a_schedule_switch_while_a_push_queues_leaves_close_nothing_to_wait_for(before, after):
+    """Defect (review): a push counted its inline drain when it queued its unit, then read
+    the schedule again to decide whether to drain; a set_schedule in between left the count
+    at 1 (close() waited out its timeout) or -1 (close() dropped a queued, acknowledged unit
+    as lost)."""
+    store = Recorder()
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.set_schedule(before)
+    queue = ing._queue
+
+    def queue_then_switch(unit_: QueuedUnit, deadline: float) -> bool:
+        inline = queue(unit_, deadline)
+        ing.set_schedule(after)  # another thread's switch, between queueing and draining
+        return inline
+
+    ing._queue = queue_then_switch  # type: ignore[method-assign]
+    ing.submit(unit(0, "n1"), time.monotonic() + 5)
+    ing._queue = queue  # type: ignore[method-assign]
+    assert ing._draining == 0
+    ing.close()  # no DataLossError, no wait
+    assert [ids for _, ids in store.writes] == [[0, 1]]

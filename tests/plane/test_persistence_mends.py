@@ -131,3 +131,30 @@ def test_an_off_policy_file_saved_with_num_epochs_loads(tmp_path, small_spec):
     with pytest.raises(ConfigError) as err:
         ExperienceDataPlane(spec=small_spec, capacity=16, batch_size=4, num_epochs=3)
     assert err.value.field == "num_epochs"
+
+
+def test_an_epoch_saved_part_way_loads_with_a_sampler_that_lays_it_out_alike():
+    """Defect (review): the check compared the samplers' configurations, not the epoch's
+    layout, and refused loads that deliver every row once: a seed that an unshuffled
+    sampler does not use, a leading sampler past its first epoch."""
+    spec = ExperienceSpec.of(x=((1,), torch.float32))
+
+    def plane(sampler: FifoSampler) -> ExperienceDataPlane:
+        return ExperienceDataPlane(spec=spec, capacity=8, mode="on_policy", batch_size=8,
+                                   num_minibatches=4, num_epochs=2, sampler=sampler)
+
+    cases = [(FifoSampler(num_minibatches=4, shuffle=False, seed=0),
+              FifoSampler(num_minibatches=4, shuffle=False, seed=1), 2),
+             (FifoSampler.leading(units=2, num_minibatches=4),
+              FifoSampler(num_minibatches=4), 5)]
+    for saved_with, loaded_with, pulls in cases:
+        with plane(saved_with) as a:
+            a.push({"x": torch.arange(8.0).reshape(8, 1)})
+            batches = [a.pull()["x"].reshape(-1).tolist() for _ in range(pulls)]
+            state = a.state_dict()
+        epoch = [x for rows in batches[pulls // 4 * 4:] for x in rows]  # the current epoch's
+        with plane(loaded_with) as b:
+            b.load_state_dict(state)
+            while len(epoch) < 8:
+                epoch += b.pull()["x"].reshape(-1).tolist()
+        assert sorted(epoch) == [float(i) for i in range(8)]  # each row once in the epoch

@@ -349,14 +349,15 @@ class FrontIngestion:
             PlaneClosedError: :meth:`close` began (the unit is not taken).
         """
         try:
-            self._queue(unit, deadline)
+            inline = self._queue(unit, deadline)
         except BaseException:
             self._on_lost([unit], 0)
             raise
-        if not self.overlapped:
+        if inline:  # as decided when it was queued (a set_schedule may have come since)
             self._drain_inline(force=False, deadline=deadline, current=unit, counted=True)
 
-    def _queue(self, unit: QueuedUnit, deadline: float) -> None:
+    def _queue(self, unit: QueuedUnit, deadline: float) -> bool:
+        """Queue ``unit``; whether its push drains inline (then counted in ``_draining``)."""
         with self._cond:
             while True:
                 if self._closed:
@@ -373,9 +374,11 @@ class FrontIngestion:
                         f"wait); the ingestion operator is slower than the actors")
                 self._cond.wait(left)
             self._pending.append(unit)
-            if not self.overlapped:
+            inline = not self.overlapped
+            if inline:
                 self._draining += 1  # its push's drain, counted before close() can begin
             self._cond.notify_all()
+            return inline
 
     def _take(self, *, force: bool) -> list[QueuedUnit] | None:
         """Up to ``g_ing`` queued units of one node (call with the lock held); on-policy, up

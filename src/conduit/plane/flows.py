@@ -13,6 +13,7 @@ Methods whose name ends in ``_locked`` are called with the plane's lock
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import threading
 from collections import deque
@@ -849,17 +850,32 @@ class OnPolicyFlow(Flow):
                 f"before pulling")
 
     def state_dict(self) -> dict[str, Any]:
-        """Policy version, rows written and mini-batches delivered in the iteration, and the
-        sampler that laid out its epochs (``layout``: kind and configuration)."""
+        """Policy version, rows written and mini-batches delivered in the iteration, and,
+        part way through an epoch, how that epoch is laid out (``layout``: the sampler's kind
+        and configuration, and a digest of the epoch's mini-batches)."""
         return {"policy_version": self.policy_version,
                 "iter_written_rows": self.iter_written_rows,
-                "delivered_in_iter": self.delivered_in_iter, "layout": self._layout()}
+                "delivered_in_iter": self.delivered_in_iter,
+                "layout": self._layout(self.policy_version, self.delivered_in_iter)}
 
-    def _layout(self) -> dict[str, Any]:
+    def _layout(self, version: int, delivered: int) -> dict[str, Any] | None:
+        """What a load re-lays after ``delivered`` mini-batches of iteration ``version``
+        (None at an epoch's start: nothing of the epoch is laid out yet). ``digest`` is None
+        for a sampler without a pure ``layout`` (its kind and configuration are compared)."""
+        m = self.config.num_minibatches
+        if delivered % m == 0:
+            return None
         sampler = self.buffer.sampler
+        digest = None
+        layout = getattr(sampler, "layout", None)
+        if callable(layout):
+            h = hashlib.sha1(usedforsecurity=False)
+            for part in layout(self.config.capacity, iteration=version, epoch=delivered // m):
+                h.update(np.asarray(part, dtype=np.int64).tobytes() + b"|")
+            digest = h.hexdigest()
         # as a checkpoint's JSON holds it (a value JSON lacks is compared as its text)
-        return json.loads(json.dumps({"kind": type(sampler).__name__,
-                                      "config": sampler.config()}, default=repr))
+        return json.loads(json.dumps({"kind": type(sampler).__name__, "config": sampler.config(),
+                                      "digest": digest}, default=repr))
 
     def check_state(self, state: Mapping[str, int], *, rows: int) -> None:
         integer(state, "policy_version", "flow")
@@ -876,19 +892,22 @@ class OnPolicyFlow(Flow):
                                                        f"(at most {self.MOST_STAGED} are "
                                                        f"delivered early)")
         saved = state.get("layout")  # absent from states made before it was recorded
-        if saved is not None and delivered % self.config.num_minibatches:
-            mine = self._layout()
-            if saved != mine:
-                # the rest of the epoch is laid out again from the sampler's configuration
-                was = (f"a {saved.get('kind')} with {saved.get('config')}"
-                       if isinstance(saved, dict) else repr(saved))
-                raise StateError("flow.layout", f"the saved epoch was laid out by {was}; "
-                                                f"this plane's {mine['kind']} with "
-                                                f"{mine['config']} lays it out otherwise: "
-                                                f"rows delivered before the save would be "
-                                                f"delivered again and others never; load "
-                                                f"into a plane whose sampler is like the "
-                                                f"saved one (or save at an epoch's end)")
+        if isinstance(saved, dict) and delivered % self.config.num_minibatches:
+            mine = self._layout(integer(state, "policy_version", "flow"), delivered)
+            assert mine is not None
+            same = (saved.get("digest") == mine["digest"] if saved.get("digest") and
+                    mine["digest"] else (saved.get("kind"), saved.get("config"))
+                    == (mine["kind"], mine["config"]))
+            if not same:  # the rest of the epoch is laid out again on load
+                raise StateError("flow.layout", f"the saved epoch's mini-batches (laid out by "
+                                                f"a {saved.get('kind')} with "
+                                                f"{saved.get('config')}) are not those this "
+                                                f"plane's {mine['kind']} with "
+                                                f"{mine['config']} lays out: rows delivered "
+                                                f"before the save would be delivered again "
+                                                f"and others never; load into a plane whose "
+                                                f"sampler is like the saved one (or save at "
+                                                f"an epoch's end)")
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore :meth:`state_dict`; the sampler resumes after the last delivered batch."""
