@@ -134,3 +134,27 @@ def test_default_epochs_and_on_policy_epochs_stay_valid() -> None:
     on = PlaneConfig(spec=SPEC, capacity=8, mode="on_policy", num_minibatches=2, num_epochs=3)
     assert on.batches_per_iteration == 6
     assert PlaneConfig(spec=SPEC, capacity=8, batch_size=2, rollout_spec=SPEC).rollout_spec is SPEC
+
+
+@pytest.mark.parametrize("shares", [0.5, "0.5", 1])
+def test_sharded_shares_that_are_not_a_sequence_are_refused_by_name(shares) -> None:
+    with pytest.raises(PlacementError, match=r"placement\.shares"):
+        Placement(kind="sharded", devices=("cpu", "cpu"), shares=shares)
+    with pytest.raises(PlacementError, match=r"placement\.shares"):
+        Placement.from_dict({"kind": "sharded", "devices": ["cpu", "cpu"], "shares": shares})
+
+
+def test_a_placement_round_trips_through_its_dict() -> None:
+    p = Placement.sharded(["cpu", "cpu"], shares=(0.25, 0.75))
+    assert Placement.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize(("d", "field"), [([1, 2], "spec"),
+                                          ({"obs": 5}, "spec.fields['obs']"),
+                                          ({"obs": {"shape": 4, "dtype": "float32"}},
+                                           "spec.fields['obs']"),
+                                          ({"obs": {"shape": [4]}}, "spec.fields['obs']")])
+def test_a_spec_dict_of_the_wrong_form_is_refused_by_name(d, field) -> None:
+    with pytest.raises(ConfigError) as err:
+        ExperienceSpec.from_dict(d)
+    assert err.value.field == field

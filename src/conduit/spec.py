@@ -185,9 +185,21 @@ class ExperienceSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExperienceSpec:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: ``d`` is not a mapping of field name to ``{"shape": [...],
+                "dtype": "..."}``, or names an unknown dtype (the field is named).
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError("spec", f"expected a mapping of field name to {{'shape': [...], "
+                                      f"'dtype': '...'}}, got {type(d).__name__}")
         fields = {}
         for n, f in d.items():
+            if (not isinstance(f, Mapping) or not isinstance(f.get("shape"), (list, tuple))
+                    or "dtype" not in f):
+                raise ConfigError(f"spec.fields[{n!r}]", f"expected {{'shape': [...], "
+                                                         f"'dtype': '...'}}, got {f!r}")
             dt = getattr(torch, str(f["dtype"]), None)
             if not isinstance(dt, torch.dtype):
                 raise ConfigError(f"spec.fields[{n!r}].dtype", f"unknown dtype {f['dtype']!r}")

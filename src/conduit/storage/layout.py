@@ -71,6 +71,9 @@ class Placement:
                                  f"got {devs}; use Placement.sharded for several")
         if self.kind == "sharded":
             shares = self.shares or tuple(1.0 / len(devs) for _ in devs)
+            if not isinstance(shares, (list, tuple)):
+                raise PlacementError(f"placement.shares: must be a sequence of numbers, one "
+                                     f"per device, such as (0.5, 0.5), got {shares!r}")
             if len(shares) != len(devs):
                 raise PlacementError(f"placement.shares: {len(shares)} shares for "
                                      f"{len(devs)} devices")
@@ -143,8 +146,7 @@ class Placement:
             raise PlacementError(f"placement: expected a mapping with keys 'kind', 'devices' "
                                  f"and 'shares', got {d!r}")
         try:
-            return cls(kind=d["kind"], devices=d["devices"],
-                       shares=tuple(d["shares"]) if d.get("shares") else None)
+            return cls(kind=d["kind"], devices=d["devices"], shares=d.get("shares") or None)
         except KeyError as exc:
             raise PlacementError(f"placement: missing key {exc.args[0]!r}") from exc
 
