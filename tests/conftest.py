@@ -76,3 +76,28 @@ def ray_session(ray_home: Path) -> Iterator[None]:
         assert os.environ["RAY_AUTH_MODE"] == "token"  # Ray's own default, left on
         yield
         ray.shutdown()
+
+
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a run gets as far as starting (or attaching to) Ray."""
+    from conduit.workloads import actors
+
+    def refuse(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("Ray was started for a run that should have been refused")
+
+    monkeypatch.setattr(actors, "ray_running", refuse)
+
+
+def usage_error(argv: list[str], flag: str, says: str, capsys: Any) -> str:
+    """Run ``conduit argv``: a usage error naming ``flag``, saying ``says``, exit status 2,
+    nothing on stdout and no traceback; returns what it wrote on stderr."""
+    from conduit.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"error: argument {flag}: " in err and says in err, err
+    assert "Traceback" not in err and out == ""
+    return err

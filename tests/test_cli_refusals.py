@@ -12,18 +12,9 @@ from pathlib import Path
 import pytest
 
 from conduit.cli import main
-from conduit.workloads import actors
+from tests.conftest import usage_error
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a run gets as far as starting (or attaching to) Ray."""
-    def refuse(*_a, **_k):
-        raise AssertionError("Ray was started for a run that should have been refused")
-
-    monkeypatch.setattr(actors, "ray_running", refuse)
 
 
 def _train(tmp_path: Path, *flags: str, ray: bool = False) -> list[str]:
@@ -31,18 +22,6 @@ def _train(tmp_path: Path, *flags: str, ray: bool = False) -> list[str]:
             "--actors", "1", "--envs-per-actor", "1", "--steps-per-rollout", "4",
             "--log-every", "0", "--out", str(tmp_path / "t.json"),
             "--plot", str(tmp_path / "t.png"), *flags]
-
-
-def _usage_error(argv: list[str], flag: str, says: str, capsys) -> str:
-    """Run ``conduit argv``: a usage error naming ``flag``, saying ``says``, nothing on
-    stdout and no traceback."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert f"error: argument {flag}: " in err and says in err, err
-    assert "Traceback" not in err and out == ""
-    return err
 
 
 def _free_port() -> int:
@@ -80,9 +59,9 @@ def test_train_writes_the_log_where_the_help_says(tmp_path: Path, monkeypatch, c
 
 @pytest.mark.skipif(importlib.util.find_spec("metaworld") is not None,
                     reason="the metaworld extra is installed")
-def test_ppo_without_the_metaworld_extra_is_a_usage_error(tmp_path: Path, capsys,
+def test_ppo_without_the_metaworld_extra_is_ausage_error(tmp_path: Path, capsys,
                                                           no_ray) -> None:
-    _usage_error(_train(tmp_path, "--algo", "ppo", "--env", "metaworld/reach-v3", ray=True),
+    usage_error(_train(tmp_path, "--algo", "ppo", "--env", "metaworld/reach-v3", ray=True),
                  "--env", "optional extra", capsys)
     assert not (tmp_path / "t.json").exists()
 
@@ -136,13 +115,13 @@ def test_saving_a_profile_names_the_cache_variable(tmp_path: Path, monkeypatch) 
 def test_train_refuses_an_address_nothing_listens_on(algo: str, tmp_path: Path, capsys,
                                                      no_ray) -> None:
     port = _free_port()
-    _usage_error(_train(tmp_path, "--algo", algo, "--address", f"127.0.0.1:{port}", ray=True),
+    usage_error(_train(tmp_path, "--algo", algo, "--address", f"127.0.0.1:{port}", ray=True),
                  "--address", "nothing answers at", capsys)
 
 
 def test_train_refuses_an_address_that_is_not_host_port(tmp_path: Path, capsys,
                                                         no_ray) -> None:
-    _usage_error(_train(tmp_path, "--algo", "dqn", "--address", "nowhere", ray=True),
+    usage_error(_train(tmp_path, "--algo", "dqn", "--address", "nowhere", ray=True),
                  "--address", "expected HOST:PORT", capsys)
 
 
@@ -166,7 +145,7 @@ def test_train_refuses_an_address_that_is_not_host_port(tmp_path: Path, capsys,
 def test_out_of_range_hyperparameters_are_usage_errors(algo: str, flag: str, value: str,
                                                        says: str, tmp_path: Path,
                                                        capsys) -> None:
-    _usage_error(_train(tmp_path, "--algo", algo, flag, value), flag, says, capsys)
+    usage_error(_train(tmp_path, "--algo", algo, flag, value), flag, says, capsys)
 
 
 @pytest.mark.parametrize("algo, flags", [
@@ -206,7 +185,7 @@ def test_the_ranges_are_in_the_help(capsys) -> None:
 ])
 def test_a_bad_schedule_or_placement_is_a_usage_error_naming_the_flag(
         flags: list[str], flag: str, says: str, tmp_path: Path, capsys, no_ray) -> None:
-    _usage_error(_train(tmp_path, "--algo", "dqn", *flags, ray=True), flag, says, capsys)
+    usage_error(_train(tmp_path, "--algo", "dqn", *flags, ray=True), flag, says, capsys)
     assert not (tmp_path / "t.json").exists()
 
 
@@ -232,12 +211,12 @@ def test_good_schedules_and_placements_are_taken(flags: list[str]) -> None:
 def test_plan_refuses_an_unknown_device_naming_the_flag(flags: list[str], flag: str, tmp_path,
                                                         capsys) -> None:
     json_out = tmp_path / "sub" / "plan.json"
-    _usage_error(["plan", "--dim", "10", *flags, "--json-out", str(json_out)], flag,
+    usage_error(["plan", "--dim", "10", *flags, "--json-out", str(json_out)], flag,
                  "'banana' is not a device of the topology", capsys)
     assert not json_out.parent.exists()
 
 
-def test_plan_reports_a_late_config_error_as_a_usage_error(monkeypatch, capsys) -> None:
+def test_plan_reports_a_late_config_error_as_ausage_error(monkeypatch, capsys) -> None:
     """A flag only the cluster can judge (``--topology ray``) is refused by :func:`plan`;
     ``main`` names its flag too."""
     from conduit import plan_cli
@@ -247,7 +226,7 @@ def test_plan_reports_a_late_config_error_as_a_usage_error(monkeypatch, capsys) 
         raise ConfigError("learner_device", "'banana' is not a device of the topology")
 
     monkeypatch.setattr(plan_cli, "plan", late)
-    _usage_error(["plan", "--topology", "a100-8"], "--learner-device", "'banana'", capsys)
+    usage_error(["plan", "--topology", "a100-8"], "--learner-device", "'banana'", capsys)
 
 
 # -- 7. help text -----------------------------------------------------------------------------
@@ -284,6 +263,6 @@ def test_bench_help_describes_the_command(capsys) -> None:
 ])
 def test_bench_peers_refuses_values_out_of_range(flag: str, value: str, says: str,
                                                  tmp_path: Path, capsys) -> None:
-    _usage_error(["bench", "peers", flag, value, "--out", str(tmp_path / "p")], flag, says,
+    usage_error(["bench", "peers", flag, value, "--out", str(tmp_path / "p")], flag, says,
                  capsys)
     assert not (tmp_path / "p").exists()

@@ -14,8 +14,9 @@ import torch
 from conduit.cli import main
 from conduit.cli_args import parse_command
 from conduit.errors import ConfigError
-from conduit.workloads import actors, dqn, envs, ppo, sac
+from conduit.workloads import dqn, envs, ppo, sac
 from conduit.workloads.cli import demo_main, train_main, train_parser
+from tests.conftest import usage_error
 
 
 def _tiny(tmp_path: Path, *flags: str, ray: bool = False) -> list[str]:
@@ -25,22 +26,8 @@ def _tiny(tmp_path: Path, *flags: str, ray: bool = False) -> list[str]:
             "--plot", str(tmp_path / "t.png"), *flags]
 
 
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a run gets as far as starting (or attaching to) Ray."""
-    def refuse(*_a, **_k):
-        raise AssertionError("Ray was started for a run that should have been refused")
-
-    monkeypatch.setattr(actors, "ray_running", refuse)
-
-
 def _usage_error(argv: list[str], flag: str, says: str, capsys, tmp_path: Path) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert f"argument {flag}: " in err and says in err, err
-    assert "Traceback" not in err and out == ""
+    err = usage_error(argv, flag, says, capsys)
     assert not (tmp_path / "t.json").exists()
     return err
 
