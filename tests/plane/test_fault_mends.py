@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
 import torch
 
 from conduit import (
+    BackpressureTimeout,
     DataLossError,
+    EmptyBufferError,
     ExperienceDataPlane,
     ExperienceSpec,
     OperatorError,
@@ -336,7 +339,8 @@ def test_a_push_is_not_told_of_an_invocation_over_units_queued_before_its_own(sm
     with engine.signals.lock:
         engine.flow.enqueue_locked(earlier)
         engine.flow.enqueue_locked(mine)
-    engine.runtime.drain_inline(force=False, current=mine)  # the push's drain: no error
+    engine.runtime.drain_inline(force=False, deadline=None, current=mine)
+    # (the push's drain: no error)
     assert stored_ids(plane) == [10, 11, 12]
     with pytest.raises(DataLossError) as lost:
         plane.close()
@@ -447,21 +451,22 @@ def test_a_push_whose_unit_waits_when_a_worker_fails_raises_and_stores_nothing(s
 
 
 class _InterruptedOnce:
-    """A lock whose first ``with`` raises KeyboardInterrupt (an interrupt while waiting)."""
+    """A lock whose first acquisition raises KeyboardInterrupt (an interrupt while
+    waiting)."""
 
     def __init__(self, lock: threading.RLock) -> None:
         self._lock, self.fired = lock, False
 
     def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def acquire(self, *args: object, **kw: object) -> bool:
         if not self.fired:
             self.fired = True
             raise KeyboardInterrupt
-        return self._lock.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.__exit__(*exc)
-
-    def acquire(self, *args: object, **kw: object) -> bool:
         return self._lock.acquire(*args, **kw)
 
     def release(self) -> None:
@@ -535,4 +540,75 @@ def test_a_note_added_to_a_raised_latched_error_stays_on_that_copy(small_spec):
         assert again.value.__notes__ == ["kept", "seen by this caller"]
     assert kept.__notes__ == ["kept"]
     plane.recover()
+    plane.close()
+
+
+# -- waiting for another thread's inline ingestion ---------------------------------------------
+
+
+def _push_held_by(plane: ExperienceDataPlane, small_spec, lock: threading.Lock,
+                  entered: threading.Event) -> threading.Thread:
+    """A push on a thread of its own whose inline ingestion waits for ``lock``."""
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        entered.set()
+        with lock:
+            exp_out.write(data)
+
+    pusher = threading.Thread(target=plane.push, args=(make_rows(small_spec, 4),),
+                              daemon=True)
+    pusher.start()
+    assert entered.wait(10)
+    return pusher
+
+
+def test_a_pull_does_not_wait_for_another_threads_inline_ingestion(small_spec):
+    """Defect: a learner's pull ran the queued ingestion itself and waited, past its timeout,
+    for another thread's inline invocation to end; when that operator waited for a lock the
+    learner held (a model lock), both waited for good."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    model, entered, outcome = threading.Lock(), threading.Event(), []
+    model.acquire()  # the learner's, below
+    pusher = _push_held_by(plane, small_spec, model, entered)
+    waiting = threading.Thread(target=plane.push, args=(make_rows(small_spec, 2, start=100),),
+                               daemon=True)  # queued, waiting its turn
+    waiting.start()
+    while plane.stats()["pending_units"] == 0:
+        time.sleep(0.01)
+
+    def learner() -> None:
+        try:
+            plane.pull(timeout=0.5)
+        except EmptyBufferError as exc:
+            outcome.append(exc)
+        finally:
+            model.release()
+
+    t = threading.Thread(target=learner, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and len(outcome) == 1  # its own timeout, not a hang
+    pusher.join(10)
+    waiting.join(10)
+    assert stored_ids(plane) == [0, 1, 2, 3, 100, 101]
+    plane.close()
+
+
+def test_a_push_or_flush_whose_turn_does_not_come_times_out_and_stores_nothing(small_spec):
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    held, entered = threading.Lock(), threading.Event()
+    held.acquire()
+    pusher = _push_held_by(plane, small_spec, held, entered)
+    with pytest.raises(BackpressureTimeout, match="turn"):
+        plane.push(make_rows(small_spec, 2, start=100), timeout=0.3)
+    with pytest.raises(BackpressureTimeout, match="turn"):
+        plane.flush(timeout=0.3)
+    held.release()
+    pusher.join(10)
+    plane.flush()
+    assert stored_ids(plane) == [0, 1, 2, 3]  # not the timed-out push's rows
     plane.close()

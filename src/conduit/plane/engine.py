@@ -323,7 +323,7 @@ class PlaneEngine:
             flow.enqueue_locked(unit)
             self.signals.wake(ingestion=True)
             ingestion = self.ingestion
-        ingestion.after_push(unit)
+        ingestion.after_push(unit, deadline)
 
     def next_batch(self, *, deadline: float, waited: float,
                    records: list[TimingRecord]) -> Batch:
@@ -363,7 +363,12 @@ class PlaneEngine:
                     self.signals.callers.wait(min(remaining, 0.5))
                     continue
             if job is None:
-                self.ingestion.hurry()
+                if not self.ingestion.hurry():  # another thread's inline ingestion runs
+                    with self.signals.lock:
+                        remaining = deadline - time.perf_counter()
+                        if remaining <= 0:
+                            raise EmptyBufferError(flow.empty_message(waited))
+                        self.signals.callers.wait(min(remaining, 0.05))
                 continue
             with data_path_threads(1):
                 err, batch = rt.run_delivery(job, caller_records=records)

@@ -102,24 +102,33 @@ class InlineIngestion(Runner[list[Unit]]):
 
     operator = "ingestion"
 
-    def after_push(self, unit: Unit) -> None:
-        """Ingest if ``g_ing`` units are queued, until ``unit`` (the push's) is taken (see
+    def after_push(self, unit: Unit, deadline: float) -> None:
+        """Ingest if ``g_ing`` units are queued, until ``unit`` (the push's) is taken, waiting
+        for other threads' inline invocations until ``deadline`` (see
         :meth:`~conduit.plane.runtime.OperatorRuntime.drain_inline`)."""
-        self.rt.drain_inline(force=False, current=unit)
+        self.rt.drain_inline(force=False, deadline=deadline, current=unit)
 
     def make_room(self) -> bool:
-        """Ingest what is queued so a waiting push gets room; True when it ran."""
-        self.rt.drain_inline(force=True)
-        return True
+        """Ingest what is queued so a waiting push gets room; True when it ran (False: another
+        thread's inline invocation runs, which makes room)."""
+        return self.rt.drain_inline(force=True, deadline=None)
 
     def flush(self, deadline: float) -> None:
-        """Ingest every queued unit now."""
-        self.rt.drain_inline(force=True)
+        """Ingest every queued unit now, waiting for other threads' inline invocations until
+        ``deadline``.
 
-    def hurry(self) -> None:
+        Raises:
+            BackpressureTimeout: Another thread's inline ingestion ran past ``deadline``.
+            OperatorError: An ingestion invocation failed.
+        """
+        self.rt.drain_inline(force=True, deadline=deadline)
+
+    def hurry(self) -> bool:
         """A learner waits for data: ingest what is queued, however few units, on the
-        caller's thread (call without the lock)."""
-        self.rt.drain_inline(force=True)
+        caller's thread (call without the lock); False when another thread's inline
+        invocation runs (it does not wait for it: the learner waits on the plane's condition,
+        under its own timeout)."""
+        return self.rt.drain_inline(force=True, deadline=None)
 
 
 class ThreadedIngestion(InlineIngestion):
@@ -132,14 +141,15 @@ class ThreadedIngestion(InlineIngestion):
         self.flush_requested = 0
         self.hurried = False
 
-    def hurry(self) -> None:
+    def hurry(self) -> bool:
         """A learner waits for data: the worker ingests what is queued, however few units
-        (call with the lock held)."""
+        (call with the lock held). True: the worker was asked."""
         if not self.hurried:
             self.hurried = True
             self.rt.signals.wake(ingestion=True)
+        return True
 
-    def after_push(self, unit: Unit) -> None:
+    def after_push(self, unit: Unit, deadline: float) -> None:
         """Nothing: the worker was woken when the unit was queued."""
         return None
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from conduit.errors import OperatorError, raised_again
+from conduit.errors import BackpressureTimeout, OperatorError, raised_again
 from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.spec import Batch
@@ -219,7 +219,8 @@ class OperatorRuntime:
         """End :meth:`inline_ordered`'s exclusion."""
         self._inline_order.release()
 
-    def drain_inline(self, *, force: bool, current: Unit | None = None) -> None:
+    def drain_inline(self, *, force: bool, deadline: float | None,
+                     current: Unit | None = None) -> bool:
         """Run every ready ingestion invocation on the calling thread; for a push
         (``current``: its unit), until its unit has been taken by an invocation (this
         thread's or, before it, another's).
@@ -229,44 +230,80 @@ class OperatorRuntime:
         pushes queued before it); then the push goes on, its own unit still queued. Whenever
         a push raises with its unit still queued (an interrupt such as ``KeyboardInterrupt``,
         in an invocation over earlier units or while it waits its turn; an operator error a
-        worker latched meanwhile), the unit is withdrawn first: a push that raises stores
-        nothing later, so a retry stores it once.
+        worker latched meanwhile; its turn not coming by ``deadline``), the unit is withdrawn
+        first: a push that raises stores nothing later, so a retry stores it once.
+
+        Invocations on different callers' threads run one at a time, in the order they took
+        their units. A caller waits its turn until ``deadline`` (``time.perf_counter()``);
+        without one (a learner's hurry, a push making room) it leaves the queue to the
+        thread whose invocation runs.
+
+        Returns:
+            False when it did not run: ``deadline`` is None and another thread's inline
+            invocation runs.
 
         Raises:
             OperatorError: An invocation raised here failed (its units are lost; the error is
                 not latched, and the units that other threads pushed are kept in
                 :attr:`untold` for ``close()``, as are all the units of a failure not raised),
                 or an operator failed earlier on a worker (the error stays latched).
+            BackpressureTimeout: ``deadline`` passed while another thread's inline
+                invocations ran (a push's unit, if still queued, is withdrawn; one taken by
+                an earlier drain meanwhile stays with it, and the push returns).
         """
         try:
-            self._drain_inline(force=force, current=current)
+            return self._drain_inline(force=force, current=current, deadline=deadline)
         except BaseException:
             if current is not None:
                 with self.signals.lock:
                     self.flow.withdraw_locked(current)  # (False: taken, and told if it failed)
             raise
 
-    def _drain_inline(self, *, force: bool, current: Unit | None) -> None:
+    def _drain_inline(self, *, force: bool, current: Unit | None,
+                      deadline: float | None) -> bool:
+        order = self._inline_order
         while True:
             # Invocations on different callers' threads (a push, a flush or save on another)
-            # run one at a time, in the order they took their units: rows land in push order.
-            with self._inline_order:
+            # run one at a time, in the order they took their units: rows land in push order,
+            # and no other thread takes a push's unit while that push runs earlier ones.
+            if not (order.acquire(blocking=False) if deadline is None else
+                    order.acquire(timeout=max(0.0, deadline - time.perf_counter()))):
+                if deadline is None:
+                    return False
+                if current is not None:
+                    with self.signals.lock:
+                        if not self.flow.withdraw_locked(current):
+                            return True  # taken by the drain before it meanwhile
+                raise BackpressureTimeout(
+                    f"{'push' if current is not None else 'flush'}: waited its turn past the "
+                    f"timeout while another thread's inline ingestion ran (inline invocations "
+                    f"run one at a time, in push order); pass a longer timeout or check the "
+                    f"ingestion operator")
+            units: list[Unit] | None = None
+            try:
                 with self.signals.lock:
                     if current is not None and all(u is not current for u in self.flow.pending):
-                        return  # taken (ingested, or failed where its caller was running)
+                        return True  # taken (ingested, or failed where its caller was running)
                     self.raise_if_failed()
                     units = self.take_ingestion_locked(force=force)
                 if units is None:
-                    return
+                    return True
                 with data_path_threads(1):
                     err = self.run_ingestion(units, latch=False)
-                if err is None:
-                    continue
-                interrupted = not isinstance(err.__cause__, Exception)
-                told = current is None or interrupted or any(u is current for u in units)
-                self._keep_untold(err, units, told=told)
-                if told:
-                    raise err
+            except BaseException:
+                if current is not None and all(u is not current for u in units or ()):
+                    with self.signals.lock:  # before another drain could take it
+                        self.flow.withdraw_locked(current)
+                raise
+            finally:
+                order.release()
+            if err is None:
+                continue
+            interrupted = not isinstance(err.__cause__, Exception)
+            told = current is None or interrupted or any(u is current for u in units)
+            self._keep_untold(err, units, told=told)
+            if told:
+                raise err
 
     def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
         """Keep :func:`untold_share` of ``err`` for ``close()``."""
