@@ -158,3 +158,22 @@ def test_an_epoch_saved_part_way_loads_with_a_sampler_that_lays_it_out_alike():
             while len(epoch) < 8:
                 epoch += b.pull()["x"].reshape(-1).tolist()
         assert sorted(epoch) == [float(i) for i in range(8)]  # each row once in the epoch
+
+
+def test_a_sampler_without_a_pure_layout_saves_part_way_through_an_epoch(monkeypatch):
+    """A consume-once sampler that does not implement ``layout`` (the base raises) is saved
+    with its kind and configuration only, not refused."""
+    with ExperienceDataPlane(**ON_KW) as a:
+        a.push(make_rows(ON, 32), policy_version=0)
+        a.pull()
+
+        def no_layout(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise ConfigError("sampler", "no epoch layout")
+
+        monkeypatch.setattr(a.buffer.sampler, "layout", no_layout)
+        state = a.state_dict()
+    assert state["flow"]["layout"]["digest"] is None
+    assert state["flow"]["layout"]["kind"] == "FifoSampler"
+    with ExperienceDataPlane(**ON_KW) as b:
+        b.load_state_dict(state)  # no digest saved: the same kind and configuration load
+        assert len(b.buffer) == 32

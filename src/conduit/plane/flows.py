@@ -861,16 +861,20 @@ class OnPolicyFlow(Flow):
     def _layout(self, version: int, delivered: int) -> dict[str, Any] | None:
         """What a load re-lays after ``delivered`` mini-batches of iteration ``version``
         (None at an epoch's start: nothing of the epoch is laid out yet). ``digest`` is None
-        for a sampler without a pure ``layout`` (its kind and configuration are compared)."""
+        for a sampler whose ``layout`` raises ``ConfigError`` (the base class's: no pure
+        layout); its kind and configuration are compared instead."""
         m = self.config.num_minibatches
         if delivered % m == 0:
             return None
         sampler = self.buffer.sampler
         digest = None
-        layout = getattr(sampler, "layout", None)
-        if callable(layout):
+        try:
+            parts = sampler.layout(self.config.capacity, iteration=version, epoch=delivered // m)
+        except ConfigError:  # a consume-once sampler without a pure layout
+            parts = None
+        if parts is not None:
             h = hashlib.sha1(usedforsecurity=False)
-            for part in layout(self.config.capacity, iteration=version, epoch=delivered // m):
+            for part in parts:
                 h.update(np.asarray(part, dtype=np.int64).tobytes() + b"|")
             digest = h.hexdigest()
         # as a checkpoint's JSON holds it (a value JSON lacks is compared as its text)
