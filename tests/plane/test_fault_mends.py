@@ -24,6 +24,7 @@ from conduit import (
     Schedule,
 )
 from conduit.plane.checkpoint import Snapshotter
+from conduit.plane.flows import Unit
 from tests.conftest import make_rows
 from tests.plane.helpers import refusing_ingestion, stored_ids
 
@@ -612,3 +613,68 @@ def test_a_push_or_flush_whose_turn_does_not_come_times_out_and_stores_nothing(s
     plane.flush()
     assert stored_ids(plane) == [0, 1, 2, 3]  # not the timed-out push's rows
     plane.close()
+
+
+class _SlowRelease:
+    """The order lock, whose releasing thread is preempted right after it lets go."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+
+    def acquire(self, *args: object, **kw: object) -> bool:
+        return self._lock.acquire(*args, **kw)
+
+    def release(self) -> None:
+        self._lock.release()
+        time.sleep(0.2)  # another thread waiting its turn runs now
+
+
+def test_a_push_interrupted_over_earlier_units_withdraws_its_unit_before_its_turn_ends(
+        small_spec):
+    """Defect (review): an interrupt in a push's invocation over units queued before its own
+    came back as the invocation's error, raised after the order lock was let go: a flush
+    waiting its turn took the push's unit and stored it although the push raised (a retry
+    stored it twice)."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(0, 1, 0, 1), timeout=5)
+    entered, go = threading.Event(), threading.Event()
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        if (data["id"] < 0).any():
+            entered.set()
+            go.wait(10)
+            raise KeyboardInterrupt
+        exp_out.write(data)
+
+    engine = plane._engine
+    engine.runtime._inline_order = _SlowRelease(engine.runtime._inline_order)
+    earlier = Unit(make_rows(small_spec, 2, start=-2), 2, None,
+                   pusher=threading.Thread(target=lambda: None))  # its push returned
+    mine = Unit(make_rows(small_spec, 3, start=10), 3, None,
+                pusher=threading.current_thread())
+    with engine.signals.lock:
+        engine.flow.enqueue_locked(earlier)
+        engine.flow.enqueue_locked(mine)
+    raised: list[BaseException] = []
+
+    def push_drain() -> None:  # what the push runs after queueing ``mine``
+        try:
+            engine.ingestion.after_push(mine, time.perf_counter() + 5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    pusher = threading.Thread(target=push_drain)
+    pusher.start()
+    assert entered.wait(10)
+    flusher = threading.Thread(target=lambda: plane.flush(timeout=5))
+    flusher.start()
+    time.sleep(0.05)  # the flush waits its turn
+    go.set()
+    pusher.join(10)
+    flusher.join(10)
+    assert len(raised) == 1  # the push raised ...
+    assert 10 not in stored_ids(plane)  # ... so nothing of it was stored
+    with pytest.raises(DataLossError):  # the earlier, acknowledged unit was cut short
+        plane.close()

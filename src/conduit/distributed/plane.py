@@ -302,7 +302,8 @@ class RayExperienceDataPlane(ScheduledOperators):
             CapacityError: More rows than a shard (off-policy) or the iteration holds.
             StaleRolloutError: On-policy rollout from an older policy.
             BackpressureTimeout: The ingestion queue had no room, or (on-policy) the current
-                iteration was not consumed in time.
+                iteration was not consumed in time, or, inline, its turn to ingest (after other
+                threads' inline invocations) did not come in time (its rows are not stored).
             OperatorError: The ingestion operator raised: here, in the inline invocation
                 that held this push's unit (the error counts that invocation's units; rows
                 its writes left are its ``stored_rows`` and ``unsettled_rows``), or earlier

@@ -405,7 +405,9 @@ class ExperienceDataPlane:
             StaleRolloutError: On-policy rollout from an older policy.
             CapacityError: On-policy rows beyond the iteration's capacity.
             ConfigError: ``policy_version`` is not an integer.
-            BackpressureTimeout: No room within ``timeout``.
+            BackpressureTimeout: No room within ``timeout``, or, inline, its turn to ingest
+                (after other threads' inline invocations) did not come by then: its rows
+                are not stored.
             OperatorError: An ingestion operator raised: on the worker earlier (latched), or
                 inline here in the invocation that held this push's unit (its rows are not
                 stored, except the error's ``stored_rows``). An inline invocation this push
@@ -438,7 +440,8 @@ class ExperienceDataPlane:
         """Ingest every pending unit now (even if fewer than ``g_ing`` are queued).
 
         Raises:
-            BackpressureTimeout: Ingestion did not finish within ``timeout``.
+            BackpressureTimeout: Ingestion did not finish within ``timeout`` (also: another
+                thread's inline ingestion ran past it).
             OperatorError: An ingestion operator raised.
             PlaneClosedError: The plane is closed.
             ConfigError: Called from inside an operator, whose invocation it would wait for.
@@ -609,6 +612,8 @@ class ExperienceDataPlane:
 
         Raises:
             ConfigError: Called from inside an operator, whose invocation it would wait for.
+            BackpressureTimeout: The flush waited past the plane's timeout for another
+                thread's inline ingestion (nothing is held).
         """
         self._engine.refuse_inside_operator("frozen")
         if flush and self.failed is None:
@@ -647,6 +652,8 @@ class ExperienceDataPlane:
             OSError: The folder does not exist or cannot be written (``FileNotFoundError``,
                 ``PermissionError``, ...), as ``open`` raises it; an earlier file at ``path``
                 is left as it was.
+            BackpressureTimeout: Its flush waited past the plane's timeout for another
+                thread's inline ingestion (nothing is written).
         """
         self._engine.refuse_inside_operator("save")
         return checkpoint.save(self, path)

@@ -290,6 +290,12 @@ class OperatorRuntime:
                     return True
                 with data_path_threads(1):
                     err = self.run_ingestion(units, latch=False)
+                if err is not None:
+                    interrupted = not isinstance(err.__cause__, Exception)
+                    told = current is None or interrupted or any(u is current for u in units)
+                    self._keep_untold(err, units, told=told)
+                    if told:
+                        raise err  # (an interrupted push withdraws its unit just below)
             except BaseException:
                 if current is not None and all(u is not current for u in units or ()):
                     with self.signals.lock:  # before another drain could take it
@@ -297,13 +303,6 @@ class OperatorRuntime:
                 raise
             finally:
                 order.release()
-            if err is None:
-                continue
-            interrupted = not isinstance(err.__cause__, Exception)
-            told = current is None or interrupted or any(u is current for u in units)
-            self._keep_untold(err, units, told=told)
-            if told:
-                raise err
 
     def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
         """Keep :func:`untold_share` of ``err`` for ``close()``."""
