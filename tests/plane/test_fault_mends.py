@@ -678,3 +678,40 @@ def test_a_push_interrupted_over_earlier_units_withdraws_its_unit_before_its_tur
     assert 10 not in stored_ids(plane)  # ... so nothing of it was stored
     with pytest.raises(DataLossError):  # the earlier, acknowledged unit was cut short
         plane.close()
+
+
+def test_close_timing_out_on_a_stuck_inline_invocation_counts_its_acknowledged_units(
+        small_spec):
+    """Defect: close() timing out on another thread's inline invocation counted every unit
+    the invocation held, the running push's own (not acknowledged: the push reports it)
+    included, and none of their rows."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=4,
+                                schedule=Schedule(0, 2, 0, 1), timeout=0.5)
+    entered, go = threading.Event(), threading.Event()
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        data = actor_in.read()
+        entered.set()
+        go.wait(10)
+        exp_out.write(data)
+
+    _push_on_another_thread(plane, make_rows(small_spec, 4))  # acknowledged: 1 of g_ing = 2
+    told: list[BaseException | None] = []
+
+    def push_own() -> None:  # runs the invocation over both units, held
+        try:
+            plane.push(make_rows(small_spec, 2, start=100), timeout=10)
+            told.append(None)
+        except Exception as exc:
+            told.append(exc)
+
+    pusher = threading.Thread(target=push_own)
+    pusher.start()
+    assert entered.wait(10)
+    with pytest.raises(DataLossError) as lost:
+        plane.close()  # the invocation is stuck past the timeout
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)  # the other thread's
+    go.set()
+    pusher.join(10)
+    assert len(told) == 1  # the push itself reported what became of its unit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from typing import Any
 
 import torch
@@ -54,11 +54,14 @@ class _Loss:
         for err in errors or ():
             self.add(err)
 
-    def add_queue(self, flow: Flow, *, inflight: bool) -> None:
-        """Count the queued units (and, with ``inflight``, those being ingested) as lost and
-        drop the queue."""
+    def add_queue(self, flow: Flow, *, inflight: bool, own: Set[int] = frozenset()) -> None:
+        """Count the queued units (and, with ``inflight``, those being ingested, less the
+        ``own`` units, by ``id``, of pushes that run their invocation inline and report it)
+        as lost and drop the queue."""
         if inflight:
-            self.units += flow.inflight_units
+            acked = [u for u in flow.inflight if id(u) not in own]
+            self.units += len(acked)
+            self.rows += sum(u.rows for u in acked)
         self.units += len(flow.pending)
         self.rows += sum(u.rows for u in flow.pending)
         flow.pending.clear()
@@ -428,7 +431,7 @@ class PlaneEngine:
                 # failed before the stuck worker was found; what is in flight is counted lost here
                 loss.add_all(rt.take_unreported_locked())
                 loss.cause = loss.cause or stuck
-                loss.add_queue(flow, inflight=True)
+                loss.add_queue(flow, inflight=True, own=rt.running_own)
         deadline = time.perf_counter() + self.timeout
         ordered = rt.inline_ordered(self.timeout)
         try:
@@ -438,7 +441,7 @@ class PlaneEngine:
                     loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                         f"an inline ingestion on another thread did not finish within "
                         f"{self.timeout}s"))
-                    loss.add_queue(flow, inflight=True)
+                    loss.add_queue(flow, inflight=True, own=rt.running_own)
             while True:
                 with lock:
                     own = self._holders.count(threading.get_ident())

@@ -252,6 +252,8 @@ class Flow(abc.ABC):
     pending: deque[Unit] = field(default_factory=deque)
     pending_rows: int = 0
     inflight_units: int = 0
+    #: The units of the running ingestion invocations (``inflight_units`` of them).
+    inflight: list[Unit] = field(default_factory=list)
     staged: deque[Staged] = field(default_factory=deque)
     priority_generation: int = 0
     policy_version: int = 0
@@ -318,6 +320,7 @@ class Flow(abc.ABC):
     def _taken_locked(self, take: list[Unit]) -> list[Unit]:
         self.pending_rows -= sum(u.rows for u in take)
         self.inflight_units += len(take)
+        self.inflight.extend(take)
         return take
 
     def ingested_locked(self, units: list[Unit], *, failed: bool,
@@ -330,6 +333,8 @@ class Flow(abc.ABC):
             Rows a failed invocation wrote that stay in the buffer (0 when it did not fail).
         """
         self.inflight_units -= len(units)
+        done = {id(u) for u in units}
+        self.inflight = [u for u in self.inflight if id(u) not in done]
         self.counters["invocations_ing"] += 1
         key = "lost" if failed else "ingested"
         self.counters[f"{key}_units"] += len(units)

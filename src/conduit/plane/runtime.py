@@ -109,6 +109,9 @@ class OperatorRuntime:
         #: over units queued before its own); ``close()`` counts them (None once it has).
         self.untold: list[OperatorError] | None = []
         self._inline_order = threading.RLock()  # see drain_inline
+        #: ``id``s of the units of pushes whose inline invocation over them runs (not
+        #: acknowledged yet: the push reports what becomes of them).
+        self.running_own: set[int] = set()
         self._inside = threading.local()  # which operator the thread runs (inside_operator)
         flow.deliver_ready = self.deliver_ready
 
@@ -288,8 +291,17 @@ class OperatorRuntime:
                     units = self.take_ingestion_locked(force=force)
                 if units is None:
                     return True
-                with data_path_threads(1):
-                    err = self.run_ingestion(units, latch=False)
+                own = current is not None and any(u is current for u in units)
+                if own:
+                    with self.signals.lock:
+                        self.running_own.add(id(current))
+                try:
+                    with data_path_threads(1):
+                        err = self.run_ingestion(units, latch=False)
+                finally:
+                    if own:
+                        with self.signals.lock:
+                            self.running_own.discard(id(current))
                 if err is not None:
                     interrupted = not isinstance(err.__cause__, Exception)
                     told = current is None or interrupted or any(u is current for u in units)
