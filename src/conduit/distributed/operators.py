@@ -50,6 +50,8 @@ from conduit.plane.runtime import (
     IngestionFn,
     identity_delivery,
     identity_ingestion,
+    take_turn,
+    turn_timeout,
     untold_share,
 )
 from conduit.scheduling.space import Schedule, ScheduleSpace
@@ -500,15 +502,10 @@ class FrontIngestion:
             # took their units: rows land in push order, and while a push's invocation over
             # earlier units runs, no other thread takes its unit, so a push that raises
             # withdraws it (under the same lock) before anyone could store it.
-            if not (order.acquire(blocking=False) if deadline is None
-                    else order.acquire(timeout=max(0.0, deadline - time.monotonic()))):
+            if not take_turn(order, deadline, time.monotonic):
                 if deadline is None or (current is not None and not self._withdraw(current)):
                     return  # the running drain ingests; or this push's unit was taken
-                raise BackpressureTimeout(
-                    f"{'push' if current is not None else 'flush'}: waited its turn past the "
-                    f"timeout while another thread's inline ingestion ran (inline "
-                    f"invocations run one at a time, in push order); pass a longer timeout or "
-                    f"check the ingestion operator")
+                raise turn_timeout("push" if current is not None else "flush")
             try:
                 with self._cond:
                     if current is not None and all(u is not current for u in self._pending):

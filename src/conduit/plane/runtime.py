@@ -50,6 +50,24 @@ class _Pushed(Protocol):
     pusher: threading.Thread | None
 
 
+def take_turn(order: threading.RLock, deadline: float | None,
+              now: Callable[[], float]) -> bool:
+    """Acquire ``order``, the lock inline invocations on different threads take turns under:
+    at once or not at all when ``deadline`` is None, else waiting until ``deadline`` (on the
+    clock ``now``); whether it was acquired."""
+    if deadline is None:
+        return order.acquire(blocking=False)
+    return order.acquire(timeout=max(0.0, deadline - now()))
+
+
+def turn_timeout(caller: str) -> BackpressureTimeout:
+    """The error of a ``caller`` (``"push"`` or ``"flush"``) whose turn did not come."""
+    return BackpressureTimeout(
+        f"{caller}: waited its turn past the timeout while another thread's inline ingestion "
+        f"ran (inline invocations run one at a time, in push order); pass a longer timeout "
+        f"or check the ingestion operator")
+
+
 def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
                  told: bool) -> OperatorError | None:
     """The share of ``err`` (an inline ingestion invocation over ``units`` that failed on the
@@ -269,39 +287,29 @@ class OperatorRuntime:
             # Invocations on different callers' threads (a push, a flush or save on another)
             # run one at a time, in the order they took their units: rows land in push order,
             # and no other thread takes a push's unit while that push runs earlier ones.
-            if not (order.acquire(blocking=False) if deadline is None else
-                    order.acquire(timeout=max(0.0, deadline - time.perf_counter()))):
+            if not take_turn(order, deadline, time.perf_counter):
                 if deadline is None:
                     return False
                 if current is not None:
                     with self.signals.lock:
                         if not self.flow.withdraw_locked(current):
                             return True  # taken by the drain before it meanwhile
-                raise BackpressureTimeout(
-                    f"{'push' if current is not None else 'flush'}: waited its turn past the "
-                    f"timeout while another thread's inline ingestion ran (inline invocations "
-                    f"run one at a time, in push order); pass a longer timeout or check the "
-                    f"ingestion operator")
+                raise turn_timeout("push" if current is not None else "flush")
             units: list[Unit] | None = None
+            own = False  # the invocation holds ``current`` (see running_own)
             try:
                 with self.signals.lock:
                     if current is not None and all(u is not current for u in self.flow.pending):
                         return True  # taken (ingested, or failed where its caller was running)
                     self.raise_if_failed()
                     units = self.take_ingestion_locked(force=force)
+                    own = units is not None and any(u is current for u in units)
+                    if own:
+                        self.running_own.add(id(current))
                 if units is None:
                     return True
-                own = current is not None and any(u is current for u in units)
-                if own:
-                    with self.signals.lock:
-                        self.running_own.add(id(current))
-                try:
-                    with data_path_threads(1):
-                        err = self.run_ingestion(units, latch=False)
-                finally:
-                    if own:
-                        with self.signals.lock:
-                            self.running_own.discard(id(current))
+                with data_path_threads(1):
+                    err = self.run_ingestion(units, latch=False)
                 if err is not None:
                     interrupted = not isinstance(err.__cause__, Exception)
                     told = current is None or interrupted or any(u is current for u in units)
@@ -309,11 +317,14 @@ class OperatorRuntime:
                     if told:
                         raise err  # (an interrupted push withdraws its unit just below)
             except BaseException:
-                if current is not None and all(u is not current for u in units or ()):
+                if current is not None and not own:
                     with self.signals.lock:  # before another drain could take it
                         self.flow.withdraw_locked(current)
                 raise
             finally:
+                if own:
+                    with self.signals.lock:
+                        self.running_own.discard(id(current))
                 order.release()
 
     def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
