@@ -341,6 +341,7 @@ class PlaneEngine:
             PlaneClosedError: The plane is closed.
         """
         rt, flow = self.runtime, self.flow
+        busy = False  # the last hurry found another thread's inline ingestion running
         while True:
             job = None
             with self.signals.lock:
@@ -359,20 +360,19 @@ class PlaneEngine:
                 if hurry and self.ingestion.overlapped:
                     self.ingestion.hurry()
                     hurry = False
-                if job is None and not hurry:
+                if job is None and (busy or not hurry):
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0:
                         raise EmptyBufferError(flow.empty_message(waited))
-                    self.signals.callers.wait(min(remaining, 0.5))
+                    # (the end of that ingestion wakes callers; the short wait covers an end
+                    # that came before this wait began)
+                    self.signals.callers.wait(min(remaining, 0.05 if busy else 0.5))
+                    busy = False
                     continue
             if job is None:
-                if not self.ingestion.hurry():  # another thread's inline ingestion runs
-                    with self.signals.lock:
-                        remaining = deadline - time.perf_counter()
-                        if remaining <= 0:
-                            raise EmptyBufferError(flow.empty_message(waited))
-                        self.signals.callers.wait(min(remaining, 0.05))
+                busy = not self.ingestion.hurry()
                 continue
+            busy = False
             with data_path_threads(1):
                 err, batch = rt.run_delivery(job, caller_records=records)
             rt.raise_own(err)

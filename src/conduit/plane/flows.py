@@ -251,8 +251,7 @@ class Flow(abc.ABC):
     counters: dict[str, int] = field(default_factory=new_counters)
     pending: deque[Unit] = field(default_factory=deque)
     pending_rows: int = 0
-    inflight_units: int = 0
-    #: The units of the running ingestion invocations (``inflight_units`` of them).
+    #: The units of the running ingestion invocations.
     inflight: list[Unit] = field(default_factory=list)
     staged: deque[Staged] = field(default_factory=deque)
     priority_generation: int = 0
@@ -317,9 +316,13 @@ class Flow(abc.ABC):
         """The units of the next ingestion invocation, or None if it should not run yet
         (``force``: run with fewer than ``g_ing`` units)."""
 
+    @property
+    def inflight_units(self) -> int:
+        """Units of the running ingestion invocations."""
+        return len(self.inflight)
+
     def _taken_locked(self, take: list[Unit]) -> list[Unit]:
         self.pending_rows -= sum(u.rows for u in take)
-        self.inflight_units += len(take)
         self.inflight.extend(take)
         return take
 
@@ -332,7 +335,6 @@ class Flow(abc.ABC):
         Returns:
             Rows a failed invocation wrote that stay in the buffer (0 when it did not fail).
         """
-        self.inflight_units -= len(units)
         done = {id(u) for u in units}
         self.inflight = [u for u in self.inflight if id(u) not in done]
         self.counters["invocations_ing"] += 1
