@@ -161,14 +161,9 @@ def _cache_error(folder: Path, exc: OSError) -> ConfigError:
     from (``CONDUIT_CACHE_DIR`` when set, else the default folder)."""
     what = ("it is not a folder" if folder.exists() and not folder.is_dir()
             else exc.strerror or type(exc).__name__)
-    if os.environ.get("CONDUIT_CACHE_DIR"):
-        return ConfigError("CONDUIT_CACHE_DIR", f"cannot write the bandwidth cache in "
-                                                f"{str(folder)!r} ({what}); set "
-                                                "CONDUIT_CACHE_DIR to a writable folder, or "
-                                                "pass --no-cache")
-    return ConfigError("cache_dir", f"cannot write the bandwidth cache in {str(folder)!r} "
-                                    f"({what}); set CONDUIT_CACHE_DIR to a writable folder, "
-                                    "or pass --no-cache")
+    field = "CONDUIT_CACHE_DIR" if os.environ.get("CONDUIT_CACHE_DIR") else "cache_dir"
+    return ConfigError(field, f"cannot write the bandwidth cache in {str(folder)!r} ({what}); "
+                              f"set CONDUIT_CACHE_DIR to a writable folder, or pass --no-cache")
 
 
 def check_cache_dir() -> Path:

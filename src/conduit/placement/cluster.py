@@ -32,13 +32,19 @@ def _ray() -> Any:
     return ray
 
 
+def ray_attached() -> bool:
+    """Whether this process is attached to Ray (False when it never imported Ray: this never
+    imports it)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
 def attached_nodes() -> int:
     """Alive nodes of the Ray cluster this process is attached to; 0 when it is not attached
     or never imported Ray (this never imports it)."""
-    ray = sys.modules.get("ray")
-    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
+    if not ray_attached():
         return 0
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
+    return sum(1 for n in sys.modules["ray"].nodes() if n.get("Alive"))
 
 
 def alive_node_ids() -> list[str]:

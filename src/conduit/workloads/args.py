@@ -15,6 +15,7 @@ import torch
 from conduit import Placement, Schedule
 from conduit.cli_args import arg, check_reachable
 from conduit.errors import ConfigError, PlacementError, ScheduleError
+from conduit.placement.cluster import ray_attached
 from conduit.workloads.envs import EnvInfo, env_info
 
 MIN_IMAGE_SIZE = 9
@@ -141,18 +142,9 @@ def check_trainer_args(args: TrainerArgs) -> None:
         raise ConfigError("address", f"{args.address!r} does not apply with --no-use-ray (the "
                                      "actors run in this process); drop --no-use-ray or "
                                      "--address")
-    if args.use_ray and args.address and not _ray_initialized():
+    if args.use_ray and args.address and not ray_attached():
         # Refused in seconds: ray.init retries an address nothing listens on for minutes.
         check_reachable("address", args.address, timeout=ADDRESS_TIMEOUT_S)
-
-
-def _ray_initialized() -> bool:
-    """Whether this process is attached to Ray already (the run then uses that Ray, not
-    ``--address``); False without importing Ray when it is not loaded."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
 
 
 def check_schedule_and_placement(schedule: str, placement: str, device: torch.device) -> None:

@@ -54,7 +54,7 @@ class SequenceSampler(Sampler):
         Raises:
             ConfigError: ``boundary_key`` is not a field of ``spec``.
         """
-        if not isinstance(self.boundary_key, str) or self.boundary_key not in spec.fields:
+        if self.boundary_key not in spec.fields:  # (a non-empty str: the constructor checks)
             raise ConfigError("boundary_key", f"{self.boundary_key!r} is not a field of the "
                                               f"spec {list(spec.fields)}; pass boundary_key= "
                                               f"the field that marks an episode's last step")
