@@ -233,8 +233,8 @@ def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: Experience
     """
     chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
     t0 = time.perf_counter()
-    new = ExperienceBuffer(spec=spec, capacity=old.capacity, sampler=old.sampler,
-                           placement=placement)
+    # (its own sampler until it adopts the old buffer's, with the rows' priorities and such)
+    new = ExperienceBuffer(spec=spec, capacity=old.capacity, placement=placement)
     rows = len(old)
     to_host = torch.device("cpu") if placement.primary_device.type == "cpu" else None
     flows: dict[str, int] = {}
@@ -243,7 +243,7 @@ def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: Experience
         new.store.set_range(start, pad_to(old.store.get(idx, device=to_host), spec))
         for a, b, n in _range_flows(old.store, new.store, start, len(idx)):
             flows[f"{a}->{b}"] = flows.get(f"{a}->{b}", 0) + n
-    new.adopt_cursor(old)
+    new.adopt(old)
     report: dict[str, Any] = {
         "rows": rows, "bytes": rows * spec.bytes_per_sample,
         "seconds": time.perf_counter() - t0, "from": old.placement.to_dict(),

@@ -14,7 +14,7 @@ from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
-from conduit.storage.row_ids import RowIds
+from conduit.storage.row_ids import ROW_IDS_ATTR, RowIds
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
@@ -67,7 +67,40 @@ def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
         raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
                                      f"[{int(indices.min())}, {int(indices.max())}]")
-    return indices.to(torch.int64)
+    # A copy: the batch's ``_index`` is the caller's, and a later change to ``indices`` must
+    # not change it (nor the row ids a gather keeps on it).
+    return indices.to(torch.int64, copy=True)
+
+
+def _check_draw(indices: torch.Tensor, size: int) -> None:
+    """Refuse a draw whose slots are not all in ``[0, size)`` (slots forgotten since it was
+    drawn, by :meth:`ExperienceBuffer.clear` or :meth:`ExperienceBuffer.drop_newest`).
+
+    Raises:
+        ConfigError: Such a slot (field ``indices``).
+    """
+    slots = indices.numpy()
+    if slots.size and (slots.min() < 0 or slots.max() >= size):
+        raise ConfigError("indices", f"the draw names slots [{int(slots.min())}, "
+                                     f"{int(slots.max())}], but only [0, {size}) hold rows "
+                                     f"now (rows were cleared or dropped since it was "
+                                     f"drawn); draw again")
+
+
+def _check_priority_values(priorities: torch.Tensor) -> None:
+    """Refuse priorities that are not real, finite and non-negative (checked before an update
+    skips any of them, so a bad value is refused wherever it falls).
+
+    Raises:
+        PriorityError: Such a priority.
+    """
+    if priorities.is_complex():
+        raise PriorityError(f"priorities: must be real numbers (|TD errors|), got "
+                            f"{priorities.dtype} values")
+    if priorities.is_floating_point() and not bool(torch.isfinite(priorities).all()):
+        raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
+    if priorities.dtype != torch.bool and bool((priorities < 0).any()):
+        raise PriorityError("priorities: contain negative values; pass |TD error|")
 
 
 def _check_parts(spec: Any, sampler: Any, placement: Any, store: Any) -> None:
@@ -140,12 +173,16 @@ class ExperienceBuffer:
         self.writer = RingWriter(capacity=self.capacity)
         self.sampler = sampler
         self.sampler.bind(self.capacity)
+        # No slot holds a row yet: a sampler that served another buffer forgets its rows
+        # (priorities, boundaries, an epoch's layout), which would be drawn from here.
+        self.sampler.reset()
         self.threads = int(threads)
         self._lock = threading.RLock()
         self._ids = RowIds(self.capacity)
         self._row_id, self._delivered_id = self._ids.row, self._ids.delivered  # (in place only)
         self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
         self._largest_write = 0  # rows of the largest extend so far (a snapshot's lead)
+        self._forgets = 0  # clear, drop_newest and load calls: a draw may name slots gone since
 
     @property
     def placement(self) -> Placement:
@@ -234,6 +271,8 @@ class ExperienceBuffer:
                 raise ConfigError("indices", f"must be a SampleInfo or a tensor of slots, got "
                                              f"{type(info).__name__}; pass "
                                              f"torch.as_tensor(slots)")
+            elif self._forgets:  # (until rows are forgotten, every slot drawn still holds one)
+                _check_draw(info.indices, self.writer.size)
             return self._gather_locked(info, device)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
@@ -277,6 +316,8 @@ class ExperienceBuffer:
                 out = self.store.get(indices, device=device)
         if self.sampler.accepts_priorities:
             # Only a priority update reads which row a slot delivered (see update_priorities).
+            if hasattr(indices, ROW_IDS_ATTR):  # gathered before: this batch gets its own
+                indices = indices.clone()
             for snap in self._snapshots:
                 snap.preserve_ids("delivered_id", indices.numpy().reshape(-1))
             self._ids.deliver(indices)
@@ -321,6 +362,7 @@ class ExperienceBuffer:
                 raise PriorityError(f"indices: must be filled slots in [0, {size}), got "
                                     f"[{slots.min()}, {slots.max()}]")
             if kept < slots.shape[0]:
+                _check_priority_values(pr)  # (the sampler checks only those it keeps)
                 keep = torch.from_numpy(current)
                 idx, pr = idx[keep], pr[keep]
             self.sampler.update_priorities(idx, pr)
@@ -353,6 +395,7 @@ class ExperienceBuffer:
                 snap.preserve_ids("row_id", slots)
                 snap.preserve_ids("delivered_id", slots)
             self._ids.forget(slots)
+            self._forgets += 1
             w.size -= n
             w.cursor = w.size
             w.total_written -= n
@@ -371,6 +414,7 @@ class ExperienceBuffer:
             self.writer.reset()
             self.sampler.reset()
             self._ids.clear()
+            self._forgets += 1
 
     def filled_blocks(self) -> Blocks:
         """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
@@ -447,12 +491,22 @@ class ExperienceBuffer:
             if snap in self._snapshots:
                 self._snapshots.remove(snap)
 
-    def adopt_cursor(self, other: ExperienceBuffer) -> None:
-        """Take ``other``'s ring cursor and row ids, after its rows were copied here slot for
-        slot (a migration)."""
+    def adopt(self, other: ExperienceBuffer) -> None:
+        """Take ``other``'s sampler (with its per-row state), ring cursor and row ids, after its
+        rows were copied here slot for slot (a migration).
+
+        Raises:
+            ConfigError: ``other`` has another capacity, or its sampler needs a field this
+                buffer's spec lacks (nothing changes).
+        """
+        if other.capacity != self.capacity:
+            raise ConfigError("other", f"holds {other.capacity} slots, this buffer "
+                                       f"{self.capacity}; a migration keeps the capacity")
+        other.sampler.check_spec(self.spec)
         with self._lock:
             for snap in self._snapshots:
                 snap.preserve_ids()
+            self.sampler = other.sampler
             self.writer.load_state_dict(other.writer.state_dict())
             self._ids.load(other._ids.row, other._ids.delivered)
 
@@ -498,6 +552,7 @@ class ExperienceBuffer:
                 snap.preserve_ids()
             self.writer.load_state_dict(writer.state_dict())
             self._ids.load(ids["row_id"], ids["delivered_id"])
+            self._forgets += 1
 
     def rows_in(self, state: StateDict) -> int:
         """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.

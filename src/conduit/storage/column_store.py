@@ -60,7 +60,8 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
     Anything else uses ``index_copy_``.
 
     Raises:
-        IndexError: A row index is out of range (nothing is copied on the compiled path).
+        IndexError: A row index is out of range (negative ones included), or the rows to
+            write and the rows given differ in number; nothing is copied.
     """
     if (dst.device.type == "cpu" and src.device.type == "cpu" and not src.requires_grad
             and dst.dtype == src.dtype):
@@ -70,16 +71,34 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
             pass
         else:
             di = dst_rows.numpy()
-            if src_rows is not None and s.ndim > 1 and s[0].nbytes >= _LARGE_ROW_BYTES:
+            si = None if src_rows is None else src_rows.numpy()
+            _check_row_pairs(di, len(d), si, len(s))  # (numpy would wrap negative rows)
+            if si is not None and s.ndim > 1 and s[0].nbytes >= _LARGE_ROW_BYTES:
                 # Large rows (images): row by row, without the temporary gathered copy that
                 # the fancy assignment below makes.
-                _copy_large_rows(d, di, s, src_rows.numpy())
+                _copy_large_rows(d, di, s, si)
             else:
-                d[di] = s if src_rows is None else s[src_rows.numpy()]
+                d[di] = s if si is None else s[si]
             return
     src = src.detach()  # the copy must not make ``dst`` part of the caller's graph
     rows = src if src_rows is None else src.index_select(0, src_rows.to(src.device))
     dst.index_copy_(0, dst_rows.to(dst.device), rows.to(dst.device, non_blocking=True))
+
+
+def _check_row_pairs(di: np.ndarray, n_dst: int, si: np.ndarray | None, n_src: int) -> None:
+    """Refuse rows ``di`` of ``n_dst`` written from rows ``si`` (None: all) of ``n_src`` that
+    are out of range or differ in number.
+
+    Raises:
+        IndexError: They are.
+    """
+    given = n_src if si is None else len(si)
+    if len(di) != given:
+        raise IndexError(f"copy_rows: {len(di)} destination rows for {given} source rows")
+    for rows, n, what in ((di, n_dst, "destination"), (si, n_src, "source")):
+        if rows is not None and rows.size and (rows.min() < 0 or rows.max() >= n):
+            raise IndexError(f"copy_rows: {what} rows out of range: they must lie in "
+                             f"[0, {n}), got [{int(rows.min())}, {int(rows.max())}]")
 
 
 def _copy_large_rows(d: np.ndarray, di: np.ndarray, s: np.ndarray, si: np.ndarray) -> None:

@@ -213,12 +213,16 @@ class RaggedStore:
         ``mask_dtype``.
 
         Raises:
-            SpecError: ``width`` is shorter than one of the rows.
-            ConfigError: ``side`` is neither "left" nor "right".
+            SpecError: ``width`` is shorter than one of the rows; ``slots`` are not integers
+                of filled slots in one dimension (field ``_slot``).
+            ConfigError: ``side`` is neither "left" nor "right"; ``pad_value`` is not a value
+                of the field's dtype (a fraction or a value out of range for an integer
+                field).
         """
         if side not in ("left", "right"):
             raise ConfigError("side", f"must be 'left' or 'right', got {side!r}")
         name = self._field(name)
+        _check_pad(pad_value, self._pools[name].dtype)
         slots = self._slots(slots)
         common = self._uniform[name]
         if common is not None and self._rows and (width is None or width == common):
@@ -349,12 +353,43 @@ class RaggedStore:
         return name
 
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor):
+            try:
+                slots = torch.as_tensor(slots)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise SpecError("_slot", f"slots must be integers, got {slots!r}") from exc
+        if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
+            raise SpecError("_slot", f"slots must be integers, got dtype {slots.dtype}")
+        if slots.dim() != 1:
+            raise SpecError("_slot", f"slots must be 1-D, got shape {tuple(slots.shape)}")
         slots = as_indices(slots)
         s = slots.tolist()  # a mini-batch's slots: Python, where a cold reduction costs more
         if s and (min(s) < 0 or max(s) >= self._rows):
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
                                      f"{min(s)}..{max(s)}")
         return slots
+
+
+def _check_pad(pad_value: Any, dtype: torch.dtype) -> None:
+    """Refuse a ``pad_value`` that a field of ``dtype`` cannot hold as it is.
+
+    Raises:
+        ConfigError: It is not a real number, a fraction for an integer field, out of an
+            integer field's range, or neither 0 nor 1 for a bool field.
+    """
+    if isinstance(pad_value, torch.Tensor) and pad_value.numel() == 1:
+        pad_value = pad_value.item()
+    if not isinstance(pad_value, (int, float, np.integer, np.floating)):
+        raise ConfigError("pad_value", f"must be a number, got {pad_value!r}")
+    if dtype.is_floating_point:
+        return
+    if not np.isfinite(pad_value) or pad_value != int(pad_value):
+        raise ConfigError("pad_value", f"{pad_value!r} is not a whole number; the field "
+                                       f"holds {dtype} values")
+    info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not info[0] <= int(pad_value) <= info[1]:
+        raise ConfigError("pad_value", f"{pad_value!r} is out of range for a {dtype} field "
+                                       f"([{info[0]}, {info[1]}])")
 
 
 __all__ = ["RaggedStore"]

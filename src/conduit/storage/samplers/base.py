@@ -70,7 +70,7 @@ class Sampler(abc.ABC):
         self.capacity = 0
 
     def bind(self, capacity: int) -> None:
-        """Called once by the buffer with its capacity, before any write."""
+        """Called by a buffer with its capacity before any write, then :meth:`reset`."""
         self.capacity = capacity
 
     def check_spec(self, spec: ExperienceSpec) -> None:

@@ -60,6 +60,7 @@ class FifoSampler(Sampler):
         self.epoch = 0
         self.cursor = 0
         self._parts: list[torch.Tensor] = []
+        self._rows = 0  # rows the layout covers (slots [0, _rows))
 
     @classmethod
     def leading(cls, *, units: int, num_minibatches: int = 1, seed: int = 0) -> FifoSampler:
@@ -82,6 +83,7 @@ class FifoSampler(Sampler):
                                    f"least {self.num_minibatches} rows, got {size}")
         self.iteration, self.epoch, self.cursor = iteration, epoch, 0
         self._parts = self.layout(size, iteration=iteration, epoch=epoch)
+        self._rows = size
 
     def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
         """The slots of each mini-batch of one epoch, without touching the sampler's state.
@@ -120,17 +122,27 @@ class FifoSampler(Sampler):
         return len(self._parts) - self.cursor
 
     def sample(self, size: int, batch_size: int = 0) -> SampleInfo:
-        """Next mini-batch of the epoch (``batch_size`` is implied by the epoch layout)."""
+        """Next mini-batch of the epoch (``batch_size`` is implied by the epoch layout), as a
+        tensor of its own (changing it changes nothing here).
+
+        Raises:
+            EmptyBufferError: The epoch's mini-batches are all drawn, or ``size`` (the filled
+                slots) is below the rows the epoch was laid out over (rows were taken back
+                since): its slots would hold none.
+        """
         if self.cursor >= len(self._parts):
             raise EmptyBufferError("the epoch's mini-batches are all consumed; begin a new "
                                    "epoch (on-policy data is delivered exactly once per epoch)")
+        if size < self._rows:
+            raise EmptyBufferError(f"the epoch was laid out over {self._rows} rows, but only "
+                                   f"{size} are filled now; begin a new epoch")
         part = self._parts[self.cursor]
         self.cursor += 1
-        return SampleInfo(part)
+        return SampleInfo(part.clone())
 
     def reset(self) -> None:
         """Drop the current epoch layout."""
-        self._parts, self.cursor = [], 0
+        self._parts, self.cursor, self._rows = [], 0, 0
 
     def state_dict(self) -> StateDict:
         """Iteration, epoch, cursor and the layout."""
@@ -173,3 +185,4 @@ class FifoSampler(Sampler):
         super().load_state_dict(state)
         self.iteration, self.epoch, self.cursor = iteration, epoch, cursor
         self._parts = [p.clone() for p in parts]
+        self._rows = sum(p.numel() for p in parts)

@@ -104,7 +104,8 @@ class PrioritizedSampler(Sampler):
         self._tree: SumTree | None = None
 
     def bind(self, capacity: int) -> None:
-        """Allocate the tree (kept when already bound to this capacity, e.g. on migration)."""
+        """Allocate the tree (kept when already bound to this capacity: the buffer then resets
+        it)."""
         if self._tree is not None and self.capacity == capacity:
             return
         super().bind(capacity)
@@ -244,14 +245,20 @@ class PrioritizedSampler(Sampler):
 
     def check_rows(self, *, size: int, head: int) -> None:
         """Refuse priorities for slots at or after the writer's ``size``, which hold no row
-        (they would be drawn).
+        (they would be drawn), and slots before it without one (their rows would never be
+        drawn, and a priority update for them would be refused).
 
         Raises:
-            StateError: Such a slot has a priority (key ``sampler.tree.set``).
+            StateError: Such a slot (key ``sampler.tree.set``).
         """
-        if size < self.capacity:
-            beyond = np.flatnonzero(self.tree.is_set()[size:])
-            if beyond.size:
-                raise StateError("sampler.tree.set", f"slot {size + int(beyond[0])} has a "
-                                                     f"priority but the writer holds rows in "
-                                                     f"[0, {size}) only")
+        is_set = self.tree.is_set()
+        beyond = np.flatnonzero(is_set[size:])
+        if beyond.size:
+            raise StateError("sampler.tree.set", f"slot {size + int(beyond[0])} has a "
+                                                 f"priority but the writer holds rows in "
+                                                 f"[0, {size}) only")
+        unset = np.flatnonzero(~is_set[:size])
+        if unset.size:
+            raise StateError("sampler.tree.set", f"slot {int(unset[0])} holds a row but has "
+                                                 f"no priority ({unset.size} such slots); "
+                                                 f"its row would never be drawn")

@@ -42,7 +42,8 @@ class SequenceSampler(Sampler):
         self._valid: np.ndarray | None = None
 
     def bind(self, capacity: int) -> None:
-        """Allocate the boundary flags (kept when already bound to this capacity)."""
+        """Allocate the boundary flags (kept when already bound to this capacity: the buffer
+        then resets them)."""
         if self.capacity == capacity and self._ends.size == capacity:
             return
         super().bind(capacity)
