@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection
 from typing import Any
 
 from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.sac import SAC, SACConfig
+
+from conduit.integrations.rllib.replay import (
+    ConduitEpisodeReplayBuffer,
+    ConduitPrioritizedEpisodeReplayBuffer,
+)
 
 #: The key of the replay buffer's state in an algorithm's state.
 BUFFER = "local_replay_buffer"
@@ -21,6 +27,26 @@ RLLIB_BUFFERS = {
 }
 
 Components = str | Collection[str] | None
+
+
+def _stand_in(kind: Any) -> str | None:
+    """The RLlib buffer a Conduit buffer ``kind`` (a class, or a dotted path to one) stands in
+    for; None for anything else (left to RLlib's validation)."""
+    if isinstance(kind, str):
+        if kind in RLLIB_BUFFERS:
+            return RLLIB_BUFFERS[kind]
+        module, _, name = kind.rpartition(".")
+        try:
+            kind = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError, ValueError):
+            return None
+    if not isinstance(kind, type):
+        return None
+    if issubclass(kind, ConduitPrioritizedEpisodeReplayBuffer):
+        return "PrioritizedEpisodeReplayBuffer"
+    if issubclass(kind, ConduitEpisodeReplayBuffer):
+        return "EpisodeReplayBuffer"
+    return None
 
 
 class BufferCheckpoints:
@@ -76,10 +102,12 @@ class ConduitSACConfig(SACConfig):
         super().__init__(algo_class=algo_class or ConduitSAC)
 
     def validate(self) -> None:
-        """SAC's validation, with a Conduit buffer checked as its RLlib counterpart."""
+        """SAC's validation, with a Conduit buffer checked as its RLlib counterpart: a
+        ``replay_buffer_config["type"]`` that is a Conduit buffer class (or a subclass), or a
+        dotted path to one (as RLlib's ``from_config`` resolves it)."""
         buffer = self.replay_buffer_config
         kind = buffer.get("type") if isinstance(buffer, dict) else None
-        stand_in = RLLIB_BUFFERS.get(kind) if isinstance(kind, str) else None
+        stand_in = _stand_in(kind)
         if stand_in is None:
             super().validate()
             return

@@ -70,6 +70,10 @@ class EpisodeMeta:
     action_space: gym.Space | None
     last_row: int
     tail: int = -1
+    t0: int = 0
+    """The ``t`` of the episode's first stored step: stored steps are numbered from it, as
+    RLlib's buffers number them (``t_started`` of a sampled step is its index in the stored
+    episode)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,24 @@ class Appended:
     evicted_steps: int
     spec: ExperienceSpec | None = None
     """The spec every row was checked against (None when no row was made)."""
+
+
+@dataclass(frozen=True)
+class Read:
+    """Episode chunks read and checked by :meth:`EpisodeRows.read`, not linked yet.
+
+    Attributes:
+        chunks: Each chunk with its rows, rewards and last observation, or (a chunk without
+            timesteps that ends its episode) the chunk alone.
+        rows: The rows of all chunks, in order: what the ring receives.
+        steps: Rows in ``rows``.
+        spec: The spec every row was checked against (None when there is no row).
+    """
+
+    chunks: list[tuple[Episode, dict[str, np.ndarray], np.ndarray, np.ndarray] | Episode]
+    rows: dict[str, np.ndarray]
+    steps: int
+    spec: ExperienceSpec | None
 
 
 @dataclass(frozen=True)
@@ -117,22 +139,45 @@ def _numeric(name: str, values: Any, n: int) -> np.ndarray:
         SpecError: Not a numeric array of ``n`` rows (for example a Dict or Tuple space's
             nested values).
     """
-    arr = np.asarray(values) if not isinstance(values, Mapping) else None
+    kind = None
+    try:
+        arr = np.asarray(values) if not isinstance(values, Mapping) else None
+    except (TypeError, ValueError) as exc:  # ragged nested values (a Tuple of Box and Discrete)
+        arr, kind = None, f"values numpy cannot stack ({exc})"
     if arr is None or arr.ndim == 0 or len(arr) != n or arr.dtype.kind not in "biuf":
-        kind = (type(values).__name__ if arr is None or arr.ndim == 0
-                else f"{arr.dtype} array of shape {arr.shape}")
+        kind = kind or (type(values).__name__ if arr is None or arr.ndim == 0
+                        else f"{arr.dtype} array of shape {arr.shape}")
         raise SpecError(name, f"Conduit's RLlib buffers store episodes whose observations and "
                               f"actions are numeric arrays (Box, Discrete, MultiDiscrete "
                               f"spaces), got {kind}; use RLlib's own buffer for other spaces")
     return arr
 
 
+def _check_spaces(eps: Episode) -> None:
+    """Refuse an episode whose observation or action space is a Tuple or Dict space: its
+    values may stack into a numeric array, but RLlib returns them as tuples or dicts.
+
+    Raises:
+        SpecError: Naming ``obs`` or ``action``.
+    """
+    for name, attr in (("obs", "observation_space"), ("action", "action_space")):
+        space = getattr(eps, attr, None)
+        if isinstance(space, (gym.spaces.Tuple, gym.spaces.Dict)):
+            raise SpecError(name, f"the episode's {attr} is a {type(space).__name__} space; "
+                                  f"Conduit's RLlib buffers store numeric arrays (Box, "
+                                  f"Discrete, MultiDiscrete spaces) and would return its "
+                                  f"values as one array: use RLlib's own buffer, which keeps "
+                                  f"them as {type(space).__name__.lower()}s")
+
+
 def _steps(eps: Episode) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """A chunk's rows ``(obs, action)``, its rewards, and its last observation (the tail).
 
     Raises:
-        SpecError: Observations or actions that are not numeric arrays.
+        SpecError: Observations or actions that are not numeric arrays, or a Tuple or Dict
+            observation or action space.
     """
+    _check_spaces(eps)
     n = len(eps)
     obs = _numeric("obs", eps.get_observations(slice(0, n + 1)), n + 1)
     return ({"obs": obs[:-1], "action": _numeric("action", eps.get_actions(slice(0, n)), n)},
@@ -206,7 +251,7 @@ class Tails:
 
 
 def spec_of(rows: dict[str, np.ndarray]) -> ExperienceSpec:
-    """The spec of rows made by :meth:`EpisodeRows.append`: one timestep's observation and
+    """The spec of rows made by :meth:`EpisodeRows.read`: one timestep's observation and
     action.
 
     Raises:
@@ -262,30 +307,46 @@ class EpisodeRows:
         """Episodes with at least one row in the ring."""
         return len(self.table)
 
-    def append(self, episodes: Iterable[Episode], *,
-               spec: ExperienceSpec | None = None) -> Appended:
-        """Make rows of ``episodes`` (in order) and link them to earlier chunks of the same
-        episodes. The caller writes ``rows`` to the ring next, in order.
+    def read(self, episodes: Iterable[Episode], *,
+             spec: ExperienceSpec | None = None) -> Read:
+        """Read and check ``episodes`` (in order) without changing anything; :meth:`link`
+        links them once their rows are in the ring.
 
-        Every chunk is read and checked before anything changes, so a bad chunk leaves the
-        links as they were. A chunk without timesteps that is terminated or truncated ends its
-        ongoing episode: the episode's last stored row takes its end flags (as RLlib's buffer
-        concatenates it to the stored episode); other empty chunks change nothing.
+        A chunk without timesteps that is terminated or truncated ends its ongoing episode:
+        the episode's last stored row takes its end flags (as RLlib's buffer concatenates it
+        to the stored episode); other empty chunks change nothing.
 
         Args:
             episodes: Episode chunks.
             spec: The rows' spec (the ring's); None: the first chunk's.
 
         Raises:
-            SpecError: A chunk's observations or actions are not numeric arrays, or differ in
-                shape or dtype from ``spec`` (or the first chunk's) or from the stored
-                observations.
+            SpecError: A chunk's observations or actions are not numeric arrays, its
+                observation or action space is a Tuple or Dict space, its observations or
+                actions differ in shape or dtype from ``spec`` (or the first chunk's) or from
+                the stored observations, or (field ``t_started``) a chunk of an ongoing
+                episode does not start where the episode's stored steps end (a chunk added
+                twice, or one after a lost chunk; RLlib's buffer refuses it too).
         """
         chunks: list[tuple[Episode, dict[str, np.ndarray], np.ndarray, np.ndarray] | Episode] = []
+        next_t: dict[str, int | None] = {}  # episode id -> where its next chunk starts
         for eps in episodes:
+            if eps.id_ not in next_t:
+                key = self._ongoing.get(eps.id_)
+                meta = None if key is None else self.table.get(key)
+                next_t[eps.id_] = (None if meta is None else
+                                   int(self.t[meta.last_row % self.capacity]) + meta.t0 + 1)
+            want = next_t[eps.id_]
+            if want is not None and eps.t_started != want:
+                raise SpecError("t_started", f"a chunk of the ongoing episode {eps.id_!r} "
+                                             f"starts at t={eps.t_started}, but its stored "
+                                             f"steps end at t={want}: add each chunk once, "
+                                             f"in order (a cut() successor starts where its "
+                                             f"predecessor ends)")
             if len(eps) == 0:
                 if eps.is_terminated or eps.is_truncated:
                     chunks.append(eps)  # ends the ongoing episode: see _end
+                    next_t[eps.id_] = None
                 continue
             steps, reward, last_obs = _steps(eps)
             if spec is None:
@@ -293,15 +354,29 @@ class EpisodeRows:
             spec.validate(steps, what="episode")
             self.tails.check(last_obs)
             chunks.append((eps, steps, reward, last_obs))
-        parts: list[dict[str, np.ndarray]] = []
-        links: list[tuple[int, int]] = []
+            next_t[eps.id_] = (None if eps.is_terminated or eps.is_truncated
+                               else eps.t_started + len(eps))
+        parts = [c[1] for c in chunks if isinstance(c, tuple)]
+        rows = (parts[0] if len(parts) == 1 else  # one chunk: its arrays, not copies
+                {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
+        return Read(chunks, rows, sum(len(c[0]) for c in chunks if isinstance(c, tuple)),
+                    spec if parts else None)
+
+    def link(self, read: Read) -> Appended:
+        """Link the chunks of ``read`` (made by :meth:`read` since the last change) to earlier
+        chunks of the same episodes, once the ring received ``read.rows``, in order.
+
+        Returns:
+            What the add changed.
+        """
         new = 0
+        links: list[tuple[int, int]] = []
         row = self.written
-        for chunk in chunks:
+        for chunk in read.chunks:
             if not isinstance(chunk, tuple):
                 self._end(chunk, oldest=row - self.capacity)
                 continue
-            eps, steps, reward, last_obs = chunk
+            eps, _, reward, last_obs = chunk
             n = len(eps)
             key = self._ongoing.get(eps.id_)
             if key is None or key not in self.table:
@@ -309,7 +384,7 @@ class EpisodeRows:
                 self._next_key += 1
                 self.table[key] = EpisodeMeta(eps.id_, eps.agent_id, eps.module_id,
                                               eps.observation_space, eps.action_space, -1,
-                                              self.tails.take(last_obs))
+                                              self.tails.take(last_obs), eps.t_started)
             else:
                 links.append((self.table[key].last_row, row))
             meta = self.table[key]
@@ -323,14 +398,13 @@ class EpisodeRows:
             self.terminated[slots[-1]] = eps.is_terminated
             self.truncated[slots[-1]] = eps.is_truncated
             self.episode[slots] = key
-            self.t[slots] = eps.t_started + np.arange(n)
+            self.t[slots] = eps.t_started - meta.t0 + np.arange(n)
             self.table[key].last_row = row + n - 1
             self.table.move_to_end(key)
             if eps.is_terminated or eps.is_truncated:
                 self._ongoing.pop(eps.id_, None)
             else:
                 self._ongoing[eps.id_] = key
-            parts.append(steps)
             row += n
         before, self.written = self.written, row
         oldest = row - self.capacity  # rows below it were overwritten
@@ -343,10 +417,8 @@ class EpisodeRows:
             self._ongoing.pop(meta.id_, None)
             self.tails.free(meta.tail)
             evicted += 1
-        rows = (parts[0] if len(parts) == 1 else  # one chunk: its arrays, not copies
-                {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
-        return Appended(rows, row - before, new, evicted,
-                        max(0, oldest) - max(0, before - self.capacity), spec)
+        return Appended(read.rows, row - before, new, evicted,
+                        max(0, oldest) - max(0, before - self.capacity), read.spec)
 
     def _end(self, eps: Episode, *, oldest: int) -> None:
         """Apply a zero-length chunk's end flags to its ongoing episode: the episode ends at

@@ -16,6 +16,7 @@ training iterations, by their measured time (:mod:`~conduit.integrations.rllib.s
 # ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -78,6 +79,23 @@ def _holds_priorities(plane_state: Any) -> bool:
     return isinstance(state, dict) and "tree" in state
 
 
+def _despite_draws(plane: ExperienceDataPlane, call: Callable[[], None]) -> None:
+    """``call()`` (a push or flush), again after a delivery failure latched on ``plane``: a
+    draw made ahead only reads rows, so its failure is the concern of the sample that pulls
+    it, never of the add writing rows (a push that raises stores nothing, so a retry stores
+    its rows once)."""
+    for tries in range(3):
+        failed = plane.failed
+        if failed is not None and failed.operator == "delivery":
+            plane.recover()
+        try:
+            call()
+            return
+        except OperatorError as exc:
+            if exc.operator != "delivery" or tries == 2:
+                raise
+
+
 def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
     return {DEFAULT_AGENT_ID: value}, {DEFAULT_MODULE_ID: value}
 
@@ -92,9 +110,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     whole episodes instead). Sampling draws ``(o_t, a_t, Σ γ^k r_{t+k}, o_{t+n},
     terminated, truncated)`` transitions: for ``sample_episodes=True`` with
     ``batch_length_T=0``, the path DQN and SAC take. Infos are not stored (sampled episodes hold
-    empty infos), nor are ``extra_model_outputs``. Each observation is stored once: a row's
-    next observation is the next row of its episode, or for the last stored row the episode's
-    tail (:mod:`~conduit.integrations.rllib.episode_rows`).
+    empty infos; ``sample`` refuses ``include_infos=True``), nor are ``extra_model_outputs``.
+    Each observation is stored once: a row's next observation is the next row of its episode,
+    or for the last stored row the episode's tail
+    (:mod:`~conduit.integrations.rllib.episode_rows`). A sampled transition's ``t_started`` is
+    its step's index in the stored episode, counted from the episode's first stored chunk, as
+    in RLlib's buffers.
 
     With ``schedule="prefetch"`` (or ``"auto"`` when it keeps prefetch), a batch may be drawn
     before the latest ``add`` calls (at most :data:`G_MAX` of them), so it may miss their
@@ -213,8 +234,16 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """Write every timestep of ``episodes`` to the plane; chunks of an episode already in
         the buffer continue it.
 
+        The episodes are linked to the buffer's rows once their rows are in the plane: an add
+        that raises before its rows are stored leaves links and rows as they were (except an
+        add of more than ``capacity`` timesteps, written in several pushes, interrupted after
+        the first). A delivery failure latched on the plane (a draw made ahead, which only
+        reads rows) does not fail the add.
+
         Raises:
-            SpecError: An observation or action differs in shape or dtype from earlier ones.
+            SpecError: An observation or action differs in shape or dtype from earlier ones,
+                is not numeric or belongs to a Tuple or Dict space, or a chunk of an ongoing
+                episode does not start where its stored steps end (field ``t_started``).
         """
         self.schedule.adding()
         with self._rows.lock:  # a delivery running ahead sees links and ring change at once
@@ -223,16 +252,32 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 if not isinstance(eps, SingleAgentEpisode):
                     raise SpecError(None, f"add takes SingleAgentEpisode objects (or a list of "
                                           f"them), got {type(eps).__name__}")
-            added = self._rows.append(
+            read = self._rows.read(
                 episodes, spec=None if self._plane is None else self._plane.spec)
-            if added.steps:
+            if read.steps:
                 if self._plane is None:
-                    assert added.spec is not None
-                    self._plane = self._build_plane(added.spec, self.batch_size_B)
-                for a in range(0, added.steps, self.capacity):
-                    self._plane.push({k: v[a:a + self.capacity]
-                                      for k, v in added.rows.items()})
-                self._plane.flush()
+                    assert read.spec is not None
+                    self._plane = self._build_plane(read.spec, self.batch_size_B)
+                ring = self._sampler.ring_rows
+                try:
+                    self._write(self._plane, read.rows, read.steps)
+                except BaseException:
+                    if self._sampler.ring_rows - ring == read.steps:  # the rows are stored
+                        self._added(self._rows.link(read))
+                    raise
+            added = self._rows.link(read)
+        self._added(added)
+
+    def _write(self, plane: ExperienceDataPlane, rows: dict[str, np.ndarray],
+               steps: int) -> None:
+        """Push ``rows`` to ``plane`` and flush it."""
+        for a in range(0, steps, self.capacity):
+            part = {k: v[a:a + self.capacity] for k, v in rows.items()}
+            _despite_draws(plane, lambda part=part: plane.push(part))
+        _despite_draws(plane, plane.flush)
+
+    def _added(self, added: Appended) -> None:
+        """Count and log what an add changed."""
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added += added.steps
         self._num_episodes_evicted += added.evicted_episodes
@@ -269,7 +314,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 (None: 1).
             beta: Importance-weight exponent (prioritized; default: the constructor's).
             gamma: Discount of the n-step reward sums.
-            include_infos: Ignored: infos are not stored.
+            include_infos: Must be False: infos are not stored (sampled episodes hold empty
+                infos; RLlib's uniform buffer returns them whatever this says).
             include_extra_model_outputs: Must be False.
             sample_episodes: Must be True.
             to_numpy: Numpy-ize the returned episodes (prioritized, as RLlib).
@@ -281,11 +327,15 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             ConfigError: An argument asks for what the buffer does not support, or
                 ``n_step`` is neither an integer >= 1 nor a range of them (0, False or an
                 empty sequence included).
-            EmptyBufferError: Nothing was added yet, or (prioritized) too few rows start a
-                complete n-step window.
+            EmptyBufferError: Nothing was added yet, or (prioritized) no row in the buffer
+                starts a complete n-step window (RLlib's buffer would redraw forever).
         """
         if num_items is not None and batch_size_B is not None:
             raise ConfigError("num_items", "give num_items or batch_size_B, not both")
+        if include_infos:
+            raise ConfigError("include_infos", "Conduit's RLlib buffers do not store infos; "
+                                               "sample with include_infos=False (DQN and SAC "
+                                               "do), or use RLlib's own buffer for infos")
         unsupported = {"batch_length_T": batch_length_T,
                        "include_extra_model_outputs": include_extra_model_outputs,
                        "sample_episodes": not sample_episodes, "lookback": lookback,
@@ -327,19 +377,28 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
 
     def _pull(self, plane: ExperienceDataPlane) -> dict[str, torch.Tensor]:
         """The next batch drawn for the request in force with every row still in the buffer;
-        others are discarded (a prefetched batch may be either)."""
+        others are discarded (a prefetched batch may be either).
+
+        Raises:
+            EmptyBufferError: The draw for the request in force, over the rows in the buffer
+                now, found no row with a complete n-step window.
+        """
         for _ in range(4 * G_MAX + 4):
             try:
                 batch = plane.pull()
             except OperatorError as exc:
                 cause = exc.__cause__
-                if isinstance(cause, ConduitError):  # e.g. too few complete windows
+                if isinstance(cause, ConduitError):
                     plane.recover()
-                    if getattr(cause, "serial", self._sampler.serial) != self._sampler.serial:
-                        self.discarded_batches += 1  # drawn ahead for earlier arguments
-                        continue
                     raise cause from None
                 raise
+            failed = int(batch.pop("_failed")[0])
+            if failed >= 0:  # no row had a complete window when it was drawn
+                if (failed == self._sampler.ring_rows
+                        and int(batch["_request"][0]) == self._sampler.serial):
+                    raise EmptyBufferError(self._sampler.failure)
+                self.discarded_batches += 1  # drawn before an add, or for other arguments
+                continue
             # Rows overwritten by adds since the batch was delivered are stale as well.
             oldest = self._sampler.ring_rows - self.capacity
             rows = batch.pop("_row").numpy()

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from conduit.errors import ConfigError, EmptyBufferError, SpecError
+from conduit.errors import ConfigError, SpecError
 from conduit.integrations.rllib.episode_rows import EpisodeRows, NStep, Window
 from conduit.spec import Batch
-from conduit.storage import SampleInfo, Sampler
+from conduit.storage import PrioritizedSampler, SampleInfo, Sampler
 from conduit.storage.state import JSON, StateDict, entry, integer
 
 
@@ -85,6 +85,7 @@ class Drawn:
         request: What the draw was for.
         serial: The request's serial number (see :meth:`WindowSampler.set_request`).
         ring_rows: Rows the ring had received at the draw.
+        failed: No row had a complete window (see :attr:`WindowSampler.failure`).
     """
 
     window: Window
@@ -92,6 +93,7 @@ class Drawn:
     request: WindowRequest
     serial: int
     ring_rows: int
+    failed: bool = False
 
 
 class WindowSampler(Sampler):
@@ -107,7 +109,8 @@ class WindowSampler(Sampler):
     Args:
         inner: Draws the rows (uniform or prioritized); priorities and state are its own.
         rows: The links the windows follow.
-        max_rounds: Redraw rounds before a draw gives up.
+        max_rounds: Redraw rounds before a draw takes the rows it still needs among the rows
+            with a complete window.
     """
 
     def __init__(self, inner: Sampler, rows: EpisodeRows, *, max_rounds: int = 1000) -> None:
@@ -121,6 +124,8 @@ class WindowSampler(Sampler):
         self.resamples = 0
         #: Rows the ring has received (counted on write, under the buffer's lock).
         self.ring_rows = 0
+        #: Why the latest failed draw found no row (see :func:`deliver_windows`).
+        self.failure = ""
 
     @property
     def request(self) -> WindowRequest:
@@ -151,10 +156,12 @@ class WindowSampler(Sampler):
 
     def sample(self, size: int, batch_size: int) -> SampleInfo:
         """Draw ``batch_size`` rows; with ``request.complete``, only rows whose window holds
-        all of its ``n`` steps (as the links read now; the delivery checks them again).
-
-        Raises:
-            EmptyBufferError: ``max_rounds`` rounds found too few such rows.
+        all of its ``n`` steps (as the links read now; the delivery checks them again), as
+        RLlib's prioritized buffer does by redrawing. When ``max_rounds`` redraw rounds find
+        too few, the rest are drawn among the rows that have a complete window (with their
+        own priorities, and the importance weights of those priorities, as the redraws give
+        them). When no row has one, the draw is marked failed (:attr:`failure`; its rows
+        are delivered invalid) rather than raising on the worker that drew it ahead.
         """
         serial, req = self._request
         if req.beta is not None and hasattr(self.inner, "beta"):
@@ -180,11 +187,13 @@ class WindowSampler(Sampler):
             if need == 0:
                 break
         else:
-            exc = EmptyBufferError(f"no {batch_size} rows with a complete {req.n_step}-step "
-                                   f"window among {size} rows; add longer episodes or "
-                                   f"lower n_step")
-            exc.serial = serial  # the request it was drawn for (see ``serial``)
-            raise exc
+            drawn = self._among_complete(size, need, req)
+            if drawn is None:
+                return self._failed(size, batch_size, req, serial)
+            starts.append(drawn[0])
+            n.append(drawn[1])
+            if drawn[2] is not None:
+                weights.append(drawn[2])
         if len(starts) > 1:  # rows were redrawn
             starts, n = [np.concatenate(starts)], [np.concatenate(n)]
         window = self.rows.windows(starts[0], n[0])
@@ -194,6 +203,49 @@ class WindowSampler(Sampler):
         self.drawn[id(indices)] = Drawn(window, nxt, req, serial, self.ring_rows)
         return SampleInfo(indices, (weights[0] if len(weights) == 1 else torch.cat(weights))
                           if weights else None)
+
+    def _among_complete(self, size: int, need: int, req: WindowRequest
+                        ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None] | None:
+        """``need`` rows drawn among those of the first ``size`` slots with a complete window
+        (for a range of n-steps: pairs of row and n-step), by their priorities if the inner
+        sampler keeps them: what redrawing until a row has one gives. Importance weights are
+        the inner sampler's for each row, ``(P_min / P(i))^β`` over all rows (RLlib's buffer
+        likewise weighs a redrawn row by its probability among all rows). None when no row
+        has a complete window."""
+        slots = np.arange(size, dtype=np.int64)
+        choices = ([req.n_step] if isinstance(req.n_step, int)
+                   else list(range(req.n_step[0], req.n_step[1])))
+        pairs = [(slots[ok], np.full(int(ok.sum()), k, dtype=np.int64)) for k in choices
+                 for ok in [self.rows.complete(slots, np.full(size, k, dtype=np.int64))]]
+        cand = np.concatenate([p[0] for p in pairs])
+        cand_n = np.concatenate([p[1] for p in pairs])
+        if not len(cand):
+            return None
+        if not isinstance(self.inner, PrioritizedSampler):
+            pick = self._rng.integers(len(cand), size=need)
+            return cand[pick], cand_n[pick], None
+        tree = self.inner.tree
+        leaves = self.inner.priorities(torch.from_numpy(cand)).numpy().astype(np.float64)
+        pick = self._rng.choice(len(cand), size=need, p=leaves / leaves.sum())
+        beta = float(self.inner.beta)
+        with np.errstate(divide="ignore", over="ignore"):
+            weight = np.power(tree.min / np.maximum(leaves[pick], 1e-300), beta)
+        return cand[pick], cand_n[pick], torch.from_numpy(weight.astype(np.float32))
+
+    def _failed(self, size: int, batch_size: int, req: WindowRequest,
+                serial: int) -> SampleInfo:
+        """A draw that found no row with a complete window: slot 0, marked failed for its
+        delivery (see :attr:`failure`)."""
+        self.failure = (f"no row among the {size} in the buffer starts a complete "
+                        f"{req.n_step}-step window (each ends its stored episode first); add "
+                        f"longer episodes or lower n_step")
+        starts = np.zeros(batch_size, dtype=np.int64)
+        window = self.rows.windows(starts, np.ones(batch_size, dtype=np.int64))
+        indices = torch.zeros((batch_size, 2), dtype=torch.int64)
+        self.drawn[id(indices)] = Drawn(window, np.full(batch_size, -1, dtype=np.int64), req,
+                                        serial, self.ring_rows, failed=True)
+        return SampleInfo(indices, torch.ones(batch_size) if isinstance(
+            self.inner, PrioritizedSampler) else None)
 
     def reset(self) -> None:
         self.inner.reset()
@@ -232,9 +284,9 @@ class Transitions:
     @classmethod
     def of(cls, batch: Batch) -> Transitions:
         """From a batch pulled from the plane (see :func:`deliver_windows`), without its
-        ``_request``, ``_valid`` and ``_row`` columns."""
+        ``_request``, ``_valid``, ``_row`` and ``_failed`` columns."""
         arrays = {k.lstrip("_"): v.numpy() for k, v in batch.items()
-                  if k not in ("_request", "_valid", "_row")}
+                  if k not in ("_request", "_valid", "_row", "_failed")}
         return cls(**arrays)
 
 
@@ -250,7 +302,9 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
     timestep, ``_index`` (the start slots, for priority updates), ``_weight`` if any,
     ``_request`` (the serial of the request it was drawn for), ``_valid`` and ``_row`` (the
     row number of each start: the row is still in the buffer while ``_row >= ring rows -
-    capacity``).
+    capacity``), and ``_failed``: -1, or for a draw that found no row with a complete
+    window the rows the ring had received at the draw (its rows are all invalid; the
+    sampler's ``failure`` says why).
 
     The windows are laid over the links as they stand now, under the rows' lock. The next
     observation is the gathered row after the window's end; where that row is another one now
@@ -276,6 +330,8 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
         window = links.windows(starts, n)
         if req.complete:
             valid &= window.length == n
+        if drawn.failed:
+            valid[:] = False
         nxt = links.next_of(window.end)
         tail = valid & (nxt < 0)
         moved = valid & (nxt >= 0) & ((nxt != drawn.next_slots) | (
@@ -295,7 +351,9 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
            "episode": torch.from_numpy(episode), "t": torch.from_numpy(t),
            "_index": torch.from_numpy(starts),
            "_request": torch.full((len(starts),), drawn.serial, dtype=torch.int64),
-           "_valid": torch.from_numpy(valid), "_row": torch.from_numpy(start_id)}
+           "_valid": torch.from_numpy(valid), "_row": torch.from_numpy(start_id),
+           "_failed": torch.full((len(starts),), drawn.ring_rows if drawn.failed else -1,
+                                 dtype=torch.int64)}
     if "_weight" in rows:
         out["_weight"] = rows["_weight"]
     return out
