@@ -391,3 +391,23 @@ def test_concurrent_pushes_ingest_every_row_once_in_row_order():
                 prompt, comp = b["prompt_ids"][:, -1], b["completion_ids"][:, 0]
                 assert torch.equal(comp // 10, prompt - 1)
             assert not torch.isnan(path.rewards).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nan", [False, True])
+def test_low_precision_rewards_keep_their_dtype_and_trl_values(dtype, nan):
+    # TRL's nanstd applies the Bessel correction in place, so the variance keeps the rewards'
+    # dtype; the same steps, written out here
+    rewards = torch.tensor([0.3, 1.7, 2.2, 0.9, 5.0, 4.1, 4.4, 3.3], dtype=dtype)
+    if nan:
+        rewards[1] = float("nan")
+    grouped = rewards.view(-1, 4)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    variance = torch.nanmean((grouped - mean) ** 2, dim=1, keepdim=True)
+    count = torch.sum(~torch.isnan(grouped), dim=1, keepdim=True)
+    variance *= count / (count - 1)
+    want = torch.nan_to_num(((grouped - mean) / (torch.sqrt(variance) + 1e-4)).reshape(-1),
+                            nan=0.0)
+    got = group_advantages(rewards, group_size=4)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)

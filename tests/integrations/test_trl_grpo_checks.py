@@ -138,3 +138,33 @@ def test_feasible_conduit_schedules_are_accepted(schedule):
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(args, output_dir=tmp, conduit_schedule=schedule)
     assert trainer._conduit_schedule == schedule
+
+
+def _mixtral_with_router_jitter(*, vocab_size, hidden=32, layers=1, heads=4, max_positions=64,
+                                seed=0):
+    """A tiny random Mixtral whose router adds jitter noise in training (a probability-like
+    number its MoE blocks keep; no dropout module)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=heads, max_position_embeddings=max_positions,
+                        num_local_experts=2, num_experts_per_tok=1, router_jitter_noise=0.1,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_router_jitter_is_refused_where_old_logprobs_are_computed():
+    # TRL computes old log-probs in training mode, where the router's jitter draws from torch's
+    # RNG (and moves the next shuffle): the path's eval-mode snapshot would differ
+    vocab = len(grpo_task.digit_tokenizer())
+    with pytest.raises(ConfigError) as err:
+        _construct(_mixtral_with_router_jitter(vocab_size=vocab), gradient_accumulation_steps=1,
+                   disable_dropout=True)
+    assert "jitter" in err.value.field and "random numbers in training" in str(err.value)
+    trainer = _construct(_mixtral_with_router_jitter(vocab_size=vocab),
+                         gradient_accumulation_steps=2)  # a multiple of 2: no old log-probs
+    assert not trainer._needs_old_logps()

@@ -95,6 +95,11 @@ def test_bad_configuration():
         ConduitReplayBuffer(**args, sampler_kwargs=OmegaConf.create({"group_sise": 4}))
     with pytest.raises(ConfigError, match="trainer_mode"):
         ConduitReplayBuffer(**{**args, "trainer_mode": "separate_async"}, sampler_kwargs=None)
+    # verl does not pass rollout.n: a default would evict every group of another size
+    for kwargs in (None, OmegaConf.create({"mini_batch_size": 4})):
+        with pytest.raises(ConfigError, match=r"rollout\.n") as err:
+            ConduitReplayBuffer(**args, sampler_kwargs=kwargs)
+        assert err.value.field == "sampler_kwargs.group_size"
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

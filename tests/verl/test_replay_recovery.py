@@ -142,3 +142,25 @@ def test_validation_group_without_trajectories(kv_store):
     batch, metrics = buffer.sample(global_steps=1, partition_id="val", batch_size=1)
     assert batch.keys == ["v1_0_0", "v1_1_0"]
     assert metrics["validation/conduit/evicted_malformed"] == 1
+
+
+def test_a_multi_output_group_of_group_size_keys_is_refused(kv_store):
+    # N keys, one of them a second output of session 0: the count fits group_size, but verl
+    # gives the session its final output's advantage, which the buffer does not compute
+    from tensordict import TensorDict
+
+    buffer = _build(_config())
+    _rollout("m", 1, seed=1, trajectories=N - 1)
+    _rollout("ok", 1, seed=2)
+    one = [torch.ones(2, dtype=torch.int64)]
+    fields = TensorDict({"response_mask": torch.nested.nested_tensor(one, layout=torch.jagged),
+                         "rm_scores": torch.nested.nested_tensor([torch.tensor([0.0, 1.0])],
+                                                                 layout=torch.jagged)},
+                        batch_size=[1])
+    tq.kv_batch_put(keys=["m_0_1"], partition_id="train", fields=fields,
+                    tags=[{"status": "success", "prompt_len": 2, "response_len": 2,
+                           "seq_len": 4, "global_steps": 1}])
+    with pytest.raises(SpecError, match="multi-output") as err:
+        buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert err.value.field == "uid" and "'m'" in str(err.value)
+    assert _prompts() == ["ok"]

@@ -216,7 +216,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
         # these are nanmean's and nanstd's values, with one correction for all groups.
         adv = grouped - grouped.mean(dim=1, keepdim=True)
         var = (adv ** 2).mean(dim=1, keepdim=True)
-        adv = adv / (torch.sqrt(var * _bessel(group_size).to(rewards.device)) + ADV_EPS)
+        var *= _bessel(group_size).to(rewards.device)  # in place, as TRL: the dtype stays
+        adv = adv / (torch.sqrt(var) + ADV_EPS)
         return torch.nan_to_num(adv.reshape(-1), nan=0.0)
     adv = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group" and group_size > 1:  # nanstd's steps, sharing the mean
@@ -224,7 +225,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
         count = torch.sum(~torch.isnan(grouped), dim=1, keepdim=True)
         corr = torch.where(count > 1, count / (count - 1),
                            torch.full_like(count / 1.0, float("nan")))
-        adv = adv / (torch.sqrt(var * corr) + ADV_EPS)
+        var *= corr  # in place, as TRL's nanstd: the dtype stays
+        adv = adv / (torch.sqrt(var) + ADV_EPS)
     elif scale == "group":  # one completion per group: a standard deviation of zero
         adv = adv / ADV_EPS
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)

@@ -152,7 +152,8 @@ class ConduitGRPOTrainer(GRPOTrainer):
             ConfigError: ``disable_dropout`` is False and a ``torch.nn.Dropout`` of the policy
                 has ``p > 0``; or a dropout ``disable_dropout`` does not reset (another kind of
                 dropout module, or a dropout probability the model keeps as a number, such as
-                Llama's ``attention_dropout``) is above 0.
+                Llama's ``attention_dropout``) is above 0; or a noise the model keeps as a
+                number, such as Mixtral's router ``jitter_noise``, is.
         """
         if not self._needs_old_logps():
             return
@@ -173,12 +174,12 @@ class ConduitGRPOTrainer(GRPOTrainer):
                     f"p to 0 (or make gradient_accumulation_steps a multiple of "
                     f"steps_per_generation × num_iterations)")
             for attr, v in vars(module).items():
-                if ("dropout" in attr and isinstance(v, float) and v > 0):
+                if (("dropout" in attr or "jitter" in attr) and isinstance(v, float) and v > 0):
                     raise ConfigError(
-                        attr, f"the model drops out in training ({name or 'model'}.{attr}={v}, "
-                        f"which disable_dropout does not reset) while {why}; set {attr}=0 in the "
-                        f"model's config (or make gradient_accumulation_steps a multiple of "
-                        f"steps_per_generation × num_iterations)")
+                        attr, f"the model draws random numbers in training ({name or 'model'}."
+                        f"{attr}={v}, which disable_dropout does not reset) while {why}; set "
+                        f"{attr}=0 in the model's config (or make gradient_accumulation_steps "
+                        f"a multiple of steps_per_generation × num_iterations)")
 
     def _check_schedule(self, schedule: Schedule) -> None:
         """Check ``schedule`` against the feasible space of the plane that :meth:`_build_path`

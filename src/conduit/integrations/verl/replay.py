@@ -109,7 +109,9 @@ class ConduitSamplerConfig:
         """Read verl's ``sampler_kwargs`` (a ``DictConfig`` or a dict).
 
         Raises:
-            ConfigError: An unknown key, or a value out of range.
+            ConfigError: An unknown key, a value out of range, or no ``group_size`` (verl
+                does not pass ``rollout.n`` to the buffer; guessing it would make every group
+                of another size malformed, and evicted).
         """
         given = dict(kwargs.items()) if kwargs is not None else {}
         known = {f.name for f in fields(cls)}
@@ -117,6 +119,11 @@ class ConduitSamplerConfig:
             if key not in known:
                 raise ConfigError(f"sampler_kwargs.{key}", f"unknown; expected one of "
                                                            f"{sorted(known)}")
+        if "group_size" not in given:
+            raise ConfigError("sampler_kwargs.group_size", "required: set it to "
+                                                           "actor_rollout_ref.rollout.n (+trainer"
+                                                           ".v1.sampler.sampler_kwargs.group_size"
+                                                           "=<rollout.n>)")
         return cls(**given)
 
 
@@ -138,9 +145,8 @@ class ConduitReplayBuffer:
     resource pool).
 
     verl's multi-output agent loops (several outputs of one trajectory, keys
-    ``{uid}_{trajectory}_{index}`` with ``index > 0``) give groups of varying size, which a
-    step of ``group_size`` rows per group cannot hold; such a group counts as malformed unless
-    it has exactly ``group_size`` keys.
+    ``{uid}_{trajectory}_{index}`` with ``index > 0``) give groups of varying size whose
+    advantages verl takes from each session's final output; such a group counts as malformed.
 
     Raises:
         ConfigError: ``sampler_kwargs`` is invalid, or the trainer mode is not ``sync``.
@@ -339,8 +345,8 @@ class ConduitReplayBuffer:
 
     def _miscounted(self, keys: list[str], chosen: list[str], *, exact: bool
                     ) -> dict[str, tuple[str, str]]:
-        """Chosen groups without ``group_size`` trajectories (``exact``) or without any:
-        uid -> (field, message)."""
+        """Chosen groups without ``group_size`` trajectories (``exact``) or without any, and
+        groups of a multi-output agent loop: uid -> (field, message)."""
         count = dict.fromkeys(chosen, 0)
         multi: set[str] = set()
         for key in keys:
@@ -351,13 +357,15 @@ class ConduitReplayBuffer:
         bad = {}
         n = self.config.group_size
         for uid, found in count.items():
-            if found == 0 or (exact and found != n):
+            if uid in multi:
+                bad[uid] = ("uid", f"finished group {uid!r} has keys {{uid}}_{{trajectory}}_"
+                                   f"{{index}} with index > 0, from a multi-output agent loop: "
+                                   f"verl gives each session the advantage of its final "
+                                   f"output, which this buffer does not compute")
+            elif found == 0 or (exact and found != n):
                 want = f"group_size={n}" if exact else "at least one"
-                hint = (" (keys {uid}_{trajectory}_{index} with index > 0 come from a "
-                        "multi-output agent loop, which gives groups of varying size)"
-                        if uid in multi else "")
                 bad[uid] = ("uid", f"finished group {uid!r} has {found} trajectories "
-                                   f"in TransferQueue, expected {want}{hint}")
+                                   f"in TransferQueue, expected {want}")
         return bad
 
     def _read(self, keys: list[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
