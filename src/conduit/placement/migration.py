@@ -39,7 +39,12 @@ from conduit.placement.planner import (
     scan,
 )
 from conduit.placement.topology import Topology
-from conduit.placement.transfer import Candidate, check_endpoint, endpoint_shares
+from conduit.placement.transfer import (
+    Candidate,
+    check_capacity,
+    check_endpoint,
+    endpoint_shares,
+)
 from conduit.storage.layout import Placement, split_rows
 
 # -- Eq. 3 ---------------------------------------------------------------------------------------
@@ -81,6 +86,16 @@ class TransferPlan:
         return float(sum(self.source_volumes))
 
 
+def _float_array(name: str, values: object) -> np.ndarray:
+    """``values`` as a float64 array (a ragged or non-numeric input, or an int too large for a
+    float, is a :class:`PlacementError` naming ``name``)."""
+    try:
+        return np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PlacementError(f"{name}: must be a rectangular array of finite numbers, got "
+                             f"{values!r} ({exc})") from None
+
+
 BANDWIDTH_SPAN = 1e12
 """Largest ratio between two positive finite bandwidths :func:`solve_transfer_plan` takes
 (NVLink next to a 1 Gb/s network is about 3e3)."""
@@ -104,19 +119,24 @@ def solve_transfer_plan(source_volumes: Sequence[float], target_volumes: Sequenc
         The optimal plan.
 
     Raises:
-        PlacementError: Negative volumes or bandwidths, positive finite bandwidths that
-            span more than :data:`BANDWIDTH_SPAN` (field ``bandwidth``), mismatched totals or
-            shapes, or no feasible plan (some volume has no path).
+        PlacementError: Non-numeric, ragged or negative volumes or bandwidths (an int too
+            large for a float included), positive finite bandwidths that span more than
+            :data:`BANDWIDTH_SPAN` (field ``bandwidth``), mismatched totals, shapes or name
+            counts, or no feasible plan (some volume has no path).
     """
-    v = np.asarray(source_volumes, dtype=np.float64).reshape(-1)
-    w = np.asarray(target_volumes, dtype=np.float64).reshape(-1)
-    bw = np.asarray(bandwidth, dtype=np.float64)
+    v = _float_array("source_volumes", source_volumes).reshape(-1)
+    w = _float_array("target_volumes", target_volumes).reshape(-1)
+    bw = _float_array("bandwidth", bandwidth)
     m, n = v.size, w.size
     src = tuple(sources) if sources is not None else tuple(f"s{i}" for i in range(m))
     dst = tuple(targets) if targets is not None else tuple(f"t{j}" for j in range(n))
-    if bw.shape != (m, n) or len(src) != m or len(dst) != n:
+    if bw.shape != (m, n):
         raise PlacementError(f"bandwidth: expected shape ({m}, {n}) matching the volumes, "
                              f"got {bw.shape}")
+    for name, names, k in (("sources", src, m), ("targets", dst, n)):
+        if len(names) != k:
+            raise PlacementError(f"{name}: expected {k} names, one per volume, got "
+                                 f"{len(names)}")
     if m == 0 or n == 0:
         raise PlacementError("volumes: need at least one source and one target")
     if np.any(~np.isfinite(v)) or np.any(v < 0):
@@ -276,6 +296,12 @@ class PlacementRegion:
         return self.candidate.placement
 
 
+MAX_MAP_BYTES = 2**53
+"""Largest ``x_max`` :meth:`PlacementMap.build` sweeps (every integer up to it is a float)."""
+MAX_MAP_POINTS = 100_000
+"""Largest ``points`` :meth:`PlacementMap.build` takes (each is one Alg. 1 solve)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlacementMap:
     """Alg. 1 pre-solved over per-sample sizes, with pre-computed migration plans (App. D).
@@ -324,15 +350,18 @@ class PlacementMap:
             learner_device: Where batches are consumed.
             topology: Devices and bandwidths.
             x_min: Smallest per-sample size in bytes (default 128 float32 values).
-            x_max: Largest per-sample size in bytes (default 20,000 float32 values).
-            points: Number of log-spaced sizes in the sweep.
+            x_max: Largest per-sample size in bytes (default 20,000 float32 values), at most
+                :data:`MAX_MAP_BYTES`.
+            points: Number of log-spaced sizes in the sweep, at most :data:`MAX_MAP_POINTS`
+                (the boundaries are exact whatever their number: bisection refines them).
             allowed_kinds: Candidate restriction (see :func:`plan_placement`).
             devices: Candidate restriction.
             nodes: Candidate restriction.
             local_bandwidth: Passed to :func:`transfer_plan` for the pre-computed plans.
 
         Raises:
-            ConfigError: Bad sizes, capacity, devices.
+            ConfigError: Bad sizes (``x_max`` above :data:`MAX_MAP_BYTES` included),
+                ``points``, capacity, devices.
             CapacityError: Nothing fits even at ``x_min``.
         """
         _check_capacity(capacity)
@@ -342,8 +371,14 @@ class PlacementMap:
                                         f"got {val!r}")
         if x_max < x_min:
             raise ConfigError("x_max", f"must be >= x_min ({x_min}), got {x_max}")
-        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
-            raise ConfigError("points", f"must be an integer >= 2, got {points!r}")
+        if x_max > MAX_MAP_BYTES:
+            raise ConfigError("x_max", f"must be at most {MAX_MAP_BYTES:,} B (2**53, the "
+                                       f"largest size every float holds exactly), got "
+                                       f"about 2**{x_max.bit_length() - 1}; sweep a smaller range")
+        if (isinstance(points, bool) or not isinstance(points, int)
+                or not 2 <= points <= MAX_MAP_POINTS):
+            raise ConfigError("points", f"must be an integer from 2 to {MAX_MAP_POINTS:,}, "
+                                        f"got {points!r}")
         check_endpoint(topology, actor_device, "actor_device")
         check_endpoint(topology, learner_device, "learner_device")
         cands = candidate_set(topology=topology, learner_device=learner_device,
@@ -417,16 +452,18 @@ class PlacementMap:
     def region_index(self, x: float) -> int:
         """Index of the region holding ``x`` (``O(log R)``).
 
+        Regions have integer bounds. A fractional ``x`` between one region's ``x_hi`` and the
+        next region's ``x_lo`` belongs to the lower region while its candidate still fits at
+        ``x`` (then it is Alg. 1's choice at ``x``: every faster candidate already failed to
+        fit at the smaller ``x_hi``), else to the upper one.
+
         Raises:
             ConfigError: ``x`` is not positive or lies outside ``[x_min, x_max]``.
             CapacityError: ``x`` is in range but nothing fits there.
         """
-        _check_x(x)
-        if x < self.x_min or x > self.x_max:
-            raise ConfigError("x", f"{x} B is outside the map's range [{self.x_min}, "
-                                   f"{self.x_max}]")
-        xi = math.ceil(x)
-        k = bisect.bisect_left(self._his, xi)
+        k = self._floor_index(x)
+        if k < len(self.regions) and self._in_gap(k, x):
+            k += 1  # the lower region's candidate no longer fits at x
         if k >= len(self.regions):
             needed = float(self.capacity) * x
             avail = max(self.topology.memory(e) / s
@@ -437,13 +474,33 @@ class PlacementMap:
                                 needed=needed, available=avail)
         return k
 
+    def _floor_index(self, x: float) -> int:
+        """Index of the region holding ``floor(x)`` (``len(regions)`` past the last)."""
+        _check_x(x)
+        if x < self.x_min or x > self.x_max:
+            raise ConfigError("x", f"{x} B is outside the map's range [{self.x_min}, "
+                                   f"{self.x_max}]")
+        return bisect.bisect_left(self._his, math.floor(x))
+
+    def _in_gap(self, k: int, x: float) -> bool:
+        """Whether ``x`` lies past region ``k``'s ``x_hi`` where its candidate no longer fits
+        (only a fractional ``x`` can: the next integer starts the next region)."""
+        return x > self._his[k] and not check_capacity(
+            self.regions[k].candidate, capacity=self.capacity, x=x, topology=self.topology).fits
+
     def region(self, x: float) -> PlacementRegion:
         """The region holding ``x`` (see :meth:`region_index`)."""
         return self.regions[self.region_index(x)]
 
     def lookup_candidate(self, x: float) -> Candidate:
-        """``M(x)`` as a candidate; outside ``[x_min, x_max]`` Alg. 1 is solved directly."""
-        if x < self.x_min or x > self.x_max:
+        """``M(x)`` as a candidate: Alg. 1's choice at ``x``. Outside ``[x_min, x_max]``, and
+        for a fractional ``x`` between two regions where the lower one's candidate no longer
+        fits (the choice there may be neither region's), Alg. 1 is solved directly."""
+        gap = False
+        if self.x_min <= x <= self.x_max:
+            k = self._floor_index(x)
+            gap = k < len(self.regions) and self._in_gap(k, x)
+        if gap or x < self.x_min or x > self.x_max:
             _check_x(x)
             r = self.restrict
             return plan_placement(spec_bytes=x, capacity=self.capacity,
@@ -454,7 +511,8 @@ class PlacementMap:
         return self.region(x).candidate
 
     def lookup(self, x: float) -> Placement:
-        """``M(x)``: the placement for per-sample size ``x`` (``O(log R)`` inside the range).
+        """``M(x)``: the placement for per-sample size ``x`` (``O(log R)`` inside the range;
+        see :meth:`lookup_candidate`).
 
         Raises:
             CapacityError: Nothing fits at ``x``.

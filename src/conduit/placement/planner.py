@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from conduit.errors import CapacityError, ConfigError
+from conduit.errors import CapacityError, ConfigError, TopologyError
 from conduit.placement.endpoints import CPU_PINNED
 from conduit.placement.topology import Topology
 from conduit.placement.transfer import (
@@ -371,11 +371,28 @@ def decide(candidates: Sequence[Candidate], *, x: float, capacity: int, actor_de
     """Evaluate given candidates and run Alg. 1 (the core of :func:`plan_placement`).
 
     Raises:
+        ConfigError: ``candidates`` is empty, or a bad size, capacity or device.
         CapacityError: No candidate fits.
+        TopologyError: Candidates fit, but a bandwidth is so small that every one of them
+            takes infinitely long per sample (the message names the slowest link).
     """
     evals = evaluate(candidates, x=x, capacity=capacity, actor_device=actor_device,
                      learner_device=learner_device, topology=topology)
+    if not evals:
+        raise ConfigError("candidates", "at least one candidate placement is needed; pass "
+                                        "candidate_set(...) or a list of Candidates")
     best = scan(evals)
+    stalled = [e.candidate.label() for e in evals if e.feasible]
+    if best is None and stalled:  # they fit, but T_transfer overflowed to infinity
+        links = [(ln.bandwidth, f"node {n.name!r} links[{ln.src}->{ln.dst}].bandwidth")
+                 for n in topology.nodes for ln in n.links]
+        if topology.is_multi_node:
+            links.append((topology.inter_node_bandwidth, "inter_node_bandwidth"))
+        bw, where = min(links)
+        raise TopologyError(
+            f"{where}: {bw:.3g} B/s is too small to price: moving x = {x:,.0f} B per sample "
+            f"takes infinitely long on every candidate that fits ({', '.join(stalled)}). "
+            f"Give bandwidths in bytes/s (1e9 for 1 GB/s).")
     if best is None:
         needed = float(capacity) * float(x)
         top = max(evals, key=lambda e: e.available_bytes)

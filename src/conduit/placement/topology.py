@@ -19,7 +19,8 @@ Bandwidth table
     within-tier gather/copy bandwidth of ``d``). A missing ``(src, dst)`` falls back to
     ``(dst, src)`` (links are assumed symmetric unless both directions are given). Between nodes,
     one ``inter_node_bandwidth`` applies; a cross-node path is limited by its slowest segment
-    (source device -> its host, the network, destination host -> destination device).
+    (source device -> its host's pinned memory, the network, destination host's pinned memory
+    -> destination device; pageable ``cpu`` memory stages through pinned memory too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import psutil
 import torch
 
+from conduit._checks import finite_float
 from conduit.errors import TopologyError
 from conduit.placement import cluster as ray_cluster
 from conduit.placement.bandwidth import load_cached_profile
@@ -68,8 +70,7 @@ class DeviceInfo:
         if not isinstance(self.name, str) or not _DEVICE_RE.match(self.name):
             raise TopologyError(f"device.name: {self.name!r} is not an endpoint name "
                                 f"(expected 'cpu', 'cpu_pinned' or like 'cuda:0')")
-        if (not _is_number(self.memory_bytes) or not math.isfinite(self.memory_bytes)
-                or self.memory_bytes < 0):
+        if not _is_finite(self.memory_bytes) or self.memory_bytes < 0:
             raise TopologyError(f"device[{self.name!r}].memory_bytes: must be a non-negative "
                                 f"finite number, got {self.memory_bytes!r}")
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
@@ -97,8 +98,7 @@ class Link:
     estimated: bool = False
 
     def __post_init__(self) -> None:
-        if (not _is_number(self.bandwidth) or not math.isfinite(self.bandwidth)
-                or self.bandwidth <= 0):
+        if not _is_finite(self.bandwidth) or self.bandwidth <= 0:
             raise TopologyError(f"link[{self.src}->{self.dst}].bandwidth: must be a positive "
                                 f"finite number of bytes/s, got {self.bandwidth!r}")
         object.__setattr__(self, "bandwidth", float(self.bandwidth))
@@ -220,7 +220,7 @@ class Topology:
             by_name[n.name] = n
         object.__setattr__(self, "_by_name", by_name)
         bw = self.inter_node_bandwidth
-        if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
+        if not _is_finite(bw) or bw <= 0:
             raise TopologyError(f"inter_node_bandwidth: must be a positive finite number of "
                                 f"bytes/s, got {bw!r}")
         object.__setattr__(self, "inter_node_bandwidth", float(bw))
@@ -293,7 +293,11 @@ class Topology:
 
         Same node: the node's table. Different nodes: the slowest of (source -> its host's
         pinned staging memory, the network, destination host's pinned memory -> destination).
-        Host endpoints skip the staging segment on their side.
+        A ``cpu_pinned`` endpoint is the staging memory and skips the segment on its side; so
+        does any endpoint of a node without ``cpu_pinned`` that is not an accelerator (an
+        accelerator there stages through ``cpu``). Pageable ``cpu`` memory stages through
+        pinned memory like an accelerator, so a remote path is never faster than the local
+        ``cpu -> cpu_pinned`` copy it includes.
         """
         sn, sd = self.resolve(src)
         dn, dd = self.resolve(dst)
@@ -301,9 +305,9 @@ class Topology:
             return self.node(sn).bandwidth(sd, dd)
         segs = [self.inter_node_bandwidth]
         for node, dev, out in ((sn, sd, True), (dn, dd, False)):
-            if is_accelerator(dev):
-                n = self.node(node)
-                host = CPU_PINNED if n.has(CPU_PINNED) else CPU
+            n = self.node(node)
+            host = CPU_PINNED if n.has(CPU_PINNED) else CPU
+            if is_accelerator(dev) or (dev == CPU and host == CPU_PINNED):
                 segs.append(n.bandwidth(dev, host) if out else n.bandwidth(host, dev))
         return min(segs)
 
@@ -449,7 +453,7 @@ class Topology:
                 if any(prev.name == dname for prev in devs):
                     raise TopologyError(f"{w}.name: duplicate device {dname!r}")
                 mem = _get(dv, "memory_bytes", f"{w}.memory_bytes", None)
-                if not _is_number(mem) or not math.isfinite(mem) or mem < 0:
+                if not _is_finite(mem) or mem < 0:
                     raise TopologyError(f"{w}.memory_bytes: must be a non-negative finite "
                                         f"number, got {mem!r}")
                 devs.append(_wrap(f"{w}", lambda dname=dname, mem=mem, dv=dv: DeviceInfo(
@@ -467,7 +471,7 @@ class Topology:
                         raise TopologyError(f"{w}.{key}: unknown device {end!r} "
                                             f"(node {name!r} has {sorted(known)})")
                 bw = _get(ln, "bandwidth", f"{w}.bandwidth", None)
-                if not _is_number(bw) or not math.isfinite(bw) or bw <= 0:
+                if not _is_finite(bw) or bw <= 0:
                     raise TopologyError(f"{w}.bandwidth: must be a positive finite number of "
                                         f"bytes/s, got {bw!r}")
                 links.append(Link(src=src, dst=dst, bandwidth=bw,
@@ -475,7 +479,7 @@ class Topology:
             nodes.append(_wrap(where, lambda name=name, devs=devs, links=links: NodeTopology(
                 name=name, devices=tuple(devs), links=tuple(links))))
         inter = d.get("inter_node_bandwidth", 12.5e9)
-        if not _is_number(inter) or not math.isfinite(inter) or inter <= 0:
+        if not _is_finite(inter) or inter <= 0:
             raise TopologyError(f"inter_node_bandwidth: must be a positive finite number of "
                                 f"bytes/s, got {inter!r}")
         return cls(nodes=tuple(nodes), inter_node_bandwidth=inter,
@@ -579,6 +583,11 @@ def _rank_key(name: str) -> tuple[str, int]:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    """An int or float that is finite as a float (an int too large for one is not)."""
+    return _is_number(v) and finite_float(v) is not None
 
 
 def _get(d: Mapping[str, Any], key: str, where: str, typ: type | None) -> Any:

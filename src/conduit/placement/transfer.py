@@ -24,8 +24,10 @@ Everything here is a pure function of plain data.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
+from conduit._checks import finite_float
 from conduit.errors import ConfigError, PlacementError
 from conduit.placement.endpoints import CPU_PINNED
 from conduit.placement.topology import Topology
@@ -46,8 +48,9 @@ class Candidate:
         node_shares: Fraction of rows on each node (sums to 1); ``None`` means even.
 
     Raises:
-        PlacementError: ``placement`` is not a :class:`Placement`, or ``node_shares`` is not
-            one finite, non-negative number per node summing to 1.
+        PlacementError: ``placement`` is not a :class:`Placement`, ``nodes`` names a node
+            twice (its memory would count twice in the capacity check), or ``node_shares`` is
+            not one finite, non-negative number per node summing to 1.
     """
 
     placement: Placement
@@ -59,6 +62,11 @@ class Candidate:
             raise PlacementError(f"candidate.placement: expected a Placement, got "
                                  f"{self.placement!r}")
         nodes = tuple(self.nodes)
+        dup = [n for i, n in enumerate(nodes) if n in nodes[:i]]
+        if dup:
+            raise PlacementError(f"candidate.nodes: each node may appear once, got {nodes} "
+                                 f"naming {dup} more than once; list each node once and "
+                                 f"give it a larger node_shares entry instead")
         object.__setattr__(self, "nodes", nodes)
         if self.node_shares is not None:
             try:
@@ -108,7 +116,9 @@ def endpoint_shares(p: Placement | Candidate, topology: Topology) -> tuple[tuple
     """Where the rows of ``p`` live: ``((global endpoint, fraction of rows), ...)``.
 
     Raises:
-        PlacementError: The placement names a device or node the topology lacks.
+        PlacementError: The placement names a device or node the topology lacks, or names
+            one device twice (``Placement.sharded(["cuda:0", "cuda:0"])``: Eq. 1 would count
+            its free memory twice; a store may simulate shards that way, a plan may not).
     """
     c = Candidate.of(p)
     nodes = c.nodes or (topology.nodes[0].name,)
@@ -124,13 +134,21 @@ def endpoint_shares(p: Placement | Candidate, topology: Topology) -> tuple[tuple
                 raise PlacementError(f"placement.devices: {ep!r} on node {node!r} is not in "
                                      f"the topology ({exc})") from exc
             out.append((name, ns * ds))
+    names = [e for e, _ in out]
+    dup = sorted({e for e in names if names.count(e) > 1})
+    if dup:
+        raise PlacementError(f"placement.devices: {c.label()} names {', '.join(dup)} more "
+                             f"than once, so its memory would count once per mention in "
+                             f"Mem(p); list each device once and give it a larger share")
     return tuple(out)
 
 
 def _check_x(x: float) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ConfigError("spec_bytes", f"per-sample size must be a positive number of bytes, "
-                                        f"got {x!r}")
+    # finite_float also refuses an int too large for a float (10**400), which math.isfinite
+    # would raise OverflowError on.
+    if not isinstance(x, (int, float)) or finite_float(x) is None or x <= 0:
+        raise ConfigError("spec_bytes", f"per-sample size must be a positive finite number of "
+                                        f"bytes, got {x!r}")
     return x
 
 
@@ -138,6 +156,10 @@ def _check_capacity(capacity: int) -> int:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise ConfigError("capacity", f"must be a non-negative integer number of rows, "
                                       f"got {capacity!r}")
+    if finite_float(capacity) is None:
+        raise ConfigError("capacity", f"too large to price (above {sys.float_info.max:.3e} "
+                                      f"rows, the largest float); pass a realistic number of "
+                                      f"rows")
     return capacity
 
 

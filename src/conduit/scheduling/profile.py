@@ -11,7 +11,6 @@ granularity exploits: ``a`` is the per-invocation overhead, ``b`` the cost per u
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ def as_granularity(g: float | int | Fraction) -> Fraction:
             resolution (below about 1/2048).
     """
     if (not isinstance(g, (int, float, Fraction)) or isinstance(g, bool)
-            or (isinstance(g, float) and not math.isfinite(g)) or not g > 0):
+            or finite_float(g) is None or not g > 0):
         raise ScheduleError(f"granularity must be a positive finite number, got {g!r}")
     out = Fraction(g).limit_denominator(_MAX_DEN)
     if out <= 0:
@@ -174,9 +173,11 @@ def _freeze_costs(name: str, costs: Mapping) -> Mapping[Fraction, float]:
 
 
 def _seconds(name: str, v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    # finite_float refuses an int too large for a float (math.isfinite would overflow)
+    f = finite_float(v) if isinstance(v, (int, float)) else None
+    if f is None or f < 0:
         raise ConfigError(name, f"must be a finite, non-negative number of seconds, got {v!r}")
-    return float(v)
+    return f
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,12 +10,12 @@ on-policy); an infeasible cap is rejected with :class:`~conduit.errors.ConfigErr
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from conduit._checks import finite_float
 from conduit.errors import ConfigError, ScheduleError
 
 Mode = Literal["off_policy", "on_policy"]
@@ -59,7 +59,7 @@ class Schedule:
         for name in ("g_ing", "g_del"):
             v = getattr(self, name)
             if (not isinstance(v, (int, float, Fraction)) or isinstance(v, bool) or not v > 0
-                    or not math.isfinite(v)):
+                    or finite_float(v) is None):  # an int too large for a float is refused
                 raise ScheduleError(f"{name}: must be a finite positive number, got {v!r}")
             if v > 1 and float(v) != int(v):
                 raise ScheduleError(f"{name}: granularities above 1 must be whole numbers of "
@@ -74,8 +74,16 @@ class Schedule:
     @classmethod
     def inline(cls, *, num_minibatches: int = 1) -> Schedule:
         """The sequential baseline of Fig. 5a: everything on the caller's thread, ``g_ing = 1``;
-        delivery one batch per invocation (one mini-batch, ``1/M``, on-policy)."""
-        return cls(0, 1, 0, Fraction(1, num_minibatches))
+        delivery one batch per invocation (one mini-batch, ``1/M``, on-policy).
+
+        Raises:
+            ConfigError: ``num_minibatches`` is not an integer in ``1..MAX_MINIBATCHES``.
+        """
+        m = num_minibatches
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_MINIBATCHES:
+            raise ConfigError("num_minibatches", f"must be an integer from 1 to "
+                                                 f"{MAX_MINIBATCHES}, got {m!r}")
+        return cls(0, 1, 0, Fraction(1, m))
 
     def as_tuple(self) -> tuple[int, float, int, float]:
         """``(overlap_ing, g_ing, overlap_del, g_del)`` with floats."""
@@ -154,7 +162,9 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
         g_max_ing: Off-policy cap on rollout units per ingestion, ``1..MAX_GRANULARITY``.
         g_max_del: Off-policy cap on prefetched batches per delivery, ``1..MAX_GRANULARITY``.
         max_fraction_ing: On-policy only: largest fraction of a rollout one ingestion
-            invocation may process, in ``[1/M, 1]``. ``None`` means 1 (no cap).
+            invocation may process, in ``[1/M, 1]``. ``None`` means 1 (no cap). ``k/M`` is
+            feasible when it does not exceed the cap (a float cap also admits the ``k/M`` it
+            is the float of, so ``0.3`` admits ``3/10``).
         unit_fraction_ing: On-policy only: the share of an iteration that one pushed rollout
             unit holds (rows per unit / rows per iteration), when units have a fixed size.
             When it is below 1/M, its multiples below 1/M join ``G_ing``, so ingestion can run
@@ -188,18 +198,17 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
                              g_ing=tuple(Fraction(g) for g in range(1, g_max_ing + 1)),
                              g_del=tuple(Fraction(g) for g in range(1, g_max_del + 1)))
     m = num_minibatches
-    f_max = Fraction(1)
+    cap: int | float | Fraction = 1
     if max_fraction_ing is not None:
-        v = max_fraction_ing
-        if (not isinstance(v, (int, float, Fraction)) or isinstance(v, bool)
-                or v != v or not 0 < v <= 1):
-            raise ConfigError("max_fraction_ing", f"must be a fraction in (0, 1], got {v!r}")
-        f_max = Fraction(v).limit_denominator(1024)
-        if f_max < Fraction(1, m):
+        cap = max_fraction_ing
+        if (not isinstance(cap, (int, float, Fraction)) or isinstance(cap, bool)
+                or cap != cap or not 0 < cap <= 1):
+            raise ConfigError("max_fraction_ing", f"must be a fraction in (0, 1], got {cap!r}")
+        if not _within(Fraction(1, m), cap):
             raise ConfigError("max_fraction_ing",
-                              f"must be at least 1/M = 1/{m} (one mini-batch), got {v!r}; "
+                              f"must be at least 1/M = 1/{m} (one mini-batch), got {cap!r}; "
                               "a smaller cap leaves no feasible ingestion granularity")
-    g_ing = [Fraction(k, m) for k in range(1, m + 1) if Fraction(k, m) <= f_max]
+    g_ing = [Fraction(k, m) for k in range(1, m + 1) if _within(Fraction(k, m), cap)]
     if unit_fraction_ing is not None:
         u = unit_fraction_ing
         if not isinstance(u, Fraction) or not 0 < u <= 1:
@@ -210,3 +219,9 @@ def feasible_space(*, mode: Mode, num_minibatches: int = 1, g_max_ing: int = 8,
         below = -(-Fraction(1, m) // u)  # the multiples u, 2u, ... strictly below 1/M
         g_ing = [u * j for j in range(1, below)] + g_ing
     return ScheduleSpace(mode=mode, g_ing=tuple(g_ing), g_del=(Fraction(1, m),))
+
+
+def _within(g: Fraction, cap: int | float | Fraction) -> bool:
+    """Whether granularity ``g`` is at most the user's cap: compared exactly, never rounded
+    up; a float cap also admits the ``g`` it is the float of (``0.3`` admits ``3/10``)."""
+    return g <= Fraction(cap) or (isinstance(cap, float) and float(g) == cap)

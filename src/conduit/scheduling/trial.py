@@ -96,12 +96,15 @@ def start_schedule(space: ScheduleSpace, *, prioritized: bool = False) -> Schedu
     replay delivery stays on the learner's thread (a batch prefetched before a priority
     update would be discarded). On-policy ingestion runs at the finest feasible step (one
     rollout unit when units have a fixed size) and delivery one mini-batch at a time.
+
+    The schedule always lies in ``space``: off-policy delivery prefetches ``min(2, g_max_del)``
+    batches, and the prioritized schedule takes ``space``'s finest granularities.
     """
     if prioritized:
-        return Schedule(1, 1, 0, 1)
+        return Schedule(1, space.g_ing[0], 0, space.g_del[0])
     if space.mode == "on_policy":
         return Schedule(1, space.g_ing[0], 1, space.g_del[0])
-    return Schedule(1, 1, 1, 2)
+    return Schedule(1, 1, 1, min(2, max(space.g_del)))
 
 
 def warmup_schedule(seen: int, *, warmup: int, start: Schedule,
