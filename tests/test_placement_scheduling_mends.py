@@ -212,3 +212,12 @@ def test_small_refusals_are_typed() -> None:
         solve_transfer_plan([1], [1], np.ones((1, 1)), sources=["a", "b"])
     with pytest.raises(PlacementError, match=r"^targets:"):
         solve_transfer_plan([1], [1], np.ones((1, 1)), targets=[])
+
+
+@pytest.mark.parametrize("nodes", [2.5, "2", True, 0])
+def test_a100_preset_node_count_must_be_a_positive_integer(nodes):
+    from conduit.placement.presets import a100_8
+
+    with pytest.raises(ConfigError) as info:
+        a100_8(nodes=nodes)
+    assert info.value.field == "nodes"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from conduit._checks import check_int
 from conduit.errors import ConfigError
 from conduit.placement.endpoints import CPU, CPU_PINNED
 from conduit.placement.topology import DeviceInfo, Link, NodeTopology, Topology
@@ -81,8 +82,7 @@ def a100_8(*, nodes: int = 1, inter_node_bandwidth: float = 25 * GB) -> Topology
         nodes: Number of identical nodes (``"node0"``, ``"node1"``...).
         inter_node_bandwidth: Network bandwidth between nodes in bytes/s.
     """
-    if nodes < 1:
-        raise ConfigError("nodes", f"must be at least 1, got {nodes}")
+    nodes = check_int("nodes", nodes, minimum=1)
     ns = tuple(_node(name=f"node{k}", n_gpu=8, gpu_mem=80 * GiB - DEVICE_RESERVE_BYTES,
                      gpu_model="NVIDIA A100-SXM4-80GB", host_mem=int(1.9e12),
                      host_copy=10 * GB, host_gather=10 * GB, pageable_dev=10 * GB,
