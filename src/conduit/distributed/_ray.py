@@ -40,6 +40,37 @@ def _probe(address: str, timeout_s: float) -> None:
                                               f"address=None for a local one") from exc
 
 
+def _host(name: str) -> str:
+    """``name`` as an IP address (itself when it does not resolve)."""
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+def _check_same(ray: Any, address: str) -> None:
+    """Refuse ``address`` when this process is connected to another cluster (``"auto"``
+    names the one it is connected to; a Ray Client address is not compared).
+
+    Raises:
+        ClusterConnectionError: ``address`` is not the current cluster's GCS address.
+    """
+    if address == "auto" or address.startswith("ray://"):
+        return
+    current = ray.get_runtime_context().gcs_address
+    host, _, port = address.rpartition(":")
+    cur_host, _, cur_port = str(current).rpartition(":")
+    ip, cur_ip = _host(host), _host(cur_host)
+    here = {ray.util.get_node_ip_address()}
+
+    def local(name: str) -> bool:  # this machine, by a loopback address or the node's own
+        return name.startswith("127.") or name in here
+    if port != cur_port or (ip != cur_ip and not (local(ip) and local(cur_ip))):
+        raise ClusterConnectionError(address, f"this process is already connected to the Ray "
+                                              f"cluster at {current}; pass that address, "
+                                              f"'auto' or None, or ray.shutdown() first")
+
+
 def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = None
             ) -> tuple[Any, bool]:
     """Attach to the cluster at ``address`` or, with None, to the Ray this process already
@@ -51,7 +82,8 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
 
     Raises:
         RayUnavailableError: Ray is not installed.
-        ClusterConnectionError: ``address`` is malformed or nothing answers there.
+        ClusterConnectionError: ``address`` is malformed or nothing answers there, or Ray is
+            already connected to another cluster.
     """
     ray = import_ray()
     if address is not None:
@@ -59,6 +91,8 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
             raise ClusterConnectionError(str(address), "expected a non-empty string")
         _probe(address, min(timeout_s, 5.0))
     if ray.is_initialized():
+        if address is not None:
+            _check_same(ray, address)
         return ray, False
     try:
         if address is None:
@@ -71,10 +105,13 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
     return ray, True
 
 
-def alive_nodes(ray: Any) -> list[str]:
-    """Ids of the cluster's live nodes, the driver's node first, then in id order."""
+def alive_nodes(ray: Any, demand: dict[str, float] | None = None) -> list[str]:
+    """Ids of the cluster's live nodes (with ``demand``: those whose resources hold it), the
+    driver's node first, then in id order."""
     here = ray.get_runtime_context().get_node_id()
-    ids = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    need = demand or {}
+    ids = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and all(
+        n.get("Resources", {}).get(key, 0.0) >= amount for key, amount in need.items()))
     return sorted(ids, key=lambda n: n != here)
 
 
@@ -86,6 +123,22 @@ def lost_object(ray: Any, exc: BaseException, ref: Any) -> bool:
         return False
     hex_id = getattr(exc, "object_ref_hex", None)
     return hex_id is None or hex_id == ref.hex()
+
+
+def failed_task(ray: Any, exc: BaseException, ref: Any, timeout: float) -> bool:
+    """Whether ``exc``, a task's error, is the error of the task that was to make ``ref``'s
+    object (the rollout's producer raised, and every task given ``ref`` raises its error).
+    Told by fetching ``ref`` (only on this error path) within ``timeout`` seconds."""
+    task_error = ray.exceptions.RayTaskError
+    if not isinstance(exc, task_error):
+        return False
+    try:
+        ray.get(ref, timeout=timeout)
+    except task_error:
+        return True
+    except Exception:  # not its producer's error (or not known in time): the task's own
+        return False
+    return False
 
 
 def actor_died_errors(ray: Any) -> tuple[type[BaseException], ...]:

@@ -1,14 +1,14 @@
 """The shard actors of one plane: where they run, who replicates whom, and their restore.
 
-Shard ``k`` runs on a live node chosen round robin, pinned there with Ray's
-``NodeAffinitySchedulingStrategy``. Its rows are replicated on the next ``replication - 1``
-shards that run on other nodes (on any other shard when there are fewer nodes than copies).
-A shard found dead is re-created (on its node if that node lives, else on the least loaded live
-node), its primary rows are copied from a live replica, shard to shard through Ray's object
-store, and the replicas it kept for others are copied from their primaries. Without a live
-replica its rows are lost, and the count is reported (docs/design.md, distributed faults); its
-new ring's row ids continue above every id it ever gave out (off-policy), so an update for a
-lost row never reaches a new one.
+Shard ``k`` runs on a live node chosen round robin over the nodes that have what a shard
+reserves, pinned there with Ray's ``NodeAffinitySchedulingStrategy``. Its rows are replicated
+on the next ``replication - 1`` shards that run on other nodes (on any other shard when there
+are fewer nodes than copies). A shard found dead is re-created (on its node if that node lives,
+else on the least loaded live node), its primary rows are copied from a live replica, shard to
+shard through Ray's object store, and the replicas it kept for others are copied from their
+primaries. Without a live replica its rows are lost, and the count is reported (docs/design.md,
+distributed faults); its new ring's row ids continue above every id it ever gave out
+(off-policy), so an update for a lost row never reaches a new one.
 
 The set also records what every holder reported after the last change it applied, so a read
 can be served by any copy that is current (:meth:`ShardSet.read_from`).
@@ -17,6 +17,8 @@ can be served by any copy that is current (:meth:`ShardSet.read_from`).
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +29,15 @@ from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.sampling import nearest_copy
 from conduit.distributed.shard import BufferShard, HeldRows, RemoteError, ShardSpec
 from conduit.errors import ConfigError, PlaneClosedError
+
+_RESERVED = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray resources ``ShardResources.resources`` may not name."""
+
+
+def _amount(v: Any) -> bool:
+    """Whether ``v`` is a resource amount: a finite real number >= 0 (not a bool)."""
+    return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0)
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,30 @@ class ShardResources:
     def __post_init__(self) -> None:
         for name in ("num_cpus", "num_gpus"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or not v >= 0:
-                raise ConfigError(f"shard_resources.{name}", f"must be >= 0, got {v!r}")
-        if self.memory is not None and (not isinstance(self.memory, int) or self.memory < 1):
+            if not _amount(v):
+                raise ConfigError(f"shard_resources.{name}", f"must be a finite number >= 0, "
+                                                             f"got {v!r}")
+        if self.memory is not None and (isinstance(self.memory, bool)
+                                        or not isinstance(self.memory, int) or self.memory < 1):
             raise ConfigError("shard_resources.memory", f"must be a positive int of bytes or "
                                                         f"None, got {self.memory!r}")
+        if not isinstance(self.resources, dict):
+            raise ConfigError("shard_resources.resources", f"must be a dict of resource name "
+                                                           f"to amount, got {self.resources!r}")
+        for key, v in self.resources.items():
+            if not isinstance(key, str) or not key or key in _RESERVED:
+                raise ConfigError("shard_resources.resources", f"names a custom resource, got "
+                                                               f"{key!r} (CPUs, GPUs and memory "
+                                                               f"have their own fields)")
+            if not _amount(v):
+                raise ConfigError(f"shard_resources.resources[{key!r}]",
+                                  f"must be a finite number >= 0, got {v!r}")
+
+    def demand(self) -> dict[str, float]:
+        """What one shard needs of a node, by Ray resource name (amounts above 0)."""
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, "memory": self.memory or 0,
+                **self.resources}
+        return {k: float(v) for k, v in need.items() if v > 0}
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``ActorClass.options``."""
@@ -117,23 +147,35 @@ class ShardSet:
         self.ray, self.config, self.resources, self.timeout = ray, config, resources, timeout
         self._died = actor_died_errors(ray)
         self._cls = ray.remote(BufferShard)
-        live = alive_nodes(ray)
+        live = alive_nodes(ray, resources.demand())
+        if not live:
+            raise ShardUnavailableError(-1, f"no live node has what a shard reserves "
+                                            f"({resources.demand()}); lower shard_resources "
+                                            f"or add nodes that have it")
         self.nodes = [live[k % len(live)] for k in range(num_shards)]
         self.replicas = replica_sets(self.nodes, replication)
         self.held = [HeldRows(0, 0, 0.0, 1.0) for _ in range(num_shards)]
         # the most rows each owner ever wrote (a ring restarted after a total loss counts
         # from 0 again; ids below this mark were real rows, delivered perhaps)
         self.high_water = [0] * num_shards
+        # how often each owner's ring was started afresh (every copy lost): a write whose
+        # count predates a restart goes to the new ring, it is no retry of a write there
+        self.restarts = [0] * num_shards
         # owner -> holder -> what that holder reported after the last change it applied
         self.copies: list[dict[int, HeldRows]] = [
             dict.fromkeys(self.holders(k), self.held[k]) for k in range(num_shards)]
         self.recoveries: list[ShardRecovery] = []
         self._pending: dict[int, tuple[str, float]] = {}  # re-created, not yet restored
         self.closed = False  # kill_all() ran: nothing is re-created any more
+        self._life = threading.Lock()  # closed, and the actors made while it is False
         self._lost: dict[int, int] = {}  # re-created without a replica: rows lost with it
         self.actors = [self._spawn(k, self.nodes[k]) for k in range(num_shards)]
-        self.get([a.ping.remote() for a in self.actors], time.monotonic() + timeout,
-                 shard=None)
+        try:
+            self.get([a.ping.remote() for a in self.actors], time.monotonic() + timeout,
+                     shard=None)
+        except BaseException:  # (a shard Ray cannot place) no actor is left behind
+            self.kill_all()
+            raise
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -230,6 +272,10 @@ class ShardSet:
                                         f"no answer within the {left:g} s left of the call's "
                                         f"timeout (the plane's is {self.timeout:g} s); pass "
                                         f"a longer timeout") from exc
+        except getattr(exc_mod, "ActorUnschedulableError", ()) as exc:
+            raise ShardUnavailableError(-1 if shard is None else shard,
+                                        f"Ray cannot place the shard on its node ({exc}); "
+                                        f"lower shard_resources or free the node") from exc
         except exc_mod.RayTaskError as exc:
             if isinstance(exc, self._died):
                 raise
@@ -285,13 +331,15 @@ class ShardSet:
         self._check_open()
         now = time.monotonic()
         if dead:
-            live = alive_nodes(self.ray)
+            live = alive_nodes(self.ray, self.resources.demand())
         for k in dead:
             with contextlib.suppress(Exception):  # it is gone already
                 self.ray.kill(self.actors[k], no_restart=True)
             self._pending.setdefault(k, (self.nodes[k], now))
             self.nodes[k] = self._home(k, live)
-            self.actors[k] = self._spawn(k, self.nodes[k])
+            with self._life:  # kill_all() on another thread ends it, or it is never made
+                self._check_open()
+                self.actors[k] = self._spawn(k, self.nodes[k])
         todo = sorted(self._pending)
         if not todo:
             return []
@@ -307,6 +355,7 @@ class ShardSet:
                 self._lost.setdefault(k, self.held[k].size)
                 self.held[k] = self.get(self.actors[k].start_at.remote(k, self._fresh_id(k)),
                                         deadline, shard=k)
+                self.restarts[k] += 1
             self.copies[k][k] = self.held[k]
         for k in todo:  # the replicas the dead shard kept for others
             owners = [o for o in range(len(self)) if k in self.replicas[o]]
@@ -334,20 +383,24 @@ class ShardSet:
 
     def _home(self, k: int, live: list[str]) -> str:
         """Where shard ``k`` is re-created: its node if alive, else the live node with the
-        fewest shards, avoiding its replicas' nodes when possible."""
+        fewest shards, avoiding when possible the nodes of its replicas and of the owners it
+        keeps a replica for (no two copies of a row on one node)."""
         if self.nodes[k] in live:
             return self.nodes[k]
         if not live:
             raise ShardUnavailableError(k, "no live node to re-create the shard on")
         load = Counter(n for j, n in enumerate(self.nodes) if j != k)
-        avoid = {self.nodes[r] for r in self.replicas[k]}
+        owners = [o for o in range(len(self.replicas)) if k in self.replicas[o]]
+        avoid = {self.nodes[r] for r in [*self.replicas[k], *owners]}
         return min(live, key=lambda n: (n in avoid, load[n], live.index(n)))
 
     def kill_all(self) -> None:
         """End every shard actor; from now on :meth:`heal` re-creates none and every call
-        waiting on a shard raises :class:`PlaneClosedError` (call with the front's lock held,
-        so that no heal is half way)."""
-        self.closed = True
-        for a in self.actors:
+        waiting on a shard raises :class:`PlaneClosedError` (safe while a heal runs on
+        another thread: an actor it re-creates is ended here, or not created)."""
+        with self._life:
+            self.closed = True
+            actors = list(self.actors)
+        for a in actors:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,8 @@ class Pending:
         stamp: The front's priority-update count when the draw was planned.
         min_leaf: Smallest priority held over all shards at planning (prioritized).
         issued: ``time.perf_counter()`` at submission.
-        key: On-policy: ``(iteration, epoch, mini-batch)``.
+        key: On-policy: ``(iteration, epoch, mini-batch, losses)``, ``losses`` the heals
+            that had lost rows when it was planned (a later one makes it stale).
         probes: ``shard -> ObjectRef`` of pings to the shards the draw reads nothing from.
     """
 
@@ -95,7 +97,7 @@ class Pending:
     stamp: int
     min_leaf: float = 1.0
     issued: float = field(default_factory=time.perf_counter)
-    key: tuple[int, int, int] | None = None
+    key: tuple[int, int, int, int] | None = None
     probes: dict[int, Any] = field(default_factory=dict)
 
 
@@ -126,6 +128,10 @@ class LearnerPort:
         # iteration it is of: an interrupt landed before pull() handed it back
         self._owed: tuple[Batch, int] | None = None
         self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
+        # on-policy: iteration, epoch and the gate's losses when this epoch's first
+        # mini-batch was planned; epochs started again because rows were lost in them
+        self._layout: tuple[int, int, int] | None = None
+        self.epoch_restarts = 0
         self.remote_wait_s = 0.0  # time pull() waited on Ray for a batch's rows
         self.pulls = 0
 
@@ -155,7 +161,7 @@ class LearnerPort:
         if pending is None:
             return False
         if pending.key is not None:
-            return pending.key == self._position
+            return pending.key == (*self._position, plane._gate.losses)
         lag = plane._replicator.priority_updates - pending.stamp
         return not plane._prioritized or lag <= plane.config.max_priority_lag
 
@@ -200,6 +206,17 @@ class LearnerPort:
         gate = plane._gate
         if gate.iteration != iteration or not gate.ready or gate.clearing:
             return None
+        if m and self._layout != (iteration, epoch, gate.losses):
+            # Rows were lost (and taken again) since the epoch began: its permutation is of
+            # rows no longer all held, so it starts again over the rows held now.
+            warnings.warn(f"on-policy iteration {iteration}: rows were lost during epoch "
+                          f"{epoch}; rank {self.rank} starts the epoch again (rows it was "
+                          f"delivered before the loss are delivered again)", RuntimeWarning,
+                          stacklevel=4)
+            m, self._position = 0, (iteration, epoch, 0)
+            self.epoch_restarts += 1
+        if not m:
+            self._layout = (iteration, epoch, gate.losses)
         sizes = [h.size for h in shards.held]
         part = sampling.epoch_parts(sum(sizes), seed=plane.config.seed, iteration=iteration,
                                     epoch=epoch, num_minibatches=plane.num_minibatches)[m]
@@ -209,7 +226,7 @@ class LearnerPort:
         refs = {k: shards.actors[source[k]].gather.remote(k, slots)
                 for k, (slots, _) in located.items()}
         return Pending(refs, {k: at for k, (_, at) in located.items()},
-                       plane._replicator.priority_updates, key=self._position,
+                       plane._replicator.priority_updates, key=(*self._position, gate.losses),
                        probes=shards.probe(set(source.values())))
 
     def _advance(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from conduit.distributed._ray import lost_object
 from conduit.distributed.cluster import ShardSet
+from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.iteration import IterationGate
 from conduit.distributed.operators import (
     FrontIngestion,
@@ -24,9 +25,9 @@ from conduit.distributed.operators import (
     stored_rows_of,
     unsettled_rows_of,
 )
-from conduit.distributed.replication import Replicator, rollout_lost
+from conduit.distributed.replication import Replicator, rollout_failed, rollout_lost
 from conduit.distributed.shard import to_wire
-from conduit.errors import CapacityError, ConfigError
+from conduit.errors import CapacityError, ConfigError, PlaneClosedError
 from conduit.plane.config import PlaneConfig
 from conduit.plane.data_plane import admit_rollout
 from conduit.scheduling.space import Schedule
@@ -34,6 +35,9 @@ from conduit.spec import Batch
 
 SETTLE_GRACE_S = 1.0
 """Seconds past a failed on-policy write's deadline its holders are re-read for."""
+
+WAIT_SLICE_S = 0.5
+"""Seconds between looks at whether the plane closed while a push waits for its ObjectRef."""
 
 
 class Ingress:
@@ -88,6 +92,7 @@ class Ingress:
             if cfg.on_policy:
                 raise ConfigError("rollout", "on-policy rollouts are pushed as mappings (the "
                                              "iteration counts their rows)")
+            self._wait_ready(rollout, deadline)
             if ing.direct and cfg.rollout_spec is None:
                 self._store(rollout, 0, node, deadline, validate=True)
                 self._acknowledged()
@@ -98,6 +103,8 @@ class Ingress:
             except Exception as exc:
                 if lost_object(self._ray, exc, ref):
                     raise rollout_lost(exc) from exc
+                if isinstance(exc, self._ray.exceptions.RayTaskError):  # its task raised
+                    raise rollout_failed(exc) from exc
                 raise
         if ing.registered or cfg.rollout_spec is not None:
             data, rows = admit_rollout(rollout, spec=cfg.spec, rollout_spec=cfg.rollout_spec,
@@ -121,6 +128,29 @@ class Ingress:
         else:
             ing.submit(unit, deadline)  # a unit it does not store, it releases
         self._acknowledged()
+
+    def _wait_ready(self, ref: Any, deadline: float) -> None:
+        """Wait until a pushed ``ObjectRef``'s object exists (or its task failed), without
+        fetching it: a write sent for an object not made yet would wait on every holder,
+        ahead of every later change.
+
+        Raises:
+            ShardUnavailableError: Not ready by ``deadline`` (nothing was sent).
+            PlaneClosedError: The plane closed while it waited (nothing was sent).
+        """
+        left = max(0.0, deadline - time.monotonic())
+        while True:
+            wait = min(max(0.0, deadline - time.monotonic()), WAIT_SLICE_S)
+            ready, _ = self._ray.wait([ref], timeout=wait, fetch_local=False)
+            if ready:
+                return
+            if self._shards.closed:
+                raise PlaneClosedError("the sharded plane is closed")
+            if time.monotonic() >= deadline:
+                raise ShardUnavailableError(-1, f"the pushed ObjectRef's object was not made "
+                                                f"within the {left:g} s left of the push's "
+                                                f"timeout (its task is still running); "
+                                                f"nothing was sent")
 
     def _admit(self, batch: Mapping[str, Any], *, what: str) -> tuple[Batch, int]:
         """``batch`` checked against the spec and the row limit."""

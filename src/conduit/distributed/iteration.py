@@ -34,6 +34,7 @@ class IterationGate:
         self.iteration = 0
         self.pushed = 0  # rows admitted to the iteration (queued for ingestion or stored)
         self.rows = 0  # rows stored on the shards
+        self.losses = 0  # heals that lost stored rows (an epoch begun before one restarts)
         self._done: set[int] = set()
 
     @property
@@ -102,6 +103,7 @@ class IterationGate:
         """``rows`` stored rows were lost with a shard: the iteration takes as many again."""
         self.rows -= rows
         self.pushed -= rows
+        self.losses += 1
         self._cond.notify_all()
 
     @property

@@ -173,6 +173,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
+        self._closing = threading.Lock()  # close(): only one call ends the plane
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
         try:
@@ -320,9 +321,11 @@ class RayExperienceDataPlane(ScheduledOperators):
                 (``unsettled_rows``); off-policy the front counts such rows by its next
                 change (``unsettled_rows``). With both 0, pushing the rollout (a mapping)
                 again stores it once; for an ``ObjectRef`` both stay 0 and say nothing.
+                A pushed ``ObjectRef`` whose object was not made in time (its task still
+                runs) raises it too; nothing was sent then.
             ConfigError: ``node`` is not a node of the cluster (field ``node``), or the
                 ``ObjectRef``'s object is gone: the actor that put it died, or every copy
-                was lost (field ``rollout``; nothing was stored).
+                was lost, or its task raised (field ``rollout``; nothing was stored).
             PlaneClosedError: The plane is closed.
         """
         self._check_open()
@@ -421,7 +424,8 @@ class RayExperienceDataPlane(ScheduledOperators):
 
     def close(self) -> None:
         """Refuse new calls, store every queued unit, then end the shard actors (and the
-        local Ray this plane started). Idempotent.
+        local Ray this plane started): a call still waiting on a shard ends with
+        :class:`~conduit.errors.PlaneClosedError`. Idempotent.
 
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
@@ -430,19 +434,32 @@ class RayExperienceDataPlane(ScheduledOperators):
             ConfigError: Called from inside the ingestion operator, which close would wait
                 for; nothing changes.
         """
-        with self._cond:
+        # Not under the front's lock, which a call holds while it waits on a shard: close
+        # would wait out that call's timeout. Ending the shards ends such a call, with
+        # PlaneClosedError (and ShardSet re-creates no shard once they were ended).
+        with self._closing:
             if self._closed:
                 return
             self._ingestion.refuse_inside("close")
             self._closed = True
-            self._cond.notify_all()
+        self._wake()
         try:
             self._ingestion.close()
         finally:
-            with self._cond:  # after any heal in progress; no heal re-creates a shard after
-                self._shards.kill_all()
+            self._shards.kill_all()
+            with self._cond:  # the call in flight has ended: waiters see the plane closed
+                self._cond.notify_all()
             if self._started:
                 self._ray.shutdown()
+
+    def _wake(self) -> None:
+        """Wake the calls waiting on the front's condition, unless a call holds its lock (it
+        is woken after the shards were ended)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> RayExperienceDataPlane:
         return self

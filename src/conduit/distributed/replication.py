@@ -20,18 +20,26 @@ own, and only a true retry of that write is skipped.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 
-from conduit.distributed._ray import lost_object
+from conduit.distributed._ray import failed_task, lost_object
 from conduit.distributed.cluster import ShardRecovery, ShardSet
 from conduit.distributed.errors import ShardUnavailableError
 from conduit.errors import ConfigError, PriorityError
 
 T = TypeVar("T")
+
+
+def rollout_failed(exc: BaseException) -> ConfigError:
+    """The error for a pushed ``ObjectRef`` whose task raised (``exc`` is its error)."""
+    cause = getattr(exc, "cause", None) or exc
+    return ConfigError("rollout", f"the ObjectRef's task raised ({type(cause).__name__}: "
+                                  f"{cause}); no rows were made, so none were stored")
 
 
 def rollout_lost(exc: BaseException) -> ConfigError:
@@ -170,20 +178,26 @@ class Replicator:
         Raises:
             SpecError: ``validate`` and the rows do not match the spec (no holder took them).
             ConfigError: ``validate`` and the ``ObjectRef``'s object is gone (its owner died
-                or every copy was lost; field ``rollout``; no holder took it).
+                or every copy was lost) or its task raised (field ``rollout``; no holder took
+                it).
             ShardUnavailableError: Not done by ``deadline``.
         """
         shards = self.shards
         # The owner's write count before this write (re-read from the holders when an earlier
         # change was not acknowledged): a retry after a restore that already carried the rows
         # is then a no-op on every holder. A restore with nothing to copy from (all holders
-        # lost) starts a fresh ring, and the write goes there.
+        # lost) starts a fresh ring, and the write goes there: its count is the new ring's.
         self._sync([owner], deadline)
         before = shards.held[owner].total_written
+        restarts = shards.restarts[owner]
 
         self._sent = None
 
         def attempt() -> int:
+            nonlocal before, restarts
+            if shards.restarts[owner] != restarts:  # every copy was lost: a fresh ring,
+                before = shards.held[owner].total_written  # where the write is no retry
+                restarts = shards.restarts[owner]
             first = min(before, shards.held[owner].total_written)
             self._sent = (owner, first)
             refs = [shards.actors[h].write.remote(owner, payload, validate, first,
@@ -196,6 +210,10 @@ class Replicator:
                 if validate and lost_object(shards.ray, exc, payload):
                     self._roll_back(owner, refs, payload, deadline)
                     raise rollout_lost(exc) from exc
+                # The rollout's task raised: every holder refused it with that error.
+                if validate and failed_task(shards.ray, exc, payload,
+                                            max(0.0, deadline - time.monotonic())):
+                    raise rollout_failed(exc) from exc
                 raise
             shards.acknowledged(owner, states)
             return shards.held[owner].total_written - first
@@ -259,8 +277,8 @@ class Replicator:
         nothing: the whole update is checked before any shard gets its part.
 
         Raises:
-            PriorityError: A priority of a row still held is too large for the shards' sum
-                trees (nothing was changed).
+            PriorityError: A priority is too large for the shards' sum trees, whether its
+                row is still held or not (nothing was changed).
             ShardUnavailableError: Not done by ``deadline``.
         """
         shards = self.shards
@@ -275,14 +293,22 @@ class Replicator:
                 shards.acknowledged(o, shards.get(refs, deadline, shard=o))
         self._change(np.unique(owners).tolist(), update, deadline)
         self.priority_updates += 1
-        if priorities.size:
-            self.max_priority = max(self.max_priority, float(priorities.max()))
+        kept = priorities[self._held(owners, rows)]  # the shards skipped the others
+        if kept.size:
+            self.max_priority = max(self.max_priority, float(kept.max()))
+
+    def _held(self, owners: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which of the rows ``rows`` of ``owners`` their shards still hold."""
+        written = np.array([h.total_written for h in self.shards.held], dtype=np.int64)[owners]
+        size = np.array([h.size for h in self.shards.held], dtype=np.int64)[owners]
+        return (rows >= written - size) & (rows < written)
 
     def _check_priorities(self, owners: np.ndarray, rows: np.ndarray, priorities: np.ndarray
                           ) -> None:
         """Refuse an update a shard's sum tree would refuse (a leaf above its bound), checked
-        over the rows each shard still holds (it skips the others), as one buffer checks all
-        of an update before it changes anything.
+        over every priority, also those of rows the shards no longer hold (they skip them),
+        so a value is refused wherever it falls, as one buffer checks all of an update before
+        it changes anything.
 
         Raises:
             PriorityError: A priority is too large.
@@ -292,9 +318,7 @@ class Replicator:
         cfg = self.shards.config
         if self._leaf_bound is None:
             self._leaf_bound = cfg.leaf_bound()
-        written = np.array([h.total_written for h in self.shards.held], dtype=np.int64)[owners]
-        size = np.array([h.size for h in self.shards.held], dtype=np.int64)[owners]
-        pr = priorities[(rows >= written - size) & (rows < written)]
+        pr = priorities
         with np.errstate(over="ignore", invalid="ignore"):
             leaves = (pr + cfg.eps) ** cfg.alpha
         if not np.all(leaves <= self._leaf_bound):

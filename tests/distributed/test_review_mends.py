@@ -1,0 +1,312 @@
+"""Regression tests of reviewed defects of the sharded plane: a write that finds its shard dead
+with no copy left, pushed ObjectRefs not made yet or whose task raised, priorities of rows no
+longer held, where a shard is re-created, close() while a push waits on a shard, the address
+of another cluster, and shard resources."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conduit.distributed import (
+    ClusterConnectionError,
+    RayExperienceDataPlane,
+    ShardResources,
+    ShardUnavailableError,
+)
+from conduit.distributed._ray import connect
+from conduit.distributed.cluster import ShardSet
+from conduit.errors import ConfigError, PlaneClosedError, PriorityError
+from conduit.scheduling import Schedule
+from tests.distributed.helpers import SMALL, SPEC, check_rows, kill, make_plane, rows
+
+pytestmark = pytest.mark.ray
+
+PUSH_TIMEOUT = 40.0
+
+
+def held_ids(plane, owner: int) -> list[int]:
+    """The ``id`` column of ``owner``'s rows on its primary."""
+    import ray
+    actor = plane._shards.actors[owner]
+    size = ray.get(actor.rows.remote(owner)).size
+    return [int(i) for i in ray.get(actor.gather.remote(owner, np.arange(size)))["id"]] \
+        if size else []
+
+
+def wait_until_locked(plane) -> None:
+    """Wait until another thread holds the front's lock (a push waiting on a shard)."""
+    for _ in range(600):
+        if not plane._lock.acquire(blocking=False):
+            return
+        plane._lock.release()
+        time.sleep(0.05)
+    raise AssertionError("no push took the front's lock")
+
+
+# -- a write to a shard found dead with no copy left is stored in its fresh ring ------------
+def test_a_push_to_a_dead_shard_without_replica_is_stored(cluster):
+    plane = make_plane(cluster, capacity=300, batch_size=4, min_size=1, replication=1)
+    try:
+        for k, node in enumerate(plane.nodes):
+            plane.push(rows(10, 10 * k), node=node)
+        kill(plane, 1)
+        with pytest.warns(RuntimeWarning, match="rows lost"):
+            plane.push(rows(10, 100), node=plane.nodes[1])  # acknowledged: must be stored
+        assert plane.lost_rows == 10
+        assert held_ids(plane, 1) == list(range(100, 110))
+        assert len(plane) == 30
+        drawn = set()
+        for _ in range(40):
+            batch = plane.pull()
+            check_rows(batch)
+            drawn |= set(batch["id"].tolist())
+        assert set(range(100, 110)) <= drawn
+    finally:
+        plane.close()
+
+
+def test_a_queued_unit_for_a_dead_shard_without_replica_is_stored(cluster):
+    plane = make_plane(cluster, capacity=300, batch_size=4, min_size=1, replication=1,
+                       schedule=Schedule(0, 2, 1, 1))
+    try:
+        node = plane.nodes[1]
+        plane.push(rows(5, 0), node=node)
+        plane.push(rows(5, 5), node=node)  # the invocation of both writes to shard 1
+        assert held_ids(plane, 1) == list(range(10))
+        plane.push(rows(5, 100), node=node)  # acknowledged, queued
+        kill(plane, 1)
+        with pytest.warns(RuntimeWarning, match="rows lost"):
+            plane.flush()
+        assert held_ids(plane, 1) == list(range(100, 105))
+        assert plane.lost_rows == 10 and len(plane) == 5
+    finally:
+        plane.close()  # nothing acknowledged was lost unreported: no DataLossError
+
+
+# -- a pushed ObjectRef not made yet, or whose task raised --------------------------------
+def test_a_pending_object_ref_times_out_without_wedging_the_shards(cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def slow_rollout():
+        time.sleep(120)
+
+    @ray.remote(num_cpus=0)
+    def failed_rollout():
+        raise ValueError("rollout worker crashed")
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1, timeout=10.0)
+    slow = slow_rollout.remote()
+    try:
+        for k, node in enumerate(plane.nodes):
+            plane.push(rows(4, 10 * k), node=node)
+        with pytest.raises(ConfigError) as err:
+            plane.push(failed_rollout.remote())
+        assert err.value.field == "rollout"
+        with pytest.raises(ShardUnavailableError):
+            plane.push(slow, timeout=1.0)
+        for k, node in enumerate(plane.nodes):  # every shard still answers
+            plane.push(rows(2, 100 + 2 * k), node=node)
+            check_rows(plane.pull())
+        assert len(plane) == 18
+    finally:
+        ray.cancel(slow, force=True)
+        plane.close()
+
+
+def test_a_failed_object_ref_through_the_queue_is_a_config_error(cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def failed_rollout():
+        raise ValueError("rollout worker crashed")
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1,
+                       schedule=Schedule(0, 2, 1, 1))
+    try:
+        with pytest.raises(ConfigError) as err:
+            plane.push(failed_rollout.remote())
+        assert err.value.field == "rollout"
+    finally:
+        plane.close()
+
+
+# -- priorities of rows no longer held ----------------------------------------------------
+def test_priorities_of_overwritten_rows_are_checked_and_do_not_raise_max_priority(cluster):
+    plane = make_plane(cluster, capacity=16, batch_size=8, min_size=1, replication=2,
+                       num_shards=2, sampler="prioritized", prefetch=False)
+    try:
+        plane.push(rows(8, 0), node=plane.nodes[0])
+        plane.push(rows(8, 100), node=plane.nodes[1])
+        drawn = plane.pull()
+        plane.push(rows(8, 200), node=plane.nodes[0])  # every drawn row is overwritten
+        plane.push(rows(8, 300), node=plane.nodes[1])
+        with pytest.raises(PriorityError):  # refused wherever it falls
+            plane.update_priorities(drawn["_index"][:1], torch.tensor([1e300]))
+        plane.update_priorities(drawn["_index"], torch.full((8,), 1000.0))  # all skipped
+        plane.push(rows(8, 400), node=plane.nodes[0])
+        for _ in range(5):  # every row held has priority 1, the new ones too
+            batch = plane.pull()
+            assert torch.allclose(batch["_weight"], torch.ones(8))
+    finally:
+        plane.close()
+
+
+# -- where a shard is re-created ----------------------------------------------------------
+def test_a_rehomed_shard_avoids_the_nodes_of_the_owners_it_replicates():
+    shards = ShardSet.__new__(ShardSet)
+    shards.nodes = ["A", "B", "C", "D", "A"]
+    shards.replicas = [[1], [2], [3], [4], [1]]
+    # shard 2 (on C, dead) keeps shard 1's replica (on B); its own replica is on D
+    assert shards._home(2, ["A", "B", "D"]) == "A"
+
+
+# -- close() while a push waits on a shard ------------------------------------------------
+def test_close_ends_a_push_waiting_on_a_shard(cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def slow_owner():
+        time.sleep(120)
+        return 99
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1)
+    slow = slow_owner.remote()
+    try:
+        # shard 1 is busy until ``slow`` is made: a push to it waits, holding the front's lock
+        plane._shards.actors[1].rows.remote(slow)
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                plane.push(rows(3, 0), node=plane.nodes[1], timeout=PUSH_TIMEOUT)
+            except BaseException as exc:
+                errors.append(exc)
+        t0 = time.monotonic()
+        thread = threading.Thread(target=push)
+        thread.start()
+        wait_until_locked(plane)
+        plane.close()
+        thread.join(PUSH_TIMEOUT)
+        assert time.monotonic() - t0 < PUSH_TIMEOUT  # neither waited out the push's timeout
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], PlaneClosedError)
+    finally:
+        ray.cancel(slow, force=True)
+        plane.close()
+
+
+def test_close_ends_a_push_waiting_for_its_object_ref(cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def slow_rollout():
+        time.sleep(120)
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1)
+    slow = slow_rollout.remote()
+    try:
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                plane.push(slow, timeout=PUSH_TIMEOUT)
+            except BaseException as exc:
+                errors.append(exc)
+        t0 = time.monotonic()
+        thread = threading.Thread(target=push)
+        thread.start()
+        time.sleep(1.0)  # (the push waits for its object by now)
+        plane.close()
+        thread.join(PUSH_TIMEOUT)
+        assert time.monotonic() - t0 < PUSH_TIMEOUT
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], PlaneClosedError)
+    finally:
+        ray.cancel(slow, force=True)
+
+
+# -- the address of another cluster -------------------------------------------------------
+def test_another_address_while_connected_is_refused(cluster):
+    with socket.socket() as other:  # something listens there, not this cluster's GCS
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        with pytest.raises(ClusterConnectionError) as err:
+            RayExperienceDataPlane(spec=SPEC, capacity=30, batch_size=4, address=address,
+                                   shard_resources=SMALL, timeout=10.0)
+    assert err.value.address == address
+    port = cluster.address.rpartition(":")[2]
+    for same in ("auto", cluster.address, f"127.0.0.1:{port}", f"localhost:{port}"):
+        assert connect(same, timeout_s=5.0)[1] is False  # this cluster: attached as it is
+    plane = RayExperienceDataPlane(spec=SPEC, capacity=30, batch_size=4, address="auto",
+                                   shard_resources=SMALL, timeout=10.0)
+    plane.close()
+
+
+# -- shard resources ----------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"memory": True}, "shard_resources.memory"),
+    ({"num_cpus": float("inf")}, "shard_resources.num_cpus"),
+    ({"num_gpus": float("nan")}, "shard_resources.num_gpus"),
+    ({"num_cpus": True}, "shard_resources.num_cpus"),
+    ({"resources": {"CPU": 1}}, "shard_resources.resources"),
+    ({"resources": ["buffer_host"]}, "shard_resources.resources"),
+    ({"resources": {"x": -1}}, "shard_resources.resources['x']"),
+    ({"resources": {"x": "a lot"}}, "shard_resources.resources['x']"),
+    ({"resources": {"x": float("inf")}}, "shard_resources.resources['x']"),
+])
+def test_bad_shard_resources_are_config_errors(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        ShardResources(**kwargs)
+    assert err.value.field == field
+
+
+def test_shards_are_placed_on_nodes_with_their_resources(cluster):
+    res = ShardResources(num_cpus=0.25, resources={"buffer_host": 1})
+    with pytest.raises(ShardUnavailableError):  # no node has it
+        RayExperienceDataPlane(spec=SPEC, capacity=30, batch_size=4, address=cluster.address,
+                               shard_resources=res, timeout=10.0)
+    extra = cluster.add_node(num_cpus=1, resources={"buffer_host": 2},
+                             object_store_memory=96 << 20)
+    cluster.wait_for_nodes()
+    try:
+        plane = RayExperienceDataPlane(spec=SPEC, capacity=30, batch_size=4, num_shards=2,
+                                       address=cluster.address, shard_resources=res,
+                                       timeout=30.0)
+        try:
+            assert plane.nodes == [extra.node_id, extra.node_id]
+            plane.push(rows(4))
+            check_rows(plane.pull())
+        finally:
+            plane.close()
+    finally:
+        cluster.remove_node(extra)
+
+
+# -- on-policy: rows lost mid-epoch -------------------------------------------------------
+def test_an_epoch_with_rows_lost_mid_way_starts_again(cluster):
+    plane = make_plane(cluster, mode="on_policy", capacity=24, batch_size=24,
+                       num_minibatches=4, num_epochs=1, replication=1)
+    try:
+        for k, node in enumerate(plane.nodes):
+            plane.push(rows(8, 8 * k), policy_version=0, node=node)
+        it = plane.minibatches()
+        first = next(it)["id"].tolist()
+        kill(plane, 0)
+        with pytest.warns(RuntimeWarning, match="rows lost"):
+            plane.heal()
+        plane.push(rows(8, 500), policy_version=0, node=plane.nodes[0])  # taken again
+        with pytest.warns(RuntimeWarning, match="starts the epoch again"):
+            rest = [batch["id"].tolist() for batch in it]
+        assert len(first) == 6 and len(rest) == 4  # the whole epoch, over the rows held now
+        assert sorted(i for batch in rest for i in batch) == [*range(8, 24), *range(500, 508)]
+        assert plane.learner_port.epoch_restarts == 1
+    finally:
+        plane.close()
