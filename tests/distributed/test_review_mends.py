@@ -310,3 +310,52 @@ def test_an_epoch_with_rows_lost_mid_way_starts_again(cluster):
         assert plane.learner_port.epoch_restarts == 1
     finally:
         plane.close()
+
+
+_OWN_RAY_CLOSE = """
+import threading, time, warnings
+warnings.simplefilter("ignore")
+import ray
+from conduit.distributed import RayExperienceDataPlane, ShardResources
+from conduit.errors import PlaneClosedError
+from tests.distributed.helpers import SPEC
+
+plane = RayExperienceDataPlane(spec=SPEC, capacity=200, batch_size=4, min_size=1, num_shards=2,
+                               timeout=20.0, shard_resources=ShardResources(num_cpus=0.25))
+
+@ray.remote(num_cpus=0)
+def slow():
+    time.sleep(60)
+
+ref, out = slow.remote(), {}
+
+def push():
+    try:
+        plane.push(ref, timeout=30)
+        out["r"] = "returned"
+    except BaseException as exc:  # SystemExit from a Ray shut down under it included
+        out["r"] = exc
+
+thread = threading.Thread(target=push, daemon=True)
+thread.start()
+time.sleep(1.5)
+plane.close()
+thread.join(25)
+print("ALIVE" if thread.is_alive() else type(out["r"]).__name__, ray.is_initialized())
+"""
+
+
+def test_close_of_a_plane_with_its_own_ray_ends_a_waiting_push_before_ray_goes():
+    """Defect: close() shut down the Ray the plane started while a push still waited for its
+    ObjectRef outside the front's lock: the push got SystemExit(0) from ray.wait, or hung."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.abspath("src"), os.path.abspath("."), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", _OWN_RAY_CLOSE], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["PlaneClosedError", "False"], done.stdout

@@ -140,12 +140,12 @@ class Ingress:
         """
         left = max(0.0, deadline - time.monotonic())
         while True:
+            if self._shards.closed:
+                raise PlaneClosedError("the sharded plane is closed")
             wait = min(max(0.0, deadline - time.monotonic()), WAIT_SLICE_S)
             ready, _ = self._ray.wait([ref], timeout=wait, fetch_local=False)
             if ready:
                 return
-            if self._shards.closed:
-                raise PlaneClosedError("the sharded plane is closed")
             if time.monotonic() >= deadline:
                 raise ShardUnavailableError(-1, f"the pushed ObjectRef's object was not made "
                                                 f"within the {left:g} s left of the push's "

@@ -174,6 +174,10 @@ class RayExperienceDataPlane(ScheduledOperators):
         self._cond = threading.Condition(self._lock)
         self._closed = False
         self._closing = threading.Lock()  # close(): only one call ends the plane
+        # pushes in progress: some wait (an ObjectRef) or put rows outside the front's lock,
+        # so close() waits for them before it shuts down a Ray it started
+        self._pushing = 0
+        self._pushes = threading.Condition(threading.Lock())
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
         try:
@@ -328,10 +332,18 @@ class RayExperienceDataPlane(ScheduledOperators):
                 was lost, or its task raised (field ``rollout``; nothing was stored).
             PlaneClosedError: The plane is closed.
         """
-        self._check_open()
-        self._check_node(node)
-        self._ingress.push(rollout, node=node, policy_version=check_policy_version(policy_version),
-                           deadline=time.monotonic() + self.config.wait_for(timeout))
+        with self._pushes:
+            self._pushing += 1
+        try:
+            self._check_open()
+            self._check_node(node)
+            self._ingress.push(rollout, node=node,
+                               policy_version=check_policy_version(policy_version),
+                               deadline=time.monotonic() + self.config.wait_for(timeout))
+        finally:
+            with self._pushes:
+                self._pushing -= 1
+                self._pushes.notify_all()
 
     def _lost(self, rows: int) -> None:
         """A heal lost ``rows`` stored rows (reported and warned about): on-policy they leave
@@ -450,6 +462,10 @@ class RayExperienceDataPlane(ScheduledOperators):
             with self._cond:  # the call in flight has ended: waiters see the plane closed
                 self._cond.notify_all()
             if self._started:
+                # pushes still running end with PlaneClosedError once they see the shards
+                # ended (an ObjectRef's wait looks every half second); Ray must outlive them
+                with self._pushes:
+                    self._pushes.wait_for(lambda: self._pushing == 0, timeout=self.timeout)
                 self._ray.shutdown()
 
     def _wake(self) -> None:
