@@ -189,7 +189,7 @@ def test_a_bad_schedule_or_placement_is_a_usage_error_naming_the_flag(
     assert not (tmp_path / "t.json").exists()
 
 
-@pytest.mark.parametrize("flags", [["--schedule", "1,1,0,1/4"], ["--schedule", "inline"],
+@pytest.mark.parametrize("flags", [["--schedule", "1,1,0,2"], ["--schedule", "inline"],
                                    ["--placement", "pageable"], ["--placement", "learner"],
                                    ["--placement", "cpu"]])
 def test_good_schedules_and_placements_are_taken(flags: list[str]) -> None:

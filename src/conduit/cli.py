@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from conduit.cli_args import command_parser
@@ -73,7 +74,8 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
     :class:`~conduit.errors.SpecError`, :class:`~conduit.errors.ScheduleError`,
     :class:`~conduit.errors.PlacementError`, :class:`~conduit.errors.TopologyError`,
     :class:`~conduit.errors.CapacityError`), 1 for any other Conduit error, 130 when
-    interrupted (Ctrl-C: one line, no traceback; the command's own cleanup has run).
+    interrupted (Ctrl-C, also inside an operator: one line, no traceback; the command's own
+    cleanup has run), 143 when ``conduit train`` or ``conduit demo`` gets SIGTERM (the same).
     ``CONDUIT_TRACEBACK=1`` lets the error propagate with its traceback instead.
     """
     try:
@@ -86,14 +88,24 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
     except ConduitError as exc:
         if os.environ.get("CONDUIT_TRACEBACK") == "1":
             raise
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C inside an operator
+            return _interrupted(prog, exc.__cause__)
         print(f"{prog}: error: {type(exc).__name__}: {exc} "
               "(CONDUIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2 if isinstance(exc, _BAD_INPUT) else 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if os.environ.get("CONDUIT_TRACEBACK") == "1":
             raise
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(prog, exc)
+
+
+def _interrupted(prog: str, exc: KeyboardInterrupt) -> int:
+    """One line for an interrupt; the exit status 128 + the signal (130 for Ctrl-C, 143 for
+    SIGTERM, which ``conduit train`` and ``conduit demo`` raise as an interrupt)."""
+    signum = int(getattr(exc, "signum", signal.SIGINT))
+    print(f"{prog}: " + ("interrupted" if signum == signal.SIGINT
+                         else f"terminated ({signal.Signals(signum).name})"), file=sys.stderr)
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:

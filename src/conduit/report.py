@@ -93,6 +93,25 @@ def check_output_path(path: str | Path, field: str, *, directory: bool = False) 
     return p
 
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+"""The figure formats :func:`save_figure` is asked to write (matplotlib takes the format from
+the file's suffix)."""
+
+
+def check_figure_path(path: str | Path, field: str) -> None:
+    """Check, before any work is done, that ``path`` names a figure format
+    (:data:`FIGURE_SUFFIXES`), so a run does not fail at its end when saving its figure.
+
+    Raises:
+        ConfigError: ``path`` ends in another suffix, or none (field ``field``).
+    """
+    suffix = Path(path).suffix
+    if suffix.lower() not in FIGURE_SUFFIXES:
+        raise ConfigError(field, f"{str(path)!r} must end in {', '.join(FIGURE_SUFFIXES[:-1])} "
+                                 f"or {FIGURE_SUFFIXES[-1]} (the figure's format), got "
+                                 + (f"{suffix!r}" if suffix else "no suffix"))
+
+
 def write_json(path: str | Path, data: Any, *, with_machine: bool = False,
                field: str = "path") -> Path:
     """Write ``data`` as indented, strict JSON, creating parent folders.

@@ -10,6 +10,8 @@ here, lazily, and its security settings are left as they are (token authenticati
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 import numpy as np
 import torch
 
+from conduit.errors import ConfigError
 from conduit.workloads import nets
 from conduit.workloads.args import TrainerArgs
 from conduit.workloads.envs import EnvInfo, EnvPool
@@ -209,6 +212,55 @@ def _normal_sample(dist: torch.distributions.Normal, gen: torch.Generator) -> to
     return dist.mean + dist.stddev * torch.randn(dist.mean.shape, generator=gen)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as an interrupt (see :func:`sigterm_interrupts`), so
+    a run stops as on Ctrl-C; ``signum`` tells the command line which signal it was."""
+
+    signum = int(signal.SIGTERM)
+
+
+_SIGTERM_INTERRUPTS = 0  # open sigterm_interrupts() blocks
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """For the duration of the block, SIGTERM raises :class:`Terminated` (a
+    ``KeyboardInterrupt``) in the main thread, so the interrupt path runs (the plane closed,
+    Ray shut down); :func:`ray_running` installs it again after ``ray.init``, which sets a
+    SIGTERM handler of its own. The previous handler is restored at the end. A no-op off the
+    main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    global _SIGTERM_INTERRUPTS
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    _SIGTERM_INTERRUPTS += 1
+    try:
+        yield
+    finally:
+        _SIGTERM_INTERRUPTS -= 1
+        signal.signal(signal.SIGTERM, previous)
+
+
+def check_actor_cpus(actors: int, actor_cpus: float, cluster_cpus: float) -> None:
+    """Refuse more Ray actors than the cluster's CPUs can place (Ray would wait for them
+    forever).
+
+    Raises:
+        ConfigError: ``actors x actor_cpus`` exceeds ``cluster_cpus`` (field ``actors``).
+    """
+    if actors * actor_cpus > cluster_cpus + 1e-9:
+        raise ConfigError("actors", f"{actors} Ray actors ask {actor_cpus:g} CPU each, "
+                                    f"{actors * actor_cpus:g} in all, but the Ray cluster has "
+                                    f"{cluster_cpus:g} CPUs (at most "
+                                    f"{int(cluster_cpus / actor_cpus + 1e-9)} actors); pass a "
+                                    "smaller --actors")
+
+
 @contextmanager
 def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
     """Ray for the duration of the block: a local Ray is started (or ``address`` attached to)
@@ -228,6 +280,8 @@ def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
         return
     ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
              configure_logging=False)
+    if _SIGTERM_INTERRUPTS and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)  # ray.init set handlers of its own
     try:
         yield
     finally:
@@ -303,6 +357,7 @@ class ActorGroup:
         if use_ray:
             import ray
 
+            check_actor_cpus(num_actors, actor_cpus, ray.cluster_resources().get("CPU", 0.0))
             self._remote = ray.remote(num_cpus=actor_cpus)(RolloutWorker)
         self.workers: list[RolloutWorker | ActorHandle] = [
             self._start(rank) for rank in range(num_actors)]

@@ -16,11 +16,15 @@ from conduit import Placement, Schedule
 from conduit.cli_args import arg, check_reachable
 from conduit.errors import ConfigError, PlacementError, ScheduleError
 from conduit.placement.cluster import ray_attached
+from conduit.scheduling.space import ScheduleSpace
 from conduit.workloads.envs import EnvInfo, env_info
 
 MIN_IMAGE_SIZE = 9
 """Smallest image payload side the workloads' conv encoder (a 5x5 then a 3x3 convolution,
 both of stride 2, see :class:`~conduit.workloads.nets.ConvEncoder`) can take."""
+
+MAX_SEED = 2**32 - 1
+"""Largest ``--seed``: NumPy's global seed (which the learner sets) takes 32 bits."""
 
 ADDRESS_TIMEOUT_S = 3.0
 """Seconds ``--address`` is given to answer before a run is refused (``ray.init`` would retry
@@ -47,7 +51,7 @@ class TrainerArgs:
     placement: str = arg("auto", "conduit placement: auto, pageable, pinned, learner, cuda:0 "
                          "(--buffer inline keeps pageable memory: it takes only auto or "
                          "pageable)")
-    seed: int = arg(1, "random seed")
+    seed: int = arg(1, "random seed", max=MAX_SEED)
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     learner_threads: int = arg(0, "torch threads of the learner (0: the cores the actors "
                                "leave free, at least 1)")
@@ -62,8 +66,9 @@ class TrainerArgs:
                     "runs/train/<algo>_<env>_<buffer>.png)", output="file")
 
 
-def parse_schedule(text: str) -> Schedule | Literal["auto"]:
-    """``"auto"``, ``"inline"`` or ``"ov_ing,g_ing,ov_del,g_del"`` (g may be ``1/4``).
+def parse_schedule(text: str, *, num_minibatches: int = 1) -> Schedule | Literal["auto"]:
+    """``"auto"``, ``"inline"`` or ``"ov_ing,g_ing,ov_del,g_del"`` (g may be ``1/4``);
+    ``"inline"`` delivers one of ``num_minibatches`` mini-batches at a time (on-policy ``M``).
 
     Raises:
         ConfigError: Any other text (field ``schedule``).
@@ -72,7 +77,7 @@ def parse_schedule(text: str) -> Schedule | Literal["auto"]:
     if text == "auto":
         return "auto"
     if text == "inline":
-        return Schedule.inline()
+        return Schedule.inline(num_minibatches=num_minibatches)
     expected = ("expected 'auto', 'inline' or four comma-separated values "
                 "'ov_ing,g_ing,ov_del,g_del' (ov 0 or 1, g a positive number or fraction, "
                 f"e.g. '1,1,0,1/4'), got {text!r}")
@@ -147,22 +152,28 @@ def check_trainer_args(args: TrainerArgs) -> None:
         check_reachable("address", args.address, timeout=ADDRESS_TIMEOUT_S)
 
 
-def check_schedule_and_placement(schedule: str, placement: str, device: torch.device) -> None:
+def check_schedule_and_placement(schedule: str, placement: str, device: torch.device, *,
+                                 space: ScheduleSpace | None = None) -> None:
     """``--schedule`` and ``--placement`` as the run will read them, before Ray starts.
 
     Args:
         schedule: The ``--schedule`` text (see :func:`parse_schedule`).
         placement: The ``--placement`` text (see :func:`parse_placement`).
         device: The learner device ``--placement learner`` resolves to.
+        space: The schedules the run's plane can take; a schedule outside it is refused
+            (None: not checked). ``inline`` is read with its on-policy ``M``.
 
     Raises:
         ConfigError: The text is malformed, or names a schedule or placement that cannot be
-            built (field ``schedule`` or ``placement``; the reason is that of the
-            :class:`~conduit.errors.ScheduleError` or
+            built, or a schedule outside ``space`` (field ``schedule`` or ``placement``; the
+            reason is that of the :class:`~conduit.errors.ScheduleError` or
             :class:`~conduit.errors.PlacementError`).
     """
+    m = space.g_del[0].denominator if space is not None and space.mode == "on_policy" else 1
     try:
-        parse_schedule(schedule)
+        parsed = parse_schedule(schedule, num_minibatches=m)
+        if space is not None and parsed != "auto":
+            space.check(parsed)
     except ScheduleError as exc:
         raise ConfigError("schedule", f"{schedule!r}: {exc}") from exc
     try:

@@ -68,6 +68,9 @@ class BreakdownRecorder:
 
     _NAMES = {"rollout": "rollout", "ingestion": "push", "delivery": "pull", "update": "update"}
 
+    #: The recorder :meth:`for_run` made last: what an interrupted run had recorded.
+    latest: BreakdownRecorder | None = None
+
     def __init__(self, plane: ExperienceDataPlane, *, total_iters: int, log_every: int = 1,
                  label: str = "") -> None:
         self.plane = plane
@@ -83,8 +86,18 @@ class BreakdownRecorder:
                 algo: str) -> BreakdownRecorder:
         """A recorder for ``args.iters`` iterations of ``algo``, its progress line every
         ``args.log_every``."""
-        return cls(plane, total_iters=args.iters, log_every=args.log_every,
-                   label=f"[{algo} {args.buffer}] ")
+        rec = cls(plane, total_iters=args.iters, log_every=args.log_every,
+                  label=f"[{algo} {args.buffer}] ")
+        BreakdownRecorder.latest = rec
+        return rec
+
+    def to_json(self) -> dict[str, object]:
+        """The iterations and episode returns recorded so far, as :meth:`RunResult.to_json`
+        writes them."""
+        return {"iterations": [finite({**dataclasses.asdict(r), "exposed": r.exposed})
+                               for r in self.records],
+                "returns": [{"iteration": i, "wall_s": w, "return": r}
+                            for i, w, r in self.returns]}
 
     def _totals(self) -> dict[str, float]:
         t = self.plane.timings

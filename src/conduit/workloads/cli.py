@@ -16,18 +16,26 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_command
-from conduit.errors import ConfigError
-from conduit.report import check_output_path, write_json
+from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_command, usage_error
+from conduit.errors import ConduitError, ConfigError
+from conduit.report import check_figure_path, check_output_path, finite, write_json
+from conduit.scheduling.space import feasible_space
 from conduit.workloads import dqn, grpo, ppo, sac
-from conduit.workloads.actors import ray_running
+from conduit.workloads.actors import ray_running, sigterm_interrupts
 from conduit.workloads.args import (
+    MAX_SEED,
     MIN_IMAGE_SIZE,
     TrainerArgs,
     check_image_size,
     check_schedule_and_placement,
 )
-from conduit.workloads.breakdown import RunResult, buffer_order, reduction, summarize_records
+from conduit.workloads.breakdown import (
+    BreakdownRecorder,
+    RunResult,
+    buffer_order,
+    reduction,
+    summarize_records,
+)
 from conduit.workloads.figures import plot_breakdown
 from conduit.workloads.learner import resolve_device
 
@@ -39,12 +47,15 @@ Train DQN, SAC or PPO with Ray rollout actors, or GRPO on a tiny causal LM with 
 ([trl] extra); the experience path runs inline (the sequential baseline) or through Conduit.
 Prints a per-iteration breakdown (GRPO: the reward curve) and writes a JSON log and a PNG
 (--out, --plot; by default under runs/train/).
-Flags depend on --algo (see 'conduit train --algo sac --help')."""
+Flags depend on --algo (see 'conduit train --algo sac --help').
+Ctrl-C or SIGTERM stops the run cleanly (Ray shut down; the iterations so far are written to
+--out, marked "interrupted"): one line, exit status 130 or 143."""
 
 _DEMO_HELP = """\
 Run a heavy-payload workload (image observations, a payload-size stand-in) with the inline
 experience path and with Conduit (auto placement and schedule), in alternating rounds; print
-the reductions and the plan; write a plot."""
+the reductions and the plan; write a plot.
+Ctrl-C or SIGTERM stops the demo cleanly (Ray shut down): one line, exit status 130 or 143."""
 
 
 def _safe(name: str) -> str:
@@ -90,11 +101,43 @@ def _check_trainer(mod: ModuleType, args: TrainerArgs) -> None:
         device = resolve_device(args.device)
     except ConfigError:
         return  # train_main reports the device; --placement learner cannot be judged without
-    check_schedule_and_placement(args.schedule, args.placement, device)
+    space = (mod.schedule_space(args) if hasattr(mod, "schedule_space")
+             else feasible_space(mode="off_policy"))  # the off-policy planes' default caps
+    check_schedule_and_placement(args.schedule, args.placement, device, space=space)
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``conduit train``; returns the exit status."""
+    """Entry point of ``conduit train``; returns the exit status. SIGTERM stops the run as
+    Ctrl-C does (:func:`~conduit.workloads.actors.sigterm_interrupts`)."""
+    with sigterm_interrupts():
+        return _train(argv)
+
+
+def _write_interrupted(path: Path, algo: str, args: TrainerArgs) -> None:
+    """Write what an interrupted run recorded (``"interrupted": true``) to ``--out``."""
+    rec = BreakdownRecorder.latest
+    if rec is None:  # interrupted before its first iteration
+        return
+    write_json(path, field="out", data={
+        "algo": algo, "env": args.env, "buffer": args.buffer, "interrupted": True,
+        "config": finite(dataclasses.asdict(args)), **rec.to_json()})
+    print(f"wrote {path} (interrupted after {len(rec.records)} iterations)", flush=True)
+
+
+def _check_outputs(parser: argparse.ArgumentParser, out: str, plot: str) -> None:
+    """``--plot`` names a figure format, and ``--out`` and ``--plot`` two different files: a
+    usage error naming ``--plot`` otherwise, before the run."""
+    try:
+        if plot:
+            check_figure_path(plot, "plot")
+    except ConfigError as exc:
+        usage_error(parser, exc.field, exc.reason)
+    if out and plot and Path(out).resolve() == Path(plot).resolve():
+        usage_error(parser, "plot", f"{plot!r} is also the --out path (the JSON log); pass "
+                                    "two different files")
+
+
+def _train(argv: list[str] | None) -> int:
     pre = argparse.ArgumentParser(prog="conduit train", add_help=False)
     pre.add_argument("--algo", choices=ALGOS, default="ppo")
     known, _ = pre.parse_known_args(argv)
@@ -104,14 +147,22 @@ def train_main(argv: list[str] | None = None) -> int:
     # before any output and before Ray starts.
     if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
         args = parse_command(parser, mod.Args, argv, check=getattr(mod, "check", None))
+        _check_outputs(parser, args.out, args.plot)
         return mod.report(mod.train(args), args)
     args = parse_command(parser, mod.Args, argv, check=lambda a: _check_trainer(mod, a))
+    _check_outputs(parser, args.out, args.plot)
     # An unknown --device fails here (a ConfigError naming it), before Ray starts.
     resolve_device(args.device)
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
     out_path = check_output_path(args.out or f"{stem}.json", "out")
     png_path = check_output_path(args.plot or f"{stem}.png", "plot")
-    result = mod.train(args)
+    BreakdownRecorder.latest = None
+    try:
+        result = mod.train(args)
+    except (KeyboardInterrupt, ConduitError) as exc:
+        if isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt):
+            _write_interrupted(out_path, known.algo, args)
+        raise
     _print_summary(result)
     out = write_json(out_path, result.to_json(), field="out")
     png = plot_breakdown(
@@ -137,7 +188,7 @@ class DemoArgs:
                       "inline, ...); the medians pool every run's iterations, so the shared "
                       "machine's drift does not land on one mode", min=1)
     actors: int = arg(2, "Ray rollout actors", min=1)
-    seed: int = arg(1, "random seed")
+    seed: int = arg(1, "random seed", max=MAX_SEED)
     device: str = arg("auto", "learner device: auto (CUDA when present), cpu, cuda:0")
     use_ray: bool = arg(True, "Ray actors (otherwise in-process workers)")
     log_every: int = arg(10, "print a progress line every this many iterations of each run "
@@ -171,14 +222,22 @@ def _change(red: float) -> str:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``conduit demo``: a heavy-payload workload, inline against Conduit."""
+    """Entry point of ``conduit demo``: a heavy-payload workload, inline against Conduit.
+    SIGTERM stops it as Ctrl-C does (:func:`~conduit.workloads.actors.sigterm_interrupts`)."""
+    with sigterm_interrupts():
+        return _demo(argv)
+
+
+def _demo(argv: list[str] | None) -> int:
     p = command_parser("conduit demo", _DEMO_HELP, DemoArgs)
     d = parse_command(p, DemoArgs, argv, check=lambda d: check_image_size(d.image_size))
     if d.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {d.rounds}")
     device = resolve_device(d.device)
-    print(f"conduit demo: {d.algo.upper()} with a {d.image_size}x{d.image_size}x3 uint8 image "
-          f"per observation (payload-size stand-in), {d.actors} Ray actors, learner on {device}")
+    image = (f"a {d.image_size}x{d.image_size}x3 uint8 image per observation (payload-size "
+             "stand-in)" if d.image_size else "no image payload")
+    actors = f"{d.actors} Ray actors" if d.use_ray else f"{d.actors} in-process workers"
+    print(f"conduit demo: {d.algo.upper()} with {image}, {actors}, learner on {device}")
     runs: dict[str, list[RunResult]] = {"inline": [], "conduit": []}
     t_start = time.perf_counter()
     with ray_running(enabled=d.use_ray):

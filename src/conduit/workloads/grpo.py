@@ -21,6 +21,7 @@ from conduit.cli_args import arg
 from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, write_json
 from conduit.workloads import grpo_task
+from conduit.workloads.args import MAX_SEED
 
 BUFFERS = ("trl", "conduit")
 
@@ -46,7 +47,7 @@ class Args:
     layers: int = arg(2, "decoder layers", min=1)
     lr: float = arg(3e-3, "learning rate", positive=True)
     beta: float = arg(0.0, "KL coefficient (a reference model when > 0)")
-    seed: int = arg(0, "random seed")
+    seed: int = arg(0, "random seed", max=MAX_SEED)
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
     out: str = arg("", "JSON path (default runs/train/grpo_<task>_<buffer>.json)",
                    output="file")
@@ -81,8 +82,13 @@ def check(args: Args) -> None:
         ConfigError: ``num_generations`` is below 2 (a group needs two completions to have a
             spread), or the generation batch (``batch_size x steps_per_generation``
             completions) does not split into whole groups of ``num_generations`` (field
-            ``batch_size``).
+            ``batch_size``), or ``hidden`` does not split into the model's attention heads of
+            an even width (field ``hidden``).
     """
+    if args.hidden % (2 * grpo_task.HEADS):
+        raise ConfigError("hidden", f"must be a multiple of {2 * grpo_task.HEADS} (the model's "
+                                    f"{grpo_task.HEADS} attention heads, each of an even width "
+                                    f"for the rotary embedding), got {args.hidden}")
     if args.num_generations < 2:
         raise ConfigError("num_generations", f"must be at least 2 (GRPO normalizes rewards "
                                              f"within a group), got {args.num_generations}")

@@ -42,7 +42,12 @@ def digit_tokenizer() -> Any:
                                    eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_llama(*, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+HEADS = 4
+"""Attention heads of :func:`tiny_llama`: its width must be a multiple of ``2 * HEADS``
+(each head an even width, for the rotary position embedding)."""
+
+
+def tiny_llama(*, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = HEADS,
                max_positions: int = 128, seed: int = 0) -> Any:
     """A random-init ``LlamaForCausalLM`` (hidden 64 and 2 layers: about 0.1 M parameters)."""
     import torch

@@ -59,7 +59,8 @@ def make_plane(args: TrainerArgs, *, learner_device: torch.device, mode: str,
             schedule=Schedule.inline(num_minibatches=num_minibatches if mode == "on_policy"
                                      else 1), **plane_kw)
         return plane, describe_plan(plane, buffer=args.buffer), None
-    schedule = parse_schedule(args.schedule)
+    schedule = parse_schedule(args.schedule, num_minibatches=num_minibatches
+                              if mode == "on_policy" else 1)
     plane = ExperienceDataPlane(mode=mode, num_minibatches=num_minibatches,
                                 learner_device=learner_device,
                                 schedule=None if schedule == "auto" else schedule,

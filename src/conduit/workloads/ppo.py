@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -21,6 +22,7 @@ from torch import nn
 from conduit import ExperienceSpec
 from conduit.cli_args import arg
 from conduit.errors import ConfigError
+from conduit.scheduling.space import MAX_MINIBATCHES, ScheduleSpace, feasible_space
 from conduit.storage import FifoSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
@@ -55,8 +57,8 @@ class Args(TrainerArgs):
     num_minibatches: int = arg(4, "M: mini-batches per epoch", min=1)
     update_epochs: int = arg(10, "epochs over each iteration's samples", min=1)
     clip_coef: float = arg(0.2, "surrogate clipping coefficient", positive=True)
-    ent_coef: float = arg(0.0, "entropy bonus coefficient")
-    vf_coef: float = arg(0.5, "value loss coefficient")
+    ent_coef: float = arg(0.0, "entropy bonus coefficient", finite=True)
+    vf_coef: float = arg(0.5, "value loss coefficient", finite=True)
     max_grad_norm: float = arg(0.5, "gradient clipping norm", positive=True)
     norm_adv: bool = arg(True, "normalize advantages per mini-batch (in delivery)")
     lead_first: bool = arg(True, "draw each iteration's first mini-batch from every rollout "
@@ -148,6 +150,16 @@ def rows_per_iteration(args: Args) -> int:
     """Samples of one PPO iteration: every actor's fragments of lock-steps over its envs."""
     return (args.actors * args.envs_per_actor * args.steps_per_rollout
             * args.rollout_fragments)
+
+
+def schedule_space(args: Args) -> ScheduleSpace:
+    """The schedules the run's on-policy plane can take (see
+    :meth:`~conduit.plane.config.PlaneConfig.schedule_space`), for checking ``--schedule``
+    before Ray starts."""
+    unit = Fraction(args.envs_per_actor * args.steps_per_rollout, rows_per_iteration(args))
+    return feasible_space(mode="on_policy", num_minibatches=args.num_minibatches,
+                          unit_fraction_ing=unit if unit.denominator <= MAX_MINIBATCHES
+                          else None)
 
 
 def check(args: Args) -> None:
