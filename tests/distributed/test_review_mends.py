@@ -359,3 +359,34 @@ def test_close_of_a_plane_with_its_own_ray_ends_a_waiting_push_before_ray_goes()
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["PlaneClosedError", "False"], done.stdout
+
+
+def test_an_object_ref_whose_owner_dies_before_its_task_ends_is_the_rollouts_error(cluster):
+    """Defect: the holders' error for an argument whose owner died carries a nil object id,
+    so it was taken for a dead shard: heal and re-send in a loop under the front's lock until
+    the push's timeout, then ShardUnavailableError."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def slow_rollout():
+        time.sleep(30)
+        return {k: v.numpy() for k, v in rows(3, 0).items()}
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def make(self) -> list:
+            return [slow_rollout.remote()]  # the actor owns the reference
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1, timeout=20.0)
+    try:
+        producer = Producer.remote()
+        [ref] = ray.get(producer.make.remote())
+        ray.kill(producer, no_restart=True)
+        with pytest.raises(ConfigError) as err:  # (was ShardUnavailableError at the timeout)
+            plane.push(ref, timeout=15.0)
+        assert err.value.field == "rollout"
+        assert plane.recoveries == [] and len(plane) == 0
+        plane.push(rows(2, 50))  # the shards take rows as before
+        assert len(plane) == 2
+    finally:
+        plane.close()

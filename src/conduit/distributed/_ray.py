@@ -117,12 +117,14 @@ def alive_nodes(ray: Any, demand: dict[str, float] | None = None) -> list[str]:
 
 def lost_object(ray: Any, exc: BaseException, ref: Any) -> bool:
     """Whether ``exc`` says the object of ``ref`` is gone (its owner died, or every copy was
-    lost and it cannot be rebuilt): the data is lost, not the shard that read it."""
+    lost and it cannot be rebuilt): the data is lost, not the shard that read it. A task
+    whose argument's owner died reports a nil object id (all ``f``): the object of the only
+    reference it was given, ``ref``."""
     lost = getattr(ray.exceptions, "ObjectLostError", None)
     if lost is None or not isinstance(exc, lost):
         return False
     hex_id = getattr(exc, "object_ref_hex", None)
-    return hex_id is None or hex_id == ref.hex()
+    return hex_id is None or hex_id == ref.hex() or set(hex_id) == {"f"}
 
 
 def failed_task(ray: Any, exc: BaseException, ref: Any, timeout: float) -> bool:
