@@ -390,3 +390,57 @@ def test_an_object_ref_whose_owner_dies_before_its_task_ends_is_the_rollouts_err
         assert len(plane) == 2
     finally:
         plane.close()
+
+
+def test_close_during_a_schedule_change_stores_the_running_invocations_units(cluster):
+    """Defect: set_schedule took the ingestion thread out while its invocation over two
+    acknowledged units still ran; close() found no thread, ended the shards under the
+    invocation and reported nothing, and the change could start a thread after close."""
+    plane = make_plane(cluster, capacity=2000, batch_size=4, min_size=1, num_shards=2,
+                       schedule=Schedule(1, 2, 1, 1), timeout=20.0)
+
+    @plane.register_ingestion()
+    def slow(actor_in, exp_out):
+        time.sleep(1.5)  # the invocation is in flight while the schedule changes
+        for unit in actor_in.read_units():
+            exp_out.write(unit)
+
+    ingestion, join = plane._ingestion, plane._ingestion._join
+    closing = threading.Event()
+
+    def join_once_units_are_taken():  # timing only: the original join runs
+        if threading.current_thread().name == "switcher" and not closing.is_set():
+            plane.push(rows(3, 0))
+            plane.push(rows(3, 3))  # two acknowledged units, taken by the worker
+            while ingestion._inflight < 2:
+                time.sleep(0.01)
+            threading.Timer(0.2, closing.set).start()
+        return join()
+
+    ingestion._join = join_once_units_are_taken
+    outcome: dict[str, BaseException | None] = {}
+
+    def switch() -> None:
+        try:
+            plane.set_schedule(Schedule(0, 2, 1, 1))
+            outcome["switch"] = None
+        except BaseException as exc:
+            outcome["switch"] = exc
+
+    switcher = threading.Thread(target=switch, name="switcher")
+    switcher.start()
+    assert closing.wait(30)
+    held: list[int] = []
+    kill_all = plane._shards.kill_all
+
+    def count_then_kill() -> None:
+        import ray
+        held.extend(ray.get(a.rows.remote(k)).size for k, a in enumerate(plane._shards.actors))
+        kill_all()
+
+    plane._shards.kill_all = count_then_kill
+    plane.close()  # no DataLossError: the two units were stored
+    switcher.join(30)
+    assert sum(held) == 6 and plane.counters == {"units": 2, "rows": 6}
+    assert outcome["switch"] is None or isinstance(outcome["switch"], PlaneClosedError)
+    assert not [t for t in threading.enumerate() if t.name == ingestion.thread_name]

@@ -259,6 +259,9 @@ class FrontIngestion:
         self._hurry = 0  # flushes waiting: ingest fewer than g_ing units
         self._hurried = False  # a learner waits for rows: ingest what is queued
         self._thread: threading.Thread | None = None
+        # set_schedule and close, one at a time: a close during a schedule change would find
+        # no thread while the old one still runs, and a change after close would start one
+        self._life = threading.Lock()
         self._stop = False
         self._closed = False  # no unit is queued after close() began draining
         self.error: OperatorError | None = None
@@ -304,15 +307,19 @@ class FrontIngestion:
 
         Raises:
             ConfigError: Called from inside the ingestion operator (nothing changes).
+            PlaneClosedError: :meth:`close` began (nothing changes).
         """
         self.refuse_inside("set_schedule")
-        self._join()
-        with self._cond:
-            self.schedule, self._stop = schedule, False
-        if self.overlapped:
-            self._thread = threading.Thread(target=self._work, name=self.thread_name,
-                                            daemon=True)
-            self._thread.start()
+        with self._life:
+            self._join()
+            with self._cond:
+                if self._closed:
+                    raise PlaneClosedError("the sharded plane is closed")
+                self.schedule, self._stop = schedule, False
+            if self.overlapped:
+                self._thread = threading.Thread(target=self._work, name=self.thread_name,
+                                                daemon=True)
+                self._thread.start()
 
     @property
     def _g(self) -> int:
@@ -636,7 +643,8 @@ class FrontIngestion:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        stopped = self._join()
+        with self._life:  # after a schedule change in progress has stopped its thread
+            stopped = self._join()
         with self._cond:
             # Inline drains on other threads first: what they fail or keep is counted below.
             # They run one at a time, so the wait lasts while they make progress: it ends
