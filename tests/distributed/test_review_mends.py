@@ -444,3 +444,32 @@ def test_close_during_a_schedule_change_stores_the_running_invocations_units(clu
     assert sum(held) == 6 and plane.counters == {"units": 2, "rows": 6}
     assert outcome["switch"] is None or isinstance(outcome["switch"], PlaneClosedError)
     assert not [t for t in threading.enumerate() if t.name == ingestion.thread_name]
+
+
+def test_a_shard_that_dies_again_while_it_is_re_created_is_healed_again(cluster):
+    """Defect: a re-created shard that died before answering its first ping escaped heal()
+    (and the push or pull that healed) as a raw ActorDiedError."""
+    import ray
+
+    plane = make_plane(cluster, capacity=60, batch_size=4, min_size=1, num_shards=2,
+                       replication=2, timeout=30.0)
+    try:
+        for k, node in enumerate(plane.nodes):
+            plane.push(rows(4, 10 * k), node=node)
+        shards, heal = plane._shards, plane._shards.heal
+        calls = []
+
+        def dies_once_while_re_created(deadline: float):
+            calls.append(1)
+            if len(calls) == 1:  # the re-created actor dies before its ping answers
+                kill(plane, 0)
+                raise ray.exceptions.RayActorError()
+            return heal(deadline)
+
+        kill(plane, 0)
+        shards.heal = dies_once_while_re_created
+        recoveries = plane.heal()
+        assert len(calls) == 2 and [r.shard for r in recoveries] == [0]
+        assert len(plane) == 8 and plane.lost_rows == 0
+    finally:
+        plane.close()

@@ -30,7 +30,7 @@ import numpy as np
 from conduit.distributed._ray import failed_task, lost_object
 from conduit.distributed.cluster import ShardRecovery, ShardSet
 from conduit.distributed.errors import ShardUnavailableError
-from conduit.errors import ConfigError, PriorityError
+from conduit.errors import ConfigError, PlaneClosedError, PriorityError
 
 T = TypeVar("T")
 
@@ -335,7 +335,19 @@ class Replicator:
             PlaneClosedError: The plane closed (its shards were ended; none is re-created).
         """
         with self._cond:
-            done = self.shards.heal(deadline)
+            done: list[ShardRecovery] = []
+            while True:
+                try:
+                    done += self.shards.heal(deadline)
+                    break
+                except (ShardUnavailableError, PlaneClosedError):
+                    raise
+                except Exception as exc:  # a re-created shard died before it answered
+                    if not self.shards.is_death(exc):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise ShardUnavailableError(-1, f"re-created shards kept dying until "
+                                                        f"the deadline ({exc})") from exc
             for r in done:
                 if r.lost_rows:
                     warnings.warn(f"shard {r.shard} died on node {r.old_node} with no live "
