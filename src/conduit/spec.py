@@ -354,6 +354,27 @@ def as_indices(value: Any) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.int64).reshape(-1).cpu()
 
 
+def checked_indices(value: Any, field: str) -> torch.Tensor:
+    """``value`` as a 1-D int64 CPU tensor of row indices, refusing what would be truncated
+    or flattened into some (fractions, bools, a 2-D array).
+
+    Raises:
+        SpecError: It is not a 1-D tensor or sequence of integers (the message starts with
+            ``field``).
+    """
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise SpecError(field, f"must be a 1-D tensor of row indices, got "
+                                   f"{type(value).__name__} ({exc})") from exc
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise SpecError(field, f"must hold integer row indices, got dtype {value.dtype}")
+    if value.dim() != 1:
+        raise SpecError(field, f"must be 1-D, got shape {tuple(value.shape)}")
+    return as_indices(value)
+
+
 def as_tensor(value: Any, *, field: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Convert a tensor-like value once at the boundary (numpy arrays without a copy).
 

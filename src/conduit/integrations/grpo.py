@@ -40,7 +40,7 @@ from conduit.errors import (
 )
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule, feasible_space
-from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices
+from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices, checked_indices
 from conduit.storage import FifoSampler, data_path_threads
 from conduit.storage.ragged import RaggedStore
 
@@ -364,25 +364,6 @@ def _default_schedule(group_size: int, rows: int, m: int) -> Schedule:
     return Schedule(0, g_ing, 1, Fraction(1, m))
 
 
-def _checked_order(order: Any) -> torch.Tensor:
-    """``order`` as a 1-D int64 CPU tensor.
-
-    Raises:
-        SpecError: It is not a 1-D tensor or sequence of integers.
-    """
-    if not isinstance(order, torch.Tensor):
-        try:
-            order = torch.as_tensor(order)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise SpecError("order", f"must be a 1-D tensor of row indices, got "
-                                     f"{type(order).__name__} ({exc})") from exc
-    if order.dtype == torch.bool or order.is_floating_point() or order.is_complex():
-        raise SpecError("order", f"must hold integer row indices, got dtype {order.dtype}")
-    if order.dim() != 1:
-        raise SpecError("order", f"must be 1-D, got shape {tuple(order.shape)}")
-    return as_indices(order)
-
-
 def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
     """``src``'s leading mini-batches without log-probs in ``iteration``.
 
@@ -704,7 +685,7 @@ class GroupExperiencePath:
         """
         if self.plane.closed:
             raise PlaneClosedError("begin_iteration: the experience path is closed")
-        order = _checked_order(order)
+        order = checked_indices(order, "order")
         # Python on the ints: this runs right after generation, where a first numpy or torch
         # reduction costs more than a loop over an iteration's rows (docs/design.md §2)
         in_order = order.tolist()

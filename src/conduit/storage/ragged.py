@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigError, SpecError, StateError
-from conduit.spec import RaggedFieldSpec, as_indices
+from conduit.spec import RaggedFieldSpec, checked_indices
 
 Side = Literal["left", "right"]
 SMALL_READ = 16384
@@ -353,16 +353,7 @@ class RaggedStore:
         return name
 
     def _slots(self, slots: torch.Tensor) -> torch.Tensor:
-        if not isinstance(slots, torch.Tensor):
-            try:
-                slots = torch.as_tensor(slots)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise SpecError("_slot", f"slots must be integers, got {slots!r}") from exc
-        if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
-            raise SpecError("_slot", f"slots must be integers, got dtype {slots.dtype}")
-        if slots.dim() != 1:
-            raise SpecError("_slot", f"slots must be 1-D, got shape {tuple(slots.shape)}")
-        slots = as_indices(slots)
+        slots = checked_indices(slots, "_slot")
         s = slots.tolist()  # a mini-batch's slots: Python, where a cold reduction costs more
         if s and (min(s) < 0 or max(s) >= self._rows):
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
