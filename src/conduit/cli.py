@@ -28,6 +28,7 @@ from conduit.errors import (
     ScheduleError,
     SpecError,
     TopologyError,
+    interrupt_of,
 )
 
 #: Errors that mean the input was bad: exit status 2, as for a usage error.
@@ -88,8 +89,9 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
     except ConduitError as exc:
         if os.environ.get("CONDUIT_TRACEBACK") == "1":
             raise
-        if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C inside an operator
-            return _interrupted(prog, exc.__cause__)
+        interrupt = interrupt_of(exc)  # Ctrl-C inside an operator
+        if interrupt is not None:
+            return _interrupted(prog, interrupt)
         print(f"{prog}: error: {type(exc).__name__}: {exc} "
               "(CONDUIT_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 2 if isinstance(exc, _BAD_INPUT) else 1

@@ -175,6 +175,16 @@ class BackpressureTimeout(ConduitError, TimeoutError):  # noqa: N818 - reads as 
     for ingestion to finish."""
 
 
+def interrupt_of(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt ``exc`` is or carries: ``exc`` itself, or the cause of an error an
+    operator raised because it was interrupted (the plane wraps it, see
+    :class:`OperatorError`); None for any other error."""
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    cause = exc.__cause__
+    return cause if isinstance(cause, KeyboardInterrupt) else None
+
+
 def raised_again(err: BaseException) -> BaseException:
     """A copy of the kept error ``err`` to raise to a caller: same type, arguments,
     attributes, causes and traceback. Raising ``err`` itself again and again would add every

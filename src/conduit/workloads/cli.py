@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Literal
 
 from conduit.cli_args import add_dataclass_args, arg, command_parser, parse_command, usage_error
-from conduit.errors import ConduitError, ConfigError
+from conduit.errors import ConduitError, ConfigError, interrupt_of
 from conduit.report import check_figure_path, check_output_path, finite, write_json
 from conduit.scheduling.space import feasible_space
 from conduit.workloads import dqn, grpo, ppo, sac
@@ -160,7 +160,7 @@ def _train(argv: list[str] | None) -> int:
     try:
         result = mod.train(args)
     except (KeyboardInterrupt, ConduitError) as exc:
-        if isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt):
+        if interrupt_of(exc) is not None:
             _write_interrupted(out_path, known.algo, args)
         raise
     _print_summary(result)
