@@ -336,6 +336,8 @@ class RaggedFieldSpec:
             return torch.empty(0, dtype=self.dtype), torch.tensor(lens, dtype=torch.int64)
         try:  # one C loop over the ints (array), or numpy's conversion: faster than torch's
             if self.dtype == torch.int64:
+                if not set(map(type, flat)) <= {int}:  # bools (and NumPy ints): checked below
+                    return None
                 values = torch.frombuffer(array.array("q", flat), dtype=torch.int64)
             else:
                 values = torch.from_numpy(np.array(flat))

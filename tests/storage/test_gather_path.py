@@ -211,3 +211,28 @@ def test_a_gather_of_slots_that_hold_no_row_is_refused(small_spec, placement, in
     assert ei.value.field == "indices"
     got = buf.gather(torch.tensor([3, 0], dtype=torch.int32))
     assert got["id"].tolist() == [103, 100] and got["_index"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("indices", [[-1], [40], [0, 40], [3, -40]])
+def test_a_store_gather_outside_its_rows_raises_index_error(monkeypatch, compiled, indices):
+    # The host gather takes rows with numpy after one range check; an index outside
+    # [0, capacity) must raise as torch's index_select does, never wrap to another row.
+    if not compiled:
+        monkeypatch.setattr(column_store, "_row_kernels", lambda: None)
+    store, rows = filled(Placement.pageable())
+    with pytest.raises(IndexError):
+        store.get(torch.tensor(indices))
+    got = store.get(torch.tensor([39, 0]))
+    for k, v in rows.items():
+        assert torch.equal(got[k], v[[39, 0]]), k
+
+
+def test_without_numba_the_host_gather_returns_the_same_rows(monkeypatch):
+    store, rows = filled(Placement.pageable())
+    idx = torch.randint(0, 40, (25,), generator=torch.Generator().manual_seed(2))
+    fast = {k: v.clone() for k, v in store.get(idx).items()}
+    monkeypatch.setattr(column_store, "_row_kernels", lambda: None)
+    slow = store.get(idx)
+    for k, v in rows.items():
+        assert torch.equal(fast[k], v[idx]) and torch.equal(slow[k], fast[k]), k

@@ -90,6 +90,7 @@ def test_the_mask_comes_in_the_dtype_asked_for(mask_dtype, lengths):
     ([[1, 2], [3, "4"]], "sample 1"),
     ([[1, 2], [3, 2 ** 70]], "sample 1"),
     ([[1, [2]]], "sample 0"),
+    ([[1, 2], [True, False]], "sample 1.*dtype"),  # bools were packed as 1, 0 by the list path
 ])
 def test_int_lists_that_are_not_int64_are_refused_naming_the_sample(tokens, match):
     store = _store()

@@ -1,5 +1,6 @@
 """Compiled row kernels (Numba): row copies for host tensors with large rows, such as image
-payloads, and the checks of which delivered rows a priority update may still touch.
+payloads; the range check of a host gather's indices; and the checks of which delivered rows a
+priority update may still touch.
 
 ``dst[dst_rows[k]] = src[src_rows[k]]`` row by row, as bytes, in one call that does not hold
 the GIL, where a Python loop would take it once per row (``docs/design.md §7``).
@@ -78,3 +79,12 @@ def delivered_rows(slots: np.ndarray, size: int, ids: np.ndarray, row_id: np.nda
         keep[k] = ok
         kept += ok
     return kept
+
+
+@numba.njit(cache=True, nogil=True)
+def first_outside(indices: np.ndarray, n: int) -> int:  # pragma: no cover - compiled
+    """The position of the first index outside ``[0, n)``, or -1 if every one lies inside."""
+    for k in range(indices.shape[0]):
+        if indices[k] < 0 or indices[k] >= n:
+            return k
+    return -1

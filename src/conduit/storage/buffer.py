@@ -25,6 +25,8 @@ from conduit.storage.writer import RingWriter
 def _batch_size(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
     integer (a Python or NumPy integer; not a bool)."""
+    if type(value) is int and value > 0:  # the usual case, without check_int's calls
+        return value
     return check_int("batch_size", value, minimum=1)
 
 

@@ -6,7 +6,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import psutil
@@ -46,6 +46,11 @@ class Store(Protocol):
 
 
 _LARGE_ROW_BYTES = 16 << 10
+
+
+def _row_kernels() -> Any:
+    """The compiled row kernels, or None where Numba cannot be imported."""
+    return compiled.load("_row_kernels")
 SET_ALIGN = 64
 """Bytes each field of a :class:`GatherOutputs` set is aligned to within its block."""
 
@@ -159,9 +164,10 @@ class GatherOutputs:
         self._fields = dict(fields)
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
-        # (rows, the pool's views per field, their block, its memory handle, its use count
-        # while only the pool holds the set), in hand-out order.
-        self._sets: list[tuple[int, dict[str, torch.Tensor], torch.Tensor, int, int]] = []
+        # (rows, the pool's views per field, its numpy views, their block, its memory handle,
+        # its use count while only the pool holds the set), in hand-out order.
+        self._sets: list[tuple[int, dict[str, torch.Tensor], dict[str, np.ndarray],
+                               torch.Tensor, int, int]] = []
         self._lock = threading.Lock()
 
     @property
@@ -169,8 +175,10 @@ class GatherOutputs:
         """Field specs of a set."""
         return dict(self._fields)
 
-    def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One block for every field of a ``rows``-row set, and the fields' views of it."""
+    def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor],
+                                            dict[str, np.ndarray]]:
+        """One block for every field of a ``rows``-row set, the fields' views of it, and
+        numpy views of the fields whose dtype numpy has."""
         spans, total = [], 0
         for fs in self._fields.values():
             nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
@@ -179,24 +187,34 @@ class GatherOutputs:
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
-        return block, views
+        arrays: dict[str, np.ndarray] = {}
+        for name, view in views.items():
+            with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
+                arrays[name] = view.numpy()
+        return block, views, arrays
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
         """New ``[rows, *shape]`` tensors per field, over memory that nothing else refers to
         (the pool's again once these, and everything made from them, are gone)."""
+        return self.take_arrays(rows)[0]
+
+    def take_arrays(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """As :meth:`take`, with numpy arrays over the same memory for the fields whose dtype
+        numpy has, for the taker to write through (they are the pool's: do not hand them
+        out)."""
         count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
             if sets:  # the usual case: the set handed out last is free again
-                n, views, block, key, idle = sets[-1]
+                n, views, arrays, block, key, idle = sets[-1]
                 if n == rows and count(key) == idle:
                     if not block.untyped_storage().is_shared():
-                        return {name: t.detach() for name, t in views.items()}
+                        return {name: t.data for name, t in views.items()}, arrays
                     del sets[-1]  # shared with another process, which may still read it
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
-                n, views, block, key, idle = sets[k]
+                n, views, arrays, block, key, idle = sets[k]
                 if count(key) == idle:
                     if block.untyped_storage().is_shared():  # another process may read it
                         del sets[k]
@@ -206,15 +224,15 @@ class GatherOutputs:
                     if n == rows:
                         if k != len(sets) - 1:
                             sets.append(sets.pop(k))
-                        return {name: t.detach() for name, t in views.items()}
+                        return {name: t.data for name, t in views.items()}, arrays
                     free = k
-            block, views = self._allocate(rows)
+            block, views, arrays = self._allocate(rows)
             if len(sets) >= self._keep and free is not None:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
                 key = _memory_key(block)
-                sets.append((rows, views, block, key, count(key)))
-            return {name: t.detach() for name, t in views.items()}
+                sets.append((rows, views, arrays, block, key, count(key)))
+            return {name: t.data for name, t in views.items()}, arrays
 
 
 def _check_capacity(capacity: int) -> int:
@@ -367,13 +385,16 @@ class ColumnStore:
 
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None,
             workers: GatherWorkers | None = None) -> Batch:
-        """Gather rows at ``indices`` with one ``index_select`` per field.
+        """Gather rows at ``indices`` with one row copy per field (``docs/design.md §7``).
 
         Host rows gathered for the host land in :class:`GatherOutputs` tensors that nothing
         else refers to: every call returns new tensors, whose memory may be a batch dropped
         earlier (a pinned store's are page-locked). With ``workers``, a large host gather may
         be split over row ranges (see :class:`~conduit.storage.threads.GatherWorkers`); the
         result is the same.
+
+        Raises:
+            IndexError: An index lies outside ``[0, capacity)``.
         """
         if self.device.type != "cpu" or (device is not None and device != self.device):
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
@@ -384,8 +405,25 @@ class ColumnStore:
             outs = outputs.take(indices.shape[0])
             self._split_gather(indices, outs, workers)
             return outs
-        if indices.dim() == 1:  # the common case: one index_select per field, nothing else
-            outs = outputs.take(indices.shape[0])
+        if indices.dim() == 1:  # the common case: one gather per field, nothing else
+            outs, arrays = outputs.take_arrays(indices.shape[0])
+            host, kernels = self._host_views, _row_kernels()
+            if host and arrays and kernels is not None and indices.dtype == torch.int64:
+                # numpy's take of rows checked once here, where torch's index_select checks
+                # them again per field behind a dispatch that costs more than a small
+                # field's copy (docs/design.md §7); the copies are the same.
+                idx = indices.numpy()
+                bad = kernels.first_outside(idx, self.capacity)
+                if bad >= 0:
+                    raise IndexError(f"indices: slot {int(idx[bad])} lies outside "
+                                     f"[0, {self.capacity})")
+                for name, col in self._cols.items():
+                    src, dst = host.get(name), arrays.get(name)
+                    if src is not None and dst is not None:
+                        src.take(idx, axis=0, out=dst, mode="wrap")
+                    else:
+                        torch.index_select(col, 0, indices, out=outs[name])
+                return outs
             for name, col in self._cols.items():
                 torch.index_select(col, 0, indices, out=outs[name])
             return outs
