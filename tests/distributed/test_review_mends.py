@@ -109,8 +109,9 @@ def test_a_pending_object_ref_times_out_without_wedging_the_shards(cluster):
         with pytest.raises(ConfigError) as err:
             plane.push(failed_rollout.remote())
         assert err.value.field == "rollout"
-        with pytest.raises(ShardUnavailableError):
+        with pytest.raises(ShardUnavailableError) as late:
             plane.push(slow, timeout=1.0)
+        assert late.value.shard is None and "shard" not in str(late.value).split(":")[0]
         for k, node in enumerate(plane.nodes):  # every shard still answers
             plane.push(rows(2, 100 + 2 * k), node=node)
             check_rows(plane.pull())
@@ -270,9 +271,10 @@ def test_bad_shard_resources_are_config_errors(kwargs, field):
 
 def test_shards_are_placed_on_nodes_with_their_resources(cluster):
     res = ShardResources(num_cpus=0.25, resources={"buffer_host": 1})
-    with pytest.raises(ShardUnavailableError):  # no node has it
+    with pytest.raises(ShardUnavailableError) as none:  # no node has it
         RayExperienceDataPlane(spec=SPEC, capacity=30, batch_size=4, address=cluster.address,
                                shard_resources=res, timeout=10.0)
+    assert none.value.shard is None and str(none.value).startswith("no live node")
     extra = cluster.add_node(num_cpus=1, resources={"buffer_host": 2},
                              object_store_memory=96 << 20)
     cluster.wait_for_nodes()

@@ -149,9 +149,9 @@ class ShardSet:
         self._cls = ray.remote(BufferShard)
         live = alive_nodes(ray, resources.demand())
         if not live:
-            raise ShardUnavailableError(-1, f"no live node has what a shard reserves "
-                                            f"({resources.demand()}); lower shard_resources "
-                                            f"or add nodes that have it")
+            raise ShardUnavailableError(None, f"no live node has what a shard reserves "
+                                              f"({resources.demand()}); lower shard_resources "
+                                              f"or add nodes that have it")
         self.nodes = [live[k % len(live)] for k in range(num_shards)]
         self.replicas = replica_sets(self.nodes, replication)
         self.held = [HeldRows(0, 0, 0.0, 1.0) for _ in range(num_shards)]
@@ -268,12 +268,12 @@ class ShardSet:
         try:
             return self.ray.get(refs, timeout=left)
         except exc_mod.GetTimeoutError as exc:
-            raise ShardUnavailableError(-1 if shard is None else shard,
+            raise ShardUnavailableError(shard,
                                         f"no answer within the {left:g} s left of the call's "
                                         f"timeout (the plane's is {self.timeout:g} s); pass "
                                         f"a longer timeout") from exc
         except getattr(exc_mod, "ActorUnschedulableError", ()) as exc:
-            raise ShardUnavailableError(-1 if shard is None else shard,
+            raise ShardUnavailableError(shard,
                                         f"Ray cannot place the shard on its node ({exc}); "
                                         f"lower shard_resources or free the node") from exc
         except exc_mod.RayTaskError as exc:

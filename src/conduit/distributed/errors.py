@@ -42,7 +42,8 @@ class ShardUnavailableError(ConduitError, TimeoutError):
     may have landed.
 
     Attributes:
-        shard: The shard's id.
+        shard: The shard's id, or None when no single shard is at fault (no node can host
+            the shards, or a pushed ``ObjectRef``'s object was not made in time).
         lost_rows: Rows known lost with it (0 while a replica holds them).
         stored_rows: Rows of the failed write that its holders applied all the same
             (on-policy, where they are re-read before the error is raised): they stay
@@ -51,9 +52,9 @@ class ShardUnavailableError(ConduitError, TimeoutError):
             or could not be re-read in time (on-policy): they may still land.
     """
 
-    def __init__(self, shard: int, message: str, *, lost_rows: int = 0) -> None:
+    def __init__(self, shard: int | None, message: str, *, lost_rows: int = 0) -> None:
         self.shard = shard
         self.lost_rows = lost_rows
         self.stored_rows = 0
         self.unsettled_rows = 0
-        super().__init__(f"shard {shard}: {message}")
+        super().__init__(message if shard is None else f"shard {shard}: {message}")

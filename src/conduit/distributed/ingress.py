@@ -147,10 +147,10 @@ class Ingress:
             if ready:
                 return
             if time.monotonic() >= deadline:
-                raise ShardUnavailableError(-1, f"the pushed ObjectRef's object was not made "
-                                                f"within the {left:g} s left of the push's "
-                                                f"timeout (its task is still running); "
-                                                f"nothing was sent")
+                raise ShardUnavailableError(None, f"the pushed ObjectRef's object was not made "
+                                                  f"within the {left:g} s left of the push's "
+                                                  f"timeout (its task is still running); "
+                                                  f"nothing was sent")
 
     def _admit(self, batch: Mapping[str, Any], *, what: str) -> tuple[Batch, int]:
         """``batch`` checked against the spec and the row limit."""

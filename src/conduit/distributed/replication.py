@@ -346,8 +346,8 @@ class Replicator:
                     if not self.shards.is_death(exc):
                         raise
                     if time.monotonic() >= deadline:
-                        raise ShardUnavailableError(-1, f"re-created shards kept dying until "
-                                                        f"the deadline ({exc})") from exc
+                        raise ShardUnavailableError(None, f"re-created shards kept dying until "
+                                                          f"the deadline ({exc})") from exc
             for r in done:
                 if r.lost_rows:
                     warnings.warn(f"shard {r.shard} died on node {r.old_node} with no live "
