@@ -4,6 +4,8 @@ served another buffer, and refusals of out-of-range rows and pad values."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +15,10 @@ from conduit.spec import ExperienceSpec, RaggedFieldSpec
 from conduit.storage import (
     ExperienceBuffer,
     FifoSampler,
+    Placement,
     PrioritizedSampler,
     SequenceSampler,
+    make_store,
 )
 from conduit.storage.column_store import ColumnStore, copy_rows
 from conduit.storage.ragged import RaggedStore
@@ -196,3 +200,119 @@ def test_pad_values_the_field_holds_pad_as_given():
 def test_ragged_slots_must_be_integers_in_one_dimension(slots):
     with pytest.raises(SpecError, match="_slot"):
         _ragged(torch.int64).padded("t", slots)
+
+
+# --- the host gather path, second review ---------------------------------------------------
+
+def _int_store(capacity: int = 64) -> ColumnStore:
+    spec = ExperienceSpec.of(x=((), torch.int64), v=((2,), torch.float32))
+    st = ColumnStore(spec=spec, capacity=capacity)
+    st.set_range(0, {"x": torch.arange(capacity) + 100,
+                     "v": torch.arange(2.0 * capacity).view(capacity, 2)})
+    return st
+
+
+def test_a_column_moved_to_shared_memory_is_still_read_and_written():
+    # Defect: the numpy views kept of each column pointed at the freed memory once
+    # share_memory_() (as torch.multiprocessing does to a column it sends) moved it: a gather
+    # returned another tensor's memory, a write landed in freed memory.
+    st = _int_store()
+    st.column("x").share_memory_()
+    junk = [torch.full((64,), -7, dtype=torch.int64) for _ in range(4)]
+    assert st.get(torch.tensor([0, 1, 2, 3]))["x"].tolist() == [100, 101, 102, 103]
+    st.set_range(4, {"x": torch.tensor([7, 8]), "v": torch.zeros(2, 2)})
+    assert st.column("x")[4:6].tolist() == [7, 8]
+    assert st.get(torch.tensor([5, 4]))["x"].tolist() == [8, 7]
+    del junk
+
+
+def test_a_deep_copy_reads_and_writes_its_own_columns():
+    st = _int_store()
+    twin = copy.deepcopy(st)
+    st.set_range(0, {"x": torch.tensor([-1, -2]), "v": torch.zeros(2, 2)})
+    twin.set_range(2, {"x": torch.tensor([-3]), "v": torch.zeros(1, 2)})
+    assert twin.get(torch.tensor([0, 1, 2]))["x"].tolist() == [100, 101, -3]
+    assert twin.get(torch.tensor([[0, 1, 2]]))["x"].tolist() == [[100, 101, -3]]
+    assert st.get(torch.tensor([0, 1, 2]))["x"].tolist() == [-1, -2, 102]
+
+
+def test_a_gathered_batch_can_be_resized_and_its_memory_is_not_reused_after():
+    # The arrays the gather writes through must not make the batch's memory non-resizable
+    # (torch does for .numpy()), and once a resize moved it the set is dropped, not written.
+    st = _int_store()
+    b = st.get(torch.tensor([1, 2, 3]))
+    b["v"].resize_(100, 2)
+    b["x"].resize_(50)
+    assert b["x"].shape == (50,) and b["v"].shape == (100, 2)
+    del b
+    for _ in range(3):
+        got = st.get(torch.tensor([9, 8]))
+        assert got["x"].tolist() == [109, 108] and got["v"][0].tolist() == [18.0, 19.0]
+
+
+@pytest.mark.parametrize("bad", [[0, 4], [0, -1], [0, 1000]])
+def test_a_sharded_store_refuses_rows_outside_it(bad):
+    # Defect: out-of-range indices mapped to no shard: a gather returned an earlier batch's
+    # leftovers, a write was dropped.
+    spec = ExperienceSpec.of(x=((), torch.int64))
+    st = make_store(spec=spec, capacity=4, placement=Placement.sharded(["cpu", "cpu"]))
+    st.set_range(0, {"x": torch.tensor([10, 11, 12, 13])})
+    with pytest.raises(IndexError):
+        st.get(torch.tensor(bad))
+    with pytest.raises(IndexError):
+        st.set(torch.tensor(bad), {"x": torch.tensor([1, 2])})
+    with pytest.raises(IndexError):
+        st.set_range(3, {"x": torch.tensor([77, 88])})
+    assert st.state_dict()["columns"]["x"].tolist() == [10, 11, 12, 13]
+
+
+def test_a_column_store_write_past_its_rows_is_an_index_error():
+    st = _int_store(capacity=4)
+    with pytest.raises(IndexError):
+        st.set_range(3, {"x": torch.tensor([1, 2]), "v": torch.zeros(2, 2)})
+    with pytest.raises(IndexError):
+        st.set_range(-1, {"x": torch.tensor([1]), "v": torch.zeros(1, 2)})
+
+
+@pytest.mark.parametrize("idx", [torch.tensor([0, 9]), torch.tensor([0, 9], dtype=torch.int32),
+                                 torch.tensor([[0, 9]]), torch.tensor([0, -1], dtype=torch.int32)],
+                         ids=["int64", "int32", "2-D", "int32-negative"])
+def test_every_host_gather_outside_the_rows_is_an_index_error(idx):
+    # A store whose first field holds no elements raised torch's RuntimeError off the
+    # 1-D int64 path.
+    spec = ExperienceSpec.of(e=((0,), torch.float32), x=((), torch.int64))
+    st = ColumnStore(spec=spec, capacity=4)
+    with pytest.raises(IndexError):
+        st.get(idx)
+
+
+@pytest.mark.parametrize("placement", [Placement.pageable(), Placement.sharded(["cpu", "cpu"])],
+                         ids=lambda p: p.kind)
+def test_a_0d_index_gathers_one_row_without_a_batch_dimension(placement):
+    spec = ExperienceSpec.of(r=((), torch.float32), v=((2,), torch.float32))
+    st = make_store(spec=spec, capacity=4, placement=placement)
+    st.set_range(0, {"r": torch.arange(4.0), "v": torch.arange(8.0).view(4, 2)})
+    got = st.get(torch.tensor(2))
+    assert got["r"].shape == () and float(got["r"]) == 2.0
+    assert got["v"].tolist() == [4.0, 5.0]
+
+
+@pytest.mark.parametrize("column", [torch.randn(4, 2).requires_grad_(),
+                                    torch.randn(4, 2, dtype=torch.complex64).conj()],
+                         ids=["requires_grad", "conj"])
+def test_columns_that_are_not_plain_memory_are_refused_by_name(column):
+    spec = ExperienceSpec.of(x=((2,), column.dtype))
+    with pytest.raises(SpecError) as err:
+        ColumnStore.over(spec=spec, columns={"x": column})
+    assert err.value.field == "x"
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_batch_size_past_2_to_the_31_is_a_config_error(prioritized):
+    buf = ExperienceBuffer(spec=ExperienceSpec.of(x=((), torch.float32)), capacity=4,
+                           sampler=PrioritizedSampler() if prioritized else None)
+    buf.extend({"x": torch.arange(4.0)})
+    for rows in (2**63, 2**31):
+        with pytest.raises(ConfigError) as err:
+            buf.sample(rows)
+        assert err.value.field == "batch_size"

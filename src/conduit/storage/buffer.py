@@ -21,13 +21,18 @@ from conduit.storage.state import StateDict, array, entry
 from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
 
+#: The most rows one batch may hold: far more than memory holds for any row, and below the
+#: sizes torch's draws refuse with errors of their own.
+MAX_BATCH_ROWS = 2**31 - 1
+
 
 def _batch_size(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
-    integer (a Python or NumPy integer; not a bool)."""
-    if type(value) is int and value > 0:  # the usual case, without check_int's calls
-        return value
-    return check_int("batch_size", value, minimum=1)
+    integer (a Python or NumPy integer; not a bool) of at most :data:`MAX_BATCH_ROWS`."""
+    rows = check_int("batch_size", value, minimum=1)
+    if rows > MAX_BATCH_ROWS:
+        raise ConfigError("batch_size", f"must be at most {MAX_BATCH_ROWS} rows, got {rows}")
+    return rows
 
 
 def priority_input(values: Any, field: str) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -46,13 +47,62 @@ class Store(Protocol):
 
 
 _LARGE_ROW_BYTES = 16 << 10
+SET_ALIGN = 64
+"""Bytes each field of a :class:`GatherOutputs` set is aligned to within its block."""
 
 
 def _row_kernels() -> Any:
     """The compiled row kernels, or None where Numba cannot be imported."""
     return compiled.load("_row_kernels")
-SET_ALIGN = 64
-"""Bytes each field of a :class:`GatherOutputs` set is aligned to within its block."""
+
+
+def check_slots(indices: torch.Tensor, capacity: int) -> None:
+    """Refuse integer ``indices`` (any shape) that name a row outside ``[0, capacity)``.
+
+    Raises:
+        IndexError: Such an index.
+    """
+    if indices.dtype.is_floating_point or indices.dtype.is_complex \
+            or indices.dtype == torch.bool or not indices.numel():
+        return  # (not slots: the gather refuses their dtype itself)
+    flat = indices.reshape(-1)
+    kernels = _row_kernels()
+    if kernels is not None and flat.dtype == torch.int64 and flat.device.type == "cpu":
+        bad = kernels.first_outside(flat.numpy(), capacity)
+        if bad < 0:
+            return
+        value = int(flat[bad])
+    else:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo >= 0 and hi < capacity:
+            return
+        value = lo if lo < 0 else hi
+    raise IndexError(f"indices: slot {value} lies outside [0, {capacity})")
+
+
+def check_span(start: int, rows: int, capacity: int) -> None:
+    """Refuse a contiguous write of ``rows`` rows at ``start`` that leaves ``[0, capacity)``.
+
+    Raises:
+        IndexError: It does.
+    """
+    if start < 0 or start + rows > capacity:
+        raise IndexError(f"start: rows [{start}, {start + rows}) leave [0, {capacity})")
+
+
+def _array_over(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy array over ``t``'s memory (contiguous, on the CPU) that leaves its storage
+    resizable, as ``t.numpy()`` does not; None for a dtype numpy lacks. Valid only while that
+    memory stays where it is (compare ``t.data_ptr()``)."""
+    try:
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+    except TypeError:
+        return None
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:  # (nothing to write; numpy's array over no bytes would be read-only)
+        return np.empty(tuple(t.shape), dtype=dtype)
+    raw = (ctypes.c_byte * nbytes).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.shape))
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
@@ -164,10 +214,11 @@ class GatherOutputs:
         self._fields = dict(fields)
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
-        # (rows, the pool's views per field, its numpy views, their block, its memory handle,
-        # its use count while only the pool holds the set), in hand-out order.
+        # (rows, the pool's views per field, numpy arrays over them, their block, its memory
+        # handle, its use count while only the pool holds the set, its address), in hand-out
+        # order.
         self._sets: list[tuple[int, dict[str, torch.Tensor], dict[str, np.ndarray],
-                               torch.Tensor, int, int]] = []
+                               torch.Tensor, int, int, int]] = []
         self._lock = threading.Lock()
 
     @property
@@ -187,10 +238,7 @@ class GatherOutputs:
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
-        arrays: dict[str, np.ndarray] = {}
-        for name, view in views.items():
-            with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
-                arrays[name] = view.numpy()
+        arrays = {name: a for name, v in views.items() if (a := _array_over(v)) is not None}
         return block, views, arrays
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
@@ -200,23 +248,26 @@ class GatherOutputs:
 
     def take_arrays(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """As :meth:`take`, with numpy arrays over the same memory for the fields whose dtype
-        numpy has, for the taker to write through (they are the pool's: do not hand them
-        out)."""
+        numpy has, for the taker to write through before it hands the tensors out (they are
+        the pool's: do not hand them out)."""
         count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
+            # A set whose memory moved is never handed out again: moved to shared memory
+            # (share_memory_(), as torch.multiprocessing does), another process may still read
+            # it; grown by a caller's resize_, its numpy arrays point at freed memory.
             if sets:  # the usual case: the set handed out last is free again
-                n, views, arrays, block, key, idle = sets[-1]
+                n, views, arrays, block, key, idle, ptr = sets[-1]
                 if n == rows and count(key) == idle:
-                    if not block.untyped_storage().is_shared():
+                    if block.data_ptr() == ptr:
                         return {name: t.data for name, t in views.items()}, arrays
-                    del sets[-1]  # shared with another process, which may still read it
+                    del sets[-1]
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
-                n, views, arrays, block, key, idle = sets[k]
+                n, views, arrays, block, key, idle, ptr = sets[k]
                 if count(key) == idle:
-                    if block.untyped_storage().is_shared():  # another process may read it
+                    if block.data_ptr() != ptr:
                         del sets[k]
                         if free is not None:
                             free -= 1
@@ -231,7 +282,7 @@ class GatherOutputs:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
                 key = _memory_key(block)
-                sets.append((rows, views, arrays, block, key, count(key)))
+                sets.append((rows, views, arrays, block, key, count(key), block.data_ptr()))
             return {name: t.data for name, t in views.items()}, arrays
 
 
@@ -284,16 +335,32 @@ class ColumnStore:
             raise CapacityError(f"capacity: cannot allocate {need:,} bytes for "
                                 f"{self.capacity:,} rows on {self.placement.label()}: {exc}",
                                 needed=need) from exc
-        self._host_views = self._numpy_views()
+        self._make_views()
 
-    def _numpy_views(self) -> dict[str, np.ndarray]:
-        """numpy views of host columns whose dtype numpy has (not bfloat16 etc.), for writes."""
+    _host_views: dict[str, np.ndarray]
+    _host_ptrs: dict[str, int]
+
+    def _make_views(self) -> None:
+        """numpy views of the host columns whose dtype numpy has (not bfloat16 etc.), for
+        writes and gathers, and the address each was made at."""
         views: dict[str, np.ndarray] = {}
         if self.device.type == "cpu":
             for name, col in self._cols.items():
                 with contextlib.suppress(TypeError):
                     views[name] = col.numpy()
-        return views
+        self._host_views = views
+        self._host_ptrs = {name: self._cols[name].data_ptr() for name in views}
+
+    def _views(self) -> dict[str, np.ndarray]:
+        """The host columns' numpy views, made again first if a column's memory moved
+        (``share_memory_()``, as :mod:`torch.multiprocessing` does to a column it sends, puts
+        a column in new memory and frees the old)."""
+        cols = self._cols
+        for name, ptr in self._host_ptrs.items():
+            if cols[name].data_ptr() != ptr:
+                self._make_views()
+                break
+        return self._host_views
 
     @classmethod
     def over(cls, *, spec: ExperienceSpec, columns: Mapping[str, torch.Tensor],
@@ -312,7 +379,8 @@ class ColumnStore:
                 own). A set is still handed out only when nothing refers to it.
 
         Raises:
-            SpecError: A column is missing, extra, or does not match its field (named).
+            SpecError: A column is missing, extra, does not match its field, requires grad
+                or is a conjugate or negative view (named).
             ConfigError: The columns hold no rows, or ``outputs`` has other fields.
             PlacementError: The columns live on more than one device.
         """
@@ -335,6 +403,10 @@ class ColumnStore:
                                       f"{'' if col.is_contiguous() else ', not contiguous'}; "
                                       f"expected a contiguous {fs.dtype} column of shape "
                                       f"{(capacity, *fs.shape)}")
+            if col.requires_grad or col.is_conj() or col.is_neg():
+                raise SpecError(name, "column requires grad or is a conjugate or negative "
+                                      "view; pass plain memory (col.detach(), "
+                                      "col.resolve_conj(), col.resolve_neg())")
         devices = {col.device for col in columns.values()}
         if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise PlacementError(f"columns: on {sorted(map(str, devices))}; a ColumnStore lives "
@@ -346,7 +418,7 @@ class ColumnStore:
             device)
         store.device, store.pinned = device, False
         store._cols = {name: columns[name] for name in spec.fields}
-        store._host_views = store._numpy_views()
+        store._make_views()
         if outputs is not None:
             store._outputs = outputs
         return store
@@ -371,8 +443,13 @@ class ColumnStore:
             copy_rows(col, indices, batch[name])
 
     def set_range(self, start: int, batch: Batch) -> None:
-        """Write contiguous rows starting at ``start``; a plain slice copy per field."""
-        host = self._host_views
+        """Write contiguous rows starting at ``start``; a plain slice copy per field.
+
+        Raises:
+            IndexError: The rows leave ``[0, capacity)``.
+        """
+        check_span(start, next(iter(batch.values())).shape[0], self.capacity)
+        host = self._views()
         for name, col in self._cols.items():
             src = batch[name]
             view = host.get(name)
@@ -401,38 +478,41 @@ class ColumnStore:
         outputs = self._outputs
         if outputs is None:  # made here, so subclasses with their own columns get one
             outputs = self._outputs = GatherOutputs(self.spec.fields, pinned=self.pinned)
+        kernels = _row_kernels()
+        if indices.dim() == 1 and indices.dtype == torch.int64 and workers is None \
+                and kernels is not None:
+            # The common case: the rows checked once, then numpy's take per field, where
+            # torch's index_select checks them again per field behind a dispatch that costs
+            # more than a small field's copy (docs/design.md §7); the copies are the same.
+            idx = indices.numpy()
+            bad = kernels.first_outside(idx, self.capacity)
+            if bad >= 0:
+                raise IndexError(f"indices: slot {int(idx[bad])} lies outside "
+                                 f"[0, {self.capacity})")
+            outs, arrays = outputs.take_arrays(idx.shape[0])
+            host, ptrs = self._host_views, self._host_ptrs
+            for name, col in self._cols.items():
+                src, dst = host.get(name), arrays.get(name)
+                if src is None or dst is None:  # (no numpy dtype: bfloat16 and the like)
+                    torch.index_select(col, 0, indices, out=outs[name])
+                    continue
+                if col.data_ptr() != ptrs[name]:  # the column moved: view it again
+                    host, ptrs = self._views(), self._host_ptrs
+                    src = host[name]
+                src.take(idx, axis=0, out=dst, mode="wrap")
+            return outs
+        check_slots(indices, self.capacity)
         if workers is not None and indices.dim() == 1:
             outs = outputs.take(indices.shape[0])
             self._split_gather(indices, outs, workers)
-            return outs
-        if indices.dim() == 1:  # the common case: one gather per field, nothing else
-            outs, arrays = outputs.take_arrays(indices.shape[0])
-            host, kernels = self._host_views, _row_kernels()
-            if host and arrays and kernels is not None and indices.dtype == torch.int64:
-                # numpy's take of rows checked once here, where torch's index_select checks
-                # them again per field behind a dispatch that costs more than a small
-                # field's copy (docs/design.md §7); the copies are the same.
-                idx = indices.numpy()
-                bad = kernels.first_outside(idx, self.capacity)
-                if bad >= 0:
-                    raise IndexError(f"indices: slot {int(idx[bad])} lies outside "
-                                     f"[0, {self.capacity})")
-                for name, col in self._cols.items():
-                    src, dst = host.get(name), arrays.get(name)
-                    if src is not None and dst is not None:
-                        src.take(idx, axis=0, out=dst, mode="wrap")
-                    else:
-                        torch.index_select(col, 0, indices, out=outs[name])
-                return outs
-            for name, col in self._cols.items():
-                torch.index_select(col, 0, indices, out=outs[name])
             return outs
         lead = tuple(indices.shape)
         flat = indices.reshape(-1)
         outs = outputs.take(flat.shape[0])
         for name, col in self._cols.items():
             torch.index_select(col, 0, flat, out=outs[name])
-            outs[name] = outs[name].view(*lead, *col.shape[1:])
+            if indices.dim() != 1:
+                outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
         return outs
 
     def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers) -> None:
@@ -543,12 +623,21 @@ class ShardedStore:
         return self.capacity * self.spec.bytes_per_sample
 
     def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Map global indices to ``(shard id, local index)``."""
+        """Map global indices to ``(shard id, local index)``.
+
+        Raises:
+            IndexError: An index lies outside ``[0, capacity)``.
+        """
+        check_slots(indices, self.capacity)
         shard = torch.searchsorted(self.bounds, indices, right=True) - 1
         return shard, indices - self.bounds[shard]
 
     def set(self, indices: torch.Tensor, batch: Batch) -> None:
-        """Write rows at global ``indices``."""
+        """Write rows at global ``indices``.
+
+        Raises:
+            IndexError: An index lies outside ``[0, capacity)``.
+        """
         shard, local = self.locate(indices)
         for k, st in enumerate(self.shards):
             sel = (shard == k).nonzero().squeeze(1)
@@ -556,8 +645,13 @@ class ShardedStore:
                 st.set(local[sel], {n: v[sel.to(v.device)] for n, v in batch.items()})
 
     def set_range(self, start: int, batch: Batch) -> None:
-        """Write contiguous global rows, split at shard boundaries into slice copies."""
+        """Write contiguous global rows, split at shard boundaries into slice copies.
+
+        Raises:
+            IndexError: The rows leave ``[0, capacity)``.
+        """
         n = next(iter(batch.values())).shape[0]
+        check_span(start, n, self.capacity)
         end = start + n
         for k, st in enumerate(self.shards):
             lo, hi = max(start, int(self.bounds[k])), min(end, int(self.bounds[k + 1]))
@@ -567,7 +661,11 @@ class ShardedStore:
 
     def get(self, indices: torch.Tensor, *, device: torch.device | None = None) -> Batch:
         """Gather rows at global ``indices``, in that order, onto ``device`` (host results
-        in :class:`GatherOutputs` tensors, as :meth:`ColumnStore.get`)."""
+        in :class:`GatherOutputs` tensors, as :meth:`ColumnStore.get`).
+
+        Raises:
+            IndexError: An index lies outside ``[0, capacity)``.
+        """
         out_dev = torch.device(device or self.device)
         flat = indices.reshape(-1)
         shard, local = self.locate(flat)
@@ -584,7 +682,7 @@ class ShardedStore:
             for name, v in part.items():
                 out[name].index_copy_(0, dsel, v)
         lead = tuple(indices.shape)
-        return {n: v.view(*lead, *v.shape[1:]) for n, v in out.items()}
+        return {n: v.view(lead + tuple(v.shape[1:])) for n, v in out.items()}
 
     def state_dict(self) -> StateDict:
         """Exact copy of every column, concatenated in global order, on CPU."""

@@ -14,7 +14,6 @@ the rows as of the last :meth:`MemmapColumnStore.flush`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -96,10 +95,7 @@ class MemmapColumnStore(ColumnStore):
                                                f"{exc.strerror or exc}") from None
             self._maps, self._cols = self._map_columns(create=True)
             self._write_manifest()
-        self._host_views: dict[str, Any] = {}
-        for name, col in self._cols.items():
-            with contextlib.suppress(TypeError):  # no numpy dtype (bfloat16, float8)
-                self._host_views[name] = col.numpy()
+        self._make_views()
 
     def column_path(self, name: str) -> Path:
         """The file that holds field ``name``."""
