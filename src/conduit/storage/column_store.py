@@ -197,7 +197,8 @@ class GatherOutputs:
     A set whose memory was moved to shared memory (``share_memory_()``, as
     :mod:`torch.multiprocessing` does to a tensor it sends to another process) is never
     handed out again: the pool drops it, since another process may still read it while no
-    reference to it is left in this one.
+    reference to it is left in this one. So is a set a caller grew (``resize_``, an ``out=``
+    of another size), whose memory moved with it; handed-out tensors stay resizable.
 
     Args:
         fields: Field specs of a set.
