@@ -181,7 +181,29 @@ def _steps(eps: Episode) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]
     n = len(eps)
     obs = _numeric("obs", eps.get_observations(slice(0, n + 1)), n + 1)
     return ({"obs": obs[:-1], "action": _numeric("action", eps.get_actions(slice(0, n)), n)},
-            np.asarray(eps.get_rewards(slice(0, n)), dtype=np.float64), obs[-1])
+            _rewards(eps.get_rewards(slice(0, n)), n), obs[-1])
+
+
+def _rewards(values: Any, n: int) -> np.ndarray:
+    """A chunk's ``n`` rewards as float64, one number per step (a reward of shape ``(1,)``,
+    as some wrappers return, is that number).
+
+    Raises:
+        SpecError: Rewards that are not numbers (text, None), or several numbers per step.
+    """
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:  # ragged: steps of different shapes
+        raise SpecError("reward", f"must be one number per step ({exc})") from None
+    if arr.dtype.kind not in "biuf":
+        raise SpecError("reward", f"must be real numbers, got {arr.dtype} values such as "
+                                  f"{arr.reshape(-1)[:1].tolist()}")
+    if arr.shape != (n,):
+        if arr.size != n or (arr.ndim and arr.shape[0] != n):
+            raise SpecError("reward", f"must be one number per step: {n} steps gave rewards "
+                                      f"of shape {arr.shape}")
+        arr = arr.reshape(n)
+    return arr.astype(np.float64)
 
 
 class Tails:
@@ -294,6 +316,7 @@ class EpisodeRows:
         #: Episodes with a row in the ring, oldest last write first.
         self.table: OrderedDict[int, EpisodeMeta] = OrderedDict()
         self._ongoing: dict[str, int] = {}  # episode id -> key, until the episode is done
+        self._stored: dict[str, int] = {}  # episode id -> key, while it is in the table
         self._next_key = 0
         #: Held while the links and the ring they describe change together (an add), and
         #: while a delivery reads them.
@@ -330,12 +353,20 @@ class EpisodeRows:
         """
         chunks: list[tuple[Episode, dict[str, np.ndarray], np.ndarray, np.ndarray] | Episode] = []
         next_t: dict[str, int | None] = {}  # episode id -> where its next chunk starts
+        ended: set[str] = set()  # episodes that ended in the buffer or earlier in this add
         for eps in episodes:
             if eps.id_ not in next_t:
                 key = self._ongoing.get(eps.id_)
                 meta = None if key is None else self.table.get(key)
                 next_t[eps.id_] = (None if meta is None else
                                    int(self.t[meta.last_row % self.capacity]) + meta.t0 + 1)
+                if key is None and eps.id_ in self._stored:
+                    ended.add(eps.id_)
+            if eps.id_ in ended:
+                raise SpecError("id_", f"the episode {eps.id_!r} ended in the buffer (or "
+                                       f"earlier in this add); a chunk of it cannot be added "
+                                       f"again (RLlib's buffer refuses it too): add each "
+                                       f"chunk once")
             want = next_t[eps.id_]
             if want is not None and eps.t_started != want:
                 raise SpecError("t_started", f"a chunk of the ongoing episode {eps.id_!r} "
@@ -347,6 +378,7 @@ class EpisodeRows:
                 if eps.is_terminated or eps.is_truncated:
                     chunks.append(eps)  # ends the ongoing episode: see _end
                     next_t[eps.id_] = None
+                    ended.add(eps.id_)
                 continue
             steps, reward, last_obs = _steps(eps)
             if spec is None:
@@ -356,6 +388,8 @@ class EpisodeRows:
             chunks.append((eps, steps, reward, last_obs))
             next_t[eps.id_] = (None if eps.is_terminated or eps.is_truncated
                                else eps.t_started + len(eps))
+            if eps.is_terminated or eps.is_truncated:
+                ended.add(eps.id_)
         parts = [c[1] for c in chunks if isinstance(c, tuple)]
         rows = (parts[0] if len(parts) == 1 else  # one chunk: its arrays, not copies
                 {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {})
@@ -385,6 +419,7 @@ class EpisodeRows:
                 self.table[key] = EpisodeMeta(eps.id_, eps.agent_id, eps.module_id,
                                               eps.observation_space, eps.action_space, -1,
                                               self.tails.take(last_obs), eps.t_started)
+                self._stored[eps.id_] = key
             else:
                 links.append((self.table[key].last_row, row))
             meta = self.table[key]
@@ -415,6 +450,8 @@ class EpisodeRows:
         while self.table and next(iter(self.table.values())).last_row < oldest:
             key, meta = self.table.popitem(last=False)
             self._ongoing.pop(meta.id_, None)
+            if self._stored.get(meta.id_) == key:
+                del self._stored[meta.id_]
             self.tails.free(meta.tail)
             evicted += 1
         return Appended(read.rows, row - before, new, evicted,
@@ -489,6 +526,22 @@ class EpisodeRows:
             raise StateError("episode_rows.succ", f"links must be slots in [0, "
                                                   f"{self.capacity}) or -1; restore a state "
                                                   f"this buffer's get_state wrote")
+        written = state["written"]
+        if isinstance(written, bool) or not isinstance(written, (int, np.integer)) \
+                or written < 0:
+            raise StateError("episode_rows.written", f"must be an integer >= 0, got "
+                                                     f"{written!r}")
+        try:
+            keys = {k for k, _ in state["table"]}
+        except (TypeError, ValueError) as exc:
+            raise StateError("episode_rows.table", f"must be (key, episode) pairs ({exc})"
+                             ) from None
+        held = np.asarray(state["episode"])[:min(int(written), self.capacity)]
+        missing = set(np.unique(held).tolist()) - keys
+        if missing:
+            raise StateError("episode_rows.episode", f"rows of episodes {sorted(missing)[:5]} "
+                                                     f"that the table lacks; restore a state "
+                                                     f"this buffer's get_state wrote")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`.
@@ -504,4 +557,5 @@ class EpisodeRows:
         self.table = OrderedDict((k, EpisodeMeta(**m))
                                  for k, m in entry(state, "table", "episode_rows"))
         self._ongoing = dict(entry(state, "ongoing", "episode_rows"))
+        self._stored = {m.id_: k for k, m in self.table.items()}
         self._next_key = int(entry(state, "next_key", "episode_rows"))

@@ -16,6 +16,7 @@ training iterations, by their measured time (:mod:`~conduit.integrations.rllib.s
 # ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -37,11 +38,12 @@ from conduit.errors import (
     ConfigError,
     EmptyBufferError,
     OperatorError,
+    PlaneClosedError,
     PriorityError,
     SpecError,
     StateError,
 )
-from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep
+from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, Read
 from conduit.integrations.rllib.episodes import SampledEpisodes
 from conduit.integrations.rllib.metrics import CachedMetricsLogger
 from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
@@ -173,6 +175,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._last_index: np.ndarray | None = None
         self._last_rows: np.ndarray | None = None  # their rows' numbers in the ring's order
         self._build = SampledEpisodes(prioritized=self.prioritized)
+        self._acknowledged = 0
+        # An add whose rows were all pushed but not yet stored when its flush raised: its
+        # chunks and the ring rows before it, linked by _settle.
+        self._unsettled: tuple[Read, int] | None = None
         #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
         self.discarded_batches = 0
 
@@ -207,12 +213,20 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                     sampler=self._sampler, placement=self.placement,
                                     seed=self.seed, g_max=G_MAX, store=store)
 
+        # The operator holds the plane and the buffer weakly: the plane's engine holds the
+        # operator until the plane is dropped, so strong references would keep both alive,
+        # with the plane's worker threads, after the buffer is gone.
+        owner, sampler = weakref.ref(plane), self._sampler
+
         def gather_obs(slots: np.ndarray) -> torch.Tensor:
-            return plane.buffer.gather(torch.from_numpy(slots))["obs"]
+            live = owner()
+            if live is None:
+                raise PlaneClosedError("the buffer's plane was dropped")
+            return live.buffer.gather(torch.from_numpy(slots))["obs"]
 
         @plane.register_delivery()
         def n_step_windows(exp_in: BufferIn, learn_out: LearnerOut) -> None:
-            learn_out.write(deliver_windows(self._sampler, exp_in.read(), gather_obs))
+            learn_out.write(deliver_windows(sampler, exp_in.read(), gather_obs))
 
         self.schedule.apply(plane, decided)
         return plane
@@ -237,8 +251,11 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         The episodes are linked to the buffer's rows once their rows are in the plane: an add
         that raises before its rows are stored leaves links and rows as they were (except an
         add of more than ``capacity`` timesteps, written in several pushes, interrupted after
-        the first). A delivery failure latched on the plane (a draw made ahead, which only
-        reads rows) does not fail the add.
+        the first). One whose flush raised (a timeout, an interrupt) after every push returned
+        has its rows stored later by the plane: the next ``add``, ``sample`` or
+        ``get_state`` links them first, waiting for them within the plane's timeout. A
+        delivery failure latched on the plane (a draw made ahead, which only reads rows) does
+        not fail the add.
 
         Raises:
             SpecError: An observation or action differs in shape or dtype from earlier ones,
@@ -247,6 +264,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """
         self.schedule.adding()
         with self._rows.lock:  # a delivery running ahead sees links and ring change at once
+            self._settle_locked()
             episodes = force_list(episodes)
             for eps in episodes:
                 if not isinstance(eps, SingleAgentEpisode):
@@ -264,17 +282,50 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 except BaseException:
                     if self._sampler.ring_rows - ring == read.steps:  # the rows are stored
                         self._added(self._rows.link(read))
+                    elif self._acknowledged == read.steps:
+                        # Every push returned, so the rows land (overlapped ingestion) after
+                        # the flush that raised: they are linked once they have (_settle);
+                        # batches drawn meanwhile, over rows without links, are stale.
+                        self._unsettled = (read, ring)
+                        self._sampler.invalidate()
                     raise
             added = self._rows.link(read)
         self._added(added)
 
     def _write(self, plane: ExperienceDataPlane, rows: dict[str, np.ndarray],
                steps: int) -> None:
-        """Push ``rows`` to ``plane`` and flush it."""
+        """Push ``rows`` to ``plane`` and flush it; :attr:`_acknowledged` counts the rows of
+        the pushes that returned."""
+        self._acknowledged = 0
         for a in range(0, steps, self.capacity):
             part = {k: v[a:a + self.capacity] for k, v in rows.items()}
             _despite_draws(plane, lambda part=part: plane.push(part))
+            self._acknowledged += len(part["obs"])
         _despite_draws(plane, plane.flush)
+
+    def _settle(self) -> None:
+        """Link the rows of an add whose flush raised after every push returned, once they
+        are all in the ring (flushing the plane first, within its timeout).
+
+        Raises:
+            BackpressureTimeout: They are still not stored (as the add raised); so do the
+                plane's other flush errors.
+        """
+        if self._unsettled is not None:
+            with self._rows.lock:
+                self._settle_locked()
+
+    def _settle_locked(self) -> None:
+        """:meth:`_settle`, holding ``_rows.lock``."""
+        pending = self._unsettled
+        if pending is None:
+            return
+        read, ring = pending
+        if self._sampler.ring_rows - ring < read.steps and self._plane is not None:
+            _despite_draws(self._plane, self._plane.flush)
+        self._unsettled = None
+        self._added(self._rows.link(read))
+        self._sampler.invalidate()  # batches drawn before the link are stale
 
     def _added(self, added: Appended) -> None:
         """Count and log what an add changed."""
@@ -363,6 +414,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         request = WindowRequest(n_step=1 if n_step is None else n_step, gamma=gamma,
                                 complete=self.prioritized,
                                 beta=float(beta) if self.prioritized else None)
+        self._settle()
         self._sampler.set_request(request)
         resamples = self._sampler.resamples
         plane = self._plane_for(size)
@@ -438,6 +490,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     def get_state(self) -> dict[str, Any]:
         """The buffer's state, for RLlib checkpoints: the plane's ``state_dict`` (rows,
         sampler, ring), the episode links and the counters."""
+        self._settle()
         plane = self._plane
         return {"spec": plane.spec.to_dict() if plane else None,
                 "batch_size": plane.batch_size if plane else self.batch_size_B,
@@ -485,15 +538,22 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
 
     def _load_state(self, state: dict[str, Any], spec: ExperienceSpec | None) -> None:
         decided = self._close_plane()  # first: its delivery worker reads the links
+        self._unsettled = None
         self._rows.load_state_dict(state["rows"])
-        if self._rows.written < 0:
-            raise StateError("rows.written", f"{self._rows.written} is negative")
         if spec is not None:
             plane = self._build_plane(spec, state["batch_size"], decided)
-            plane.load_state_dict(state["plane"])
+            try:
+                plane.load_state_dict(state["plane"])
+            except BaseException:
+                plane.close()
+                raise
             self._plane = plane
         else:  # the state of a buffer that never held a row: so is the sampler
             self._sampler = self._new_sampler()
+        if self._rows.written != self._sampler.ring_rows:
+            raise StateError("rows.written", f"the links cover {self._rows.written} rows, the "
+                                             f"plane's ring received {self._sampler.ring_rows}; "
+                                             f"restore a state this buffer's get_state wrote")
         self._last_index, self._last_rows = state["last_index"], None
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added = state["_num_timesteps_added"]

@@ -143,6 +143,11 @@ class WindowSampler(Sampler):
         if request != current:
             self._request = (serial + 1, request)  # one assignment: a worker reads either
 
+    def invalidate(self) -> None:
+        """Make every batch drawn so far stale (the next draws get a new :attr:`serial`)."""
+        serial, request = self._request
+        self._request = (serial + 1, request)
+
     def bind(self, capacity: int) -> None:
         super().bind(capacity)
         self.inner.bind(capacity)
