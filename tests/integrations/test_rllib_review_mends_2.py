@@ -160,3 +160,24 @@ def test_an_inconsistent_state_is_refused_at_set_state(corrupt: str) -> None:
     with pytest.raises(StateError):
         fresh.set_state(state)
     assert len(fresh) == 0
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_episodes_with_equal_spaces_of_their_own_share_one_episode_maker(prioritized: bool) -> None:
+    # Defect: episodes from remote env runners each carry their own (equal) space objects;
+    # sampled transitions were built per space object, so nearly every row took RLlib's
+    # episode constructor (~0.1 ms each) and the makers' cache churned.
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    buf = cls(capacity=1000, seed=0, schedule="inline")
+    for k in range(40):
+        eps = SingleAgentEpisode(id_=f"e{k}", observation_space=copy.deepcopy(BOX),
+                                 action_space=copy.deepcopy(DISC))
+        eps.add_env_reset(np.full(1, 1000.0 * k, np.float32), {})
+        for t in range(5):
+            eps.add_env_step(np.full(1, 1000.0 * k + t + 1, np.float32), 0, 1.0, {},
+                             terminated=t == 4)
+        buf.add(eps)
+    buf.set_state(buf.get_state())  # (a restored table shares its spaces too)
+    for _ in range(5):
+        _check_transitions(buf.sample(batch_size_B=32, n_step=1))
+    assert len(buf._build._makers) == 1

@@ -317,6 +317,7 @@ class EpisodeRows:
         self.table: OrderedDict[int, EpisodeMeta] = OrderedDict()
         self._ongoing: dict[str, int] = {}  # episode id -> key, until the episode is done
         self._stored: dict[str, int] = {}  # episode id -> key, while it is in the table
+        self._spaces: list[tuple[gym.Space | None, gym.Space | None]] = []
         self._next_key = 0
         #: Held while the links and the ring they describe change together (an add), and
         #: while a delivery reads them.
@@ -416,8 +417,10 @@ class EpisodeRows:
             if key is None or key not in self.table:
                 key, new = self._next_key, new + 1
                 self._next_key += 1
+                obs_space, act_space = self._interned(eps.observation_space,
+                                                      eps.action_space)
                 self.table[key] = EpisodeMeta(eps.id_, eps.agent_id, eps.module_id,
-                                              eps.observation_space, eps.action_space, -1,
+                                              obs_space, act_space, -1,
                                               self.tails.take(last_obs), eps.t_started)
                 self._stored[eps.id_] = key
             else:
@@ -456,6 +459,22 @@ class EpisodeRows:
             evicted += 1
         return Appended(read.rows, row - before, new, evicted,
                         max(0, oldest) - max(0, before - self.capacity), read.spec)
+
+    #: Distinct pairs of spaces kept for :meth:`_interned`.
+    MOST_SPACES = 16
+
+    def _interned(self, obs_space: gym.Space | None, act_space: gym.Space | None
+                  ) -> tuple[gym.Space | None, gym.Space | None]:
+        """One object per distinct pair of spaces: episodes from remote env runners arrive
+        with spaces of their own, equal to earlier ones, and sampled transitions are built
+        per pair of space objects (a new pair costs RLlib's episode constructor)."""
+        for pair in self._spaces:
+            if (pair[0] is obs_space or pair[0] == obs_space) and (
+                    pair[1] is act_space or pair[1] == act_space):
+                return pair
+        if len(self._spaces) < self.MOST_SPACES:
+            self._spaces.append((obs_space, act_space))
+        return obs_space, act_space
 
     def _end(self, eps: Episode, *, oldest: int) -> None:
         """Apply a zero-length chunk's end flags to its ongoing episode: the episode ends at
@@ -558,4 +577,8 @@ class EpisodeRows:
                                  for k, m in entry(state, "table", "episode_rows"))
         self._ongoing = dict(entry(state, "ongoing", "episode_rows"))
         self._stored = {m.id_: k for k, m in self.table.items()}
+        self._spaces = []
+        for m in self.table.values():
+            m.observation_space, m.action_space = self._interned(m.observation_space,
+                                                                 m.action_space)
         self._next_key = int(entry(state, "next_key", "episode_rows"))
