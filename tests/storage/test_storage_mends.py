@@ -5,6 +5,7 @@ served another buffer, and refusals of out-of-range rows and pad values."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -236,18 +237,80 @@ def test_a_deep_copy_reads_and_writes_its_own_columns():
     assert st.get(torch.tensor([0, 1, 2]))["x"].tolist() == [-1, -2, 102]
 
 
-def test_a_gathered_batch_can_be_resized_and_its_memory_is_not_reused_after():
-    # The arrays the gather writes through must not make the batch's memory non-resizable
-    # (torch does for .numpy()), and once a resize moved it the set is dropped, not written.
+def test_a_gathered_batch_cannot_be_resized_in_place_and_later_batches_stay_right():
+    # A set is written through numpy arrays, so its memory is fixed in size: growing or
+    # re-allocating a batch's memory (which would leave the arrays over freed memory) is
+    # refused, never silently done.
     st = _int_store()
     b = st.get(torch.tensor([1, 2, 3]))
-    b["v"].resize_(100, 2)
-    b["x"].resize_(50)
-    assert b["x"].shape == (50,) and b["v"].shape == (100, 2)
-    del b
+    with pytest.raises(RuntimeError):
+        b["v"].resize_(100, 2)
+    storage = b["x"].untyped_storage()
+    with pytest.raises(RuntimeError):
+        storage.resize_(0)
+    del b, storage
     for _ in range(3):
         got = st.get(torch.tensor([9, 8]))
         assert got["x"].tolist() == [109, 108] and got["v"][0].tolist() == [18.0, 19.0]
+
+
+def test_a_column_handed_out_is_an_alias_that_set_cannot_swap():
+    # Defect: set_() on the store's own column (after share_memory_() freed its memory)
+    # could put it over other memory at the address its numpy view recorded.
+    st = _int_store(capacity=8)
+    col = st.column("x")
+    col.share_memory_()
+    col.set_(torch.arange(100, 104))
+    assert st.get(torch.tensor([6, 7]))["x"].tolist() == [106, 107]
+    with pytest.raises(IndexError):
+        st.get(torch.tensor([8]))
+    st.set_range(0, {"x": torch.full((8,), 5), "v": torch.zeros(8, 2)})
+    assert st.column("x").tolist() == [5] * 8 and col.tolist() == [100, 101, 102, 103]
+
+
+def test_a_pickled_or_deep_copied_store_writes_where_it_reads():
+    # Defects: an unpickled store wrote through copies of the old views (its gathers read
+    # them, its columns and state_dict did not); a store that had gathered once could not be
+    # deep-copied or pickled (its gather pool holds a lock).
+    st = _int_store()
+    st.get(torch.tensor([0, 1]))
+    for twin in (pickle.loads(pickle.dumps(st)), copy.deepcopy(st)):
+        twin.set_range(0, {"x": torch.tensor([7]), "v": torch.zeros(1, 2)})
+        assert twin.get(torch.tensor([0]))["x"].tolist() == [7]
+        assert twin.column("x")[0] == 7 and twin.state_dict()["columns"]["x"][0] == 7
+        assert st.get(torch.tensor([0]))["x"].tolist() == [100]
+
+
+def test_a_memmap_column_moved_off_its_file_is_refused(tmp_path):
+    # Defect: after share_memory_() moved a column into anonymous memory, writes landed
+    # there and never reached the file (a reopened store read zeros).
+    from conduit.errors import PlacementError
+    from conduit.storage.memmap_store import MemmapColumnStore
+    spec = ExperienceSpec.of(x=((4,), torch.float32))
+    m = MemmapColumnStore(directory=tmp_path / "m", spec=spec, capacity=8)
+    m.set_range(0, {"x": torch.full((8, 4), 5.0)})
+    m.column("x").share_memory_()
+    with pytest.raises(PlacementError):
+        m.set_range(0, {"x": torch.full((8, 4), 6.0)})
+    with pytest.raises(PlacementError):
+        m.get(torch.tensor([0]))
+    m.flush()
+    del m
+    reopened = MemmapColumnStore(directory=tmp_path / "m", spec=spec, capacity=8)
+    assert reopened.get(torch.tensor([0]))["x"][0].tolist() == [5.0] * 4
+
+
+@pytest.mark.parametrize("placement", [Placement.pageable(), Placement.sharded(["cpu", "cpu"])],
+                         ids=lambda p: p.kind)
+@pytest.mark.parametrize("idx", [torch.tensor(1), torch.tensor([[1], [4]])], ids=["0-d", "2-D"])
+def test_a_write_at_indices_that_are_not_1d_is_refused(placement, idx):
+    # Defect: a sharded store wrote nothing for a 0-d index and the wrong rows for 2-D ones.
+    spec = ExperienceSpec.of(x=((2,), torch.float32))
+    st = make_store(spec=spec, capacity=6, placement=placement)
+    with pytest.raises(ConfigError) as err:
+        st.set(idx, {"x": torch.full((*idx.shape, 2), 9.0)})
+    assert err.value.field == "indices"
+    assert st.state_dict()["columns"]["x"].abs().sum() == 0
 
 
 @pytest.mark.parametrize("bad", [[0, 4], [0, -1], [0, 1000]])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -80,6 +79,14 @@ def check_slots(indices: torch.Tensor, capacity: int) -> None:
     raise IndexError(f"indices: slot {value} lies outside [0, {capacity})")
 
 
+def _check_1d(indices: torch.Tensor) -> None:
+    """Raises ConfigError (field ``indices``) unless ``indices`` is 1-D: one slot per row
+    written."""
+    if indices.dim() != 1:
+        raise ConfigError("indices", f"a write takes a 1-D tensor of slots, one per row, got "
+                                     f"shape {tuple(indices.shape)}")
+
+
 def check_span(start: int, rows: int, capacity: int) -> None:
     """Refuse a contiguous write of ``rows`` rows at ``start`` that leaves ``[0, capacity)``.
 
@@ -88,21 +95,6 @@ def check_span(start: int, rows: int, capacity: int) -> None:
     """
     if start < 0 or start + rows > capacity:
         raise IndexError(f"start: rows [{start}, {start + rows}) leave [0, {capacity})")
-
-
-def _array_over(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy array over ``t``'s memory (contiguous, on the CPU) that leaves its storage
-    resizable, as ``t.numpy()`` does not; None for a dtype numpy lacks. Valid only while that
-    memory stays where it is (compare ``t.data_ptr()``)."""
-    try:
-        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-    except TypeError:
-        return None
-    nbytes = t.numel() * t.element_size()
-    if not nbytes:  # (nothing to write; numpy's array over no bytes would be read-only)
-        return np.empty(tuple(t.shape), dtype=dtype)
-    raw = (ctypes.c_byte * nbytes).from_address(t.data_ptr())
-    return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.shape))
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
@@ -197,8 +189,9 @@ class GatherOutputs:
     A set whose memory was moved to shared memory (``share_memory_()``, as
     :mod:`torch.multiprocessing` does to a tensor it sends to another process) is never
     handed out again: the pool drops it, since another process may still read it while no
-    reference to it is left in this one. So is a set a caller grew (``resize_``, an ``out=``
-    of another size), whose memory moved with it; handed-out tensors stay resizable.
+    reference to it is left in this one. A set's memory is fixed in size (the pool writes it
+    through numpy arrays): a handed-out tensor cannot be grown in place (``resize_``, an
+    ``out=`` of another size); clone it first.
 
     Args:
         fields: Field specs of a set.
@@ -216,10 +209,9 @@ class GatherOutputs:
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
         # (rows, the pool's views per field, numpy arrays over them, their block, its memory
-        # handle, its use count while only the pool holds the set, its address), in hand-out
-        # order.
+        # handle, its use count while only the pool holds the set), in hand-out order.
         self._sets: list[tuple[int, dict[str, torch.Tensor], dict[str, np.ndarray],
-                               torch.Tensor, int, int, int]] = []
+                               torch.Tensor, int, int]] = []
         self._lock = threading.Lock()
 
     @property
@@ -239,7 +231,10 @@ class GatherOutputs:
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
-        arrays = {name: a for name, v in views.items() if (a := _array_over(v)) is not None}
+        arrays: dict[str, np.ndarray] = {}
+        for name, view in views.items():
+            with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
+                arrays[name] = view.numpy()  # (which makes the block's memory fixed in size)
         return block, views, arrays
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
@@ -254,21 +249,18 @@ class GatherOutputs:
         count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
-            # A set whose memory moved is never handed out again: moved to shared memory
-            # (share_memory_(), as torch.multiprocessing does), another process may still read
-            # it; grown by a caller's resize_, its numpy arrays point at freed memory.
             if sets:  # the usual case: the set handed out last is free again
-                n, views, arrays, block, key, idle, ptr = sets[-1]
+                n, views, arrays, block, key, idle = sets[-1]
                 if n == rows and count(key) == idle:
-                    if block.data_ptr() == ptr:
+                    if not block.untyped_storage().is_shared():
                         return {name: t.data for name, t in views.items()}, arrays
-                    del sets[-1]
+                    del sets[-1]  # shared with another process, which may still read it
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
-                n, views, arrays, block, key, idle, ptr = sets[k]
+                n, views, arrays, block, key, idle = sets[k]
                 if count(key) == idle:
-                    if block.data_ptr() != ptr:
+                    if block.untyped_storage().is_shared():  # another process may read it
                         del sets[k]
                         if free is not None:
                             free -= 1
@@ -283,7 +275,7 @@ class GatherOutputs:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
                 key = _memory_key(block)
-                sets.append((rows, views, arrays, block, key, count(key), block.data_ptr()))
+                sets.append((rows, views, arrays, block, key, count(key)))
             return {name: t.data for name, t in views.items()}, arrays
 
 
@@ -338,30 +330,45 @@ class ColumnStore:
                                 needed=need) from exc
         self._make_views()
 
-    _host_views: dict[str, np.ndarray]
-    _host_ptrs: dict[str, int]
+    #: numpy views of the host columns whose dtype numpy has (not bfloat16 etc.), for writes
+    #: and gathers, and the address of each column they were made at (one attribute, so a
+    #: thread reads views and addresses of the same making).
+    _host: tuple[dict[str, np.ndarray], dict[str, int]]
 
     def _make_views(self) -> None:
-        """numpy views of the host columns whose dtype numpy has (not bfloat16 etc.), for
-        writes and gathers, and the address each was made at."""
+        """Make :attr:`_host` for the columns as they are now."""
         views: dict[str, np.ndarray] = {}
         if self.device.type == "cpu":
             for name, col in self._cols.items():
                 with contextlib.suppress(TypeError):
-                    views[name] = col.numpy()
-        self._host_views = views
-        self._host_ptrs = {name: self._cols[name].data_ptr() for name in views}
+                    views[name] = col.numpy()  # (which makes the column fixed in size)
+        self._host = (views, {name: self._cols[name].data_ptr() for name in views})
 
     def _views(self) -> dict[str, np.ndarray]:
         """The host columns' numpy views, made again first if a column's memory moved
         (``share_memory_()``, as :mod:`torch.multiprocessing` does to a column it sends, puts
-        a column in new memory and frees the old)."""
+        a column in new memory and frees the old). The column tensors are the store's own
+        (:meth:`column` hands out aliases) and fixed in size, so a column at its recorded
+        address is the memory its view covers (``docs/design.md §7``)."""
+        views, ptrs = self._host
         cols = self._cols
-        for name, ptr in self._host_ptrs.items():
+        for name, ptr in ptrs.items():
             if cols[name].data_ptr() != ptr:
                 self._make_views()
-                break
-        return self._host_views
+                return self._host[0]
+        return views
+
+    def __getstate__(self) -> dict[str, Any]:
+        # numpy views and addresses belong to this process's memory, the gather pool to
+        # this store (and holds a lock): a copy or an unpickled store makes its own.
+        state = dict(self.__dict__)
+        state.pop("_host", None)
+        state.pop("_outputs", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._make_views()
 
     @classmethod
     def over(cls, *, spec: ExperienceSpec, columns: Mapping[str, torch.Tensor],
@@ -418,7 +425,7 @@ class ColumnStore:
         store.placement = Placement.pageable() if device.type == "cpu" else Placement.device(
             device)
         store.device, store.pinned = device, False
-        store._cols = {name: columns[name] for name in spec.fields}
+        store._cols = {name: columns[name].data for name in spec.fields}  # (aliases: see column)
         store._make_views()
         if outputs is not None:
             store._outputs = outputs
@@ -435,11 +442,19 @@ class ColumnStore:
         return self.capacity * self.spec.bytes_per_sample
 
     def column(self, name: str) -> torch.Tensor:
-        """The raw column tensor for ``name`` (shared, not a copy)."""
-        return self._cols[name]
+        """The column of ``name``: a tensor over the store's memory (not a copy; writes to it
+        are the store's rows). It is an alias: ``set_`` on it leaves the store's column as it
+        was, and its memory cannot be resized."""
+        return self._cols[name].data
 
     def set(self, indices: torch.Tensor, batch: Batch) -> None:
-        """Write rows at ``indices``; one vectorized copy per field."""
+        """Write rows at ``indices``; one vectorized copy per field.
+
+        Raises:
+            ConfigError: ``indices`` is not 1-D (field ``indices``).
+            IndexError: An index lies outside ``[0, capacity)``.
+        """
+        _check_1d(indices)
         for name, col in self._cols.items():
             copy_rows(col, indices, batch[name])
 
@@ -491,14 +506,15 @@ class ColumnStore:
                 raise IndexError(f"indices: slot {int(idx[bad])} lies outside "
                                  f"[0, {self.capacity})")
             outs, arrays = outputs.take_arrays(idx.shape[0])
-            host, ptrs = self._host_views, self._host_ptrs
+            host, ptrs = self._host
             for name, col in self._cols.items():
                 src, dst = host.get(name), arrays.get(name)
                 if src is None or dst is None:  # (no numpy dtype: bfloat16 and the like)
                     torch.index_select(col, 0, indices, out=outs[name])
                     continue
                 if col.data_ptr() != ptrs[name]:  # the column moved: view it again
-                    host, ptrs = self._views(), self._host_ptrs
+                    host = self._views()
+                    ptrs = self._host[1]
                     src = host[name]
                 src.take(idx, axis=0, out=dst, mode="wrap")
             return outs
@@ -637,8 +653,10 @@ class ShardedStore:
         """Write rows at global ``indices``.
 
         Raises:
+            ConfigError: ``indices`` is not 1-D (field ``indices``).
             IndexError: An index lies outside ``[0, capacity)``.
         """
+        _check_1d(indices)
         shard, local = self.locate(indices)
         for k, st in enumerate(self.shards):
             sel = (shard == k).nonzero().squeeze(1)

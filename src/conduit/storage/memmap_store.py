@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from conduit.errors import ConfigError, SpecError
+from conduit.errors import ConfigError, PlacementError, SpecError
 from conduit.spec import ExperienceSpec
 from conduit.storage.checkpoint import CheckpointError, atomic_write, check_path
 from conduit.storage.column_store import ColumnStore, _check_capacity, _check_state
@@ -96,6 +97,23 @@ class MemmapColumnStore(ColumnStore):
             self._maps, self._cols = self._map_columns(create=True)
             self._write_manifest()
         self._make_views()
+
+    def _views(self) -> dict[str, np.ndarray]:
+        """The columns' numpy views (see :meth:`ColumnStore._views`).
+
+        Raises:
+            PlacementError: A column's memory moved off its file (``share_memory_()``, as
+                :mod:`torch.multiprocessing` does to a tensor it sends): its rows would no
+                longer reach the file.
+        """
+        views, ptrs = self._host
+        for name, ptr in ptrs.items():
+            if self._cols[name].data_ptr() != ptr:
+                raise PlacementError(f"columns.{name}: the column was moved off its file "
+                                     f"(share_memory_(), as torch.multiprocessing does to a "
+                                     f"tensor it sends); send a copy of the rows instead "
+                                     f"(store.column(name).clone())")
+        return views
 
     def column_path(self, name: str) -> Path:
         """The file that holds field ``name``."""
