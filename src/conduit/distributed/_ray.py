@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -71,29 +72,73 @@ def _check_same(ray: Any, address: str) -> None:
                                               f"'auto' or None, or ray.shutdown() first")
 
 
+_users_lock = threading.Lock()
+_users = 0
+"""Planes using the Ray that a plane of this process started (0: none runs): it is shut down
+when the last of them closes (:func:`release`), not under the others."""
+_users_gcs: str | None = None  # that Ray's GCS address (another Ray means it is gone)
+
+
+def gcs_address(ray: Any) -> str | None:
+    """The GCS address of the Ray this process is connected to (None: not connected; the
+    runtime context would start a local Ray then)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # not connected
+        return None
+
+
 def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = None
             ) -> tuple[Any, bool]:
     """Attach to the cluster at ``address`` or, with None, to the Ray this process already
     runs, else start a local one. Token authentication is left as Ray configures it.
 
     Returns:
-        ``(ray, started)``: ``started`` is True when this call started Ray (the plane shuts it
-        down on close).
+        ``(ray, started)``: ``started`` is True when a plane started this Ray (this call or,
+        for a plane attaching to it, an earlier one): the plane calls :func:`release` on
+        close, and the last plane using it shuts it down.
 
     Raises:
         RayUnavailableError: Ray is not installed.
         ClusterConnectionError: ``address`` is malformed or nothing answers there, or Ray is
             already connected to another cluster.
     """
+    global _users, _users_gcs
     ray = import_ray()
     if address is not None:
         if not isinstance(address, str) or not address:
             raise ClusterConnectionError(str(address), "expected a non-empty string")
         _probe(address, min(timeout_s, 5.0))
-    if ray.is_initialized():
-        if address is not None:
-            _check_same(ray, address)
-        return ray, False
+    with _users_lock:
+        if ray.is_initialized():
+            if address is not None:
+                _check_same(ray, address)
+            if _users and gcs_address(ray) == _users_gcs:  # the Ray a plane started: one more user
+                _users += 1
+                return ray, True
+            _users = 0  # not (or no longer) a plane's Ray
+            return ray, False
+        _start(ray, address, local_cpus)
+        _users, _users_gcs = 1, gcs_address(ray)
+        return ray, True
+
+
+def release(ray: Any, gcs: str | None) -> None:
+    """A plane that :func:`connect` reported ``started`` closed (``gcs``: its Ray's
+    :func:`gcs_address` then): the last one using that Ray shuts it down (a Ray connected
+    anew since is left alone)."""
+    global _users
+    with _users_lock:
+        if _users <= 0 or gcs != _users_gcs:
+            return
+        _users -= 1
+        if _users == 0 and ray.is_initialized() and gcs_address(ray) == _users_gcs:
+            ray.shutdown()
+
+
+def _start(ray: Any, address: str | None, local_cpus: int | None) -> None:
     try:
         if address is None:
             ray.init(address="local", num_cpus=local_cpus, include_dashboard=False,
@@ -102,7 +147,6 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
             ray.init(address=address, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as exc:
         raise ClusterConnectionError(str(address), f"ray.init failed: {exc}") from exc
-    return ray, True
 
 
 def alive_nodes(ray: Any, demand: dict[str, float] | None = None) -> list[str]:

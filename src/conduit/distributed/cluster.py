@@ -401,6 +401,8 @@ class ShardSet:
         with self._life:
             self.closed = True
             actors = list(self.actors)
+        if not self.ray.is_initialized():  # Ray (and the actors) gone: ray.kill would start one
+            return
         for a in actors:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)

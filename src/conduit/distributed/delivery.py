@@ -275,6 +275,10 @@ class LearnerPort:
             ShardUnavailableError: A shard's rows could not be read or restored in time.
             PlaneClosedError: The plane is closed.
         """
+        with self._plane._in_flight():  # close() keeps Ray up until it returns
+            return self._pull(timeout)
+
+    def _pull(self, timeout: float | None) -> Batch:
         plane = self._plane
         plane._check_open()
         plane._ingestion.raise_if_failed()
@@ -290,8 +294,7 @@ class LearnerPort:
             batch = self._staged.pop(0)
             self._owed = batch, self._position[0]
             if plane.prefetch and not self._staged:
-                with plane._cond:
-                    self._next = self._plan()
+                self._prefetch()
             return self._hand_out(batch)
         self._staged = []
         pending, self._next = self._next, None
@@ -329,9 +332,14 @@ class LearnerPort:
         if on:
             self._advance()
         if plane.prefetch and not self._staged:
-            with plane._cond:
-                self._next = self._plan()
+            self._prefetch()
         return self._hand_out(batch)
+
+    def _prefetch(self) -> None:
+        """Submit the next draw, unless the plane closed meanwhile (its shards are ended)."""
+        plane = self._plane
+        with plane._cond:
+            self._next = None if plane.closed else self._plan()
 
     def _hand_out(self, batch: Batch) -> Batch:
         """Return ``batch``, the one :attr:`_owed` to the caller."""
@@ -344,7 +352,15 @@ class LearnerPort:
         ingestion = plane._ingestion
         while True:
             ingestion.hurry()  # rows queued for ingestion are what this learner waits for
-            with plane._cond:
+            # Another call may hold the front's lock while it waits on a stalled shard: wait
+            # for it only until the pull's deadline.
+            if not plane._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                plane._check_open()
+                raise ShardUnavailableError(None, "no batch within the timeout: another call "
+                                                  "held the front while it waited on a "
+                                                  "shard; pass a longer timeout")
+            with plane._cond:  # held already (re-entrant): released once below
+                plane._lock.release()
                 plane._check_open()
                 ingestion.raise_if_failed()
                 pending = self._plan()

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from conduit.distributed._ray import lost_object
+from conduit.distributed._ray import gcs_address, lost_object
 from conduit.distributed.cluster import ShardSet
 from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.iteration import IterationGate
@@ -60,6 +60,7 @@ class Ingress:
         self.config, self._ray, self._shards = config, ray, shards
         self._replicator, self._gate, self._cond, self._here = replicator, gate, cond, here
         self._route_turn = 0
+        self._gcs = gcs_address(ray)
         self.counters = {"units": 0, "rows": 0}
         replicator.on_settled = self._settled
         self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
@@ -187,7 +188,15 @@ class Ingress:
         """What an ingestion operator writes, checked as :meth:`_store_output` checks it and
         put in the object store (the operator may reuse its tensors), not yet stored."""
         data, rows = self._admit(batch, what="write")
+        self._check_open()
         return self._ray.put(to_wire(data)), rows
+
+    def _check_open(self) -> None:
+        """Refuse to touch Ray once the shards were ended (a plane's ``close()``, which may
+        shut Ray down; ``ray.put`` would start a new one): an ingestion thread ``close()``
+        gave up on, or a call racing it."""
+        if self._shards.closed or gcs_address(self._ray) != self._gcs:
+            raise PlaneClosedError("the sharded plane is closed")
 
     def _commit_output(self, payload: Any, rows: int, unit: QueuedUnit, deadline: float
                        ) -> None:
@@ -215,13 +224,30 @@ class Ingress:
         counted against the iteration (the error carries them,
         :func:`~conduit.distributed.operators.unsettled_rows_of`) until the owner's next
         successful re-read settles them. Off-policy the holders are not re-read: the rows of a
-        write that raised after it was sent are carried as not settled."""
+        write that raised after it was sent are carried as not settled. A write whose
+        ``deadline`` passed while it waited for the front's lock is not sent
+        (:class:`ShardUnavailableError`, no rows stored or unsettled)."""
+        self._check_open()
         payload = data if validate or prepared else self._ray.put(to_wire(data))
-        with self._cond:
+        waited = not self._cond.acquire(blocking=False)
+        # another call holds the front (it may wait on a stalled shard): wait for it only
+        # until this call's deadline
+        if waited and not self._cond.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ShardUnavailableError(None, "the call's timeout ran out while another call "
+                                              "held the front (waiting on a shard); nothing "
+                                              "was sent: pass a longer timeout")
+        with self._cond:  # held already (re-entrant): released once below
+            self._cond.release()
+            self._check_open()
             on = self.config.on_policy
             if on:
                 self._gate.check_store(rows)
             owner = self.route(node)
+            if waited and time.monotonic() >= deadline:
+                # its time went waiting for another call: a write sent now would outlive it
+                raise ShardUnavailableError(owner, "the call's timeout ran out while another "
+                                                   "call held the front (waiting on a shard); "
+                                                   "nothing was sent: pass a longer timeout")
             try:
                 added = self._replicator.write(owner, payload, validate, deadline)
             except BaseException as exc:

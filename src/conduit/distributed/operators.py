@@ -159,8 +159,8 @@ def mark_unsettled(exc: BaseException, rows: int) -> None:
 
 
 def invoke(fn: IngestionFn, units: list[QueuedUnit], *, store: StoreFn,
-           hold: tuple[PrepareFn, CommitFn] | None, deadline: float,
-           current: QueuedUnit | None, inside: threading.local
+           hold: tuple[PrepareFn, CommitFn] | None, timeout: float,
+           floor: float | None = None, current: QueuedUnit | None, inside: threading.local
            ) -> tuple[OperatorError | None, BaseException | None, int]:
     """Run the ingestion operator ``fn`` once over ``units`` on the calling thread, its writes
     stored at once (``store``) or, with ``hold``, readied as they are written and stored only
@@ -171,7 +171,10 @@ def invoke(fn: IngestionFn, units: list[QueuedUnit], *, store: StoreFn,
         units: Its input (the first unit's node receives the rows).
         store: Stores one write.
         hold: ``(prepare, commit)`` to hold the writes until ``fn`` returned.
-        deadline: For the writes (``time.monotonic()``).
+        timeout: Seconds each write may take, from when it starts (a slow operator does not
+            use up its writes' time).
+        floor: A deadline no write's is earlier than (``time.monotonic()``; the push running
+            the invocation inline gave a longer timeout), if any.
         current: The unit of the push running this invocation inline, if any: not
             acknowledged, so not counted as lost when an interrupt ends the invocation.
         inside: Its ``active`` is True on this thread while ``fn`` runs.
@@ -187,10 +190,13 @@ def invoke(fn: IngestionFn, units: list[QueuedUnit], *, store: StoreFn,
     held: list[tuple[Any, int]] = []
     stored = 0  # rows of this invocation's acknowledged writes (they stay on failure)
 
+    def deadline() -> float:  # of a write starting now
+        return max(time.monotonic() + timeout, floor or 0.0)
+
     def write(batch: Mapping[str, Any]) -> int:
         nonlocal stored
         if hold is None:
-            rows = store(batch, first, deadline)
+            rows = store(batch, first, deadline())
             stored += rows
             return rows
         held.append(hold[0](batch))
@@ -207,7 +213,7 @@ def invoke(fn: IngestionFn, units: list[QueuedUnit], *, store: StoreFn,
         if hold is not None:
             check_written_rows(sum(rows for _, rows in held), [u.rows for u in units])
             for payload, rows in held:
-                hold[1](payload, rows, first, deadline)
+                hold[1](payload, rows, first, deadline())
                 stored += rows
     except BaseException as exc:
         interrupt = None if isinstance(exc, Exception) else exc
@@ -418,15 +424,16 @@ class FrontIngestion:
         self._cond.notify_all()  # room in the queue for a waiting push
         return units
 
-    def _run(self, units: list[QueuedUnit], current: QueuedUnit | None = None
-             ) -> OperatorError | None:
+    def _run(self, units: list[QueuedUnit], current: QueuedUnit | None = None,
+             floor: float | None = None) -> OperatorError | None:
         """One invocation over ``units``; returns its error (not yet latched).
 
         An interrupt (any ``BaseException`` that is not an ``Exception``, such as
         ``KeyboardInterrupt``) restores the queue's counters, hands the units to ``on_lost``,
         records the acknowledged units as lost (:meth:`close` reports them) and is re-raised.
         ``current`` is the unit of the push running this invocation inline (not acknowledged,
-        so not counted as lost).
+        so not counted as lost). Each write may take the timeout from when it starts, or
+        until ``floor`` (the inline caller's deadline) when that is later.
         """
         prepare, commit = self._prepare, self._commit
         hold = (prepare, commit) if (self.iteration is not None and prepare is not None
@@ -435,7 +442,7 @@ class FrontIngestion:
             self._running[id(units)] = (units, current)
         try:
             err, interrupt, kept = invoke(self.fn, units, store=self._store, hold=hold,
-                                          deadline=time.monotonic() + self._timeout,
+                                          timeout=self._timeout, floor=floor,
                                           current=current, inside=self._inside)
         finally:
             with self._cond:
@@ -521,7 +528,7 @@ class FrontIngestion:
                     units = self._take(force=force) or []
                 if not units:
                     return
-                err = self._run(units, current)
+                err = self._run(units, current, deadline)
             except BaseException:
                 if current is not None and all(u is not current for u in units):
                     self._withdraw(current)

@@ -12,6 +12,7 @@ the front, before that ordering, and the delivery operator on each learner rank'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit.distributed._ray import connect
+from conduit.distributed._ray import connect, gcs_address, release
 from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
 from conduit.distributed.delivery import DeviceArg, LearnerPort, rank_devices
 from conduit.distributed.ingress import Ingress
@@ -93,7 +94,7 @@ class RayExperienceDataPlane(ScheduledOperators):
             1 turns replication off. At most ``num_shards``.
         address: A Ray cluster to attach to (``"host:port"``, ``"auto"``, ``"ray://..."``);
             None uses the Ray this process is connected to, or starts a local one (shut down
-            again by :meth:`close`).
+            again by :meth:`close` of the last plane using it).
         shard_resources: What each shard actor reserves on its node.
         num_learners: Learner ranks (:meth:`learner`); on-policy, an iteration is consumed
             when every rank has pulled its shares.
@@ -170,12 +171,14 @@ class RayExperienceDataPlane(ScheduledOperators):
         shard_spec = shard_spec_for(sampler, cfg, shard_rows, placement)
         self._prioritized, self._beta = shard_spec.sampler == "prioritized", shard_spec.beta
         self._ray, self._started = connect(address, timeout_s=cfg.timeout)
+        self._ray_gcs = gcs_address(self._ray)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
         self._closing = threading.Lock()  # close(): only one call ends the plane
-        # pushes in progress: some wait (an ObjectRef) or put rows outside the front's lock,
-        # so close() waits for them before it shuts down a Ray it started
+        # pushes and pulls in progress: some wait (an ObjectRef, a draw's rows) or put rows
+        # outside the front's lock, so close() waits for them before it shuts down a Ray it
+        # started
         self._pushing = 0
         self._pushes = threading.Condition(threading.Lock())
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
@@ -187,7 +190,7 @@ class RayExperienceDataPlane(ScheduledOperators):
                                     timeout=cfg.timeout)
         except BaseException:
             if self._started:
-                self._ray.shutdown()
+                release(self._ray, self._ray_gcs)
             raise
         self._replicator = Replicator(shards=self._shards, cond=self._cond,
                                       replication=replication, on_lost=self._lost)
@@ -264,6 +267,7 @@ class RayExperienceDataPlane(ScheduledOperators):
             raise ConfigError("node", f"expected a Ray node id (a str) or None, got {node!r}")
         if node in self._known_nodes:
             return
+        self._check_open()  # the cluster is not asked once closed (its Ray may be gone)
         self._known_nodes = {n["NodeID"] for n in self._ray.nodes()}
         if node not in self._known_nodes:
             raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
@@ -332,14 +336,21 @@ class RayExperienceDataPlane(ScheduledOperators):
                 was lost, or its task raised (field ``rollout``; nothing was stored).
             PlaneClosedError: The plane is closed.
         """
-        with self._pushes:
-            self._pushing += 1
-        try:
+        with self._in_flight():
             self._check_open()
             self._check_node(node)
             self._ingress.push(rollout, node=node,
                                policy_version=check_policy_version(policy_version),
                                deadline=time.monotonic() + self.config.wait_for(timeout))
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """A push or pull in progress: :meth:`close` waits for it before it shuts down a Ray
+        the plane started."""
+        with self._pushes:
+            self._pushing += 1
+        try:
+            yield
         finally:
             with self._pushes:
                 self._pushing -= 1
@@ -428,6 +439,9 @@ class RayExperienceDataPlane(ScheduledOperators):
     def _check_open(self) -> None:
         if self._closed:
             raise PlaneClosedError("the sharded plane is closed")
+        if not self._ray.is_initialized() or gcs_address(self._ray) != self._ray_gcs:
+            # a call would start a new local Ray (or use another): the plane's Ray is gone
+            raise PlaneClosedError("the sharded plane's Ray was shut down; build a new plane")
 
     @property
     def closed(self) -> bool:
@@ -462,11 +476,12 @@ class RayExperienceDataPlane(ScheduledOperators):
             with self._cond:  # the call in flight has ended: waiters see the plane closed
                 self._cond.notify_all()
             if self._started:
-                # pushes still running end with PlaneClosedError once they see the shards
-                # ended (an ObjectRef's wait looks every half second); Ray must outlive them
+                # pushes and pulls still running end with PlaneClosedError once they see the
+                # shards ended (an ObjectRef's wait looks every half second), or a pull hands
+                # out the batch it formed; Ray must outlive them
                 with self._pushes:
                     self._pushes.wait_for(lambda: self._pushing == 0, timeout=self.timeout)
-                self._ray.shutdown()
+                release(self._ray, self._ray_gcs)  # the last plane using it shuts it down
 
     def _wake(self) -> None:
         """Wake the calls waiting on the front's condition, unless a call holds its lock (it

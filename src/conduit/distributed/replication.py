@@ -158,6 +158,13 @@ class Replicator:
         if applied and refused:
             self._copy(owner, refused[0], applied, deadline)
 
+    def _landed(self, owner: int, deadline: float) -> int:
+        """``owner``'s write count once its holders were re-read (copies that differ get the
+        primary's rows, so every holder keeps the same writes)."""
+        self._unsure.add(owner)
+        self._sync([owner], deadline)
+        return self.shards.held[owner].total_written
+
     def _change(self, owners: list[int], fn: Callable[[], T], deadline: float) -> T:
         """:meth:`run` a change of ``owners``' rows from their holders' real state; when it is
         not acknowledged, they are re-read before the next change."""
@@ -179,7 +186,8 @@ class Replicator:
             SpecError: ``validate`` and the rows do not match the spec (no holder took them).
             ConfigError: ``validate`` and the ``ObjectRef``'s object is gone (its owner died
                 or every copy was lost) or its task raised (field ``rollout``; no holder took
-                it).
+                it). A try of the write that a holder applied before the object went (a heal
+                restored the others from it) stored its rows: the write returns them.
             ShardUnavailableError: Not done by ``deadline``.
         """
         shards = self.shards
@@ -192,9 +200,11 @@ class Replicator:
         restarts = shards.restarts[owner]
 
         self._sent = None
+        tries = 0
 
         def attempt() -> int:
-            nonlocal before, restarts
+            nonlocal before, restarts, tries
+            tries += 1
             if shards.restarts[owner] != restarts:  # every copy was lost: a fresh ring,
                 before = shards.held[owner].total_written  # where the write is no retry
                 restarts = shards.restarts[owner]
@@ -209,6 +219,10 @@ class Replicator:
                 # The rollout's object, not a shard, is gone: no retry can write it.
                 if validate and lost_object(shards.ray, exc, payload):
                     self._roll_back(owner, refs, payload, deadline)
+                    if tries > 1 and self._landed(owner, deadline) > first:
+                        # An earlier try was applied (by a holder a heal restored the others
+                        # from) before the object went: the rows are stored, on every holder.
+                        return shards.held[owner].total_written - first
                     raise rollout_lost(exc) from exc
                 # The rollout's task raised: every holder refused it with that error.
                 if validate and failed_task(shards.ray, exc, payload,
