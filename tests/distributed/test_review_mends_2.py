@@ -6,6 +6,7 @@ shard."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -303,3 +304,100 @@ def test_an_object_ref_push_stored_before_its_owner_died_is_acknowledged(cluster
         assert _holder_ids(plane, owner) == [list(range(10))] * plane.replication
     finally:
         plane.close()
+
+
+_CLOSE_IN_DELIVERY = """
+p = own(batch_size=8, timeout=15.0)
+p.push(rows(40))
+took = {}
+
+@p.register_delivery()
+def stop_early(exp_in, learn_out):
+    t0 = time.monotonic()
+    took["close"] = outcome(p.close)
+    took["close_s"] = time.monotonic() - t0
+    learn_out.write(exp_in.read())
+
+t0 = time.monotonic()
+print("pull", outcome(lambda: p.pull(timeout=5)))
+print("close", took["close"], took["close_s"] < 5, time.monotonic() - t0 < 8)
+print("ray", ray.is_initialized())
+"""
+
+
+def test_close_inside_a_delivery_operator_does_not_wait_for_its_own_pull():
+    """Regression of the mend above (second look): close() called from the delivery operator
+    a pull runs waited for that very pull, the plane's whole timeout (15 s here)."""
+    out = _run_own_ray(_CLOSE_IN_DELIVERY)
+    assert "close ok True True" in out, out
+    assert "ray False" in out, out
+
+
+@pytest.mark.parametrize("case", ["prefetched pull", "on-policy push"])
+def test_more_calls_behind_a_stalled_shard_keep_their_own_timeout(cluster, case):
+    """Second look at (#2): an on-policy push (its admission) and a pull that prefetches
+    still took the front's lock without a bound, so with timeout=1 they waited out the stalled
+    call's whole timeout (8 s)."""
+    on = case == "on-policy push"
+    plane = make_plane(cluster, capacity=60 if on else 3000, batch_size=60 if on else 16,
+                       timeout=8.0, mode="on_policy" if on else "off_policy", prefetch=not on)
+    nodes = plane._shards.nodes
+    try:
+        if not on:
+            for k in range(3):
+                plane.push(rows(20, 100 * k), node=nodes[k])
+            plane.pull(timeout=5)
+            time.sleep(0.5)
+        pid = _shard_pid(plane, 1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stuck = threading.Thread(target=lambda: _quietly(
+                lambda: plane.push(rows(10, 900), node=nodes[1])))
+            stuck.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            if on:
+                with pytest.raises(ShardUnavailableError):
+                    plane.push(rows(10, 500), node=nodes[2], timeout=1.0)
+            else:
+                _quietly(lambda: plane.pull(timeout=1.0))
+            took = time.monotonic() - t0
+            stuck.join(60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 4.0, took
+    finally:
+        plane.close()
+
+
+def _quietly(fn) -> None:
+    with contextlib.suppress(Exception):  # the outcome is not what these calls test
+        fn()
+
+
+_RECONNECT = """
+from ray.cluster_utils import Cluster
+c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
+                                                  "object_store_memory": 80 << 20})
+try:
+    a = own(address=c.address)
+    a.push(rows(10))
+    ray.shutdown()
+    ray.init(address=c.address, log_to_driver=False)  # the user's own connection, same cluster
+    print("push", outcome(lambda: a.push(rows(5, 10))))
+    print("pull", outcome(lambda: a.pull(timeout=3)))
+    print("close", outcome(a.close))
+    print("user's ray up", ray.is_initialized())
+finally:
+    ray.shutdown()
+    c.shutdown()
+"""
+
+
+def test_a_reconnect_to_the_same_cluster_is_not_taken_for_the_planes_ray():
+    """Second look at (#6): the plane's Ray was recognised by the cluster's GCS address alone,
+    so after the user's ray.shutdown() and ray.init() to the same cluster the plane's calls
+    raised raw Exception (its shards were gone) and its close() shut the user's connection."""
+    out = _run_own_ray(_RECONNECT)
+    assert "push PlaneClosedError" in out and "pull PlaneClosedError" in out, out
+    assert "close ok" in out and "user's ray up True" in out, out

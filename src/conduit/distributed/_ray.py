@@ -80,12 +80,14 @@ _users_gcs: str | None = None  # that Ray's GCS address (another Ray means it is
 
 
 def gcs_address(ray: Any) -> str | None:
-    """The GCS address of the Ray this process is connected to (None: not connected; the
-    runtime context would start a local Ray then)."""
+    """Which connection to Ray this process holds: the cluster's GCS address and this
+    driver's job id (a reconnect to the same cluster is another job), or None when not
+    connected (the runtime context would start a local Ray then)."""
     if not ray.is_initialized():
         return None
     try:
-        return str(ray.get_runtime_context().gcs_address)
+        ctx = ray.get_runtime_context()
+        return f"{ctx.gcs_address}/{ctx.get_job_id()}"
     except Exception:  # not connected
         return None
 

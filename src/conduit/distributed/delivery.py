@@ -28,7 +28,7 @@ import torch
 
 from conduit.distributed import sampling
 from conduit.distributed.errors import ShardUnavailableError
-from conduit.distributed.operators import deliver
+from conduit.distributed.operators import deliver, front_until
 from conduit.errors import ConfigError, EmptyBufferError
 from conduit.spec import Batch
 
@@ -336,10 +336,15 @@ class LearnerPort:
         return self._hand_out(batch)
 
     def _prefetch(self) -> None:
-        """Submit the next draw, unless the plane closed meanwhile (its shards are ended)."""
+        """Submit the next draw, unless the plane closed meanwhile (its shards are ended) or
+        another call holds the front (it may wait on a stalled shard; the next pull draws)."""
         plane = self._plane
-        with plane._cond:
+        if not plane._cond.acquire(blocking=False):
+            return
+        try:
             self._next = None if plane.closed else self._plan()
+        finally:
+            plane._cond.release()
 
     def _hand_out(self, batch: Batch) -> Batch:
         """Return ``batch``, the one :attr:`_owed` to the caller."""
@@ -354,13 +359,7 @@ class LearnerPort:
             ingestion.hurry()  # rows queued for ingestion are what this learner waits for
             # Another call may hold the front's lock while it waits on a stalled shard: wait
             # for it only until the pull's deadline.
-            if not plane._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                plane._check_open()
-                raise ShardUnavailableError(None, "no batch within the timeout: another call "
-                                                  "held the front while it waited on a "
-                                                  "shard; pass a longer timeout")
-            with plane._cond:  # held already (re-entrant): released once below
-                plane._lock.release()
+            with front_until(plane._cond, deadline, "no batch was drawn"):
                 plane._check_open()
                 ingestion.raise_if_failed()
                 pending = self._plan()

@@ -20,6 +20,7 @@ from conduit.distributed.iteration import IterationGate
 from conduit.distributed.operators import (
     FrontIngestion,
     QueuedUnit,
+    front_until,
     mark_stored,
     mark_unsettled,
     stored_rows_of,
@@ -114,7 +115,7 @@ class Ingress:
             data, rows = self._admit(rollout, what="rollout")
         unit = QueuedUnit(data, rows, node, policy_version, threading.current_thread())
         if cfg.on_policy:
-            with self._cond:
+            with front_until(self._cond, deadline, "nothing was counted or sent"):
                 # a write whose holders could not be re-read is settled before rows are counted
                 self._replicator.settle(deadline)
                 # a consumed iteration whose clear was cut short is cleared by the push
@@ -229,15 +230,7 @@ class Ingress:
         (:class:`ShardUnavailableError`, no rows stored or unsettled)."""
         self._check_open()
         payload = data if validate or prepared else self._ray.put(to_wire(data))
-        waited = not self._cond.acquire(blocking=False)
-        # another call holds the front (it may wait on a stalled shard): wait for it only
-        # until this call's deadline
-        if waited and not self._cond.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise ShardUnavailableError(None, "the call's timeout ran out while another call "
-                                              "held the front (waiting on a shard); nothing "
-                                              "was sent: pass a longer timeout")
-        with self._cond:  # held already (re-entrant): released once below
-            self._cond.release()
+        with front_until(self._cond, deadline, "nothing was sent") as waited:
             self._check_open()
             on = self.config.on_policy
             if on:

@@ -23,11 +23,12 @@ acknowledged unit that was not stored with :class:`~conduit.errors.DataLossError
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,26 @@ def mark_stored(exc: BaseException, rows: int) -> None:
 UNSETTLED_ATTR = "conduit_unsettled_rows"
 """Where :func:`mark_unsettled` records rows on an exception that documents no such attribute
 (a :class:`ShardUnavailableError` has its public ``unsettled_rows``)."""
+
+
+@contextlib.contextmanager
+def front_until(cond: threading.Condition, deadline: float, what: str) -> Iterator[bool]:
+    """Hold the front's ``cond`` (a condition over a re-entrant lock), waiting for another
+    call that holds it (it may wait on a stalled shard) only until ``deadline``; yields
+    whether it had to wait.
+
+    Raises:
+        ShardUnavailableError: ``deadline`` passed first (``what`` says what was not done).
+    """
+    waited = not cond.acquire(blocking=False)
+    if waited and not cond.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise ShardUnavailableError(None, f"the call's timeout ran out while another call held "
+                                          f"the front (waiting on a shard); {what}: pass a "
+                                          f"longer timeout")
+    try:
+        yield waited
+    finally:
+        cond.release()
 
 
 def unsettled_rows_of(exc: BaseException) -> int:

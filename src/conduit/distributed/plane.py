@@ -181,6 +181,8 @@ class RayExperienceDataPlane(ScheduledOperators):
         # started
         self._pushing = 0
         self._pushes = threading.Condition(threading.Lock())
+        self._mine = threading.local()  # this thread's calls among them (a close() inside an
+        # operator that a pull runs does not wait for that pull)
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
         try:
@@ -347,11 +349,14 @@ class RayExperienceDataPlane(ScheduledOperators):
     def _in_flight(self) -> Iterator[None]:
         """A push or pull in progress: :meth:`close` waits for it before it shuts down a Ray
         the plane started."""
+        mine = self._mine
         with self._pushes:
             self._pushing += 1
+        mine.calls = getattr(mine, "calls", 0) + 1
         try:
             yield
         finally:
+            mine.calls -= 1
             with self._pushes:
                 self._pushing -= 1
                 self._pushes.notify_all()
@@ -480,7 +485,8 @@ class RayExperienceDataPlane(ScheduledOperators):
                 # shards ended (an ObjectRef's wait looks every half second), or a pull hands
                 # out the batch it formed; Ray must outlive them
                 with self._pushes:
-                    self._pushes.wait_for(lambda: self._pushing == 0, timeout=self.timeout)
+                    own = getattr(self._mine, "calls", 0)
+                    self._pushes.wait_for(lambda: self._pushing <= own, timeout=self.timeout)
                 release(self._ray, self._ray_gcs)  # the last plane using it shuts it down
 
     def _wake(self) -> None:
