@@ -145,8 +145,8 @@ def test_validation_group_without_trajectories(kv_store):
 
 
 def test_a_multi_output_group_of_group_size_keys_is_refused(kv_store):
-    # N keys, one of them a second output of session 0: the count fits group_size, but verl
-    # gives the session its final output's advantage, which the buffer does not compute
+    # N keys, one of them a second output of trajectory 0: the count fits group_size, but verl
+    # gives the trajectory its final output's advantage, which the buffer does not compute
     from tensordict import TensorDict
 
     buffer = _build(_config())

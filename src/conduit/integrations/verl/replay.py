@@ -146,7 +146,7 @@ class ConduitReplayBuffer:
 
     verl's multi-output agent loops (several outputs of one trajectory, keys
     ``{uid}_{trajectory}_{index}`` with ``index > 0``) give groups of varying size whose
-    advantages verl takes from each session's last output; such a group counts as malformed.
+    advantages verl takes from each trajectory's last output; such a group counts as malformed.
 
     Raises:
         ConfigError: ``sampler_kwargs`` is invalid, or the trainer mode is not ``sync``.
@@ -360,7 +360,7 @@ class ConduitReplayBuffer:
             if uid in multi:
                 bad[uid] = ("uid", f"finished group {uid!r} has keys {{uid}}_{{trajectory}}_"
                                    f"{{index}} with index > 0, from a multi-output agent loop: "
-                                   f"verl gives each session the advantage of its last "
+                                   f"verl gives each trajectory the advantage of its last "
                                    f"output, which this buffer does not compute")
             elif found == 0 or (exact and found != n):
                 want = f"group_size={n}" if exact else "at least one"
