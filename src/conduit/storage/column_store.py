@@ -67,16 +67,18 @@ def check_slots(indices: torch.Tensor, capacity: int) -> None:
     flat = indices.reshape(-1)
     kernels = _row_kernels()
     if kernels is not None and flat.dtype == torch.int64 and flat.device.type == "cpu":
-        bad = kernels.first_outside(flat.numpy(), capacity)
-        if bad < 0:
-            return
-        value = int(flat[bad])
-    else:
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo >= 0 and hi < capacity:
-            return
-        value = lo if lo < 0 else hi
-    raise IndexError(f"indices: slot {value} lies outside [0, {capacity})")
+        _check_host_slots(kernels, flat.numpy(), capacity)
+        return
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo < 0 or hi >= capacity:
+        raise IndexError(f"indices: slot {lo if lo < 0 else hi} lies outside [0, {capacity})")
+
+
+def _check_host_slots(kernels: Any, slots: np.ndarray, capacity: int) -> None:
+    """:func:`check_slots` of 1-D int64 host slots, by the compiled kernel."""
+    bad = kernels.first_outside(slots, capacity)
+    if bad >= 0:
+        raise IndexError(f"indices: slot {int(slots[bad])} lies outside [0, {capacity})")
 
 
 def _check_1d(indices: torch.Tensor) -> None:
@@ -354,9 +356,13 @@ class ColumnStore:
         cols = self._cols
         for name, ptr in ptrs.items():
             if cols[name].data_ptr() != ptr:
+                self._moved(name)
                 self._make_views()
                 return self._host[0]
         return views
+
+    def _moved(self, name: str) -> None:
+        """Column ``name``'s memory moved (see :meth:`_views`): its views are made again."""
 
     def __getstate__(self) -> dict[str, Any]:
         # numpy views and addresses belong to this process's memory, the gather pool to
@@ -501,10 +507,7 @@ class ColumnStore:
             # torch's index_select checks them again per field behind a dispatch that costs
             # more than a small field's copy (docs/design.md §7); the copies are the same.
             idx = indices.numpy()
-            bad = kernels.first_outside(idx, self.capacity)
-            if bad >= 0:
-                raise IndexError(f"indices: slot {int(idx[bad])} lies outside "
-                                 f"[0, {self.capacity})")
+            _check_host_slots(kernels, idx, self.capacity)
             outs, arrays = outputs.take_arrays(idx.shape[0])
             host, ptrs = self._host
             for name, col in self._cols.items():

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from conduit.errors import ConfigError, PlacementError, SpecError
@@ -98,22 +97,17 @@ class MemmapColumnStore(ColumnStore):
             self._write_manifest()
         self._make_views()
 
-    def _views(self) -> dict[str, np.ndarray]:
-        """The columns' numpy views (see :meth:`ColumnStore._views`).
+    def _moved(self, name: str) -> None:
+        """Refuse a column moved off its file (see :meth:`ColumnStore._views`).
 
         Raises:
-            PlacementError: A column's memory moved off its file (``share_memory_()``, as
-                :mod:`torch.multiprocessing` does to a tensor it sends): its rows would no
-                longer reach the file.
+            PlacementError: Always (``share_memory_()``, as :mod:`torch.multiprocessing`
+                does to a tensor it sends, moved it): its rows would no longer reach the file.
         """
-        views, ptrs = self._host
-        for name, ptr in ptrs.items():
-            if self._cols[name].data_ptr() != ptr:
-                raise PlacementError(f"columns.{name}: the column was moved off its file "
-                                     f"(share_memory_(), as torch.multiprocessing does to a "
-                                     f"tensor it sends); send a copy of the rows instead "
-                                     f"(store.column(name).clone())")
-        return views
+        raise PlacementError(f"columns.{name}: the column was moved off its file "
+                             f"(share_memory_(), as torch.multiprocessing does to a tensor "
+                             f"it sends); send a copy of the rows instead "
+                             f"(store.column(name).clone())")
 
     def column_path(self, name: str) -> Path:
         """The file that holds field ``name``."""
