@@ -76,10 +76,10 @@ _users_lock = threading.Lock()
 _users = 0
 """Planes using the Ray that a plane of this process started (0: none runs): it is shut down
 when the last of them closes (:func:`release`), not under the others."""
-_users_gcs: str | None = None  # that Ray's GCS address (another Ray means it is gone)
+_users_conn: str | None = None  # that Ray's connection_id (another means it is gone)
 
 
-def gcs_address(ray: Any) -> str | None:
+def connection_id(ray: Any) -> str | None:
     """Which connection to Ray this process holds: the cluster's GCS address and this
     driver's job id (a reconnect to the same cluster is another job), or None when not
     connected (the runtime context would start a local Ray then)."""
@@ -107,7 +107,7 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
         ClusterConnectionError: ``address`` is malformed or nothing answers there, or Ray is
             already connected to another cluster.
     """
-    global _users, _users_gcs
+    global _users, _users_conn
     ray = import_ray()
     if address is not None:
         if not isinstance(address, str) or not address:
@@ -117,26 +117,26 @@ def connect(address: str | None, *, timeout_s: float, local_cpus: int | None = N
         if ray.is_initialized():
             if address is not None:
                 _check_same(ray, address)
-            if _users and gcs_address(ray) == _users_gcs:  # the Ray a plane started: one more user
+            if _users and connection_id(ray) == _users_conn:  # a plane's Ray: one more user
                 _users += 1
                 return ray, True
             _users = 0  # not (or no longer) a plane's Ray
             return ray, False
         _start(ray, address, local_cpus)
-        _users, _users_gcs = 1, gcs_address(ray)
+        _users, _users_conn = 1, connection_id(ray)
         return ray, True
 
 
-def release(ray: Any, gcs: str | None) -> None:
-    """A plane that :func:`connect` reported ``started`` closed (``gcs``: its Ray's
-    :func:`gcs_address` then): the last one using that Ray shuts it down (a Ray connected
+def release(ray: Any, conn: str | None) -> None:
+    """A plane that :func:`connect` reported ``started`` closed (``conn``: its
+    :func:`connection_id` then): the last one using that Ray shuts it down (a Ray connected
     anew since is left alone)."""
     global _users
     with _users_lock:
-        if _users <= 0 or gcs != _users_gcs:
+        if _users <= 0 or conn != _users_conn:
             return
         _users -= 1
-        if _users == 0 and ray.is_initialized() and gcs_address(ray) == _users_gcs:
+        if _users == 0 and connection_id(ray) == _users_conn:
             ray.shutdown()
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from conduit.distributed._ray import gcs_address, lost_object
+from conduit.distributed._ray import connection_id, lost_object
 from conduit.distributed.cluster import ShardSet
 from conduit.distributed.errors import ShardUnavailableError
 from conduit.distributed.iteration import IterationGate
@@ -61,7 +61,7 @@ class Ingress:
         self.config, self._ray, self._shards = config, ray, shards
         self._replicator, self._gate, self._cond, self._here = replicator, gate, cond, here
         self._route_turn = 0
-        self._gcs = gcs_address(ray)
+        self._conn = connection_id(ray)
         self.counters = {"units": 0, "rows": 0}
         replicator.on_settled = self._settled
         self.ingestion = FrontIngestion(store=self._store_output, timeout=config.timeout,
@@ -196,7 +196,7 @@ class Ingress:
         """Refuse to touch Ray once the shards were ended (a plane's ``close()``, which may
         shut Ray down; ``ray.put`` would start a new one): an ingestion thread ``close()``
         gave up on, or a call racing it."""
-        if self._shards.closed or gcs_address(self._ray) != self._gcs:
+        if self._shards.closed or connection_id(self._ray) != self._conn:
             raise PlaneClosedError("the sharded plane is closed")
 
     def _commit_output(self, payload: Any, rows: int, unit: QueuedUnit, deadline: float

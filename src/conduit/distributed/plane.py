@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit.distributed._ray import connect, gcs_address, release
+from conduit.distributed._ray import connect, connection_id, release
 from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
 from conduit.distributed.delivery import DeviceArg, LearnerPort, rank_devices
 from conduit.distributed.ingress import Ingress
@@ -171,7 +171,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         shard_spec = shard_spec_for(sampler, cfg, shard_rows, placement)
         self._prioritized, self._beta = shard_spec.sampler == "prioritized", shard_spec.beta
         self._ray, self._started = connect(address, timeout_s=cfg.timeout)
-        self._ray_gcs = gcs_address(self._ray)
+        self._ray_conn = connection_id(self._ray)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
@@ -192,7 +192,7 @@ class RayExperienceDataPlane(ScheduledOperators):
                                     timeout=cfg.timeout)
         except BaseException:
             if self._started:
-                release(self._ray, self._ray_gcs)
+                release(self._ray, self._ray_conn)
             raise
         self._replicator = Replicator(shards=self._shards, cond=self._cond,
                                       replication=replication, on_lost=self._lost)
@@ -444,7 +444,7 @@ class RayExperienceDataPlane(ScheduledOperators):
     def _check_open(self) -> None:
         if self._closed:
             raise PlaneClosedError("the sharded plane is closed")
-        if not self._ray.is_initialized() or gcs_address(self._ray) != self._ray_gcs:
+        if connection_id(self._ray) != self._ray_conn:
             # a call would start a new local Ray (or use another): the plane's Ray is gone
             raise PlaneClosedError("the sharded plane's Ray was shut down; build a new plane")
 
@@ -487,7 +487,7 @@ class RayExperienceDataPlane(ScheduledOperators):
                 with self._pushes:
                     own = getattr(self._mine, "calls", 0)
                     self._pushes.wait_for(lambda: self._pushing <= own, timeout=self.timeout)
-                release(self._ray, self._ray_gcs)  # the last plane using it shuts it down
+                release(self._ray, self._ray_conn)  # the last plane using it shuts it down
 
     def _wake(self) -> None:
         """Wake the calls waiting on the front's condition, unless a call holds its lock (it
