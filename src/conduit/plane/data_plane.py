@@ -413,9 +413,10 @@ class ExperienceDataPlane:
                 stored, except the error's ``stored_rows``). An inline invocation this push
                 runs over units other pushes queued before its own is not this push's to
                 report: when it fails, the push goes on and ``close()`` counts those units.
-                A push that raises (this error, or an interrupt such as
-                ``KeyboardInterrupt``) never has its unit stored later: pushing it again
-                stores it once.
+                An operator interrupted here (it raised ``KeyboardInterrupt``,
+                ``SystemExit``: not an ``Exception``) raises that interrupt instead, with
+                this error's message as a note. A push that raises (this error, or an
+                interrupt) never has its unit stored later: pushing it again stores it once.
             PlaneClosedError: The plane is closed.
         """
         t0 = time.perf_counter()
@@ -442,7 +443,8 @@ class ExperienceDataPlane:
         Raises:
             BackpressureTimeout: Ingestion did not finish within ``timeout`` (also: another
                 thread's inline ingestion ran past it).
-            OperatorError: An ingestion operator raised.
+            OperatorError: An ingestion operator raised (one interrupted on this thread
+                raises its interrupt instead, as :meth:`push`).
             PlaneClosedError: The plane is closed.
             ConfigError: Called from inside an operator, whose invocation it would wait for.
         """
@@ -461,7 +463,8 @@ class ExperienceDataPlane:
         Raises:
             EmptyBufferError: No batch could be formed within ``timeout`` (for example an
                 on-policy iteration that never received its rows).
-            OperatorError: A delivery (or ingestion) operator raised.
+            OperatorError: A delivery (or ingestion) operator raised (one interrupted on
+                this thread raises its interrupt instead, as :meth:`push`).
             PlaneClosedError: The plane is closed.
             ConfigError: Called from inside an operator where the batch could only come from
                 that invocation: a delivery operator (unless delivery is inline and

@@ -84,6 +84,19 @@ def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
     return share
 
 
+def raised_to_caller(err: OperatorError) -> BaseException:
+    """What the failure ``err`` of an invocation the calling thread ran raises there: ``err``
+    itself, or, when the operator was interrupted (it raised ``KeyboardInterrupt``,
+    ``SystemExit`` or another exception that is not an ``Exception``), that interrupt, with
+    ``err``'s message (what was lost, what stays stored) added as a note, so an
+    ``except Exception`` around the call does not swallow a Ctrl-C."""
+    cause = err.__cause__
+    if cause is None or isinstance(cause, Exception):
+        return err
+    cause.add_note(f"conduit: the {err}")
+    return cause
+
+
 class OperatorRuntime:
     """Runs ingestion and delivery invocations for a flow.
 
@@ -196,10 +209,11 @@ class OperatorRuntime:
             raise raised_again(self.error)
 
     def raise_own(self, err: OperatorError | None) -> None:
-        """Raise ``err``, the (unlatched) error of an invocation the calling thread ran: the
-        caller that brought the input is told, and the plane stays usable."""
+        """Raise ``err``, the (unlatched) error of an invocation the calling thread ran (as
+        :func:`raised_to_caller` makes it): the caller that brought the input is told, and
+        the plane stays usable."""
         if err is not None:
-            raise err
+            raise raised_to_caller(err)
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it), and forget the :attr:`untold`
@@ -314,8 +328,8 @@ class OperatorRuntime:
                     interrupted = not isinstance(err.__cause__, Exception)
                     told = current is None or interrupted or any(u is current for u in units)
                     self._keep_untold(err, units, told=told)
-                    if told:
-                        raise err  # (an interrupted push withdraws its unit just below)
+                    if told:  # (an interrupted push withdraws its unit just below)
+                        raise raised_to_caller(err)
             except BaseException:
                 if current is not None and not own:
                     with self.signals.lock:  # before another drain could take it
