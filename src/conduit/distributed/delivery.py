@@ -128,6 +128,9 @@ class LearnerPort:
         # iteration it is of: an interrupt landed before pull() handed it back
         self._owed: tuple[Batch, int] | None = None
         self._position = (0, 0, 0)  # on-policy: iteration, epoch, mini-batch
+        # on-policy: the iteration this rank consumed whose report to the front was cut
+        # short (the front may not know it); the next pull reports it again
+        self._unreported: int | None = None
         # on-policy: iteration, epoch and the gate's losses when this epoch's first
         # mini-batch was planned; epochs started again because rows were lost in them
         self._layout: tuple[int, int, int] | None = None
@@ -229,21 +232,44 @@ class LearnerPort:
                        plane._replicator.priority_updates, key=(*self._position, gate.losses),
                        probes=shards.probe(set(source.values())))
 
-    def _advance(self) -> None:
+    def _advance(self, deadline: float) -> None:
         """Move past the mini-batch just formed; after the iteration's last, tell the front
         this rank consumed it (the position is committed first, so a clear cut short is
-        finished by the next call rather than planned from again)."""
+        finished by the next call rather than planned from again, and a report cut short is
+        made again by the next pull: :meth:`_report`).
+
+        Raises:
+            ShardUnavailableError: ``deadline`` passed while another call held the front, or
+                the clear did not finish in time.
+        """
         plane = self._plane
         iteration, epoch, m = self._position
         m += 1
         if m == plane.num_minibatches:
             m, epoch = 0, epoch + 1
-        done = epoch == plane.num_epochs
-        if done:
-            epoch = 0
-        self._position = (iteration + 1 if done else iteration, epoch, m)
-        if done:
-            plane._rank_done(self.rank, iteration)
+        if epoch < plane.num_epochs:
+            self._position = (iteration, epoch, m)
+            return
+        self._position, self._unreported = (iteration + 1, 0, 0), iteration
+        self._report(deadline)
+
+    def _report(self, deadline: float, *, clear_by: float | None = None) -> None:
+        """Tell the front this rank consumed the iteration :attr:`_unreported` names, if any.
+
+        Args:
+            deadline: Until when another call that holds the front is waited for.
+            clear_by: When the clear this may run must be done (None: the plane's timeout
+                from now).
+
+        Raises:
+            ShardUnavailableError: ``deadline`` passed while another call held the front (the
+                report stays to be made), or the clear did not finish in time.
+        """
+        iteration = self._unreported
+        if iteration is None:
+            return
+        self._plane._rank_done(self.rank, iteration, deadline, clear_by=clear_by)
+        self._unreported = None
 
     # -- both -------------------------------------------------------------------------------
     def _plan(self) -> Pending | None:
@@ -259,9 +285,10 @@ class LearnerPort:
         batches carry global ``_weight``). On-policy: this rank's share of the next mini-batch.
         Both as the delivery operator wrote them.
 
-        An interrupt (such as ``KeyboardInterrupt``) after the batch was formed (while the
-        iteration is marked consumed and the shards cleared, or the next draw is submitted)
-        keeps it: the next pull returns it first, after finishing a clear cut short. On-policy
+        An interrupt (such as ``KeyboardInterrupt``) or a :class:`ShardUnavailableError`
+        after the batch was formed (while the iteration is marked consumed and the shards
+        cleared, or the next draw is submitted) keeps it: the next pull returns it first,
+        after marking the iteration consumed and finishing a clear cut short. On-policy
         the kept batch is of the iteration it was formed in: :meth:`minibatches` yields it
         first only in a loop over that iteration, and a loop started for a later iteration
         (the interrupt cut short the last mini-batch's pull, so it ended the loop the batch
@@ -272,7 +299,8 @@ class LearnerPort:
             OperatorError: The delivery operator raised (on-policy, the same share is drawn
                 again by the next pull), or the ingestion operator failed on the front's
                 thread (until ``recover()``).
-            ShardUnavailableError: A shard's rows could not be read or restored in time.
+            ShardUnavailableError: A shard's rows could not be read or restored in time, or
+                the timeout ran out while another call held the front (waiting on a shard).
             PlaneClosedError: The plane is closed.
         """
         with self._plane._in_flight():  # close() keeps Ray up until it returns
@@ -284,8 +312,14 @@ class LearnerPort:
         plane._ingestion.raise_if_failed()
         deadline = time.monotonic() + plane.config.wait_for(timeout)
         if plane.config.on_policy and plane._replicator.unsettled:
-            with plane._cond:  # a push's write that may still land counts once it is known
+            # a push's write that may still land counts once it is known; another call may
+            # hold the front while it waits on a stalled shard: wait for it only until the
+            # pull's deadline
+            with front_until(plane._cond, deadline, "no batch was drawn"):
                 plane._replicator.settle(deadline)
+        # this rank's last share was formed but its report cut short (the clear it may run
+        # is bounded by the pull's deadline, as a clear cut short is)
+        self._report(deadline, clear_by=deadline)
         if plane.config.on_policy and plane._gate.clearing:
             plane._finish_clear(deadline)  # a clear cut short by an interrupt or a timeout
         if self._owed is not None:  # formed, then an interrupt kept it from being returned
@@ -330,7 +364,7 @@ class LearnerPort:
         # From here the batch is this rank's: an interrupt below leaves it for the next pull.
         self._owed = batch, self._position[0]
         if on:
-            self._advance()
+            self._advance(deadline)
         if plane.prefetch and not self._staged:
             self._prefetch()
         return self._hand_out(batch)

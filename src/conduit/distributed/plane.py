@@ -26,7 +26,7 @@ from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
 from conduit.distributed.delivery import DeviceArg, LearnerPort, rank_devices
 from conduit.distributed.ingress import Ingress
 from conduit.distributed.iteration import IterationGate
-from conduit.distributed.operators import ScheduledOperators
+from conduit.distributed.operators import ScheduledOperators, front_until
 from conduit.distributed.replication import Replicator
 from conduit.distributed.sampling import priority_updates
 from conduit.distributed.shard import shard_spec_for
@@ -389,18 +389,42 @@ class RayExperienceDataPlane(ScheduledOperators):
         """Rank 0's share of every mini-batch of the current on-policy iteration."""
         return self.learner_port.minibatches(timeout=timeout)
 
-    def _rank_done(self, rank: int, iteration: int) -> None:
+    def _rank_done(self, rank: int, iteration: int, deadline: float, *,
+                   clear_by: float | None = None) -> None:
         """On-policy: ``rank`` pulled its last share of ``iteration``; the last rank clears
-        every holder of every shard's rows and opens the next iteration."""
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            self._gate.consumed(rank, iteration,
-                                lambda: self._replicator.clear_all(deadline))
+        every holder of every shard's rows and opens the next iteration. Reporting it again is
+        harmless (a rank counts once; an iteration the front moved past is ignored).
+
+        Args:
+            rank: The rank.
+            iteration: The iteration it consumed.
+            deadline: Until when another call that holds the front (it may wait on a stalled
+                shard) is waited for (``time.monotonic()``; the pulling call's).
+            clear_by: When the clear must be done (None: the plane's timeout from now).
+
+        Raises:
+            ShardUnavailableError: ``deadline`` passed while another call held the front
+                (nothing was marked: the rank's next pull reports it again), or the clear did
+                not finish in time (the iteration stays consumed: :meth:`_finish_clear`
+                completes it).
+        """
+        by = time.monotonic() + self.timeout if clear_by is None else clear_by
+        with front_until(self._cond, deadline, "the mini-batch formed is kept for the "
+                                               "rank's next pull, which marks the iteration "
+                                               "consumed"):
+            self._gate.consumed(rank, iteration, lambda: self._replicator.clear_all(by))
 
     def _finish_clear(self, deadline: float) -> None:
         """On-policy: finish clearing a consumed iteration whose clear was cut short (an
-        interrupt or a timeout in :meth:`_rank_done`), so the next iteration opens."""
-        with self._cond:
+        interrupt or a timeout in :meth:`_rank_done`), so the next iteration opens.
+
+        Raises:
+            ShardUnavailableError: ``deadline`` passed while another call held the front, or
+                the clear did not finish by it (the iteration stays consumed, for a later call
+                to clear).
+        """
+        with front_until(self._cond, deadline, "the consumed iteration was not cleared (a "
+                                               "later call clears it)"):
             self._gate.finish(lambda: self._replicator.clear_all(deadline))
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
