@@ -186,3 +186,20 @@ def test_minibatches_behind_a_held_front_with_a_write_to_settle_keep_their_timeo
         assert plane.policy_version == 1 and not plane._replicator.unsettled
     finally:
         plane.close()
+
+
+def test_a_heal_behind_a_held_front_keeps_its_timeout(cluster):
+    """heal(timeout=1), or a pull that must heal a shard first, while another call held the
+    front on a stalled shard waited for that call (the plane's whole timeout); it raises at
+    its own timeout, and a later heal goes on."""
+    plane = make_plane(cluster, capacity=32, batch_size=4, timeout=PLANE_TIMEOUT)
+    try:
+        plane.push(rows(8, 0), node=plane._shards.nodes[0])
+        with stalled(plane, 0):
+            healer = hold_front_by_heal(plane)
+            raises_on_the_front_in_time(lambda: plane.heal(timeout=1))
+        healer.join(60)
+        assert plane.heal(timeout=30) == []  # nothing died: nothing to restore
+        assert len(plane) == 8
+    finally:
+        plane.close()

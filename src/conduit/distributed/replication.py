@@ -30,6 +30,7 @@ import numpy as np
 from conduit.distributed._ray import failed_task, lost_object
 from conduit.distributed.cluster import ShardRecovery, ShardSet
 from conduit.distributed.errors import ShardUnavailableError
+from conduit.distributed.operators import front_until
 from conduit.errors import ConfigError, PlaneClosedError, PriorityError
 
 T = TypeVar("T")
@@ -345,10 +346,12 @@ class Replicator:
         """Re-create dead shards and restore their rows; warn about and report rows lost.
 
         Raises:
-            ShardUnavailableError: A shard could not be restored by ``deadline``.
+            ShardUnavailableError: A shard could not be restored by ``deadline``, or
+                ``deadline`` passed while another call held the front (it may wait on a
+                stalled shard).
             PlaneClosedError: The plane closed (its shards were ended; none is re-created).
         """
-        with self._cond:
+        with front_until(self._cond, deadline, "no shard was restored"):
             done: list[ShardRecovery] = []
             while True:
                 try:
