@@ -273,11 +273,17 @@ class LogProbSource:
             called once per iteration by :meth:`GroupExperiencePath.begin_iteration` (where
             the iteration's start does not fall on an optimizer step, the count differs from
             one iteration to the next).
+        reuse_across_epochs: With several epochs, compute a mini-batch's log-probs once per
+            iteration and deliver the same tensor in its later epochs (every epoch repeats
+            the iteration's mini-batches, and ``fn`` reads a snapshot, so they would not
+            change); they are held until the mini-batch's last epoch is delivered. False
+            (default): ``fn`` runs on every delivery.
     """
 
     key: str
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     skip_first: int | Callable[[int], int] = 0
+    reuse_across_epochs: bool = False
 
 
 _OUT_KEYS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
@@ -286,7 +292,7 @@ _OUT_KEYS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completio
 
 def _check_sources(logprobs: Any) -> tuple[LogProbSource, ...]:
     """``logprobs`` as a tuple, each a :class:`LogProbSource` with a callable ``fn``, a key
-    of its own and an int >= 0 (or callable) ``skip_first``.
+    of its own, an int >= 0 (or callable) ``skip_first`` and a bool ``reuse_across_epochs``.
 
     Raises:
         ConfigError: One is not (field ``logprobs``, or ``logprobs[i]...``).
@@ -308,6 +314,9 @@ def _check_sources(logprobs: Any) -> tuple[LogProbSource, ...]:
                                    or skip < 0):
             raise ConfigError(f"logprobs[{i}].skip_first", f"must be an int >= 0 or a "
                                                            f"callable, got {skip!r}")
+        if not isinstance(src.reuse_across_epochs, bool):
+            raise ConfigError(f"logprobs[{i}].reuse_across_epochs", f"must be a bool, got "
+                                                                    f"{src.reuse_across_epochs!r}")
     return tuple(logprobs)
 
 
@@ -629,6 +638,9 @@ class GroupExperiencePath:
         self.pad_completions_to = pad_completions_to
         self._score, self._logprobs = score, sources
         self._skips = tuple(0 for _ in sources)  # per source, for the current iteration
+        # (iteration, mini-batch) -> its rows, the log-probs of the sources that reuse them
+        # across epochs, and the epochs delivered so far
+        self._reused: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor], int]] = {}
         self._pushes = _Pushes(RaggedStore(fields={
             "prompt_ids": RaggedFieldSpec(torch.int64, max_length=max_prompt_length),
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
@@ -706,6 +718,7 @@ class GroupExperiencePath:
         skips = tuple(_skip_of(i, src, iteration) for i, src in enumerate(self._logprobs))
         # checked: from here on nothing raises
         self.iteration, self._skips = iteration, skips
+        self._reused = {}
         if not self._closing:  # generation is over and the learner is not updating
             self._permit.clear()
         self._sampler.set_order(self.iteration, order)
@@ -945,10 +958,37 @@ class GroupExperiencePath:
                "completion_ids": completion_ids, "completion_mask": completion_mask,
                "advantages": rows["advantage"], "row": slots}
         part = self._part_of[int(slots.numpy()[0])] if slots.numel() else 0
+        reused = self._reused_logprobs(part, slots)
         for src, skip in zip(self._logprobs, self._skips):
-            if self.num_epochs > 1 or part >= skip:
+            if src.key in reused:
+                out[src.key] = reused[src.key]
+            elif self.num_epochs > 1 or part >= skip:
                 out[src.key] = _logprobs_of(src, out)
+        self._keep_logprobs(part, slots, out, reused)
         learn_out.write(out)
+
+    def _reused_logprobs(self, part: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The log-probs an earlier epoch computed for mini-batch ``part`` of the iteration
+        (the sources with ``reuse_across_epochs``), if it held the same rows ``slots``."""
+        held = self._reused.get((self.iteration, part))
+        if held is None or not torch.equal(held[0], slots):
+            return {}
+        return held[1]
+
+    def _keep_logprobs(self, part: int, slots: torch.Tensor, out: Batch,
+                       reused: dict[str, torch.Tensor]) -> None:
+        """Hold the log-probs of mini-batch ``part`` (delivered as ``out``) that its later
+        epochs reuse; drop them with its last epoch."""
+        if self.num_epochs == 1 or not any(s.reuse_across_epochs for s in self._logprobs):
+            return
+        key = (self.iteration, part)
+        held = self._reused.get(key)
+        epochs = held[2] + 1 if reused and held is not None else 1
+        if epochs >= self.num_epochs:
+            self._reused.pop(key, None)
+            return
+        keep = {s.key: out[s.key] for s in self._logprobs if s.reuse_across_epochs}
+        self._reused[key] = (slots.clone(), keep, epochs)
 
     def __enter__(self) -> GroupExperiencePath:
         return self
