@@ -778,3 +778,51 @@ def test_an_inline_delivery_interrupted_raises_the_interrupt_and_the_plane_goes_
                for n in raised.value.__notes__)
     assert plane.pull()["id"].shape == (2,)
     plane.close()
+
+
+def test_a_plane_collected_on_a_conduit_thread_is_closed_from_a_new_thread(small_spec):
+    """Defect: a dropped plane collected on a thread Conduit made (a worker of another plane,
+    one loading a kernel under the import lock) was closed there: the close joined workers
+    waiting for a lock that thread held, and every plane behind that lock stalled until the
+    close gave up. It is closed from a new thread; the collecting thread goes on at once."""
+    plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
+                                schedule=Schedule(1, 1, 0, 1), timeout=5)
+    held = threading.Lock()  # stands for the import lock the collecting thread holds
+
+    @plane.register_ingestion()
+    def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
+        with held:
+            exp_out.write(actor_in.read())
+
+    engine = plane._engine
+    took: list[float] = []
+    gc.disable()
+    try:
+        cycle: list = [plane]
+        cycle.append(cycle)  # the plane is freed only by a collection
+        del plane
+
+        def collect() -> None:
+            with held:
+                cycle_ref = weakref.ref(engine)
+                time.sleep(0.2)  # the worker takes the unit and waits for the lock
+                t0 = time.monotonic()
+                gc.collect()
+                took.append(time.monotonic() - t0)
+                assert cycle_ref() is not None
+
+        t = threading.Thread(target=collect, name="conduit-test-collector")
+        with_unit = make_rows(small_spec, 3)
+        cycle[0].push(with_unit)
+        del cycle
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert took and took[0] < 2.0, took  # (the plane's close would wait 5 s there)
+    deadline = time.monotonic() + 10
+    while engine.flow.counters["ingested_rows"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.closed
+    assert engine.flow.counters["ingested_rows"] == 3  # the queued unit was stored
+    assert engine.flow.counters["lost_units"] == 0

@@ -159,15 +159,24 @@ def _close_dropped(engine: PlaneEngine,
     """Close a plane that was dropped without ``close()`` (its workers and snapshotters hold
     no reference to the front, so it can be collected); a loss becomes a warning, as nobody
     can catch it. Its snapshotters are told to stop first (not waited for: garbage collection
-    runs on any thread, one of theirs included); a snapshot being written finishes. Collected
-    on a thread inside one of its own operators, it is closed from a new thread, which waits
-    for that invocation to end."""
+    runs on any thread, one of theirs included); a snapshot being written finishes.
+
+    Collected on a thread Conduit made (a plane's worker or gather thread, this plane's or
+    another's, possibly inside an operator or holding the import lock while it loads a
+    kernel), it is closed from a new thread instead: joining workers there could wait for
+    the collecting thread itself, or for a lock it holds."""
     for snapshotter in list(snapshotters or ()):
         snapshotter.stop_soon()
-    if engine.runtime.inside_operator() is not None:
-        threading.Thread(target=_close_dropped, args=(engine,), daemon=True,
+    if (engine.runtime.inside_operator() is not None
+            or threading.current_thread().name.startswith("conduit")):
+        threading.Thread(target=_close_engine, args=(engine,), daemon=True,
                          name="conduit-close-dropped").start()
         return
+    _close_engine(engine)
+
+
+def _close_engine(engine: PlaneEngine) -> None:
+    """``engine.close()``, its loss a warning (see :func:`_close_dropped`)."""
     try:
         engine.close()
     except ConduitError as exc:
