@@ -139,3 +139,28 @@ def test_non_finite_rewards_are_refused(value):
         buf.put(step)
         (mb,) = buf.minibatches()
         assert bool(torch.isfinite(mb.batch["advantages"]).all())
+
+
+def test_a_buffer_dropped_without_close_is_collected_with_its_plane_and_threads():
+    """Defect: the plane's ingestion operator was the buffer's bound method, so the plane's
+    workers kept the buffer, its plane and themselves alive after the buffer was dropped
+    without close() (10 buffers: 10 planes and their threads, for good)."""
+    import gc
+    import weakref
+
+    before = threading.active_count()
+
+    def dropped():
+        buf = GRPOBuffer(group_size=N, groups_per_step=GROUPS, mini_batch_size=N,
+                         placement=None, timeout=5, schedule=Schedule(1, 1, 1, Fraction(1, 2)))
+        buf.put(make_step(groups=GROUPS, group_size=N))
+        assert len(list(buf.minibatches())) == 2
+        return weakref.ref(buf)
+
+    refs = [dropped() for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threading.active_count() <= before

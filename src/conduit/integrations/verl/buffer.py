@@ -32,6 +32,7 @@ from conduit.errors import (
     SpecError,
 )
 from conduit.integrations.verl._checks import check_epsilon, check_seed
+from conduit.integrations.verl._weak import weak_ingestion
 from conduit.integrations.verl.advantages import (
     group_scores,
     group_statistics,
@@ -449,7 +450,7 @@ class GRPOBuffer:
             spec=spec, capacity=self.rows_per_step, mode="on_policy",
             num_minibatches=self.num_minibatches, num_epochs=self.epochs, sampler=sampler,
             rollout_spec=rollout_spec, seed=self.seed, **self._plane_args)
-        plane.register_ingestion()(self._ingest)
+        plane.register_ingestion()(weak_ingestion(self._ingest))
         self._plane = plane
         return plane
 

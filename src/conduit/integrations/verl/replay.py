@@ -41,6 +41,7 @@ from conduit.errors import (
     SpecError,
 )
 from conduit.integrations.verl._checks import check_epsilon
+from conduit.integrations.verl._weak import weak_ingestion
 from conduit.integrations.verl.advantages import grpo_group_advantage
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.spec import Batch, ExperienceSpec
@@ -516,7 +517,7 @@ class ConduitReplayBuffer:
             spec=_SPEC, rollout_spec=_ROLLOUT_SPEC, capacity=rows, mode="on_policy",
             num_minibatches=rows // mb, placement=self.config.placement,
             rollout_rows=self.config.group_size, timeout=self.config.timeout)
-        plane.register_ingestion()(self._ingest)
+        plane.register_ingestion()(weak_ingestion(self._ingest))
         self._plane, self._step_rows = plane, rows
         return plane
 
