@@ -18,6 +18,7 @@ from conduit.errors import ConfigError, OperatorError, SpecError  # noqa: E402
 from conduit.integrations.grpo import GroupExperiencePath, LogProbSource  # noqa: E402
 from conduit.workloads import grpo_task  # noqa: E402
 from conduit.workloads.grpo import Args, build_trainer, train  # noqa: E402
+from tests.integrations.trl_helpers import construct_trainer  # noqa: E402
 
 #: 8 rows per generation batch in 2 mini-batches; gradient_accumulation_steps defaults to 1,
 #: so TRL computes old log-probs (1 is not a multiple of 2).
@@ -55,23 +56,6 @@ def _both(args):
     return ref, got
 
 
-def _construct(model, *, trainer_args=(), **config):
-    """A ConduitGRPOTrainer for ``model``: 8 rows per generation batch in 2 mini-batches of 4,
-    ``config`` added to its GRPOConfig; ``trainer_args`` are keyword arguments of the
-    trainer."""
-    from trl import GRPOConfig
-
-    from conduit.integrations.trl import ConduitGRPOTrainer
-
-    tok = grpo_task.digit_tokenizer()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=4, num_generations=4,
-                         steps_per_generation=2, use_cpu=True, report_to="none", **config)
-        return ConduitGRPOTrainer(model=model, args=cfg,
-                                  reward_funcs=grpo_task.reward_fn("target"),
-                                  train_dataset=grpo_task.prompt_dataset(n=8, prompt_len=4,
-                                                                         seed=0),
-                                  processing_class=tok, **dict(trainer_args))
 
 
 # -- training-time randomness where old log-probs are computed -------------------------------
@@ -129,14 +113,14 @@ def _llama_reading_dropout_from_its_config():
 def test_stochastic_numbers_other_than_dropout_are_refused_where_old_logprobs_are_computed(
         build, field):
     with pytest.raises(ConfigError) as err:
-        _construct(build(0.5), gradient_accumulation_steps=1, disable_dropout=True)
+        construct_trainer(build(0.5), gradient_accumulation_steps=1, disable_dropout=True)
     assert err.value.field == field
     assert "random numbers in training" in str(err.value)
     # at 0 the setting draws nothing: accepted
-    trainer = _construct(build(0.0), gradient_accumulation_steps=1, disable_dropout=True)
+    trainer = construct_trainer(build(0.0), gradient_accumulation_steps=1, disable_dropout=True)
     assert trainer._needs_old_logps()
     # without old log-probs both trainers draw the same numbers in their updates: accepted
-    trainer = _construct(build(0.5), gradient_accumulation_steps=2, disable_dropout=True)
+    trainer = construct_trainer(build(0.5), gradient_accumulation_steps=2, disable_dropout=True)
     assert not trainer._needs_old_logps()
 
 
@@ -152,16 +136,17 @@ def test_layerdrop_trains_as_trl_where_no_old_logprobs_are_computed(monkeypatch)
 
 def test_randomness_found_only_by_a_training_mode_forward_is_refused():
     with pytest.raises(ConfigError) as err:
-        _construct(_llama_reading_dropout_from_its_config(), gradient_accumulation_steps=1)
+        construct_trainer(_llama_reading_dropout_from_its_config(), gradient_accumulation_steps=1)
     assert err.value.field == "model"
     assert "training-mode forward" in str(err.value)
-    trainer = _construct(_llama_reading_dropout_from_its_config(), gradient_accumulation_steps=2)
+    trainer = construct_trainer(_llama_reading_dropout_from_its_config(),
+                                gradient_accumulation_steps=2)
     assert not trainer._needs_old_logps()
 
 
 def test_the_training_mode_probe_leaves_rng_modes_and_buffers_as_they_were():
-    trainer = _construct(grpo_task.tiny_llama(vocab_size=VOCAB, hidden=32, layers=1),
-                         gradient_accumulation_steps=1)
+    trainer = construct_trainer(grpo_task.tiny_llama(vocab_size=VOCAB, hidden=32, layers=1),
+                                gradient_accumulation_steps=1)
     model = trainer.model
     model.eval()
     model.model.layers[0].mlp.train()
@@ -328,7 +313,7 @@ def test_refused_settings_are_checked_before_trls_constructor(monkeypatch, confi
     model = grpo_task.tiny_llama(vocab_size=VOCAB, hidden=32, layers=1)
     monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
     with pytest.raises(ConfigError) as err:
-        _construct(model, trainer_args=trainer_args, **config)
+        construct_trainer(model, trainer_args=trainer_args, **config)
     assert err.value.field == field
 
 

@@ -15,6 +15,7 @@ from conduit.errors import ConfigError, ScheduleError  # noqa: E402
 from conduit.scheduling.space import Schedule  # noqa: E402
 from conduit.workloads import grpo_task  # noqa: E402
 from conduit.workloads.grpo import Args, build_trainer, train  # noqa: E402
+from tests.integrations.trl_helpers import construct_trainer  # noqa: E402
 
 _tiny_llama = grpo_task.tiny_llama
 SMALL = Args(steps=4, batch_size=4, num_generations=4, steps_per_generation=2,
@@ -29,22 +30,6 @@ def _with_config(monkeypatch, **overrides):
     monkeypatch.setattr(trl, "GRPOConfig", lambda **kw: config(**{**kw, **overrides}))
 
 
-def _construct(model, **config):
-    """A ConduitGRPOTrainer for ``model``: 8 rows per generation batch in 2 mini-batches of 4,
-    ``config`` added to its GRPOConfig."""
-    from trl import GRPOConfig
-
-    from conduit.integrations.trl import ConduitGRPOTrainer
-
-    tok = grpo_task.digit_tokenizer()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=4, num_generations=4,
-                         steps_per_generation=2, use_cpu=True, report_to="none", **config)
-        return ConduitGRPOTrainer(model=model, args=cfg,
-                                  reward_funcs=grpo_task.reward_fn("target"),
-                                  train_dataset=grpo_task.prompt_dataset(n=8, prompt_len=4,
-                                                                         seed=0),
-                                  processing_class=tok)
 
 
 def _gpt2_with_dropout():
@@ -88,19 +73,20 @@ def test_dropout_is_refused_where_old_logprobs_are_computed_unless_disabled():
     # gradient_accumulation_steps=1 < steps_per_generation=2: TRL computes old log-probs, in
     # training mode (dropout masks drawn from torch's RNG), which the path does not reproduce
     with pytest.raises(ConfigError) as err:
-        _construct(_gpt2_with_dropout(), gradient_accumulation_steps=1)
+        construct_trainer(_gpt2_with_dropout(), gradient_accumulation_steps=1)
     assert err.value.field == "disable_dropout"
     assert "disable_dropout=True" in str(err.value)
-    trainer = _construct(_gpt2_with_dropout(), gradient_accumulation_steps=1,
-                         disable_dropout=True)
+    trainer = construct_trainer(_gpt2_with_dropout(), gradient_accumulation_steps=1,
+                                disable_dropout=True)
     assert trainer._needs_old_logps()
 
 
 def test_dropout_that_disable_dropout_leaves_is_refused_where_old_logprobs_are_computed():
     for disable in (False, True):
         with pytest.raises(ConfigError) as err:
-            _construct(_llama_with_attention_dropout(vocab_size=len(grpo_task.digit_tokenizer())),
-                       gradient_accumulation_steps=1, disable_dropout=disable)
+            construct_trainer(
+                _llama_with_attention_dropout(vocab_size=len(grpo_task.digit_tokenizer())),
+                gradient_accumulation_steps=1, disable_dropout=disable)
         assert err.value.field == "attention_dropout"
 
 
@@ -162,9 +148,9 @@ def test_router_jitter_is_refused_where_old_logprobs_are_computed():
     # RNG (and moves the next shuffle): the path's eval-mode snapshot would differ
     vocab = len(grpo_task.digit_tokenizer())
     with pytest.raises(ConfigError) as err:
-        _construct(_mixtral_with_router_jitter(vocab_size=vocab), gradient_accumulation_steps=1,
-                   disable_dropout=True)
+        construct_trainer(_mixtral_with_router_jitter(vocab_size=vocab),
+                          gradient_accumulation_steps=1, disable_dropout=True)
     assert "jitter" in err.value.field and "random numbers in training" in str(err.value)
-    trainer = _construct(_mixtral_with_router_jitter(vocab_size=vocab),
-                         gradient_accumulation_steps=2)  # a multiple of 2: no old log-probs
+    trainer = construct_trainer(_mixtral_with_router_jitter(vocab_size=vocab),
+                                gradient_accumulation_steps=2)  # a multiple of 2: no old log-probs
     assert not trainer._needs_old_logps()
