@@ -318,8 +318,6 @@ def test_unsupported_sampling_is_refused(adds: list[list[SingleAgentEpisode]]) -
     buffer = _filled(ConduitEpisodeReplayBuffer(capacity=1000), adds[:1])
     with pytest.raises(ConfigError, match="batch_length_T"):
         buffer.sample(num_items=4, n_step=1, batch_length_T=8)
-    with pytest.raises(ConfigError, match="capacity"):
-        buffer.sample(num_items=5000, n_step=1)
 
 
 @pytest.mark.parametrize("length", [8, 1, -1])
@@ -337,8 +335,8 @@ def test_a_prioritized_buffer_refuses_sequence_lengths_as_documented(
 
 @pytest.mark.parametrize("prioritized", [False, True])
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"num_items": -3}, "num_items"), ({"num_items": 0}, "num_items"),
-    ({"num_items": 2.5}, "num_items"), ({"num_items": None, "batch_size_B": -1}, "batch_size_B"),
+    ({"num_items": -3}, "num_items"), ({"num_items": 2.5}, "num_items"),
+    ({"num_items": None, "batch_size_B": -1}, "batch_size_B"),
     ({"n_step": -1}, "n_step"), ({"n_step": 2.5}, "n_step"), ({"n_step": (3, 1)}, "n_step"),
     ({"n_step": (0, 2)}, "n_step"), ({"n_step": (1, 3, 5)}, "n_step"),
     ({"n_step": 0}, "n_step"), ({"n_step": False}, "n_step"), ({"n_step": ()}, "n_step"),

@@ -1,10 +1,11 @@
 """RLlib's episode replay buffers, with Conduit's plane as their storage and sampler.
 
 Added episodes become plane rows (:mod:`~conduit.integrations.rllib.episode_rows`); a sample is
-one pull from the plane, whose sampler draws the rows and whose delivery operator lays the
-n-step windows over them. What a sample returns is what RLlib's buffer of the same name
-returns for the same arguments: a list of one-step ``SingleAgentEpisode`` objects holding the
-n-step transition, with ``n_step`` and ``weights`` in their ``extra_model_outputs``.
+one pull from the plane (several for more transitions than the capacity), whose sampler draws
+the rows and whose delivery operator lays the n-step windows over them. What a sample returns is
+what RLlib's buffer of the same name returns for the same arguments: a list of one-step
+``SingleAgentEpisode`` objects holding the n-step transition, with ``n_step`` and ``weights``
+in their ``extra_model_outputs``.
 
 The plane's schedule is chosen by the ``"schedule"`` key of ``replay_buffer_config``:
 ``"inline"`` draws on the caller's thread inside ``sample``; ``"prefetch"`` draws the next
@@ -118,6 +119,26 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     (:mod:`~conduit.integrations.rllib.episode_rows`). A sampled transition's ``t_started`` is
     its step's index in the stored episode, counted from the episode's first stored chunk, as
     in RLlib's buffers.
+
+    A sample holds ``num_items`` transitions, drawn with replacement, more than ``capacity``
+    included (the plane draws at most ``capacity`` rows a batch: such a sample joins several
+    batches, and :meth:`ConduitPrioritizedEpisodeReplayBuffer.update_priorities` takes one
+    priority per transition of the joined sample). Where RLlib's buffers differ:
+
+    * RLlib's uniform buffer returns more than ``num_items`` transitions when windows miss
+      three or more of their ``n`` steps at the end of the stored episode (its count steps
+      back for each); this one returns ``num_items``.
+    * Actions and observations come as NumPy values; RLlib returns them as the episode holds
+      them, Python numbers for an episode built from lists and not numpy-ized (env runners
+      add numpy-ized episodes, for which both agree).
+    * A negative ``num_items`` is refused (RLlib returns no transition and lowers its count
+      of sampled timesteps), as is ``n_step=0`` (RLlib's prioritized buffer takes it as 1,
+      its uniform one fails), and a multi-agent episode (RLlib's single-agent buffers store
+      it as an empty episode).
+
+    As RLlib's, the buffer is not safe for calls from several threads at once: call ``add``,
+    ``sample``, ``update_priorities``, ``get_state`` and ``set_state`` from one thread, as
+    DQN and SAC do (the plane's own workers, which draw ahead, are synchronized with them).
 
     With ``schedule="prefetch"`` (or ``"auto"`` when it keeps prefetch), a batch may be drawn
     before the latest ``add`` calls (at most :data:`G_MAX` of them), so it may miss their
@@ -258,7 +279,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         not fail the add.
 
         Raises:
-            SpecError: An observation or action differs in shape or dtype from earlier ones,
+            SpecError: An item is not a ``SingleAgentEpisode`` (field None; for a
+                multi-agent episode the message names RLlib's multi-agent buffers), an
+                observation or action differs in shape or dtype from earlier ones,
                 is not numeric or belongs to a Tuple or Dict space, or a chunk of an ongoing
                 episode does not start where its stored steps end (field ``t_started``).
         """
@@ -268,8 +291,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             episodes = force_list(episodes)
             for eps in episodes:
                 if not isinstance(eps, SingleAgentEpisode):
-                    raise SpecError(None, f"add takes SingleAgentEpisode objects (or a list of "
-                                          f"them), got {type(eps).__name__}")
+                    multi = "MultiAgent" in type(eps).__name__
+                    raise SpecError(None, f"add takes SingleAgentEpisode objects (or a list "
+                                          f"of them), got {type(eps).__name__}" + (
+                        "; Conduit's RLlib buffers are single-agent: for multi-agent "
+                        "episodes use RLlib's MultiAgentEpisodeReplayBuffer or "
+                        "MultiAgentPrioritizedEpisodeReplayBuffer" if multi else ""))
             read = self._rows.read(
                 episodes, spec=None if self._plane is None else self._plane.spec)
             if read.steps:
@@ -357,7 +384,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         """Sample ``num_items`` n-step transitions, each as a one-step episode.
 
         Args:
-            num_items: Transitions (default ``batch_size_B``).
+            num_items: Transitions (0 or None: the constructor's ``batch_size_B``, as in
+                RLlib; a float with an integral value counts as that integer); more than
+                ``capacity`` are drawn in several plane batches.
             batch_size_B: Same as ``num_items``.
             batch_length_T: Must be 0 or None (no sequence sampling; RLlib's prioritized
                 buffer ignores it and samples transitions, this one refuses other values).
@@ -375,9 +404,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             **kwargs: Ignored.
 
         Raises:
-            ConfigError: An argument asks for what the buffer does not support, or
-                ``n_step`` is neither an integer >= 1 nor a range of them (0, False or an
-                empty sequence included).
+            ConfigError: An argument asks for what the buffer does not support, both
+                ``num_items`` and ``batch_size_B`` are given, either is not an integer >= 0
+                (a float with an integral value counts as one), or ``n_step`` is neither an
+                integer >= 1 nor a range of them (0, False or an empty sequence included).
             EmptyBufferError: Nothing was added yet, or (prioritized) no row in the buffer
                 starts a complete n-step window (RLlib's buffer would redraw forever).
         """
@@ -398,14 +428,15 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                         "RLlib's own buffer for sequences")
         given = "num_items" if num_items is not None else "batch_size_B"
         size = num_items if num_items is not None else batch_size_B
-        if size is None:
+        if isinstance(size, (float, np.floating)) and float(size).is_integer():
+            size = int(size)  # a train batch size written 1e3 (RLlib's buffers take it)
+        integral = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if size is None or (integral and size == 0):  # RLlib: `batch_size_B or default`
             size = self.batch_size_B
-        elif isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise ConfigError(given, f"must be a positive integer, got {size!r}")
+        elif not integral or size < 0:
+            raise ConfigError(given, f"must be an integer >= 0 (0 or None: batch_size_B), got "
+                                     f"{size!r}")
         size = int(size)
-        if size > self.capacity:
-            raise ConfigError(given, f"{size} transitions per sample exceed the capacity "
-                                     f"{self.capacity}")
         beta = self.beta if beta is None else beta
         if self.prioritized and not (isinstance(beta, (int, float, np.floating))
                                      and not isinstance(beta, bool)):
@@ -417,9 +448,26 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._settle()
         self._sampler.set_request(request)
         resamples = self._sampler.resamples
-        plane = self._plane_for(size)
+        # The plane draws at most `capacity` rows a batch: a larger sample joins `pulls`
+        # batches of one size and drops the surplus (fewer than `pulls` rows) at random
+        # positions, so each row kept is a draw of the sampler's own distribution.
+        pulls = -(-size // self.capacity)
+        plane = self._plane_for(-(-size // pulls))
         self.schedule.sampling(plane)
-        batch = Transitions.of(self._pull(plane))
+        parts, rows = [], []
+        for _ in range(pulls):
+            pulled, pulled_rows = self._pull(plane)
+            parts.append(Transitions.of(pulled))
+            rows.append(pulled_rows)
+        if pulls == 1:
+            batch, self._last_rows = parts[0], rows[0]
+        else:
+            total = sum(len(p.index) for p in parts)
+            drop = np.random.default_rng([self.seed, 2, self.sampled_timesteps]).choice(
+                total, total - size, replace=False)
+            keep = np.delete(np.arange(total), drop)
+            batch = Transitions.joined(parts, keep)
+            self._last_rows = np.concatenate(rows)[keep]
         self._last_index = batch.index
         self.sampled_timesteps += size
         episodes = self._build.episodes(batch, self._rows.table, to_numpy=to_numpy)
@@ -427,9 +475,10 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self.schedule.sampled()
         return episodes
 
-    def _pull(self, plane: ExperienceDataPlane) -> dict[str, torch.Tensor]:
-        """The next batch drawn for the request in force with every row still in the buffer;
-        others are discarded (a prefetched batch may be either).
+    def _pull(self, plane: ExperienceDataPlane) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """The next batch drawn for the request in force with every row still in the buffer,
+        and its rows' numbers in the ring's order; others are discarded (a prefetched batch
+        may be either).
 
         Raises:
             EmptyBufferError: The draw for the request in force, over the rows in the buffer
@@ -456,8 +505,7 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
             rows = batch.pop("_row").numpy()
             if (batch.pop("_valid").numpy().all() and (rows >= oldest).all()
                     and int(batch.pop("_request")[0]) == self._sampler.serial):
-                self._last_rows = rows
-                return batch
+                return batch, rows
             self.discarded_batches += 1
         raise EmptyBufferError(f"{4 * G_MAX + 4} batches in a row were drawn for other sample "
                                f"arguments or lost rows to adds; sample with schedule='inline'")

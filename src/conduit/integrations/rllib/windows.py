@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -293,6 +293,19 @@ class Transitions:
         arrays = {k.lstrip("_"): v.numpy() for k, v in batch.items()
                   if k not in ("_request", "_valid", "_row", "_failed")}
         return cls(**arrays)
+
+    @classmethod
+    def joined(cls, parts: Sequence[Transitions], keep: np.ndarray | None = None
+               ) -> Transitions:
+        """The rows of ``parts`` in order, as one batch; with ``keep``, only the rows at those
+        positions of it (in the order ``keep`` gives)."""
+        names = [f.name for f in fields(cls)]
+        cols = {k: (None if getattr(parts[0], k) is None else
+                    getattr(parts[0], k) if len(parts) == 1 else
+                    np.concatenate([getattr(p, k) for p in parts])) for k in names}
+        if keep is not None:
+            cols = {k: None if v is None else v[keep] for k, v in cols.items()}
+        return cls(**cols)
 
 
 def _row_ids(slots: np.ndarray, ring_rows: int, capacity: int) -> np.ndarray:
