@@ -415,12 +415,19 @@ class AutoScheduler:
             ConfigError: :meth:`plan` was not called yet.
         """
         policy = self._require_policy()
-        migrations = self.plane.timings.count("migration")
+        timings = self.plane.timings
+        migrations = timings.count("migration")
+        new = self._new_records()
         if migrations > self._migrations_seen:
             # The plane moved its buffer (Alg. 2): operator costs changed with the placement.
+            # Records made before the last migration ended are dropped, those after it kept:
+            # they are the costs of the new placement.
             self._migrations_seen = migrations
-            self.notify_migration()
-        new = self._new_records()
+            last = timings.records("migration")[-1]
+            moved = last.start + last.seconds
+            self._recent = []
+            policy.notify_migration()
+            new = [r for r in new if r.start >= moved]
         decision = policy.decision()
         for r in new:
             kw = _observation(r)

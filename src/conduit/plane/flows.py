@@ -505,11 +505,18 @@ class OffPolicyFlow(Flow):
         return len(self.pending) + self.inflight_units < self.max_pending_units
 
     def take_ingestion_locked(self, *, force: bool) -> list[Unit] | None:
+        """The next ``g_ing`` units, fewer where more would hold over ``capacity`` rows: an
+        invocation's units may be written as one batch, which must fit the ring (each unit
+        does, as ``push`` checks)."""
         want = int(self.schedule.g_ing)
         if not self.pending or (len(self.pending) < want and not force):
             return None
         take: list[Unit] = []
+        rows, room = 0, self.config.capacity
         while self.pending and len(take) < want:
+            if take and rows + self.pending[0].rows > room:
+                break
+            rows += self.pending[0].rows
             take.append(self.pending.popleft())
         return self._taken_locked(take)
 

@@ -293,6 +293,11 @@ class ColumnStore:
         capacity: Rows.
         placement: A non-sharded :class:`Placement`. Pinned placements pin host memory when
             CUDA is available and fall back to pageable memory otherwise.
+
+    Raises:
+        PlacementError: A sharded placement, or a device other than CPU memory or a CUDA
+            device this machine has (``meta``, ``mps``, ``xpu``...).
+        CapacityError: The columns do not fit the memory available on their device.
     """
 
     _outputs: GatherOutputs | None = None
@@ -306,9 +311,16 @@ class ColumnStore:
             raise PlacementError("placement: a ColumnStore lives on one device; use "
                                  "ShardedStore (or make_store) for sharded placements")
         self.device = self.placement.primary_device
+        if self.device.type not in ("cpu", "cuda"):
+            raise PlacementError(f"placement.devices: {self.device} is neither CPU memory nor "
+                                 f"a CUDA device; Conduit's stores live on 'cpu' or 'cuda[:index]'")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise PlacementError(f"placement.devices: {self.device} requested but CUDA is "
                                  f"not available on this machine")
+        if (self.device.type == "cuda" and self.device.index is not None
+                and self.device.index >= torch.cuda.device_count()):
+            raise PlacementError(f"placement.devices: {self.device} requested but this machine "
+                                 f"has {torch.cuda.device_count()} CUDA devices")
         pin = self.placement.is_pinned and torch.cuda.is_available()
         self.pinned = pin
         need = self.capacity * spec.bytes_per_sample
