@@ -69,6 +69,8 @@ class Ingress:
                                         commit=self._commit_output)
         if config.on_policy:
             self.ingestion.iteration = (config.capacity, lambda: gate.pushed >= gate.capacity)
+        else:
+            self.ingestion.row_limit = self.row_limit
         self.ingestion.set_schedule(schedule)
 
     @property

@@ -303,6 +303,9 @@ class FrontIngestion:
         #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
         #: then a share of the iteration's rows per invocation, as on a local plane.
         self.iteration: tuple[int, Callable[[], bool]] | None = None
+        #: Off-policy: most rows one invocation's units may hold (a shard's ring), since the
+        #: operator may write them joined; None: no bound.
+        self.row_limit: int | None = None
 
     # -- schedule ---------------------------------------------------------------------------
     @property
@@ -417,8 +420,9 @@ class FrontIngestion:
             return inline
 
     def _take(self, *, force: bool) -> list[QueuedUnit] | None:
-        """Up to ``g_ing`` queued units of one node (call with the lock held); on-policy, up
-        to ``g_ing`` of the iteration's rows, or everything once the iteration is pushed."""
+        """Up to ``g_ing`` queued units of one node (call with the lock held), no more than
+        :attr:`row_limit` rows together; on-policy, up to ``g_ing`` of the iteration's rows, or
+        everything once the iteration is pushed."""
         if not self._pending:
             return None
         if self.iteration is None:
@@ -437,8 +441,11 @@ class FrontIngestion:
         node = self._pending[0].node
         units: list[QueuedUnit] = []
         got = 0
+        limit = self.row_limit if self.iteration is None else None
         while (self._pending and len(units) < units_cap and self._pending[0].node == node
                and (rows_cap is None or got < rows_cap)):
+            if units and limit is not None and got + self._pending[0].rows > limit:
+                break  # joined, they would not fit the shard: the rest go next
             units.append(self._pending.popleft())
             got += units[-1].rows
         self._inflight += len(units)
