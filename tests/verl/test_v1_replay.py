@@ -20,7 +20,7 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage  # noqa: 
 from verl.utils.import_utils import load_extern_type  # noqa: E402
 
 import conduit.integrations.verl.replay as replay_module  # noqa: E402
-from conduit import EmptyBufferError, SpecError  # noqa: E402
+from conduit import EmptyBufferError  # noqa: E402
 
 N, PROMPTS, LENGTH = 4, 3, 5
 # The trainer loads custom samplers with load_extern_type, which verl itself deprecates.
@@ -159,21 +159,21 @@ def test_validation_partition_is_passed_through(kv_store):
     assert buffer.plane is None  # validation data never trains
 
 
-def test_bad_groups_get_typed_errors(kv_store):
+def test_bad_groups_are_evicted_and_named(kv_store, caplog):
     buffer = _build(_config())
     _rollout("short", 1, seed=1, trajectories=N - 1)
-    with pytest.raises(SpecError, match="group 'short' has 3 trajectories") as err:
-        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
-    assert err.value.field == "uid"
     _rollout("empty", 1, seed=2)
     data = kv_store.fields[("train", "empty_2_0")]
     data["response_mask"] = torch.zeros_like(data["response_mask"])
-    with pytest.raises(SpecError, match="empty_2_0") as err:
-        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
-    assert err.value.field == "response_mask"
-    _rollout("fine", 1, seed=3)  # both bad groups were evicted, not picked again
-    batch, _ = buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+    _rollout("fine", 2, seed=3)  # finished later: chosen once the bad groups are evicted
+    with caplog.at_level("INFO", logger=replay_module.__name__), \
+            pytest.warns(RuntimeWarning, match="field 'response_mask'.*empty_2_0"):
+        batch, metrics = buffer.sample(global_steps=2, partition_id="train", batch_size=1)
     assert {k.split("_")[0] for k in batch.keys} == {"fine"}
+    assert metrics["training/conduit/evicted_malformed"] == 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("'uid'" in m and "group 'short' has 3 trajectories" in m for m in logged)
+    assert any("'response_mask'" in m and "empty_2_0" in m for m in logged)
 
 
 def test_sample_raises_when_groups_never_finish(kv_store):

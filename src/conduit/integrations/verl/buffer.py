@@ -27,9 +27,11 @@ from conduit.errors import (
     CapacityError,
     ConfigError,
     EmptyBufferError,
+    OperatorError,
     PlaneClosedError,
     ScheduleError,
     SpecError,
+    StateError,
 )
 from conduit.integrations.verl._checks import check_epsilon, check_seed
 from conduit.integrations.verl._weak import weak_ingestion
@@ -49,21 +51,53 @@ _ROW, _GROUP = "row_id", "group"
 _ADDED = ("advantages", "returns")
 
 
+class LostGroupsError(OperatorError):
+    """The ingestion operator failed, and the rows of some put groups were not stored.
+
+    The buffer holds every other group of the step, and its plane is usable again: put the
+    listed groups again, in this order, and the step's mini-batches are those a run without
+    the failure gives (same rows, advantages and order).
+
+    Attributes:
+        uids: The groups to put again, in the order they were put.
+        lost_units: The puts taken back (each put is one rollout unit of the plane).
+        lost_rows: Their rows.
+        stored_rows: 0: rows the failed invocation stored stay, and their groups are not
+            in ``uids``.
+    """
+
+    def __init__(self, original: BaseException, *, uids: list[Any], units: int,
+                 rows: int) -> None:
+        super().__init__("ingestion", original, lost_units=units, lost_rows=rows)
+        self.uids = list(uids)
+        shown = ", ".join(repr(u) for u in self.uids[:8])
+        more = f" and {len(self.uids) - 8} more" if len(self.uids) > 8 else ""
+        again = (f"put groups [{shown}{more}] again, in this order" if self.uids
+                 else "every put group is stored")
+        self.args = (f"{self.args[0]}; {again}",)
+
+
+class _Dropped(Exception):  # noqa: N818 - what the operator raises, not a failure of its own
+    """Raised by the ingestion operator for units queued behind a failed invocation."""
+
+
 class _Step:
-    """Host-side bookkeeping of one step: its groups, their non-tensor entries, and the
-    mini-batches pulled from the plane so far.
+    """Host-side bookkeeping of one step: its puts (groups, rows and non-tensor entries, in
+    put order), and the mini-batches pulled from the plane so far.
 
     A put records its groups here before it pushes them (a mini-batch of its rows may be
-    delivered as soon as the push returns) and takes them back if the push raises. Pulled
+    delivered as soon as the push returns) and takes them back if the push raises; after an
+    ingestion failure, :meth:`keep` drops the puts whose rows the plane did not store. Pulled
     mini-batches stay here until the whole step is pulled, so a :meth:`GRPOBuffer.minibatches`
     that raised (a timeout) loses none of them and a retry resumes where it stopped.
     """
 
-    def __init__(self, meta_info: Mapping[str, Any]) -> None:
+    def __init__(self) -> None:
         self.rows = 0
         self.uids: set[Any] = set()
+        self.puts: list[tuple[list[Any], int]] = []  # each put's uids and rows
         self.parts: list[dict[str, np.ndarray]] = []
-        self.meta_info = dict(meta_info)
+        self.metas: list[dict[str, Any]] = []  # each put's meta_info
         self.pulled: list[Batch] = []  # the step's mini-batches, as the plane delivered them
         self.pulled_all = False  # the plane has moved on to the next step
         self._joined: dict[str, np.ndarray] | None = None
@@ -71,19 +105,38 @@ class _Step:
     def add(self, uids: list[Any], part: dict[str, np.ndarray], rows: int,
             meta_info: Mapping[str, Any]) -> None:
         """Record one put's groups (its rows follow the step's earlier rows)."""
-        if self.rows == 0:
-            self.meta_info = dict(meta_info)
+        self.metas.append(dict(meta_info))
         self.uids.update(uids)
+        self.puts.append((uids, rows))
         self.parts.append(part)
         self.rows += rows
         self._joined = None
 
-    def remove_last(self, uids: list[Any], rows: int) -> None:
-        """Take back the last :meth:`add` (its push raised)."""
+    def remove_last(self) -> None:
+        """Take back the last :meth:`add` (its push raised, or its rows were not stored)."""
+        uids, rows = self.puts.pop()
         self.uids.difference_update(uids)
         self.parts.pop()
+        self.metas.pop()
         self.rows -= rows
         self._joined = None
+
+    def keep(self, rows: int) -> list[tuple[list[Any], int]]:
+        """Keep the first puts, which hold the step's first ``rows`` rows (the plane stores
+        rows in put order); take back the others and return them (uids and rows, in put
+        order)."""
+        kept = total = 0
+        while kept < len(self.puts) and total + self.puts[kept][1] <= rows:
+            total += self.puts[kept][1]
+            kept += 1
+        if total != rows:
+            raise StateError("step.rows", f"the plane stores {rows} rows of the step, which "
+                                          f"do not end where a put ends; close the buffer and "
+                                          f"build a new one")
+        dropped = self.puts[kept:]
+        for _ in dropped:
+            self.remove_last()
+        return dropped
 
     def non_tensors(self, row_ids: torch.Tensor) -> dict[str, np.ndarray]:
         """The non-tensor entries of the given rows of the step."""
@@ -131,7 +184,9 @@ class GRPOBuffer:
         timeout: Seconds a put or a mini-batch may wait before raising.
 
     Non-tensor entries are copied at put; the elements of an object array (a dict, a list)
-    are not: the delivered mini-batch shares them with the put ``DataProto``.
+    are not: the delivered mini-batch shares them with the put ``DataProto``. Each mini-batch
+    carries the step's ``meta_info``: its puts' merged as ``DataProto.concat`` merges them
+    (every key once, ``metrics`` gathered into lists).
 
     Raises:
         ConfigError: An argument is invalid; the message names it.
@@ -174,7 +229,9 @@ class GRPOBuffer:
         self._steps: dict[int, _Step] = {}
         self._filling = 0  # step that puts go to
         self._delivering = 0  # step that minibatches() reads
-        self._put_lock = threading.Lock()  # puts one at a time: a failed one is taken back
+        self._put_lock = threading.Lock()  # puts, and settling a failure, one at a time
+        self._lost_seen = 0  # the plane's lost_units once the last failure was settled
+        self._failure: BaseException | None = None  # what the operator raised, until settled
         self._arrived = threading.Condition()  # a put recorded rows, or close() ran
         self._closed = False
 
@@ -195,27 +252,43 @@ class GRPOBuffer:
                 exactly ``group_size`` rows, each with at least one response token. Other
                 tensor and non-tensor entries travel along.
 
-        A put that raises leaves the step as it was: its groups can be put again.
+        A put refused before its rows reach the plane (a ``SpecError``, a
+        ``CapacityError``, a timeout) leaves the step as it was: its groups can be put again.
+        A put that meets an ingestion failure (of an invocation over this put's groups, or
+        over earlier puts' groups still waiting to be ingested) leaves the step holding
+        exactly the groups whose rows the plane stored, and raises
+        :class:`LostGroupsError` naming every other group of its puts, in put order; rows
+        stored before the failure stay, and their groups are not named. No group of a put
+        that raised is stored later.
 
         Raises:
             SpecError: ``data`` is not a ``DataProto``, lacks a field, has a group of the wrong
                 size or already put this step, a uid that is not hashable, a field whose
-                name starts with ``_``, an empty response, rewards that are not floating
-                point, whose sum over a response is not finite, or whose group's mean or
-                standard deviation overflows their dtype (field ``reward_key``), a field
-                whose shape or dtype differs from the first put's, or a non-tensor entry
-                whose per-row shape differs from this step's first put's (field
-                ``non_tensor_batch``).
+                name starts with ``_``, a tensor on the ``meta`` device, an empty response,
+                rewards that are not floating point, whose sum over a response is not
+                finite, or whose group's mean or standard deviation overflows their dtype
+                (field ``reward_key``), a field whose shape or dtype differs from the first
+                put's, a non-tensor entry whose per-row shape differs from this step's first
+                put's (field ``non_tensor_batch``), or a ``meta_info`` that does not merge
+                with this step's earlier puts' (a key with another value; field
+                ``meta_info``).
             ConfigError: ``epsilon`` rounds to 0 in the rewards' dtype.
             CapacityError: The groups overflow the step being filled.
             BackpressureTimeout: The next step could not start within the timeout.
+            LostGroupsError: The ingestion operator failed (here, or earlier on the ingestion
+                worker); ``uids`` lists the groups to put again, this put's among them
+                unless its rows were stored. An operator interrupted on this thread
+                (``KeyboardInterrupt``, ``SystemExit``) raises that interrupt instead, with
+                the same list in a note; the buffer is settled the same way.
+            OperatorError: The delivery operator failed; the plane recovers, and this put can
+                be made again.
             PlaneClosedError: The buffer was closed.
         """
         with self._put_lock:
             if self._closed:
                 raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
             tensors, group = self._check(data)
-            step = self._steps.get(self._filling) or _Step(data.meta_info)
+            step = self._steps.get(self._filling) or _Step()
             rows = len(data)
             if step.rows + rows > self.rows_per_step:
                 raise CapacityError(f"a put of {rows} rows overflows the step, which has "
@@ -224,7 +297,7 @@ class GRPOBuffer:
                                     available=self.rows_per_step - step.rows)
             plane = self._plane or self._build(tensors)
             unit = {**tensors, _ROW: torch.arange(step.rows, step.rows + rows), _GROUP: group}
-            uids = data.non_tensor_batch["uid"].tolist()
+            uids = list(dict.fromkeys(data.non_tensor_batch["uid"].tolist()))  # its groups
             # Recorded before the push: its rows may be delivered as soon as it returns.
             step.add(uids, {k: np.array(v, copy=True) for k, v in data.non_tensor_batch.items()},
                      rows, data.meta_info)
@@ -233,9 +306,15 @@ class GRPOBuffer:
                 self._arrived.notify_all()
             try:
                 plane.push(unit, policy_version=self._filling)
-            except BaseException:
-                step.remove_last(uids, rows)
-                raise
+            except BaseException as exc:
+                if not self._ingestion_failed():
+                    step.remove_last()  # refused: nothing of it is queued
+                    if isinstance(exc, OperatorError) and plane.failed is not None:
+                        plane.recover()  # a delivery failure, reported here
+                    raise
+                raise self._settled(exc)  # noqa: B904 - its cause is set
+            if self._ingestion_failed():  # an invocation over earlier puts' groups failed
+                raise self._settled(None)
             if step.rows == self.rows_per_step:
                 self._filling += 1
 
@@ -248,9 +327,9 @@ class GRPOBuffer:
         raises, the mini-batches it pulled so far stay with the step, and the next call
         resumes there and returns all of them.
 
-        A call made before the step's first put (the previous step was just delivered)
-        waits for it, within the timeout of the call's first mini-batch (one deadline for
-        both).
+        A call made before the step's first put (before any put at all, or after the
+        previous step was delivered) waits for it, within the timeout of the call's first
+        mini-batch (one deadline for both): another thread may be about to put.
 
         Args:
             timeout: Seconds to wait for each mini-batch (default: the buffer's ``timeout``).
@@ -258,33 +337,47 @@ class GRPOBuffer:
         Raises:
             EmptyBufferError: A mini-batch was not ready within the timeout (the step is not
                 full yet, or has no groups); call again once its groups are put.
-            ConfigError: Nothing was put yet, or ``timeout`` is not a number >= 0.
+            LostGroupsError: The ingestion operator failed on this step's groups, and this
+                call met the failure first (an interrupt raises itself instead, as in
+                :meth:`put`): the step holds exactly the groups whose rows were stored, and
+                ``uids`` lists the groups to put again; call again once they are put.
+            OperatorError: An operator failure that another call already settled (and
+                reported), or a delivery failure; the plane recovers: call again.
+            ConfigError: ``timeout`` is not a number of seconds >= 0.
             PlaneClosedError: The buffer was closed.
         """
         if self._closed:
             raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
-        if self._plane is None:
-            raise ConfigError("put", "no group was put yet; put a step's groups first")
-        plane = self._plane
-        wait = plane.config.wait_for(timeout)
+        wait = self._wait_for(timeout)
         deadline = time.monotonic() + wait
         with self._arrived:
             started = self._arrived.wait_for(lambda: self._closed or self._has_rows(), wait)
+            step = self._steps.get(self._delivering)
         if self._closed:
             raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
-        if not started:
+        if not started or step is None or self._plane is None:
             raise EmptyBufferError(f"step {self._delivering} had no groups within {wait} s; "
                                    f"call again once its groups are put")
-        step = self._steps[self._delivering]
+        plane = self._plane
         if not step.pulled_all:
             version = plane.policy_version  # the step's last pull moves it on
             limit = max(0.0, deadline - time.monotonic())  # the first pull: what is left
             while plane.policy_version == version:
-                step.pulled.append(plane.pull(timeout=limit))
+                try:
+                    step.pulled.append(plane.pull(timeout=limit))
+                except BaseException as exc:
+                    if self._ingestion_failed():
+                        with self._put_lock:  # (a put may be settling it meanwhile)
+                            if self._ingestion_failed():
+                                raise self._settled(exc)  # noqa: B904 - its cause is set
+                    elif isinstance(exc, OperatorError) and plane.failed is not None:
+                        plane.recover()  # a delivery failure, reported here
+                    raise
                 limit = wait
             step.pulled_all = True
         # Converted once the step is whole: every row's non-tensor entries are recorded.
-        out = [self._to_dataproto(b, step) for b in step.pulled]
+        meta = _merged_meta(step.metas)
+        out = [self._to_dataproto(b, step, meta) for b in step.pulled]
         del self._steps[self._delivering]
         self._delivering += 1
         return out
@@ -302,6 +395,91 @@ class GRPOBuffer:
         step = self._steps.get(self._delivering)
         return step is not None and step.rows > 0
 
+    def _wait_for(self, timeout: float | None) -> float:
+        """Seconds a call may wait: ``timeout``, or the buffer's when None.
+
+        Raises:
+            ConfigError: ``timeout`` is not a number of seconds >= 0 (as the plane checks it).
+        """
+        if self._plane is not None:
+            return self._plane.config.wait_for(timeout)
+        if timeout is None:
+            return float(self._plane_args["timeout"])
+        wait = check_real("timeout", timeout, positive=False, what="a number of seconds")
+        if wait > threading.TIMEOUT_MAX:
+            raise ConfigError("timeout", f"must be at most {threading.TIMEOUT_MAX:.4g} s "
+                                         f"(threading.TIMEOUT_MAX), got {timeout!r}")
+        return wait
+
+    def _ingestion_failed(self) -> bool:
+        """Whether an ingestion invocation failed since the last failure was settled."""
+        plane = self._plane
+        return plane is not None and plane.counters["lost_units"] != self._lost_seen
+
+    def _settled(self, exc: BaseException | None) -> BaseException:
+        """Settle an ingestion failure (:meth:`_settle_locked`, with the put lock held) that
+        the call met as ``exc`` (None: it returned), and what the call raises: ``exc`` itself
+        when it is an interrupt, with a note naming the groups to put again, else a
+        :class:`LostGroupsError` naming them, caused by what the operator raised."""
+        plane = self._plane
+        assert plane is not None  # (a failure needs a plane)
+        latched = plane.failed
+        cause = (self._failure
+                 or (exc.__cause__ if exc is not None and exc.__cause__ is not None else exc)
+                 or (latched.__cause__ if latched is not None else None)
+                 or RuntimeError("an ingestion invocation failed"))
+        lost = self._settle_locked()
+        uids = [u for put_uids, _ in lost for u in put_uids]
+        if exc is not None and not isinstance(exc, Exception):  # an interrupt stays one
+            exc.add_note(f"conduit: the GRPOBuffer's groups {uids} were not stored; put "
+                         f"them again, in this order")
+            return exc
+        err = LostGroupsError(cause, uids=uids, units=len(lost),
+                              rows=sum(rows for _, rows in lost))
+        err.__cause__, err.__suppress_context__ = cause, True
+        return err
+
+    def _settle_locked(self) -> list[tuple[list[Any], int]]:
+        """Make the steps match the rows the plane stored, after an ingestion failure.
+
+        Until this returns, the ingestion operator refuses every invocation
+        (:meth:`_ingest`), so no row lands after the failure: the units still queued are
+        flushed out (each refusal fails on the plane, which then recovers), and the rows
+        stored are the first rows of the plane's current step, in put order. Every put
+        holding other rows is taken back (those of later steps too), and the next puts go
+        to the first step that is not full.
+
+        Returns:
+            The puts taken back (their uids and rows), in put order.
+        """
+        plane = self._plane
+        assert plane is not None
+        while True:
+            plane.recover()
+            try:
+                plane.flush()
+            except OperatorError as e:
+                if e.operator != "ingestion":
+                    raise
+                continue  # a refused invocation; more units may be queued
+            break
+        plane.recover()  # also forgets the losses of inline invocations on other threads
+        stats = plane.stats()
+        version, stored = stats["policy_version"], stats["size"]
+        lost: list[tuple[list[Any], int]] = []
+        with self._arrived:
+            for index in sorted(i for i in self._steps if i >= version):
+                step = self._steps[index]
+                lost += step.keep(stored if index == version else 0)
+                if index > version:  # (the current step stays: a minibatches() may hold it)
+                    del self._steps[index]
+            current = self._steps.get(version)
+        full = current is not None and current.rows == self.rows_per_step
+        self._filling = version + 1 if full else version
+        self._lost_seen = stats["lost_units"]
+        self._failure = None
+        return lost
+
     def __enter__(self) -> GRPOBuffer:
         return self
 
@@ -315,6 +493,10 @@ class GRPOBuffer:
         if data.batch is None or len(data) == 0:
             raise SpecError(None, "the DataProto holds no rows; put whole prompt groups")
         tensors = {str(k): v for k, v in data.batch.items()}
+        for name, tensor in tensors.items():
+            if tensor.is_meta:
+                raise SpecError(name, "is on the meta device, which holds no values; put it "
+                                      "on the CPU or a CUDA device")
         for name in (self.reward_key, "response_mask"):
             if name not in tensors:
                 raise SpecError(name, f"missing from the DataProto's batch; it has "
@@ -352,6 +534,12 @@ class GRPOBuffer:
         group = torch.tensor(ids, dtype=torch.int64)
         step = self._steps.get(self._filling)
         if step is not None and step.parts:
+            try:
+                _merged_meta([*step.metas, data.meta_info])
+            except Exception as exc:  # verl's assertion, or a value that cannot compare
+                raise SpecError("meta_info", f"does not merge with this step's earlier puts' "
+                                             f"as DataProto.concat merges them ({exc}); give "
+                                             f"a key one value within a step") from None
             first = step.parts[0]
             if first.keys() != data.non_tensor_batch.keys():
                 raise SpecError("non_tensor_batch", f"has keys {sorted(data.non_tensor_batch)}, "
@@ -455,8 +643,19 @@ class GRPOBuffer:
         return plane
 
     def _ingest(self, actor_in: ActorIn, exp_out: BufferOut) -> None:
-        for unit in actor_in.read_units():
-            exp_out.write(self._with_advantages(unit))
+        """The ingestion operator. Once an invocation has failed, it refuses every unit
+        until the failure is settled (:meth:`_settle_locked`), so no row lands after the
+        failed invocation's."""
+        if self._ingestion_failed():
+            raise _Dropped("the unit was queued behind a failed ingestion invocation; the "
+                           "GRPOBuffer names its groups to put again")
+        try:
+            for unit in actor_in.read_units():
+                exp_out.write(self._with_advantages(unit))
+        except BaseException as exc:
+            if self._failure is None:
+                self._failure = exc
+            raise
 
     def _with_advantages(self, unit: Batch) -> Batch:
         """One put's rows with each group's GRPO advantages and returns."""
@@ -472,10 +671,17 @@ class GRPOBuffer:
         out["advantages"], out["returns"] = tokens, tokens.clone()
         return out
 
-    def _to_dataproto(self, batch: Batch, step: _Step) -> DataProto:
+    def _to_dataproto(self, batch: Batch, step: _Step, meta: dict[str, Any]) -> DataProto:
         tensors = {k: v for k, v in batch.items() if not k.startswith("_") and k != _ROW}
         return DataProto.from_dict(tensors=tensors, non_tensors=step.non_tensors(batch[_ROW]),
-                                   meta_info=dict(step.meta_info))
+                                   meta_info=dict(meta))
+
+
+def _merged_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``meta_info`` of the step's puts merged as ``DataProto.concat`` merges those of the
+    batches it joins: every key once (two puts giving a key different values fail, as verl
+    asserts), and the ``metrics`` of all puts gathered into lists."""
+    return DataProto.concat([DataProto(meta_info=dict(m)) for m in metas]).meta_info
 
 
 def _check_schedule(schedule: Any, num_minibatches: int) -> None:

@@ -23,7 +23,9 @@ keys across data-parallel ranks; set ``trainer.balance_batch=False`` to train in
 """
 
 import contextlib
+import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -38,13 +40,14 @@ from conduit.errors import (
     ConfigError,
     EmptyBufferError,
     PlaneClosedError,
-    SpecError,
 )
 from conduit.integrations.verl._checks import check_epsilon
 from conduit.integrations.verl._weak import weak_ingestion
 from conduit.integrations.verl.advantages import grpo_group_advantage
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.spec import Batch, ExperienceSpec
+
+_log = logging.getLogger(__name__)
 
 _SPEC = ExperienceSpec.of(key=((), torch.int64), seq_len=((), torch.int64),
                           score=((), torch.float32), advantage=((), torch.float32))
@@ -138,12 +141,12 @@ class ConduitReplayBuffer:
     buffer does. A malformed finished group (trajectories other than ``group_size`` of them,
     an empty response, a ``response_mask`` that is not a bool or integer tensor of a token per
     position, a reward that is not token-level or not finite, or scores whose advantages
-    overflow) is evicted and replaced the same way, and
-    ``sample`` raises a :class:`~conduit.errors.SpecError` naming it, once: the next
-    ``sample`` goes on with the other groups. Keyword arguments a later verl adds are accepted
-    and ignored. ``sample`` needs the rewards in TransferQueue when it runs, as verl's
-    streaming reward loop writes them (rule-based rewards, or a reward model on its own
-    resource pool).
+    overflow) is evicted and replaced the same way, as verl's buffer evicts the groups its
+    filters reject: ``sample`` counts it in its metrics, warns about the first one (and
+    logs each), and goes on with the other groups, so one bad group does not end a run.
+    Keyword arguments a later verl adds are accepted and ignored. ``sample`` needs the
+    rewards in TransferQueue when it runs, as verl's streaming reward loop writes them
+    (rule-based rewards, or a reward model on its own resource pool).
 
     verl's multi-output agent loops (several outputs of one trajectory, keys
     ``{uid}_{trajectory}_{index}`` with ``index > 0``) give groups of varying size whose
@@ -169,6 +172,7 @@ class ConduitReplayBuffer:
         self._plane: ExperienceDataPlane | None = None
         self._step_rows = 0
         self._unreported: dict[str, int] = {}  # evictions no returned metrics counted yet
+        self._warned = False  # a malformed group was evicted (and warned about)
         self._closed = False
 
     @property
@@ -228,27 +232,27 @@ class ConduitReplayBuffer:
                ) -> tuple[KVBatchMeta, dict]:
         """The ``batch_size`` oldest finished groups, keys in Conduit's mini-batch order.
 
-        Every chosen group is checked before any of it enters the plane. A malformed one is
-        evicted from TransferQueue (its prompt and trajectory keys; counted in the next
-        metrics as ``{training,validation}/conduit/evicted_malformed`` and replaced through
-        ``refill_fn`` on ``train``) and this call raises; the groups that were fine stay in
-        the pool for the next call. If the plane fails once rows were pushed, it is closed and
-        the next call builds a fresh one. The groups are chosen from the listing that counted
-        them; if some left the pool meanwhile (another consumer), it waits for more, within
-        the same ``sampler_kwargs.timeout`` (one deadline for the whole call). Evictions of a
-        call that raises are counted in the next metrics returned.
+        Every chosen group is checked before any of it enters the plane. A malformed one
+        (see the class) is evicted from TransferQueue (its prompt and trajectory keys;
+        counted in the metrics as ``{training,validation}/conduit/evicted_malformed``) and
+        the call goes on: on ``train`` it is replaced through ``refill_fn`` and the call
+        chooses again among the finished groups (the fine ones are chosen again), waiting
+        for enough of them within the same deadline; on a validation partition, where no
+        replacement comes, the batch goes on without it, as verl's buffer returns a
+        validation batch without the trajectories a group lacks. The first group a buffer
+        evicts is warned about (``RuntimeWarning``); each is logged. If the plane fails once
+        rows were pushed, it is closed and the next call builds a fresh one. The groups are
+        chosen from the listing that counted them; if some left the pool meanwhile (another
+        consumer), it waits for more, within the same ``sampler_kwargs.timeout`` (one
+        deadline for the whole call). Evictions of a call that raises are counted in the
+        next metrics returned.
 
         Raises:
             ConfigError: ``batch_size`` is not a positive integer, or differs from the
                 earlier steps'.
-            SpecError: A chosen group is malformed (and was evicted): a number of
-                trajectories other than ``group_size`` (none found at all on a validation
-                partition; field ``uid``), an empty response or a ``response_mask`` that is
-                not a ``[response_length]`` bool or integer tensor (``response_mask``), or a
-                reward that is not a ``[response_length]`` tensor, whose sum over a response
-                is not finite, or whose group's mean or standard deviation overflows float32
-                (``reward_key``).
-            EmptyBufferError: Not enough groups finished within ``sampler_kwargs.timeout``.
+            EmptyBufferError: Not enough well-formed groups finished within
+                ``sampler_kwargs.timeout`` (the message counts the malformed ones evicted
+                meanwhile), or every chosen group of a validation partition was malformed.
             PlaneClosedError: The buffer was closed.
         """
         if self._closed:
@@ -266,31 +270,32 @@ class ConduitReplayBuffer:
         """:meth:`sample`, counting evictions in ``metrics`` as it goes."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.timeout
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                _, waited = self.wait_for_sampleable(global_steps, partition_id, batch_size,
-                                                     timeout=left)
-            except EmptyBufferError as e:
-                raise EmptyBufferError(f"{e} (sample waits sampler_kwargs.timeout="
-                                       f"{self.config.timeout} s in all)") from None
-            _merge(metrics, waited)
-            listing = tq.kv_list(partition_id).get(partition_id, {})
-            finished = self._finished(partition_id, metrics, listing=listing)
-            if len(finished) >= batch_size:
-                break
-        chosen = sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
-        keys, tags = self._trajectories(listing, chosen)
         train = partition_id == "train"
-        self._evict_malformed(self._miscounted(keys, chosen, exact=train), partition_id)
+        while True:
+            listing, chosen = self._choose(global_steps, partition_id, batch_size, deadline,
+                                           metrics)
+            keys, tags = self._trajectories(listing, chosen)
+            bad = self._miscounted(keys, chosen, exact=train)
+            if not bad and train:
+                mask, reward = self._read(keys, partition_id)
+                bad = self._bad_layout(keys, chosen, mask, reward, partition_id)
+                if not bad:
+                    scores = reward.sum(dim=-1).to(torch.float32)
+                    bad = self._bad_rows(keys, mask, scores)
+            if not bad:
+                break
+            self._evict_malformed(bad, partition_id, metrics)
+            if not train:  # no replacement comes: the batch goes on without them, as verl's
+                chosen = [u for u in chosen if u not in bad]
+                if not chosen:
+                    raise EmptyBufferError(f"every chosen group of partition {partition_id!r} "
+                                           f"was malformed, and evicted")
+                kept = [i for i, k in enumerate(keys) if k.split("_")[0] not in bad]
+                keys, tags = [keys[i] for i in kept], [tags[i] for i in kept]
+                break
         if not train:
             tq.kv_clear(keys=chosen, partition_id=partition_id)
             return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
-        mask, reward = self._read(keys, partition_id)
-        self._evict_malformed(self._bad_layout(keys, chosen, mask, reward, partition_id),
-                              partition_id)
-        scores = reward.sum(dim=-1).to(torch.float32)
-        self._evict_malformed(self._bad_rows(keys, mask, scores), partition_id)
         order = self._through_plane(mask, scores, tags, batch_size)
         tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
         prefix = "training/conduit"
@@ -298,6 +303,32 @@ class ConduitReplayBuffer:
                         f"{prefix}/sample_s": time.perf_counter() - t0})
         return KVBatchMeta(partition_id=partition_id, keys=[keys[i] for i in order],
                            tags=[tags[i] for i in order]), metrics
+
+    def _choose(self, global_steps: int, partition_id: str, batch_size: int, deadline: float,
+                metrics: dict) -> tuple[Mapping[str, Mapping[str, Any]], list[str]]:
+        """The listing of ``partition_id`` and the ``batch_size`` oldest finished groups in
+        it, waiting for them until ``deadline`` (``time.monotonic()``).
+
+        Raises:
+            EmptyBufferError: Not enough groups finished by ``deadline``.
+        """
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                _, waited = self.wait_for_sampleable(global_steps, partition_id, batch_size,
+                                                     timeout=left)
+            except EmptyBufferError as e:
+                name = (f"{'training' if partition_id == 'train' else 'validation'}"
+                        f"/conduit/evicted_malformed")
+                evicted = (f"; {metrics[name]} malformed group(s) were evicted meanwhile"
+                           if metrics.get(name) else "")
+                raise EmptyBufferError(f"{e} (sample waits sampler_kwargs.timeout="
+                                       f"{self.config.timeout} s in all{evicted})") from None
+            _merge(metrics, waited)
+            listing = tq.kv_list(partition_id).get(partition_id, {})
+            finished = self._finished(partition_id, metrics, listing=listing)
+            if len(finished) >= batch_size:
+                return listing, sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
 
     def close(self) -> None:
         """Stop the plane's workers; a later ``sample`` raises
@@ -442,25 +473,29 @@ class ConduitReplayBuffer:
                             f"are not finite; scale the rewards down"))
         return bad
 
-    def _evict_malformed(self, bad: Mapping[str, tuple[str, str]], partition_id: str) -> None:
-        """Evict the ``bad`` groups as failed ones are, and raise for the first of them.
-
-        Raises:
-            SpecError: ``bad`` is not empty.
-        """
-        if not bad:
-            return
+    def _evict_malformed(self, bad: Mapping[str, tuple[str, str]], partition_id: str,
+                         metrics: dict) -> None:
+        """Evict the ``bad`` groups as failed ones are: clear their keys, count them in
+        ``metrics``, ask ``refill_fn`` for as many on ``train``, and warn about the first
+        group this buffer evicts (each is logged)."""
         listing = tq.kv_list(partition_id).get(partition_id, {})  # what landed meanwhile too
         tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in bad],
                     partition_id=partition_id)
         kind = "training" if partition_id == "train" else "validation"
-        self._defer({f"{kind}/conduit/evicted_malformed": len(bad)})
+        _merge(metrics, {f"{kind}/conduit/evicted_malformed": len(bad)})
         if self.refill_fn is not None and partition_id == "train":
             self.refill_fn(len(bad))
-        field, message = next(iter(bad.values()))
-        others = f"; {len(bad) - 1} other malformed group(s) too" if len(bad) > 1 else ""
-        raise SpecError(field, f"{message}. The group was evicted from partition "
-                               f"{partition_id!r}{others}; the next sample goes on without it")
+        for field, message in bad.values():
+            _log.info("evicted a malformed group from partition %r (field %r): %s",
+                      partition_id, field, message)
+        if not self._warned:
+            self._warned = True
+            field, message = next(iter(bad.values()))
+            warnings.warn(f"ConduitReplayBuffer evicted a malformed group from partition "
+                          f"{partition_id!r} (field {field!r}): {message}. sample goes on "
+                          f"with other groups; later evictions are counted in the metrics "
+                          f"({kind}/conduit/evicted_malformed) and logged, not warned about",
+                          RuntimeWarning, stacklevel=4)
 
     def _defer(self, metrics: Mapping[str, int]) -> None:
         """Keep eviction counts no returned metrics carried, for the next metrics."""
