@@ -154,6 +154,18 @@ def _check_schedule(schedule: Any) -> Schedule:
     return schedule
 
 
+def _check_spec(spec: Any) -> ExperienceSpec:
+    """Refuse a ``spec`` argument that is not an :class:`~conduit.spec.ExperienceSpec`.
+
+    Raises:
+        ConfigError: (field ``spec``) It is not.
+    """
+    if not isinstance(spec, ExperienceSpec):
+        raise ConfigError("spec", f"expected an ExperienceSpec, got {type(spec).__name__} "
+                                  f"{spec!r:.80}")
+    return spec
+
+
 def _close_dropped(engine: PlaneEngine,
                    snapshotters: weakref.WeakSet[checkpoint.Snapshotter] | None = None) -> None:
     """Close a plane that was dropped without ``close()`` (its workers and snapshotters hold
@@ -541,28 +553,44 @@ class ExperienceDataPlane:
 
     def migrate(self, placement: Placement, *, spec: ExperienceSpec | None = None,
                 chunk_rows: int = 65_536) -> dict[str, Any]:
-        """Move the buffer to ``placement``, and optionally a wider ``spec`` (same fields and
-        dtypes, shapes that grow; old rows are zero-padded), online (Alg. 2): the operators
-        pause, rows move ``chunk_rows`` at a time keeping their slots (so the ring cursor,
-        priorities and FIFO layout stay valid), and the operators resume. No row is lost or
-        duplicated: rollout units pushed before the call and not ingested yet are widened
-        too (unless a ``rollout_spec`` or a registered ingestion operator shapes them), and
-        so are those of pushes that checked their rollout before it and queue it after.
+        """Move the buffer to ``placement``, and optionally a wider ``spec`` (same dtypes,
+        shapes that grow, fields may be added; old rows are zero-padded and get zeros in the
+        new fields), online (Alg. 2): the operators pause, rows move ``chunk_rows`` at a time
+        keeping their slots (so the ring cursor, priorities and FIFO layout stay valid), and
+        the operators resume. No row is lost or duplicated: rollout units pushed before the
+        call and not ingested yet are widened too (unless a ``rollout_spec`` or a registered
+        ingestion operator shapes them), and so are those of pushes that checked their
+        rollout before it and queue it after, and training batches staged before it (fields
+        it adds only with the default delivery operator).
+
+        One migration at a time: a call while another thread migrates, or otherwise holds
+        the plane paused (:meth:`paused`, :meth:`set_schedule`, :meth:`load_state_dict`, a
+        save), waits for it within the plane's timeout, then starts from the buffer, spec
+        and placement it left (``spec=None`` keeps the spec in force then).
         Returns what moved (see :func:`~conduit.plane.migration.move_buffer`).
 
         Raises:
-            ConfigError: ``placement`` is not a Placement, or ``chunk_rows`` is not a positive
-                integer, or the call comes from inside an operator (nothing moves).
+            ConfigError: ``placement`` is not a Placement, ``spec`` is neither an
+                ExperienceSpec nor None, or ``chunk_rows`` is not a positive integer, or the
+                call comes from inside an operator (nothing moves).
             SpecError: ``spec`` drops or narrows a field or changes a dtype.
             CapacityError: The new placement cannot hold the buffer.
+            OperatorError: (``operator="runtime"``) Another thread held the plane paused,
+                or an operator invocation ran, past the plane's timeout: nothing moves.
         """
         self._check_open()
         self._engine.refuse_inside_operator("migrate")
         chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
         if not isinstance(placement, Placement):
             raise ConfigError("placement", f"expected a Placement, got {placement!r}")
-        report = migrate(self._engine, placement, spec=spec or self.spec,
-                         chunk_rows=chunk_rows, placement_map=self.placement_map,
+        if spec is not None:
+            _check_spec(spec)
+        return self._migrate(placement, spec, chunk_rows)
+
+    def _migrate(self, placement: Placement | None, spec: ExperienceSpec | None,
+                 chunk_rows: int) -> dict[str, Any]:
+        report = migrate(self._engine, placement, spec=spec, chunk_rows=chunk_rows,
+                         placement_map=self.placement_map,
                          widen_pending=(self.config.rollout_spec is None
                                         and not self._ingest_registered))
         self.timings.record("migration", report["seconds"])
@@ -571,17 +599,26 @@ class ExperienceDataPlane:
     def grow(self, *, spec: ExperienceSpec, chunk_rows: int = 65_536) -> dict[str, Any]:
         """Widen the spec online, following the plane's :class:`PlacementMap` (Alg. 2): when
         the new per-sample size falls in another region of the map the buffer migrates there
-        (the report then holds the Eq. 3 plan), otherwise it is widened where it is.
+        (the report then holds the Eq. 3 plan), otherwise it is widened where it is. Runs as
+        :meth:`migrate` does, one at a time: the target is chosen once the plane is paused,
+        from the spec and placement in force then.
 
         Raises:
-            ConfigError: The plane was not built with a ``PlacementMap``, ``chunk_rows``
-                is not a positive integer, or the call comes from inside an operator.
+            ConfigError: ``spec`` is not an ExperienceSpec, the plane was not built with a
+                ``PlacementMap``, ``chunk_rows`` is not a positive integer, or the call comes
+                from inside an operator.
             SpecError: ``spec`` is not a growth of the current spec.
             CapacityError: No placement of the map holds the new size.
+            OperatorError: (``operator="runtime"``) Another thread held the plane paused,
+                or an operator invocation ran, past the plane's timeout: nothing moves.
         """
+        self._check_open()
         self._engine.refuse_inside_operator("grow")
-        target = grow_target(self.placement_map, self.buffer.placement, self.spec, spec)
-        return self.migrate(target, spec=spec, chunk_rows=chunk_rows)
+        _check_spec(spec)
+        chunk_rows = check_int("chunk_rows", chunk_rows, minimum=1)
+        # refused before pausing; chosen again once paused
+        grow_target(self.placement_map, self.buffer.placement, self.spec, spec)
+        return self._migrate(None, spec, chunk_rows)
 
     def timed(self, name: Literal["rollout", "update"] | str) -> AbstractContextManager[None]:
         """Time a caller window, e.g. ``with plane.timed("rollout"): ...``."""

@@ -88,6 +88,10 @@ class PlaneEngine:
         self.schedule = flow.schedule
         self.closed = False
         self._holders: list[int] = []  # the threads in a _hold block, one entry per hold
+        # One thread at a time holds the plane paused (a migration, set_schedule, a load);
+        # re-entrant, so that a thread that holds it may pause again inside.
+        self._pause_lock = threading.RLock()
+        self._pause_depth = 0  # paused() blocks open on the thread holding _pause_lock
         self.ingestion = ingestion_runner(self.runtime, overlap=0)
         self.delivery = delivery_runner(self.runtime, overlap=0)
 
@@ -150,33 +154,72 @@ class PlaneEngine:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Quiesce both operators: workers stopped, no invocation in flight, early assembly
-        dropped. The schedule's workers restart on exit (unless the plane closed).
+        dropped. The schedule's workers restart on exit (unless the plane closed), also when
+        the block or the wait for the workers is interrupted (``KeyboardInterrupt``).
+
+        One thread at a time holds the plane paused: a call on another thread waits until
+        that block ends (within the plane's timeout), so what the block reads of the buffer
+        and the spec stays as it read it. The thread holding it may pause again inside.
 
         Raises:
             OperatorError: A worker is stuck in an operator past the timeout. The error is
                 latched (dependent calls raise it) until the stuck invocation's own error, if
                 it raises, replaces it, and :meth:`recover`, once the invocation has returned,
                 restarts the workers. An invocation on another caller's thread
-                (inline) still running after the timeout raises it too, not latched.
+                (inline) still running after the timeout raises it too, not latched, and so
+                does another thread holding the plane paused past the timeout
+                (``operator="runtime"``, a ``TimeoutError`` as its cause; nothing changes).
             ConfigError: Called from inside an operator (nothing changes).
         """
         self.refuse_inside_operator("paused")
+        if not self._pause_lock.acquire(timeout=self.timeout):
+            late = TimeoutError(
+                f"another thread held the plane paused (a migration, set_schedule(), "
+                f"load_state_dict(), a save or paused()) past the plane's timeout "
+                f"({self.timeout}s); nothing was changed: retry once it returns")
+            raise OperatorError("runtime", late) from late
+        self._pause_depth += 1
+        restart = True
         try:
-            self.stop()
-        except OperatorError as stuck:
-            # The stuck worker exits when its invocation returns (``stop`` is set); a worker
-            # started beside it would run invocations out of order, so recover() restarts.
-            self.runtime.latch(stuck, provisional=True)
-            raise
-        try:
+            try:
+                self.stop()
+            except OperatorError as stuck:
+                # The stuck worker exits when its invocation returns (``stop`` is set); a
+                # worker started beside it would run invocations out of order, so recover()
+                # restarts.
+                restart = False
+                self.runtime.latch(stuck, provisional=True)
+                raise
             with self.quiesced():
                 with self.signals.lock:
                     self.flow.pause_locked()
                 yield
         finally:
-            with self.signals.lock:  # one step with close()'s check: no worker starts after it
-                if not self.closed and self.runtime.stop and not self.runtime.paused:
-                    self.start(self.schedule)
+            self._pause_depth -= 1
+            try:
+                if restart and not self._pause_depth:
+                    self._restart()
+            finally:
+                self._pause_lock.release()
+
+    def _restart(self) -> None:
+        """Start the schedule's workers again at the end of the outermost ``paused`` block,
+        unless the plane closed. A ``stop`` whose wait was interrupted left the workers
+        finishing their invocations: they are waited for first (a worker started beside one
+        would run invocations out of order); one still running after the timeout is latched
+        as ``stop`` would have (:meth:`recover` restarts)."""
+        with self.signals.lock:
+            if self.closed or not self.runtime.stop:
+                return
+        try:
+            self.ingestion.join(self.timeout)
+            self.delivery.join(self.timeout)
+        except OperatorError as stuck:
+            self.runtime.latch(stuck, provisional=True)
+            return
+        with self.signals.lock:  # one step with close()'s check: no worker starts after it
+            if not self.closed and self.runtime.stop:
+                self.start(self.schedule)
 
     def quiesced(self) -> contextlib.AbstractContextManager[None]:
         """No operator invocation runs inside the block (in-flight ones finish first); the
@@ -214,7 +257,8 @@ class PlaneEngine:
             OperatorError: (``operator="runtime"``, a ``TimeoutError`` as its cause) An
                 invocation was still running after the plane's timeout (an operator stuck on a
                 worker or on another caller's thread); the hold is given back, so the plane
-                stays usable once the invocation returns. Not latched.
+                stays usable once the invocation returns. Not latched. An interrupt during
+                the wait gives the hold back too.
         """
         self.refuse_inside_operator("frozen" if counter == "writes_held" else "paused")
         rt, me = self.runtime, threading.get_ident()
@@ -222,21 +266,24 @@ class PlaneEngine:
         with self.signals.lock:
             setattr(rt, counter, getattr(rt, counter) + 1)
             self._holders.append(me)
-            while getattr(rt, until_idle):
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    setattr(rt, counter, getattr(rt, counter) - 1)
-                    self._holders.remove(me)
-                    self.signals.wake(callers=True, ingestion=True, delivery=True)
-                    stuck = ("an ingestion" if rt.ingesting
-                             else "a delivery" if rt.busy > rt.ingesting else "an")
-                    late = TimeoutError(
-                        f"{stuck} operator invocation was still running after the plane's "
-                        f"timeout ({self.timeout}s), so the operators could not be held "
-                        f"(for a save, state_dict(), paused() or a migration); nothing "
-                        f"was changed: retry once the operator returns")
-                    raise OperatorError("runtime", late) from late
-                self.signals.callers.wait(min(remaining, 0.05))
+            try:
+                while getattr(rt, until_idle):
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        stuck = ("an ingestion" if rt.ingesting
+                                 else "a delivery" if rt.busy > rt.ingesting else "an")
+                        late = TimeoutError(
+                            f"{stuck} operator invocation was still running after the "
+                            f"plane's timeout ({self.timeout}s), so the operators could not "
+                            f"be held (for a save, state_dict(), paused() or a migration); "
+                            f"nothing was changed: retry once the operator returns")
+                        raise OperatorError("runtime", late) from late
+                    self.signals.callers.wait(min(remaining, 0.05))
+            except BaseException:  # the timeout, or an interrupt: the hold is given back
+                setattr(rt, counter, getattr(rt, counter) - 1)
+                self._holders.remove(me)
+                self.signals.wake(callers=True, ingestion=True, delivery=True)
+                raise
         try:
             yield
         finally:
@@ -291,7 +338,8 @@ class PlaneEngine:
     def submit(self, unit: Unit, *, deadline: float, waited: float) -> None:
         """Queue ``unit`` once the flow admits it, then run inline ingestion if due. A unit
         checked against an older buffer spec (``unit.spec``; a migration completed since) is
-        widened to the current one when it is queued.
+        widened to the current one when it is queued (fields the migration added
+        zero-filled).
 
         Raises:
             BackpressureTimeout: No room by ``deadline`` (``waited`` is for the message).
@@ -322,7 +370,8 @@ class PlaneEngine:
                 # A migration widened the spec between the push's check and here: the unit
                 # is widened as those queued before it were (migrate's ``widen_pending``).
                 from conduit.plane.migration import widen_batch  # (it imports this module)
-                unit.data, unit.spec = widen_batch(unit.data, unit.spec, flow.spec), flow.spec
+                unit.data = widen_batch(unit.data, unit.spec, flow.spec, add_fields=True)
+                unit.spec = flow.spec
             flow.enqueue_locked(unit)
             self.signals.wake(ingestion=True)
             ingestion = self.ingestion

@@ -26,6 +26,8 @@ from conduit.placement import (
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.engine import PlaneEngine
+from conduit.plane.flows import Staged
+from conduit.plane.runtime import identity_delivery
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import ExperienceBuffer, Placement, Store
 
@@ -165,45 +167,108 @@ def grow_target(pmap: PlacementMap | None, current: Placement, old: ExperienceSp
     return current if target == current else target
 
 
-def migrate(engine: PlaneEngine, placement: Placement, *, spec: ExperienceSpec,
-            chunk_rows: int, placement_map: PlacementMap | None,
+def migrate(engine: PlaneEngine, placement: Placement | None, *,
+            spec: ExperienceSpec | None, chunk_rows: int, placement_map: PlacementMap | None,
             widen_pending: bool = True) -> dict[str, Any]:
     """Pause ``engine``, move its flow's buffer (see :func:`move_buffer`), and resume.
 
+    The buffer, its spec and placement are read once the plane is paused, which one thread
+    at a time holds (:meth:`~conduit.plane.engine.PlaneEngine.paused`): migrations on several
+    threads run one after the other, each from the buffer the one before left.
+
     Rollout units queued before the growth (acknowledged by ``push`` against the old spec)
-    are widened with the rows, so nothing acknowledged is refused by the new spec; with
-    ``widen_pending`` False (units are checked against a rollout spec, or an ingestion
-    operator reshapes them) they are left as pushed.
+    are widened with the rows, fields the growth adds zero-filled, so nothing acknowledged is
+    refused by the new spec; with ``widen_pending`` False (units are checked against a
+    rollout spec, or an ingestion operator reshapes them) they are left as pushed. Training
+    batches staged before the growth are widened as well (:func:`widen_staged`).
+
+    Args:
+        engine: The plane's engine.
+        placement: Where the rows go; None: where ``placement_map`` puts the new spec's
+            per-sample size (:func:`grow_target`).
+        spec: The new spec; None keeps the buffer's.
+        chunk_rows: Rows copied per step.
+        placement_map: The plane's map (for the Eq. 3 plan, and the target when
+            ``placement`` is None).
+        widen_pending: Widen the queued rollout units too.
 
     Raises:
         SpecError: ``spec`` is not a growth of the buffer's spec.
+        ConfigError: ``placement`` is None and there is no map to follow.
         CapacityError: The new placement cannot hold the buffer.
+        OperatorError: The plane could not be paused within its timeout (another thread
+            held it paused, or an operator invocation did not return); nothing changes.
     """
-    check_growth(engine.flow.spec, spec)
+    if spec is not None:  # refused before pausing; checked again once paused
+        check_growth(engine.flow.spec, spec)
     with engine.paused():
-        new, report = move_buffer(engine.flow.buffer, placement=placement, spec=spec,
+        old = engine.flow.buffer
+        old_spec = old.spec
+        spec = old_spec if spec is None else spec
+        check_growth(old_spec, spec)
+        if placement is None:
+            placement = grow_target(placement_map, old.placement, old_spec, spec)
+        new, report = move_buffer(old, placement=placement, spec=spec,
                                   chunk_rows=chunk_rows, placement_map=placement_map)
         with engine.signals.lock:
-            old_spec, engine.flow.buffer = engine.flow.spec, new
-            for staged in engine.flow.staged:  # prefetched before the growth: widen them too
-                staged.batch = widen_batch(staged.batch, old_spec, spec)
-            if widen_pending and old_spec != spec:
-                for unit in engine.flow.pending:  # pushed before the growth, not ingested yet
-                    unit.data = widen_batch(unit.data, old_spec, spec)
+            engine.flow.buffer = new
+            if old_spec != spec:
+                # (the delivery operator's own batches may not carry the fields it adds)
+                add = engine.runtime.deliver_fn is identity_delivery
+                for staged in engine.flow.staged:  # prefetched before the growth
+                    staged.batch = widen_staged(staged, old_spec, spec, add_fields=add)
+                if widen_pending:
+                    for unit in engine.flow.pending:  # pushed before the growth, not ingested
+                        unit.data = widen_batch(unit.data, old_spec, spec, add_fields=True)
     return report
 
 
-def widen_batch(batch: dict[str, torch.Tensor], old: ExperienceSpec,
-                new: ExperienceSpec) -> dict[str, torch.Tensor]:
-    """A delivered batch with every field that still has ``old``'s shape zero-padded to
-    ``new``'s; other keys (``_index``, fields a delivery operator made) are kept as they are."""
-    grown = {k: v for k, v in batch.items()
-             if k in old.fields and k in new.fields and old.fields[k] != new.fields[k]
-             and tuple(v.shape[1:]) == old.fields[k].shape}
-    if not grown:
+def widen_batch(batch: Batch, old: ExperienceSpec, new: ExperienceSpec, *,
+                add_fields: bool) -> Batch:
+    """``batch`` laid out for ``new``: every field that still has ``old``'s shape
+    zero-padded to ``new``'s and, with ``add_fields``, the fields ``new`` adds zero-filled
+    (as :func:`pad_to` lays out a buffer's rows); other keys (``_index``, fields a delivery
+    operator made) are kept as they are.
+
+    A new dict with new tensors for what changed: the tensors of ``batch`` are never written,
+    so a batch someone holds stays as it is. ``batch`` itself when nothing changes, or when
+    it holds none of ``old``'s fields (a delivery operator's own layout: its row count is not
+    known).
+    """
+    like = next((v for k, v in batch.items() if k in old.fields), None)
+    if like is None:
         return batch
-    sub = ExperienceSpec.of(**{k: (new.fields[k].shape, new.fields[k].dtype) for k in grown})
-    return {**batch, **pad_to(grown, sub)}
+    changed: Batch = {}
+    for name, fs in new.fields.items():
+        v = batch.get(name)
+        if name in old.fields:
+            was = old.fields[name].shape
+            if v is None or fs.shape == was or tuple(v.shape[1:]) != was:
+                continue
+            pad = torch.zeros((v.shape[0], *fs.shape), dtype=fs.dtype, device=v.device)
+            pad[(slice(None), *(slice(0, s) for s in was))] = v
+            changed[name] = pad
+        elif add_fields and v is None:
+            changed[name] = torch.zeros((like.shape[0], *fs.shape), dtype=fs.dtype,
+                                        device=like.device)
+    return {**batch, **changed} if changed else batch
+
+
+def widen_staged(staged: Staged, old: ExperienceSpec, new: ExperienceSpec, *,
+                 add_fields: bool) -> Batch:
+    """A staged training batch widened for ``new`` (:func:`widen_batch`): the learner may be
+    handed it, so its tensors are not written, and device tensors are read once the copy that
+    made them is done (its event); the new ones are complete when this returns, so the
+    learner's stream waits for nothing but the staged event, which still covers the tensors
+    kept as they were."""
+    batch = staged.batch
+    if staged.event is not None:
+        staged.event.synchronize()  # the copy stream's writes, before they are read here
+    out = widen_batch(batch, old, new, add_fields=add_fields)
+    if out is not batch:
+        for dev in {t.device for k, t in out.items() if t.is_cuda and batch.get(k) is not t}:
+            torch.cuda.current_stream(dev).synchronize()  # the pads and zeros are written
+    return out
 
 
 def move_buffer(old: ExperienceBuffer, *, placement: Placement, spec: ExperienceSpec,
