@@ -44,7 +44,7 @@ from conduit.plane import ExperienceDataPlane, profile_plane
 from conduit.plane.config import PlaneConfig
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
 from conduit.report import write_json
-from conduit.scheduling import Plan, Profile, ScheduleSpace, choose, feasible_space
+from conduit.scheduling import Plan, Profile, ScheduleSpace, choose
 from conduit.storage import Placement
 
 #: Compute time assumed when neither measured times nor ``--profile`` are given.
@@ -198,16 +198,17 @@ def _bytes_per_sample(args: PlanArgs) -> int:
 
 
 def _space(args: PlanArgs) -> ScheduleSpace:
-    """The feasible schedule space of ``args``.
+    """The feasible schedule space of ``args``: the one a plane of this configuration
+    searches (:meth:`~conduit.plane.config.PlaneConfig.schedule_space`; on-policy, a
+    ``--rollout-rows`` unit's share of the iteration included).
 
     Raises:
-        ConfigError: The space refuses ``--g-max`` or ``--minibatches`` (field ``g_max`` or
-            ``minibatches``).
+        ConfigError: The space refuses ``--g-max``, ``--minibatches`` or ``--rollout-rows``
+            (field ``g_max``, ``minibatches`` or ``rollout_rows``).
     """
+    config = _config(args)
     try:
-        if args.mode == "on_policy":
-            return feasible_space(mode="on_policy", num_minibatches=args.minibatches)
-        return feasible_space(mode="off_policy", g_max_ing=args.g_max, g_max_del=args.g_max)
+        return config.schedule_space()
     except ConfigError as exc:
         field = {"g_max_ing": "g_max", "g_max_del": "g_max",
                  "num_minibatches": "minibatches"}.get(exc.field, exc.field)
@@ -311,19 +312,25 @@ def _available_here(device: str) -> bool:
     return False
 
 
-def _check_rl_config(args: PlanArgs) -> None:
-    """Refuse what a plane would refuse for this configuration, so no plan is made for it.
+def _config(args: PlanArgs) -> PlaneConfig:
+    """The configuration of the plane ``args`` describe, so that no plan is made for one a
+    plane would refuse.
 
     Raises:
         ConfigError: As :class:`~conduit.plane.config.PlaneConfig` raises it, naming the
-            flag (``--minibatches`` for ``num_minibatches``).
+            flag (``--minibatches`` for ``num_minibatches``); or, off-policy, a
+            ``--rollout-rows`` outside ``[1, --capacity]``.
     """
     on = args.mode == "on_policy"
+    rollout = args.rollout_rows
+    if not on and rollout is not None and not 1 <= rollout <= args.capacity:
+        raise ConfigError("rollout_rows", f"must be an integer in [1, capacity="
+                                          f"{args.capacity}], got {rollout!r}")
     try:
-        PlaneConfig(spec=synthetic_spec(1), capacity=args.capacity, mode=args.mode,
-                    batch_size=1 if on else args.batch_size,
-                    num_minibatches=args.minibatches if on else 1,
-                    rollout_rows=args.rollout_rows if on else None)
+        return PlaneConfig(spec=synthetic_spec(1), capacity=args.capacity, mode=args.mode,
+                           batch_size=1 if on else args.batch_size,
+                           num_minibatches=args.minibatches if on else 1,
+                           rollout_rows=rollout if on else None, g_max=args.g_max)
     except ConfigError as exc:
         field = "minibatches" if exc.field == "num_minibatches" else exc.field
         raise ConfigError(field, exc.reason) from exc
@@ -338,7 +345,6 @@ def check_args(args: PlanArgs) -> None:
     Raises:
         ConfigError: Naming the flag's field.
     """
-    _check_rl_config(args)
     _space(args)
     name = args.topology
     if name == "ray" or name.startswith("ray:"):
@@ -357,14 +363,13 @@ def plan(args: PlanArgs) -> PlanResult:
         ConfigError: Bad arguments.
         CapacityError: No placement fits the buffer.
     """
-    _check_rl_config(args)
+    space = _space(args)
     topology = load_topology(args.topology)
     learner = args.learner_device or _default_learner(topology)
     x = _bytes_per_sample(args)
     rows = args.capacity
     decision = plan_placement(capacity=rows, actor_device=args.actor_device,
                               learner_device=learner, topology=topology, spec_bytes=x)
-    space = _space(args)
     notes: list[str] = []
     given = {"t_rollout": None if args.t_rollout_ms is None else args.t_rollout_ms * 1e-3,
              "t_update": None if args.t_update_ms is None else args.t_update_ms * 1e-3}
@@ -401,7 +406,7 @@ def render(result: PlanResult) -> str:
                                      x=result.placement.x), ""]
     lines += [f"== schedule (Eq. 2; operator costs {result.profile_source}) ==",
              result.schedule.explain(), "",
-             f"chosen placement: {result.placement.placement.label()}",
+             f"chosen placement: {result.placement.chosen.label()}",
              f"chosen schedule:  {result.schedule.schedule.label()}"]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)

@@ -145,7 +145,11 @@ def solve_transfer_plan(source_volumes: Sequence[float], target_volumes: Sequenc
         raise PlacementError(f"target_volumes: must be finite and non-negative, got {w.tolist()}")
     if np.any(np.isnan(bw)) or np.any(bw < 0):
         raise PlacementError("bandwidth: must be non-negative (inf for free, 0 for no path)")
-    total = float(v.sum())
+    with np.errstate(over="ignore"):
+        total, total_w = float(v.sum()), float(w.sum())
+    if not (math.isfinite(total) and math.isfinite(total_w)):
+        raise PlacementError(f"volumes: sum to more bytes than a float holds ({total}); give "
+                             f"them in bytes")
     if abs(total - float(w.sum())) > 1e-9 * max(total, float(w.sum()), 1.0):
         raise PlacementError(f"volumes: sources hold {total:,.0f} B but targets need "
                              f"{float(w.sum()):,.0f} B (sum V must equal sum V')")

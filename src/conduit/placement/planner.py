@@ -38,6 +38,9 @@ from conduit.storage.layout import Placement
 
 PLACEMENT_KINDS = ("pageable", "pinned", "device", "sharded")
 
+TIE = 1e-9
+"""Relative difference under which two candidates' times tie in :func:`scan`."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CandidateEvaluation:
@@ -304,12 +307,14 @@ def evaluate(candidates: Sequence[Candidate], *, x: float, capacity: int, actor_
 def scan(evaluations: Sequence[CandidateEvaluation]) -> CandidateEvaluation | None:
     """Alg. 1: linear scan keeping the feasible candidate with the smallest time.
 
-    Ties keep the earlier candidate. Returns ``None`` when no candidate is feasible.
+    Ties keep the earlier candidate: a time within a relative :data:`TIE` of the best so far
+    is a tie (sums of equal shares round differently, so exact equality in the model is not
+    exact in floating point). Returns ``None`` when no candidate is feasible.
     """
     best: CandidateEvaluation | None = None
     t_min = math.inf
     for e in evaluations:
-        if e.feasible and e.time_s < t_min:
+        if e.feasible and e.time_s < t_min * (1.0 - TIE):  # (inf: not feasible in time)
             t_min, best = e.time_s, e
     return best
 

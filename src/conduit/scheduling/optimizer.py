@@ -8,6 +8,7 @@ then ingestion before delivery). The result is a :class:`Plan` that explains its
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -70,10 +71,14 @@ def rank_candidates(profile: Profile, space: ScheduleSpace) -> list[Candidate]:
 
     Raises:
         ScheduleError: ``profile`` lacks a cost for a granularity of ``space``.
+        ConfigError: Every candidate's predicted iteration overflows (field ``profile``).
     """
     scored = [(predict(profile, s, mode=space.mode), s) for s in space.candidates()]
     if not scored:
         raise ScheduleError("the schedule space is empty")
+    if not any(math.isfinite(p.t_iter) for p, _ in scored):
+        raise ConfigError("profile", "its costs are so large that every schedule's predicted "
+                                     "iteration overflows a float; give them in seconds")
     scored.sort(key=lambda ps: (ps[0].t_iter, tie_key(ps[1])))
     # Group near-equal predictions (within the tolerance of the group's first, fastest member)
     # and order each group by preference, so float noise never decides between equals.
@@ -153,10 +158,12 @@ class Plan:
             f"exposed={_ms(self.prediction.exposed)} ms",
         ]
         if self.baseline is not None:
+            speedup = self.speedup_vs_baseline
+            ratio = ("(both predict no time)" if speedup is None
+                     else f"(chosen is {speedup:.2f}x faster)")
             lines.append(f"inline:  {self.baseline.schedule.label()}  "
                          f"T_iter={_ms(self.baseline.prediction.t_iter)} ms  "
-                         f"exposed={_ms(self.baseline.prediction.exposed)} ms  "
-                         f"(chosen is {self.speedup_vs_baseline:.2f}x faster)")
+                         f"exposed={_ms(self.baseline.prediction.exposed)} ms  {ratio}")
         header = (f"{'rank':>4}  {'ov_ing':>6} {'g_ing':>6} {'ov_del':>6} {'g_del':>6}  "
                   f"{'T_iter':>9} {'ing-path':>9} {'del-path':>9} {'exposed':>9} "
                   f"{'hide_ing':>9} {'hide_del':>9}")
@@ -207,7 +214,8 @@ def choose(profile: Profile, space: ScheduleSpace, *, top_k: int = 5) -> Plan:
         The :class:`Plan`.
 
     Raises:
-        ConfigError: ``top_k`` is not a positive integer.
+        ConfigError: ``top_k`` is not a positive integer, or every candidate's predicted
+            iteration overflows (field ``profile``).
         ScheduleError: ``profile`` lacks a cost for a granularity of ``space``.
     """
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
