@@ -299,8 +299,13 @@ class PlaneEngine:
         and pulls are not held while its ids are copied."""
         own = {"buffer": self.flow.buffer.state_dict(rows=rows)} if buffer else {}
         with self.signals.lock:
+            counters = dict(self.flow.counters)
+            # Units queued and not ingested are not part of the state: neither are their
+            # pushes, so that a plane loaded from it counts as many rows pushed as ingested.
+            counters["pushed_units"] -= len(self.flow.pending)
+            counters["pushed_rows"] -= self.flow.pending_rows
             return {**own,
-                    "counters": dict(self.flow.counters), "flow": self.flow.state_dict(),
+                    "counters": counters, "flow": self.flow.state_dict(),
                     "schedule": self.schedule.to_dict(), "spec": self.flow.spec.to_dict()}
 
     def restore(self, state: StateDict, *, rows: bool) -> None:
