@@ -30,25 +30,21 @@ from conduit.errors import (
     OperatorError,
     PlaneClosedError,
     ScheduleError,
-    SpecError,
     StateError,
 )
 from conduit.integrations.verl._checks import check_epsilon, check_seed
 from conduit.integrations.verl._weak import weak_ingestion
 from conduit.integrations.verl.advantages import (
     group_scores,
-    group_statistics,
     grpo_group_advantage,
     token_level_advantage,
 )
 from conduit.integrations.verl.order import VerlOrderSampler
+from conduit.integrations.verl.put_checks import ADDED, GROUP, ROW, PutCheck, merged_meta
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
 from conduit.plane.migration import PlacementArg, check_placement_arg
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
-
-_ROW, _GROUP = "row_id", "group"
-_ADDED = ("advantages", "returns")
 
 
 class LostGroupsError(OperatorError):
@@ -222,6 +218,8 @@ class GRPOBuffer:
         self.shuffle, self.seed = shuffle, seed
         self.reward_key, self.epsilon = reward_key, epsilon
         self.norm_by_std = norm_adv_by_std_in_grpo
+        self._checks = PutCheck(reward_key=reward_key, group_size=group_size, epsilon=epsilon,
+                                norm_by_std=norm_adv_by_std_in_grpo)
         self._plane_args: dict[str, Any] = dict(
             placement=placement, schedule=schedule, learner_device=learner_device,
             timeout=timeout)
@@ -287,7 +285,7 @@ class GRPOBuffer:
         with self._put_lock:
             if self._closed:
                 raise PlaneClosedError("the GRPOBuffer is closed; build a new one")
-            tensors, group = self._check(data)
+            tensors, group = self._checks(data, self._steps.get(self._filling))
             step = self._steps.get(self._filling) or _Step()
             rows = len(data)
             if step.rows + rows > self.rows_per_step:
@@ -296,7 +294,7 @@ class GRPOBuffer:
                                     f"steps of {self.groups_per_step} groups", needed=rows,
                                     available=self.rows_per_step - step.rows)
             plane = self._plane or self._build(tensors)
-            unit = {**tensors, _ROW: torch.arange(step.rows, step.rows + rows), _GROUP: group}
+            unit = {**tensors, ROW: torch.arange(step.rows, step.rows + rows), GROUP: group}
             uids = list(dict.fromkeys(data.non_tensor_batch["uid"].tolist()))  # its groups
             # Recorded before the push: its rows may be delivered as soon as it returns.
             step.add(uids, {k: np.array(v, copy=True) for k, v in data.non_tensor_batch.items()},
@@ -376,7 +374,7 @@ class GRPOBuffer:
                 limit = wait
             step.pulled_all = True
         # Converted once the step is whole: every row's non-tensor entries are recorded.
-        meta = _merged_meta(step.metas)
+        meta = merged_meta(step.metas)
         out = [self._to_dataproto(b, step, meta) for b in step.pulled]
         del self._steps[self._delivering]
         self._delivering += 1
@@ -486,143 +484,6 @@ class GRPOBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check(self, data: Any) -> tuple[Batch, torch.Tensor]:
-        if not isinstance(data, DataProto):
-            raise SpecError(None, f"put expects a verl DataProto, got {type(data).__name__}; "
-                                  f"build one with DataProto.from_dict(tensors, non_tensors)")
-        if data.batch is None or len(data) == 0:
-            raise SpecError(None, "the DataProto holds no rows; put whole prompt groups")
-        tensors = {str(k): v for k, v in data.batch.items()}
-        for name, tensor in tensors.items():
-            if tensor.is_meta:
-                raise SpecError(name, "is on the meta device, which holds no values; put it "
-                                      "on the CPU or a CUDA device")
-        for name in (self.reward_key, "response_mask"):
-            if name not in tensors:
-                raise SpecError(name, f"missing from the DataProto's batch; it has "
-                                      f"{sorted(tensors)}")
-        for name in (_ROW, _GROUP, *_ADDED):
-            if name in tensors:
-                raise SpecError(name, "is computed by the buffer; drop it from the put batch")
-        for name in tensors:
-            if name.startswith("_"):
-                raise SpecError(name, "names starting with '_' are reserved for keys the "
-                                      "plane adds; rename the field")
-        mask, reward = tensors["response_mask"], tensors[self.reward_key]
-        if mask.dim() != 2 or tuple(reward.shape) != tuple(mask.shape):
-            raise SpecError(self.reward_key, f"expected [rows, response_length] like "
-                                             f"response_mask {tuple(mask.shape)}, got "
-                                             f"{tuple(reward.shape)}")
-        if not reward.is_floating_point():
-            raise SpecError(self.reward_key, f"must have a floating-point dtype (GRPO takes "
-                                             f"the mean and standard deviation of the "
-                                             f"scores), got {reward.dtype}; convert it with "
-                                             f".float()")
-        uid = data.non_tensor_batch.get("uid")
-        if uid is None or len(uid) != len(data):
-            raise SpecError("uid", "non_tensor_batch['uid'] must name the prompt of each row")
-        first: dict[Any, int] = {}
-        counts: dict[Any, int] = {}
-        ids: list[int] = []
-        for i, u in enumerate(uid.tolist()):
-            try:
-                ids.append(first.setdefault(u, len(first)))
-            except TypeError:
-                raise SpecError("uid", f"row {i} has uid {u!r}, which is not hashable; use a "
-                                       f"string or a number per prompt") from None
-            counts[u] = counts.get(u, 0) + 1
-        group = torch.tensor(ids, dtype=torch.int64)
-        step = self._steps.get(self._filling)
-        if step is not None and step.parts:
-            try:
-                _merged_meta([*step.metas, data.meta_info])
-            except Exception as exc:  # verl's assertion, or a value that cannot compare
-                raise SpecError("meta_info", f"does not merge with this step's earlier puts' "
-                                             f"as DataProto.concat merges them ({exc}); give "
-                                             f"a key one value within a step") from None
-            first = step.parts[0]
-            if first.keys() != data.non_tensor_batch.keys():
-                raise SpecError("non_tensor_batch", f"has keys {sorted(data.non_tensor_batch)}, "
-                                                    f"but this step's first put had "
-                                                    f"{sorted(first)}; keep them the same")
-            for k, v in data.non_tensor_batch.items():
-                got, want = np.shape(v)[1:], first[k].shape[1:]
-                if got != want:
-                    raise SpecError("non_tensor_batch", f"entry {k!r} has per-row shape {got}, "
-                                                        f"but this step's first put had "
-                                                        f"{want}; keep each entry's shape")
-        for u, n in counts.items():
-            if n != self.group_size:
-                raise SpecError("uid", f"group {u!r} has {n} responses, expected group_size="
-                                       f"{self.group_size}; put whole groups")
-            if step is not None and u in step.uids:
-                raise SpecError("uid", f"group {u!r} was already put in this step")
-        empty = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
-        if empty:
-            raise SpecError("response_mask", f"response {empty[0]} (group {uid[empty[0]]!r}) "
-                                             f"is empty; every response needs at least one "
-                                             f"token")
-        scores = group_scores(reward)
-        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-        if bad:
-            r = bad[0]
-            raise SpecError(self.reward_key, f"response {r} (group {uid[r]!r}) has a "
-                                             f"non-finite score {float(scores[r])} (the sum of "
-                                             f"its rewards); rewards must be finite")
-        if self.norm_by_std:
-            check_epsilon("epsilon", self.epsilon, norm_by_std=True, dtype=scores.dtype)
-        self._check_advantages(scores, group, uid)
-        return tensors, group
-
-    def _check_advantages(self, scores: torch.Tensor, group: torch.Tensor, uid: Any) -> None:
-        """Each group's mean, standard deviation and advantages are finite in the scores'
-        dtype, as ingestion will compute them.
-
-        A vectorized bound (in float64) clears every group whose scores are too small for
-        any of those to overflow, whatever the order of the sums; only the groups it does not
-        clear are computed as ingestion does. Every group has ``group_size`` rows.
-
-        Raises:
-            SpecError: A group's statistics or advantages are not finite (field
-                ``reward_key``).
-        """
-        n = self.group_size
-        if n == 1:  # mean 0 and std 1: the advantage is the score over 1 + epsilon, finite
-            return
-        info = torch.finfo(scores.dtype)
-        limit, u = info.max / 4, info.eps
-        rows = scores.double()[torch.argsort(group, stable=True)].view(-1, n)
-        big = rows.abs().amax(dim=1)  # bounds every partial sum: n * big
-        spread = (rows - rows.mean(dim=1, keepdim=True)).abs().amax(dim=1)
-        numerator = spread + 4 * n * u * big  # |score - mean| with the mean's rounding
-        safe = n * big <= limit
-        if self.norm_by_std:
-            # std + epsilon >= epsilon in the dtype, rounded directly or through float32
-            eps = min(float(torch.tensor(self.epsilon, dtype=scores.dtype)),
-                      float(torch.tensor(self.epsilon).to(scores.dtype))) / 2
-            safe &= (4 * n * big * big <= limit) & (numerator / eps <= limit)
-        else:
-            safe &= numerator <= limit
-        for g in (~safe).nonzero().flatten().tolist():
-            self._check_group(scores, (group == g).nonzero().flatten(), uid)
-
-    def _check_group(self, scores: torch.Tensor, rows: torch.Tensor, uid: Any) -> None:
-        """One group's statistics and advantages, computed as ingestion does, are finite.
-
-        Raises:
-            SpecError: They are not (field ``reward_key``).
-        """
-        mean, std = group_statistics(scores[rows])
-        adv = grpo_group_advantage(scores[rows], epsilon=self.epsilon,
-                                   norm_by_std=self.norm_by_std)
-        finite = bool(torch.isfinite(mean)) and bool(torch.isfinite(adv).all())
-        if not finite or (self.norm_by_std and not bool(torch.isfinite(std))):
-            raise SpecError(self.reward_key, f"group {uid[int(rows[0])]!r}: the mean or "
-                                             f"standard deviation of its scores overflows "
-                                             f"{scores.dtype}, so its advantages are not "
-                                             f"finite; scale the rewards down or put them "
-                                             f"in a wider dtype (.double())")
-
     def _build(self, tensors: Batch) -> ExperienceDataPlane:
         fields = {k: FieldSpec(shape=tuple(v.shape[1:]), dtype=v.dtype)
                   for k, v in tensors.items()}
@@ -630,8 +491,8 @@ class GRPOBuffer:
         mask = tensors["response_mask"]
         adv = FieldSpec(shape=tuple(mask.shape[1:]),
                         dtype=torch.promote_types(tensors[self.reward_key].dtype, mask.dtype))
-        rollout_spec = ExperienceSpec(fields={**fields, _ROW: ids, _GROUP: ids})
-        spec = ExperienceSpec(fields={**fields, **dict.fromkeys(_ADDED, adv), _ROW: ids})
+        rollout_spec = ExperienceSpec(fields={**fields, ROW: ids, GROUP: ids})
+        spec = ExperienceSpec(fields={**fields, **dict.fromkeys(ADDED, adv), ROW: ids})
         sampler = VerlOrderSampler(num_minibatches=self.num_minibatches, shuffle=self.shuffle,
                                    seed=self.seed)
         plane = ExperienceDataPlane(
@@ -661,27 +522,20 @@ class GRPOBuffer:
         """One put's rows with each group's GRPO advantages and returns."""
         scores = group_scores(unit[self.reward_key])
         advantage = torch.empty_like(scores)
-        group = unit[_GROUP]
+        group = unit[GROUP]
         for g in range(int(group.max()) + 1):
             rows = (group == g).nonzero().flatten()
             advantage[rows] = grpo_group_advantage(scores[rows], epsilon=self.epsilon,
                                                    norm_by_std=self.norm_by_std)
         tokens = token_level_advantage(advantage, unit["response_mask"])
-        out = {k: v for k, v in unit.items() if k != _GROUP}
+        out = {k: v for k, v in unit.items() if k != GROUP}
         out["advantages"], out["returns"] = tokens, tokens.clone()
         return out
 
     def _to_dataproto(self, batch: Batch, step: _Step, meta: dict[str, Any]) -> DataProto:
-        tensors = {k: v for k, v in batch.items() if not k.startswith("_") and k != _ROW}
-        return DataProto.from_dict(tensors=tensors, non_tensors=step.non_tensors(batch[_ROW]),
+        tensors = {k: v for k, v in batch.items() if not k.startswith("_") and k != ROW}
+        return DataProto.from_dict(tensors=tensors, non_tensors=step.non_tensors(batch[ROW]),
                                    meta_info=dict(meta))
-
-
-def _merged_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``meta_info`` of the step's puts merged as ``DataProto.concat`` merges those of the
-    batches it joins: every key once (two puts giving a key different values fail, as verl
-    asserts), and the ``metrics`` of all puts gathered into lists."""
-    return DataProto.concat([DataProto(meta_info=dict(m)) for m in metas]).meta_info
 
 
 def _check_schedule(schedule: Any, num_minibatches: int) -> None:
