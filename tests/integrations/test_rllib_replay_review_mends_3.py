@@ -25,7 +25,7 @@ from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
 )
-from conduit.storage import SampleInfo  # noqa: E402
+from tests.integrations.test_rllib_replay import _Draws, _scripted  # noqa: E402
 
 BOX = gym.spaces.Box(-1e6, 1e6, (2,), np.float32)
 DISC = gym.spaces.Discrete(3)
@@ -58,33 +58,6 @@ def _adds() -> list[list[SingleAgentEpisode]]:
 
 def _cls(prioritized: bool) -> type:
     return ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
-
-
-class _Draws:
-    """A stand-in generator giving RLlib's buffers scripted row positions (to the
-    prioritized one, as prefix sums over equal priorities)."""
-
-    def __init__(self, positions: list[int], total: int) -> None:
-        self.positions, self.total = list(positions), total
-
-    def integers(self, low: int, high: int | None = None, size: int | None = None) -> int:
-        return self.positions.pop(0)
-
-    def random(self) -> float:
-        return (self.positions.pop(0) + 0.5) / self.total
-
-
-def _scripted(positions: list[int], *, weights: bool) -> Any:
-    """A stand-in for an inner sampler's ``sample``: the scripted slots, in order, over as
-    many calls as it takes."""
-    queue = list(positions)
-
-    def sample(size: int, batch_size: int) -> SampleInfo:
-        take = torch.tensor(queue[:batch_size], dtype=torch.int64)
-        del queue[:batch_size]
-        return SampleInfo(take, torch.ones(len(take)) if weights else None)
-
-    return sample
 
 
 def _transition(eps: SingleAgentEpisode) -> tuple:
