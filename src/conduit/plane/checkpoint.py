@@ -19,6 +19,7 @@ snapshot reads them out copy-on-write while training goes on (docs/design.md §8
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import numbers
@@ -29,7 +30,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -62,7 +63,7 @@ from conduit.storage import (
     write_checkpoint,
 )
 from conduit.storage.checkpoint import Layout, check_path
-from conduit.storage.snapshot import RowSnapshot, SnapshotSource
+from conduit.storage.snapshot import RowSnapshot, SnapshotAbandonedError, SnapshotSource
 from conduit.storage.state import JSON, StateDict, StateValue
 
 if TYPE_CHECKING:
@@ -158,7 +159,14 @@ def _schedule(d: Any, path: Path) -> Schedule:
     for key, kind in (("overlap_ing", int), ("g_ing", Fraction), ("overlap_del", int),
                       ("g_del", Fraction)):
         try:
-            values[key] = kind(d[key])
+            # taken as saved, never coerced: an overlap is an integer, a granularity an
+            # integer or a fraction's text (a bool, or 1.5 for an overlap, is no value)
+            value = d[key]
+            text = kind is Fraction
+            if isinstance(value, bool) or not isinstance(value, (int, str) if text else int):
+                want = "an integer or a fraction as text" if text else "an integer"
+                raise TypeError(f"expected {want}, got {type(value).__name__}")
+            values[key] = kind(value)
             float(values[key])  # "1/0" or "1e999" parse (or not) but are no granularity
         except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             raise CheckpointError(path, f"{d.get(key)!r} is not a schedule value "
@@ -183,10 +191,17 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
 
     Raises:
         CheckpointError: The file is corrupt, of another version, or holds a value out of
-            range, such as row parts of another dtype or shape than their fields (named).
+            range or inconsistent with another, such as row parts of another dtype or shape
+            than their fields or of a field the header's spec lacks, a state part of another
+            kind of value than it holds (never cast), or a copy of the spec or schedule in
+            the state that differs from the header's (named).
         ConfigError: An override is not a constructor argument or does not fit the file
-            (``capacity``, ``mode``, ``seed``, a ``sampler`` that cannot take the saved sampler's
-            state), or is refused by the constructor; ``field`` names it.
+            (``capacity``, ``mode``, ``seed``; a ``sampler`` of another kind than the saved
+            one, or of another configuration where its state depends on it, see
+            :func:`_check_sampler_override`; a ``num_epochs``, ``num_minibatches``,
+            ``batch_size``, ``min_size`` or ``rollout_rows`` that the saved sampler or
+            iteration state does not fit), or is refused by the constructor; ``field``
+            names it.
         SpecError: A ``spec`` override differs from the saved spec (the field is named).
     """
     path = check_path("path", path)
@@ -195,6 +210,8 @@ def load(cls: type[ExperienceDataPlane], path: str | Path,
 
     def destinations(meta: dict[str, Any], layout: Layout) -> dict[str, torch.Tensor]:
         made.append(_build(cls, meta, path, overrides))
+        if "sampler" in overrides:
+            _check_sampler_override(made[0], meta)
         _check_row_parts(made[0], layout, path)
         if "store" in overrides:
             return {}  # the caller's rows: written by _restore once everything is checked
@@ -319,10 +336,13 @@ def _build(cls: type[ExperienceDataPlane], meta: Mapping[str, Any], path: Path,
         ConfigError, SpecError: An override does not fit the file or is refused by the
             constructor (named).
     """
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    version = meta.get("version")
+    bad = ("format" if meta.get("format") != FORMAT
+           else "version" if type(version) is not int or version != VERSION else None)
+    if bad is not None:  # (a bool is no version, though True == 1)
         raise CheckpointError(path, f"not a {FORMAT} checkpoint of version {VERSION} "
                                     f"(format {meta.get('format')!r}, version "
-                                    f"{meta.get('version')!r})")
+                                    f"{version!r})", part=bad)
     if "capacity" in overrides:
         _check_capacity(meta, overrides["capacity"])
     if "mode" in overrides:
@@ -376,8 +396,9 @@ def _blames_override(exc: BaseException, overrides: Mapping[str, Any]) -> bool:
 
 
 def _check_row_parts(plane: ExperienceDataPlane, layout: Layout, path: Path) -> None:
-    """Every saved row part holds its field's dtype and row shape (before any is read: a part
-    of another dtype would be cast, or its bytes read as another type).
+    """Every saved row part is of a field of the plane's spec and holds its dtype and row
+    shape (before any is read: a part of another dtype would be cast, or its bytes read as
+    another type; a column the spec lacks would be dropped).
 
     Raises:
         CheckpointError: A row part does not (named).
@@ -385,8 +406,11 @@ def _check_row_parts(plane: ExperienceDataPlane, layout: Layout, path: Path) -> 
     fields = plane.spec.fields
     for name, (dtype, shape) in layout.items():
         block, _, f = name.rpartition("/")
-        if not block.startswith("rows/") or f not in fields:
+        if not block.startswith("rows/"):
             continue
+        if f not in fields:
+            raise CheckpointError(path, f"a saved column of field {f!r}, which the header's "
+                                        f"spec ({sorted(fields)}) lacks", part=name)
         fs = fields[f]
         if dtype != fs.dtype or tuple(shape[1:]) != fs.shape or len(shape) != len(fs.shape) + 1:
             raise CheckpointError(path, f"saved as {dtype} of shape {tuple(shape)}, but field "
@@ -400,10 +424,23 @@ def _refuses_saved_sampler(exc: BaseException, meta: Mapping[str, Any],
     ``sampler``, where the header's configuration was changed by an override), if any."""
     if not isinstance(exc, ConfigError) or exc.field != "sampler" or "sampler" in overrides:
         return None
+    return _changed_override(exc, meta, overrides, _CONFIG_KEYS)
+
+
+_LAYOUT_KEYS = ("num_epochs", "num_minibatches", "batch_size", "min_size", "rollout_rows")
+"""Constructor arguments that lay out the saved sampler and iteration state."""
+
+
+def _changed_override(exc: BaseException, meta: Mapping[str, Any],
+                      overrides: Mapping[str, Any], keys: tuple[str, ...]) -> str | None:
+    """Of the ``overrides`` among ``keys`` that differ from the header's configuration, the
+    one ``exc``'s message names, else the first the caller gave; None where none differs."""
     saved = meta.get("config")
-    changed = [k for k in _CONFIG_KEYS if k in overrides and isinstance(saved, Mapping)
-               and k in saved and saved[k] != overrides[k]]
-    return changed[0] if changed else None
+    if not isinstance(saved, Mapping):
+        return None
+    changed = [k for k in overrides if k in keys and k in saved and saved[k] != overrides[k]]
+    named = [k for k in changed if k in str(exc)]
+    return (named or changed or [None])[0]
 
 
 def _row_destinations(plane: ExperienceDataPlane, meta: Mapping[str, Any],
@@ -438,13 +475,16 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
     as it was.
 
     Raises:
-        CheckpointError: A part or a state value is missing or out of range (the message
-            names it).
+        CheckpointError: A part or a state value is missing or out of range, or the state's
+            copy of the spec or schedule is not the header's (the message names it).
         ConfigError: A ``sampler`` override of another kind or configuration than the saved
-            sampler cannot take its state.
+            sampler cannot take its state, or an override of a constructor argument that lays
+            out the sampler and iteration state (:data:`_LAYOUT_KEYS`) differs from the saved
+            one and the saved state does not fit it (``field`` names the override).
     """
     try:
         state = _from_parts(meta["state"], parts, path)
+        _check_copies(meta, state, path)
         _check_tiling(meta["rows"], plane.capacity)
         copies: list[tuple[int, dict[str, torch.Tensor]]] = []
         for b, block in enumerate(meta["rows"]):
@@ -477,12 +517,76 @@ def _restore(plane: ExperienceDataPlane, meta: Mapping[str, JSON],
                                          f"take the saved sampler's state ({exc}); the file "
                                          f"holds {saved}: drop the override or pass a sampler "
                                          f"like it") from exc
+        name = (_changed_override(exc, meta, overrides, _LAYOUT_KEYS)
+                if isinstance(part, str) and part.split(".")[0] in ("flow", "sampler")
+                else None)
+        if name is not None:  # a state laid out for the saved configuration
+            was = meta["config"][name]
+            raise ConfigError(name, f"{overrides[name]!r} does not fit the saved state "
+                                    f"({exc}): the file was saved with {name}={was!r} and "
+                                    f"its iteration and sampler state are laid out for it; "
+                                    f"drop the override or pass {name}={was!r}") from exc
         raise CheckpointError(path, str(exc), part=part) from exc
     except (TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
         # a header whose checksum holds but whose values have the wrong types (or nest deeper
         # than any state does)
         raise CheckpointError(path, f"the saved state does not fit the plane: "
                                     f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_copies(meta: Mapping[str, Any], state: Any, path: Path) -> None:
+    """The spec and schedule the saved state repeats are the header's.
+
+    Raises:
+        CheckpointError: A copy differs from the header's (``state.spec`` or
+            ``state.schedule`` is named).
+    """
+    if not isinstance(state, Mapping):
+        return  # reported where the state is read
+    for key in ("spec", "schedule"):
+        if key in state and state[key] != meta.get(key):
+            raise CheckpointError(path, f"the state's {key} ({state[key]!r}) is not the "
+                                        f"header's ({meta.get(key)!r})", part=f"state.{key}")
+
+
+_STATE_FREE_CONFIG = {"PrioritizedSampler": frozenset({"beta"}),
+                      "UniformSampler": frozenset({"replacement"}),
+                      "SequenceSampler": frozenset({"length"}),
+                      "FifoSampler": frozenset({"shuffle", "first_within"})}
+"""Per built-in sampler kind, the configuration keys (besides ``seed``) that its saved state
+does not depend on: ``beta`` only weighs draws (a PrioritizedSampler's leaves are priorities
+raised under ``alpha`` and ``eps``); a FifoSampler's epoch layout is checked by the flow's
+state part way through an epoch."""
+
+
+def _check_sampler_override(plane: ExperienceDataPlane, meta: Mapping[str, Any]) -> None:
+    """Refuse a ``sampler`` override that would drop or reinterpret the saved sampler's
+    state: one of another kind, or one whose configuration differs where the state depends on
+    it (every key but ``seed``, whose generator state the file restores, and those of
+    :data:`_STATE_FREE_CONFIG`).
+
+    Raises:
+        ConfigError: The override does not fit the saved sampler (``field`` is ``sampler``).
+    """
+    saved = meta.get("sampler")
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("config"), Mapping):
+        return  # a malformed header is the file's fault, reported where it is read
+    sampler = plane.buffer.sampler
+    kind, config, was = type(sampler).__name__, sampler.config(), saved["config"]
+    if kind != saved.get("kind"):
+        raise ConfigError("sampler", f"a {kind} cannot take the saved state of a "
+                                     f"{saved.get('kind')} with {dict(was)} (it would drop "
+                                     f"or misread it: priorities, say); drop the override to "
+                                     f"load the saved sampler")
+    free = _STATE_FREE_CONFIG.get(kind, frozenset()) | {"seed"}
+    differ = sorted(k for k in {**config, **was} if k not in free
+                    and (k not in config or k not in was or config[k] != was[k]))
+    if differ:
+        raise ConfigError("sampler", f"the saved {kind} state was made with "
+                                     f"{ {k: was.get(k) for k in differ} }, the override has "
+                                     f"{ {k: config.get(k) for k in differ} }, under which it "
+                                     f"would be misread; drop the override or pass a {kind} "
+                                     f"with the saved values")
 
 
 def _other_sampler(plane: ExperienceDataPlane, meta: Mapping[str, Any]) -> str | None:
@@ -553,6 +657,88 @@ def _lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
+def _normal_priority(tid: int) -> None:
+    """Give the OS thread ``tid`` normal scheduling priority again, where the OS lets this
+    process raise it (leaving ``SCHED_IDLE`` or nice 19 may need ``CAP_SYS_NICE`` or a
+    ``RLIMIT_NICE``); otherwise it keeps its priority."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+
+class _IdleWorker:
+    """One plain daemon thread at the lowest OS priority (:func:`_lowest_priority`) that runs
+    the calls submitted to it, in order, until :meth:`shutdown`.
+
+    It belongs to its snapshotter alone: unlike a ``concurrent.futures`` executor, which the
+    interpreter shuts down once the main thread returns, it runs for as long as its
+    snapshotter is open, with training going on in other threads.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: collections.deque[tuple[Future[Any], Any, tuple[Any, ...]]] = \
+            collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on the worker; its future holds the result or the error.
+
+        Raises:
+            RuntimeError: The worker was shut down.
+        """
+        future: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the snapshot worker is shut down")
+            self._jobs.append((future, fn, args))
+            self._cv.notify()
+        return future
+
+    def _loop(self) -> None:
+        _lowest_priority()
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            self._run_one(*job)
+            del job  # keep nothing alive between calls
+
+    @staticmethod
+    def _run_one(future: Future[Any], fn: Any, args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def raise_priority(self) -> None:
+        """Let the worker run at normal priority from now on (where the OS allows it), so
+        that load from other threads and processes no longer starves it."""
+        tid = self._thread.native_id
+        if tid is not None and self._thread.is_alive():
+            _normal_priority(tid)
+
+    def shutdown(self) -> None:
+        """Stop the worker once the calls submitted so far have run; does not wait."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 def _drop_locals(exc: BaseException) -> None:
     """Clear the locals of the finished frames of ``exc``'s own traceback (the snapshot
     thread's calls into the plane), so that keeping the error keeps none of the objects they
@@ -576,6 +762,11 @@ class Snapshotter:
     written (a missing folder, a full disk) warns with a ``RuntimeWarning``, is counted in
     :attr:`stats` and kept in ``last_error``, and the next one is tried on schedule;
     ``request(wait=True)`` raises it. Closing the plane closes its snapshotters.
+
+    Both threads are the snapshotter's own: snapshots go on for as long as it is open, also
+    once the main thread has returned while training goes on in other threads. The worker
+    is a daemon thread: at interpreter exit a snapshot still being written is cut short (the
+    previous file stays intact, and the next save to ``path`` removes the temporary file).
 
     A snapshotter holds its plane weakly (its thread too): a plane dropped without ``close()``
     is collected and closed by its finaliser, which tells its snapshotters to stop (a
@@ -609,6 +800,8 @@ class Snapshotter:
                                          f"request), got {every_s!r}")
         self._plane, self.path = weakref.ref(plane), check_path("path", path, file=True)
         bound = getattr(plane, "_snapshotters", None)  # plane.close() closes this one
+        config = getattr(plane, "config", None)
+        self._timeout = float(getattr(config, "timeout", _CLOSE_TIMEOUT))  # close()'s bound
         self.every_s = float(every_s)
         self.double_buffer = check_bool("double_buffer", double_buffer)
         self._wake = threading.Event()
@@ -622,10 +815,13 @@ class Snapshotter:
         self._started = 0  # snapshots begun
         self._count = 0  # snapshots attempted (finished or failed)
         self._ok = 0  # the number of the last one written
+        self._rows: RowSnapshot | None = None  # the snapshot being read out (under _done)
+        self._abandoning = False  # close() gave up waiting (under _done)
+        self._abandoned = 0  # snapshots abandoned by close()
+        self._closed = False
         # Reading out and writing run on a worker at the lowest OS priority, so they take only
         # the cores training leaves idle; the short hold runs on the normal-priority thread.
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-snapshot-io",
-                                      initializer=_lowest_priority)
+        self._io = _IdleWorker("conduit-snapshot-io")
         self._thread = threading.Thread(target=self._run, name="conduit-snapshot", daemon=True)
         self._thread.start()
         if bound is not None:
@@ -722,7 +918,12 @@ class Snapshotter:
     def _write(self, buffer: ExperienceBuffer, rows: RowSnapshot, meta: dict[str, JSON],
                parts: dict[str, torch.Tensor]) -> float:
         """Stream the snapshot into the file while training goes on (on the low-priority
-        worker); returns the write's seconds."""
+        worker); returns the write's seconds.
+
+        Raises:
+            SnapshotAbandonedError: :meth:`close` gave up waiting for it (the temporary file is
+                removed).
+        """
         sources: dict[str, SnapshotSource] = {
             f"state/buffer/{name}": (lambda name=name: rows.stream_ids(name))
             for name in ("row_id", "delivered_id")}
@@ -730,13 +931,20 @@ class Snapshotter:
             for f in cols:
                 sources[f"rows/{b}/{f}"] = (lambda b=b, f=f: rows.stream_rows(
                     b, f, duty=1.0 if self.double_buffer else COPY_DUTY))
+        with self._done:
+            self._rows = rows
+            if self._abandoning:
+                rows.abandon()
         try:
             if self.double_buffer:
                 rows.copy_ahead(duty=COPY_DUTY)
             return write_checkpoint(self.path, tensors=parts, meta=meta, sources=sources).seconds
         finally:
+            with self._done:
+                self._rows = None
             buffer.drop_snapshot(rows)
-            self._spare = rows.kept
+            # kept for the next snapshot; a closed snapshotter takes none
+            self._spare = {} if self._stop else rows.kept
 
     def _run(self) -> None:
         # Holds the plane only inside ``_mark`` (a weak reference between snapshots), so a
@@ -747,13 +955,15 @@ class Snapshotter:
                 self._wake.clear()
                 if self._stop or self._plane_closed():
                     break
-                ok = False
+                ok = abandoned = False
                 with self._done:
                     self._started += 1
                 try:
                     marked = self._mark()
                     self._writes.append(self._io.submit(self._write, *marked).result())
                     ok = True
+                except SnapshotAbandonedError:
+                    abandoned = True  # close() gave up on it, and says so
                 except Exception as exc:
                     if isinstance(exc, PlaneClosedError) and self._plane_closed():
                         break  # closed or dropped meanwhile: no snapshot, as above
@@ -768,36 +978,83 @@ class Snapshotter:
                     self._count += 1
                     if ok:
                         self._ok = self._count
+                    if abandoned:
+                        self._abandoned += 1
                     self._done.notify_all()
         finally:
             with self._done:  # a closed plane takes no snapshot: waiting requests end
                 self._stop = True
                 self._done.notify_all()
-            self._io.shutdown(wait=True)  # nothing is in flight: every write was waited for
+            self._spare = {}
+            self._io.shutdown()  # its thread ends after the call it runs, if any
 
-    def close(self) -> None:
-        """Stop taking snapshots (a write in progress finishes first).
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking snapshots, waiting up to ``timeout`` seconds for a snapshot being
+        written to finish. Idempotent.
+
+        While close waits, the snapshot's worker runs at normal priority where the OS lets
+        the process raise it (so that load on the machine does not hold close back). A
+        snapshot not written by the deadline is abandoned: it stops before its next chunk,
+        its temporary file is removed, the previous snapshot at :attr:`path` stays as it was,
+        and close warns with a ``RuntimeWarning`` and returns (a worker still inside a chunk,
+        or inside a write that does not return, ends on its own; it is a daemon thread). The
+        memory kept for the next snapshot (``double_buffer``'s copy of the rows) is freed.
+
+        Args:
+            timeout: Seconds to wait; None: the plane's ``timeout`` (as
+                :meth:`ExperienceDataPlane.close` waits).
 
         Raises:
             ConfigError: Called from inside one of the plane's operators, which a snapshot in
-                progress may wait for (nothing changes).
+                progress may wait for, or ``timeout`` is not a number >= 0 (nothing changes).
         """
         plane = self._plane()
         if plane is not None:
             plane._engine.refuse_inside_operator("close")
         del plane
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, numbers.Real)
+                                    or not timeout >= 0):
+            raise ConfigError("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+        wait = self._timeout if timeout is None else float(timeout)
+        first, self._closed = not self._closed, True
+        deadline = time.monotonic() + wait
         self._stop = True
         self._wake.set()
-        self._thread.join()
-        self._io.shutdown(wait=True)
+        self._io.raise_priority()  # training no longer comes first: the write should end
+        grace = min(1.0, wait / 10)  # for an abandoned write to stop and remove its file
+        self._thread.join(max(0.0, deadline - grace - time.monotonic()))
+        if self._thread.is_alive():
+            with self._done:
+                self._abandoning = True
+                if self._rows is not None:
+                    self._rows.abandon()
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = self._thread.is_alive()
+        self._io.shutdown()
+        if not stuck:
+            self._io.join(max(0.0, deadline - time.monotonic()))
+        self._spare = {}
         with self._done:
             self._done.notify_all()
+            abandoned, self._abandoned = self._abandoned, 0
+        if first and (stuck or abandoned):
+            warnings.warn(f"the snapshot to {self.path} being written was not finished within "
+                          f"{wait:g} s of close() and is abandoned"
+                          + (" (its worker stops before its next chunk and removes the "
+                             "temporary file)" if stuck else "")
+                          + f"; the previous snapshot at {self.path} is intact",
+                          RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> Snapshotter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_CLOSE_TIMEOUT = 60.0
+"""Seconds :meth:`Snapshotter.close` waits by default for a plane without a ``timeout``."""
 
 
 __all__ = ["FORMAT", "VERSION", "SnapshotStats", "Snapshotter", "load", "save"]

@@ -716,15 +716,29 @@ class ExperienceDataPlane:
 
         A refused load changes nothing, a ``store`` override's rows included.
 
+        A ``sampler`` override must take the saved sampler's state as it was saved: it is of
+        the saved sampler's kind, with the saved configuration except ``seed`` (the saved
+        generator state is restored) and keys the state does not depend on (a
+        PrioritizedSampler's ``beta``; a FifoSampler's ``shuffle`` and ``first_within``,
+        whose epoch layout the iteration state checks; a UniformSampler's ``replacement``; a
+        SequenceSampler's ``length``). Another kind, or a PrioritizedSampler of another
+        ``alpha`` or ``eps`` (its saved leaves are priorities raised under the saved ones),
+        is refused rather than dropping or misreading the saved state.
+
         Raises:
             CheckpointError: The file is corrupt, of another version, or holds a value out of
-                range; the message names the part.
+                range or inconsistent with another (a row part of a field the header's spec
+                lacks, a state part of another kind of value, the state's copy of the spec
+                or schedule differing from the header's); the message names the part.
             ConfigError: ``path`` is not a path; a ``capacity``, ``mode`` or ``seed`` override
-                other than the saved one, a ``sampler`` (or ``num_minibatches``) override that
-                cannot take the saved sampler's state, an override that is not a constructor
+                other than the saved one, a ``sampler`` override that does not fit the saved
+                sampler (above), a ``num_epochs``, ``num_minibatches``, ``batch_size``,
+                ``min_size`` or ``rollout_rows`` override that the saved sampler or
+                iteration state does not fit (an on-policy file saved in its second epoch,
+                loaded with ``num_epochs=1``), an override that is not a constructor
                 argument, or a bad override value (as the constructor raises it, with
                 :class:`~conduit.errors.ScheduleError` and
-                :class:`~conduit.errors.PlacementError`); ``field`` names it.
+                :class:`~conduit.errors.PlacementError`); ``field`` names the override.
             SpecError: A ``spec`` override differs from the saved spec (the field is named).
             FileNotFoundError: ``path`` does not exist (``OSError`` for others that ``open``
                 raises).
@@ -735,8 +749,11 @@ class ExperienceDataPlane:
                   double_buffer: bool = True) -> checkpoint.Snapshotter:
         """Start periodic background snapshots to ``path`` (see
         :class:`~conduit.plane.checkpoint.Snapshotter`); close it to stop (:meth:`close`
-        stops it too). The snapshotter does not keep the plane alive: a plane dropped without
-        :meth:`close` is closed by its finaliser, which stops the snapshotter.
+        stops it too). Closing waits up to the plane's ``timeout`` for a snapshot being
+        written; one not finished by then is abandoned with a ``RuntimeWarning`` (its
+        temporary file is removed, the previous snapshot stays intact). The snapshotter does
+        not keep the plane alive: a plane dropped without :meth:`close` is closed by its
+        finaliser, which stops the snapshotter.
 
         Raises:
             ConfigError: ``path`` does not name a file (or names a folder, a device or a
@@ -777,7 +794,9 @@ class ExperienceDataPlane:
         collected or at interpreter exit, with a warning if units were lost.
 
         Snapshotters of this plane (:meth:`snapshots`) are closed first: a snapshot being
-        written finishes, and no snapshot thread is left.
+        written gets up to the plane's ``timeout`` to finish; one not finished by then is
+        abandoned with a ``RuntimeWarning`` (its temporary file is removed, the previous
+        snapshot stays intact).
 
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an

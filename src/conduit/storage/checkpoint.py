@@ -23,19 +23,25 @@ size, and ``crc32`` is the part's CRC-32 as 8 lowercase hex digits. Every byte o
 checked on read: the preamble and header by the header checksum, padding must be zero, and
 each part by its own checksum.
 
-Writes are atomic: the file is written under a temporary name (``.<name>.<random>.tmp``) in
-the target's folder, synced, renamed onto the target, and the folder is synced. The preamble
-is written last, so an interrupted temporary file never carries the magic bytes.
+Writes are atomic: the file is written under a temporary name
+(``.<name>.<host>-<pid>.<random>.tmp``: ``<host>`` tags the machine and process-id namespace,
+``<pid>`` the writing process) in the target's folder, synced, renamed onto the target, and
+the folder is synced. The preamble is written last, so an interrupted temporary file never
+carries the magic bytes. A write removes the temporary files of the same target that a killed
+writer left: those its own host tag names, of a process that no longer runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import mmap as _mmap
 import os
+import re
 import secrets
+import socket
 import stat
 import struct
 import sys
@@ -280,6 +286,12 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     holds already keeps its bytes on disk but leaves the page cache first (where the OS can
     say so), so that its memory serves the new file.
 
+    The temporary file's name holds the writing process's id and a tag of its host and
+    process-id namespace. Before it is created, the temporary files of ``path`` that a killed
+    writer left behind are removed: those whose tag is this process's and whose process no
+    longer runs (POSIX only). A temporary file of a live process, of another host or
+    namespace (a shared folder), or named otherwise is never touched.
+
     Yields:
         The temporary file, open for binary writing (seekable).
 
@@ -289,7 +301,9 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     """
     path = check_path("path", path, file=True)
     _drop_cached(path)
-    tmp = path.with_name(f".{_short(path.name)}.{secrets.token_hex(6)}.tmp")
+    _remove_abandoned(path)
+    tmp = path.with_name(f".{_short(path.name)}.{_host_tag()}-{os.getpid()}."
+                         f"{secrets.token_hex(6)}.tmp")
     # O_EXCL: never share a temporary file; mode 0o666 less the umask, as open() gives.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                  0o666)
@@ -306,8 +320,58 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     _sync_folder(path.parent)
 
 
-_NAME_BYTES = 255 - len(".." + "0" * 12 + ".tmp")
+_NAME_BYTES = 255 - len(".." + "0" * 12 + "-" + "0" * 10 + "." + "0" * 12 + ".tmp")
 """Bytes of a file's name kept in its temporary name (most file systems allow 255)."""
+
+_HOST_TAG: list[str] = []
+
+
+def _host_tag() -> str:
+    """12 hex digits naming this machine's boot and this process's process-id namespace
+    (the host name where ``/proc`` does not say): a process id in a temporary file's name
+    means a process of this tag only."""
+    if not _HOST_TAG:
+        parts = []
+        for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+            with contextlib.suppress(OSError):
+                parts.append(os.readlink(source) if source.endswith("/pid")
+                             else Path(source).read_text().strip())
+        parts.append(socket.gethostname())
+        _HOST_TAG.append(hashlib.blake2s("\n".join(parts).encode(), digest_size=6).hexdigest())
+    return _HOST_TAG[0]
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs (a zombie, or one of another user, still runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: it runs, as another user
+        return False
+    return False
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Remove the temporary files of ``path`` that a killed writer of this host left (see
+    :func:`atomic_write`); others, and any that cannot be read or removed, stay."""
+    if os.name != "posix":  # os.kill(pid, 0) is no probe elsewhere
+        return
+    pattern = re.compile(re.escape(f".{_short(path.name)}.{_host_tag()}-") +
+                         r"([0-9]{1,10})\.[0-9a-f]{12}\.tmp")
+    me = os.getpid()
+    try:
+        names = [e.name for e in os.scandir(path.parent or ".")
+                 if e.name.endswith(".tmp") and e.is_file(follow_symlinks=False)]
+    except OSError:  # an unreadable folder: the write itself reports it
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1)) in (0, me):
+            continue
+        if _process_gone(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(path.with_name(name))
 
 
 def _short(name: str) -> str:

@@ -28,6 +28,10 @@ def sleep_share(duty: float) -> float:
     return 1 / duty - 1
 
 
+class SnapshotAbandonedError(RuntimeError):
+    """A snapshot's read-out was stopped (:meth:`RowSnapshot.abandon`) before it finished."""
+
+
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """``[start, stop)`` of every run of True in ``mask``."""
     edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
@@ -86,6 +90,17 @@ class RowSnapshot:
         # preserve_ids, the mask marks which), and the whole array once read out.
         self._ids_kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._ids: dict[str, np.ndarray] = {}
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        """Stop the read-out from any thread: :meth:`copy_ahead`, :meth:`stream_rows` and
+        :meth:`stream_ids` raise :class:`SnapshotAbandonedError` before their next chunk (a writer
+        of the snapshot's file then fails, and removes its temporary file)."""
+        self._abandoned = True
+
+    def _check_abandoned(self) -> None:
+        if self._abandoned:
+            raise SnapshotAbandonedError("the snapshot was abandoned before it was read out")
 
     @property
     def kept(self) -> dict[tuple[int, str], torch.Tensor]:
@@ -186,6 +201,7 @@ class RowSnapshot:
         Raises:
             ConfigError: ``duty`` is outside ``(0, 1]``, or the column was read out already
                 (each is read once: rows behind a reader are no longer kept).
+            SnapshotAbandonedError: :meth:`abandon` was called (checked before each chunk).
         """
         rest = sleep_share(duty)
         key = (block, field)
@@ -201,6 +217,7 @@ class RowSnapshot:
         bounce: torch.Tensor | None = None  # made at the first chunk not all set aside
         a = 0
         while a < n:
+            self._check_abandoned()
             t0 = time.perf_counter()
             b = min(n, a + rows)
             with self._lock:
@@ -247,6 +264,7 @@ class RowSnapshot:
 
         Raises:
             ConfigError: ``duty`` is outside ``(0, 1]``.
+            SnapshotAbandonedError: :meth:`abandon` was called (checked before each chunk).
         """
         rest = sleep_share(duty)
         for name in self._ids_live:  # the ids first: then no write sets any aside
@@ -261,6 +279,7 @@ class RowSnapshot:
         copied = 0  # rows done, in ring order from the cursor, the order writes take
         for lo, hi in ((cursor, self.size), (0, cursor)):
             for a in range(lo, hi, rows):
+                self._check_abandoned()
                 t0 = time.perf_counter()
                 b = min(hi, a + rows)
                 self._copy_ahead_rows(a, b, bounces)
@@ -293,7 +312,12 @@ class RowSnapshot:
 
     def stream_ids(self, name: str) -> Iterator[np.ndarray]:
         """The id array ``name`` as it was at the instant, in one chunk (read out now, if not
-        yet, without holding the lock for the copy)."""
+        yet, without holding the lock for the copy).
+
+        Raises:
+            SnapshotAbandonedError: :meth:`abandon` was called.
+        """
+        self._check_abandoned()
         with self._lock:
             done = self._ids.get(name)
         if done is None:

@@ -64,15 +64,40 @@ def number(state: Mapping[str, StateValue], key: str, where: str, *, low: float 
 
 def array(state: Mapping[str, StateValue], key: str, where: str, *, length: int,
           dtype: type | np.dtype) -> np.ndarray:
-    """A 1-D array entry (a tensor or numpy array) of ``length`` elements, as numpy."""
+    """A 1-D array entry (a tensor or numpy array) of ``length`` elements, as a numpy copy of
+    ``dtype``.
+
+    The entry's values are taken as they are, never converted into others: a boolean
+    ``dtype`` takes booleans only, an integer one integers within its range, a floating one
+    floats or integers (so a NaN is never cast into an id, nor a number into a flag).
+
+    Raises:
+        StateError: The entry is missing, is not a 1-D array of ``length`` elements, or holds
+            values of another kind than ``dtype`` or out of its range (``where.key`` is
+            named).
+    """
     v = entry(state, key, where)
     if isinstance(v, torch.Tensor):
-        v = v.detach().cpu().numpy()
+        try:
+            v = v.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:  # bfloat16, float8: no numpy type
+            raise StateError(f"{where}.{key}", f"expected a {np.dtype(dtype)} array, got "
+                                               f"{v.dtype}") from exc
     if not isinstance(v, np.ndarray) or v.ndim != 1 or v.size != length:
         shape = getattr(v, "shape", type(v).__name__)
         raise StateError(f"{where}.{key}", f"expected a 1-D array of {length} elements, got "
                                            f"{shape}")
-    return v.astype(dtype, copy=True)
+    want = np.dtype(dtype)
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "fiu"}.get(want.kind)
+    if kinds is not None and v.dtype.kind not in kinds:
+        raise StateError(f"{where}.{key}", f"expected {want} values, got {v.dtype}; a state's "
+                                           f"values are not converted")
+    if want.kind in "iu" and v.size:
+        info = np.iinfo(want)
+        low, high = int(v.min()), int(v.max())
+        if low < info.min or high > info.max:
+            raise StateError(f"{where}.{key}", f"values in [{low}, {high}] do not fit {want}")
+    return v.astype(want, copy=True)
 
 
 def tensor(value: np.ndarray) -> torch.Tensor:
