@@ -112,22 +112,24 @@ def make_sampler(sampler: SamplerArg, config: PlaneConfig) -> Sampler:
 
 
 def admit_rollout(rollout: Mapping[str, Any], *, spec: ExperienceSpec,
-                  rollout_spec: ExperienceSpec | None, capacity: int, raw: bool
-                  ) -> tuple[Batch, int]:
+                  rollout_spec: ExperienceSpec | None, capacity: int, raw: bool,
+                  on_policy: bool = False) -> tuple[Batch, int]:
     """A pushed rollout as tensors, and its rows: checked against ``rollout_spec`` if any,
     else against the buffer's ``spec`` unless ``raw`` (an ingestion operator reshapes it).
 
     Raises:
         SpecError: The rollout does not match.
-        CapacityError: Unreshaped, it has more rows than the buffer holds.
+        CapacityError: It has more rows than the buffer holds, unreshaped or ``on_policy``
+            (an on-policy ingestion operator writes exactly its units' rows).
     """
     if rollout_spec is not None:
-        return rollout_spec.validate(rollout, what="rollout")
-    if raw:
+        data, rows = rollout_spec.validate(rollout, what="rollout")
+    elif raw:
         rows = batch_rows(rollout, what="rollout")
-        return {k: as_tensor(v, field=k) for k, v in rollout.items()}, rows
-    data, rows = spec.validate(rollout, what="rollout")
-    if rows > capacity:
+        data = {k: as_tensor(v, field=k) for k, v in rollout.items()}
+    else:
+        data, rows = spec.validate(rollout, what="rollout")
+    if (on_policy or not (raw or rollout_spec is not None)) and rows > capacity:
         raise CapacityError(f"a rollout of {rows} rows is larger than the buffer capacity "
                             f"{capacity}; split it or raise capacity", needed=rows,
                             available=capacity)
@@ -417,21 +419,26 @@ class ExperienceDataPlane:
         Args:
             rollout: Field -> tensor or numpy array, leading dimension = rows.
             policy_version: On-policy: the policy version that produced the rollout. Older
-                than the plane's current version raises; newer waits until the current
-                iteration has been consumed.
+                than the plane's current version raises; newer waits until the plane reaches
+                that version (the iterations before it consumed).
             timeout: Seconds to wait for room (default: the plane's ``timeout``).
 
         Raises:
             SpecError: The rollout does not match the spec.
             StaleRolloutError: On-policy rollout from an older policy.
-            CapacityError: On-policy rows beyond the iteration's capacity.
+            CapacityError: On-policy rows beyond the iteration's capacity, or a rollout of
+                more rows than the capacity (whatever its version; refused at once).
             ConfigError: ``policy_version`` is not an integer.
-            BackpressureTimeout: No room within ``timeout``, or, inline, its turn to ingest
-                (after other threads' inline invocations) did not come by then: its rows
-                are not stored.
+            BackpressureTimeout: No room within ``timeout`` (on-policy: the plane did not
+                reach the rollout's newer version by then; the message says so), or,
+                inline, its turn to ingest (after other threads' inline invocations) did
+                not come by then: its rows are not stored.
             OperatorError: An ingestion operator raised: on the worker earlier (latched), or
                 inline here in the invocation that held this push's unit (its rows are not
-                stored, except the error's ``stored_rows``). An inline invocation this push
+                stored, except the error's ``stored_rows``; on-policy those stay counted
+                against the iteration's capacity, so push again only rollouts of the
+                ``lost_rows - stored_rows`` rows not stored, as a note on the error
+                says). An inline invocation this push
                 runs over units other pushes queued before its own is not this push's to
                 report: when it fails, the push goes on and ``close()`` counts those units.
                 An operator interrupted here (it raised ``KeyboardInterrupt``,
@@ -445,7 +452,8 @@ class ExperienceDataPlane:
         policy_version = check_policy_version(policy_version)
         spec, raw = self.spec, self._ingest_registered
         data, rows = admit_rollout(rollout, spec=spec, rollout_spec=self.rollout_spec,
-                                   capacity=self.capacity, raw=raw)
+                                   capacity=self.capacity, raw=raw,
+                                   on_policy=self.config.on_policy)
         waited = self.config.wait_for(timeout)
         sched = self._engine.schedule
         data, guards = hold_rollout(rollout, data, may_wait=(
@@ -480,6 +488,11 @@ class ExperienceDataPlane:
         prioritized samplers, ``_weight``). On-policy: the next shuffled mini-batch of the
         current iteration; after the last one of the last epoch the plane moves to the next
         policy version.
+
+        An interrupt (``KeyboardInterrupt``) reaching the call leaves the plane consistent:
+        the batch it was making is either not drawn (the next pull returns it; on-policy,
+        every row is still delivered once per epoch) or counted delivered, as when the
+        interrupt comes just after the call returned.
 
         Raises:
             EmptyBufferError: No batch could be formed within ``timeout`` (for example an
@@ -789,9 +802,12 @@ class ExperienceDataPlane:
         return self._engine.recover()
 
     def close(self) -> None:
-        """Refuse new calls, stop the workers, and store every queued unit. Idempotent;
-        bounded by the plane's ``timeout``. A plane dropped without ``close()`` is closed when
-        collected or at interpreter exit, with a warning if units were lost.
+        """Refuse new calls, stop the workers, and store every queued unit. Idempotent. Each
+        of its waits (for the workers, for other threads' inline ingestions, for operators
+        held by another thread) is bounded by the plane's ``timeout``; the queued units are
+        then ingested on the calling thread, each invocation taking as long as the ingestion
+        operator takes. A plane dropped without ``close()`` is closed when collected or at
+        interpreter exit, with a warning if units were lost.
 
         Snapshotters of this plane (:meth:`snapshots`) are closed first: a snapshot being
         written gets up to the plane's ``timeout`` to finish; one not finished by then is
@@ -800,10 +816,15 @@ class ExperienceDataPlane:
 
         Raises:
             DataLossError: Some units that ``push`` acknowledged could not be stored (an
-                ingestion failure not cleared by :meth:`recover`, one while draining, an
+                ingestion failure not cleared by :meth:`recover`, even one another call
+                raised meanwhile, one while draining, an
                 inline ingestion failure raised on another thread than the one that pushed
                 them and not cleared by :meth:`recover` either, or an operator stuck past the
                 timeout). The plane is closed all the same.
+            KeyboardInterrupt: The ingestion operator raised it (or another interrupt that
+                is not an ``Exception``) while close ingested the queued units: the units
+                still queued are not ingested, the plane is closed all the same, and the
+                interrupt is raised with the ``DataLossError`` message as a note.
             ConfigError: Called from inside an operator, whose invocation close would wait
                 for; the plane stays open and nothing changes. (Once the plane is closed,
                 a call returns at once from anywhere.)

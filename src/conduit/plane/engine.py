@@ -25,7 +25,7 @@ from conduit.errors import (
     StateError,
 )
 from conduit.plane.config import PlaneConfig
-from conduit.plane.flows import Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
+from conduit.plane.flows import DeliveryJob, Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
 from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule
@@ -347,7 +347,8 @@ class PlaneEngine:
         zero-filled).
 
         Raises:
-            BackpressureTimeout: No room by ``deadline`` (``waited`` is for the message).
+            BackpressureTimeout: No room by ``deadline`` (``waited`` is for the message), or,
+                on-policy, the plane did not reach the unit's newer policy version by then.
             OperatorError, StaleRolloutError, CapacityError, PlaneClosedError.
         """
         flow, rt, lock = self.flow, self.runtime, self.signals.lock
@@ -366,6 +367,12 @@ class PlaneEngine:
                         lock.acquire()
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
+                    if unit.version is not None and unit.version > flow.policy_version:
+                        raise BackpressureTimeout(
+                            f"push of a rollout of policy version {unit.version} waited "
+                            f"{waited:.1f}s for the plane to reach that version; it is at "
+                            f"version {flow.policy_version}, whose iteration (and each one "
+                            f"after it, before {unit.version}) the learner consumes first")
                     raise BackpressureTimeout(
                         f"push waited {waited:.1f}s for room: {len(flow.pending)} units "
                         f"queued, {flow.inflight_units} being ingested, policy version "
@@ -393,7 +400,20 @@ class PlaneEngine:
                 latched when a worker ran it; when this call ran it inline, raised to this
                 call only.
             PlaneClosedError: The plane is closed.
+
+        An interrupt (``KeyboardInterrupt``) leaves the batch it was making not drawn (the
+        next call draws it again) or counted delivered, never in between.
         """
+        drawn: list[DeliveryJob | None] = [None]  # the last job this call took
+        try:
+            return self._next_batch(deadline, waited, records, drawn)
+        except BaseException:
+            with self.signals.lock:  # one this call took and did not finish is taken back
+                self.runtime.abandon_locked(drawn[0])
+            raise
+
+    def _next_batch(self, deadline: float, waited: float, records: list[TimingRecord],
+                    drawn: list[DeliveryJob | None]) -> Batch:
         rt, flow = self.runtime, self.flow
         busy = False  # the last hurry found another thread's inline ingestion running
         while True:
@@ -405,7 +425,7 @@ class PlaneEngine:
                 if staged is not None:
                     return staged.batch
                 try:
-                    job = self.delivery.take_locked()
+                    job = drawn[0] = self.delivery.take_locked()
                 except Exception as exc:  # e.g. a custom sampler raising, as on the worker
                     raise rt.fail("delivery", exc, latch=False) from exc
                 # Data already pushed never waits for a granularity batch to fill.
@@ -452,19 +472,25 @@ class PlaneEngine:
         """Refuse new calls, stop the workers, and ingest every queued unit.
 
         Inline ingestions already running on other threads finish first, and operators held
-        by other threads (``paused()``, ``frozen()``, a save) are waited for, each within the
-        timeout, so that the queued units can be ingested in push order.
+        by other threads (``paused()``, ``frozen()``, a save) are waited for, each wait
+        within the timeout, so that the queued units can be ingested in push order. The
+        queued units are then ingested on the calling thread, each invocation taking as long
+        as the ingestion operator takes (the timeout bounds the waits, not the operator).
 
         Raises:
-            DataLossError: Some acknowledged units could not be stored (an ingestion
-                failure that was never recovered or raised to a caller, a failure while
-                closing on a worker or in close's own ingestion, a worker stuck in an
-                operator, or operators held by another thread past the timeout); the first
-                cause is attached. An inline ingestion failing on another thread is raised
-                to that thread's caller, and only the units that caller's thread pushed are
-                not counted here again: those other threads pushed (their pushes returned)
-                are counted, as nobody told their callers, unless :meth:`recover` cleared
-                them.
+            DataLossError: Some acknowledged units could not be stored (a latched ingestion
+                failure not cleared by :meth:`recover`, whether or not a call raised it
+                meanwhile, a failure while closing on a worker or in close's own ingestion,
+                a worker stuck in an operator, or operators held by another thread past the
+                timeout); the first cause is attached. An inline ingestion failing on
+                another thread is raised to that thread's caller, and only the units that
+                caller's thread pushed are not counted here again: those other threads
+                pushed (their pushes returned) are counted, as nobody told their callers,
+                unless :meth:`recover` cleared them.
+            KeyboardInterrupt: (or another interrupt that is not an ``Exception``) The
+                ingestion operator raised it in close's own ingestion: the units still
+                queued are not ingested, the plane is closed all the same, and the interrupt
+                is raised with the ``DataLossError`` message as a note.
         """
         if not self.closed:  # once closed, a call returns at once from any thread
             self.refuse_inside_operator("close")
@@ -475,8 +501,7 @@ class PlaneEngine:
             self.closed = True  # pushes after this point raise PlaneClosedError
             self.signals.wake(callers=True, ingestion=True, delivery=True)
             loss = _Loss()
-            if not rt.error_reported:
-                loss.add(rt.error)
+            loss.add(rt.error)  # told to a caller or not: close() reports what push acked
             rt.closing_errors = []  # failures from here on, on any thread, are counted below
         try:
             self.stop()
@@ -487,6 +512,7 @@ class PlaneEngine:
                 loss.cause = loss.cause or stuck
                 loss.add_queue(flow, inflight=True, own=rt.running_own)
         deadline = time.perf_counter() + self.timeout
+        interrupt: BaseException | None = None  # an interrupt the operator raised here
         ordered = rt.inline_ordered(self.timeout)
         try:
             with lock:
@@ -513,7 +539,13 @@ class PlaneEngine:
                                 f"another thread) past {self.timeout}s"))
                             loss.add_queue(flow, inflight=False)
                         break
-                loss.add(rt.run_ingestion(units, latch=False))
+                err = rt.run_ingestion(units, latch=False)
+                loss.add(err)
+                if err is not None and not isinstance(err.__cause__, Exception):
+                    interrupt = err.__cause__  # the caller asked to stop: the rest is lost
+                    with lock:
+                        loss.add_queue(flow, inflight=False)
+                    break
         finally:
             if ordered:
                 rt.end_inline_ordered()
@@ -522,9 +554,14 @@ class PlaneEngine:
             loss.add_all(rt.take_unreported_locked())
         cause = loss.cause
         if loss.units:
-            raise DataLossError(
+            lost = DataLossError(
                 f"close(): {loss.units} rollout units ({loss.rows} rows) acknowledged by push "
-                f"were not stored: {cause}", lost_units=loss.units,
-                lost_rows=loss.rows) from cause
+                f"were not stored: {cause}", lost_units=loss.units, lost_rows=loss.rows)
+            if interrupt is not None:
+                interrupt.add_note(f"conduit: {lost}")
+                raise interrupt
+            raise lost from cause
+        if interrupt is not None:  # pragma: no cover - an interrupted invocation lost units
+            raise interrupt
         if cause is not None and not isinstance(cause, OperatorError):  # pragma: no cover
             raise cause

@@ -13,6 +13,7 @@ Methods whose name ends in ``_locked`` are called with the plane's lock
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import json
 import threading
@@ -183,7 +184,13 @@ def hold_rollout(source: Mapping[str, Any], data: Batch, *, may_wait: bool
 
 @dataclass
 class DeliveryJob:
-    """One delivery invocation: the rows drawn and how to split them."""
+    """One delivery invocation: the rows drawn and how to split them.
+
+    Attributes:
+        done: The invocation is finished: what it made is staged or handed over, or its draw
+            was taken back (:meth:`Flow.undo_delivery_locked`); set once, with the flow's
+            count of invocations in flight.
+    """
 
     info: SampleInfo
     batches: int
@@ -191,6 +198,7 @@ class DeliveryJob:
     generation: int
     early: EarlyBatch | None = None
     position: int = -1  # on-policy: the mini-batch's place in the iteration (0 = its first)
+    done: bool = False
 
 
 @dataclass
@@ -254,6 +262,8 @@ class Flow(abc.ABC):
     #: The units of the running ingestion invocations.
     inflight: list[Unit] = field(default_factory=list)
     staged: deque[Staged] = field(default_factory=deque)
+    #: Delivery invocations drawn and not finished (:attr:`DeliveryJob.done`).
+    delivering: int = 0
     priority_generation: int = 0
     policy_version: int = 0
     assemble_early: bool = True
@@ -344,6 +354,12 @@ class Flow(abc.ABC):
             self.counters["lost_rows"] += sum(u.rows for u in units)
         return rows if failed else 0
 
+    def kept_rows_note(self, units: Sequence[Unit], kept: int) -> str | None:
+        """What to push again after an ingestion invocation over ``units`` failed with
+        ``kept`` of the rows it wrote staying in the buffer (None: nothing to add to the
+        error's own advice). Off-policy, kept rows count against nothing."""
+        return None
+
     @abc.abstractmethod
     def ingestion_units(self, units: list[Unit]) -> float:
         """The granularity an invocation over ``units`` processed, for the timings."""
@@ -398,10 +414,18 @@ class Flow(abc.ABC):
         """The granularity a delivery invocation processed, for the timings."""
 
     def undo_delivery_locked(self, job: DeliveryJob) -> None:
-        """``job``'s invocation made nothing that will be delivered (its operator raised, or
-        another operator's error was latched meanwhile). Off-policy nothing is owed: the next
-        draw is another sample."""
-        return None
+        """``job``'s invocation made nothing that will be delivered (its operator raised,
+        another operator's error was latched meanwhile, or an interrupt such as
+        ``KeyboardInterrupt`` reached the thread that ran it): it is done. Off-policy nothing
+        is owed: the next draw is another sample. Nothing changes for a job already done."""
+        self._delivery_done_locked(job)
+
+    def _delivery_done_locked(self, job: DeliveryJob | None) -> None:
+        """``job``'s invocation finished (staged, handed over or taken back): once per job
+        (None: nothing to finish)."""
+        if job is not None and not job.done:
+            # one statement: an interrupt lands before both changes or after both
+            job.done, self.delivering = True, self.delivering - 1
 
     def caller_delivers_locked(self) -> bool:
         """Whether, under overlapped delivery, a waiting ``pull`` runs the next delivery
@@ -412,22 +436,33 @@ class Flow(abc.ABC):
         """Whether the delivery worker may take the next invocation."""
         return True
 
-    def stage_locked(self, batches: list[Batch], generation: int, event: Any) -> None:
-        """Put a finished invocation's training batches on the stage."""
-        self.staged.extend(Staged(b, generation, event) for b in batches)
+    def stage_locked(self, batches: list[Batch], generation: int, event: Any,
+                     job: DeliveryJob | None = None) -> None:
+        """Put the training batches of ``job``'s finished invocation on the stage; the job is
+        done. An interrupt (``KeyboardInterrupt``) stages them all and finishes the job, or
+        does neither (the job's caller then takes its draw back)."""
+        made = [Staged(b, generation, event) for b in batches]
+        try:
+            self.staged.extend(made)
+            self._delivery_done_locked(job)
+        except BaseException:
+            if made and self.staged and self.staged[-1] is made[-1]:
+                self._delivery_done_locked(job)  # staged: finished
+            raise
 
     def pop_staged_locked(self) -> Staged | None:
         """The next valid staged batch, or None, accepted on the calling (learner) thread's
         current stream (:meth:`Staged.accept`). Batches that priority updates made stale are
-        discarded (beyond ``max_priority_lag``)."""
+        discarded (beyond ``max_priority_lag``). An interrupt (``KeyboardInterrupt``) leaves
+        the batch staged, or counts it delivered (:meth:`_deliver_locked`)."""
         while self.staged:
-            s = self.staged.popleft()
+            s = self.staged[0]
             if self._stale(s.generation):
+                self.staged.popleft()
                 self.counters["discarded_batches"] += 1
                 self.signals.wake(delivery=True)  # the worker may now refill the stage
                 continue
-            self.counters["delivered_batches"] += 1
-            self._delivered_locked()
+            self._deliver_locked(s, None)
             # Before the wake-up: the stream calls may release the GIL, and a worker woken
             # first would take it for its whole next delivery while the learner waits.
             s.accept(self.config.learner_device)
@@ -435,17 +470,44 @@ class Flow(abc.ABC):
             return s
         return None
 
-    def hand_over_locked(self, generation: int) -> bool:
-        """Count a batch drawn at ``generation`` that a ``pull`` made for itself as delivered,
-        as :meth:`pop_staged_locked` counts a staged one, so that it skips the stage. False,
-        with nothing counted, when a batch is staged before it or priority updates made it
-        stale: it must then be staged."""
+    def hand_over_locked(self, generation: int, job: DeliveryJob | None = None) -> bool:
+        """Count a batch drawn at ``generation`` (by ``job``, then done) that a ``pull`` made
+        for itself as delivered, as :meth:`pop_staged_locked` counts a staged one, so that it
+        skips the stage. False, with nothing counted, when a batch is staged before it or
+        priority updates made it stale: it must then be staged. An interrupt
+        (``KeyboardInterrupt``) counts it delivered and finishes ``job``, or does neither
+        (:meth:`_deliver_locked`)."""
         if self.staged or self._stale(generation):
             return False
-        self.counters["delivered_batches"] += 1
-        self._delivered_locked()
+        self._deliver_locked(None, job)
         self._refill_if_room_locked()
         return True
+
+    def _deliver_locked(self, staged: Staged | None, job: DeliveryJob | None) -> None:
+        """Count one batch delivered: ``staged``, the first on the stage, taken off it, or the
+        batch of ``job``, handed over (its invocation done). All or nothing with respect to an
+        interrupt (``KeyboardInterrupt``): the count is one statement
+        (:meth:`_count_delivered_locked`), and an interrupt after it completes the rest
+        (:meth:`_settle_delivered_locked`, which does each step once) before it propagates."""
+        count = self.counters["delivered_batches"]
+        try:
+            self._count_delivered_locked()
+            self._settle_delivered_locked(staged, job)
+        except BaseException:
+            if self.counters["delivered_batches"] != count:  # counted: complete it
+                self._settle_delivered_locked(staged, job)
+            raise
+
+    def _count_delivered_locked(self) -> None:
+        """Count a delivered batch, in one statement."""
+        self.counters["delivered_batches"] += 1
+
+    def _settle_delivered_locked(self, staged: Staged | None, job: DeliveryJob | None) -> None:
+        """What follows a delivered batch's count; a step already done is not done again."""
+        if staged is not None and self.staged and self.staged[0] is staged:
+            self.staged.popleft()
+        self._delivery_done_locked(job)
+        self._delivered_locked()
 
     def _stale(self, generation: int) -> bool:
         return (self.buffer.sampler.invalidates_prefetch
@@ -459,6 +521,8 @@ class Flow(abc.ABC):
             self.signals.wake(delivery=True)
 
     def _delivered_locked(self) -> None:
+        """After a delivered batch's count (on-policy: end a consumed iteration); does nothing
+        when called again."""
         return None
 
     def priorities_updated_locked(self) -> None:
@@ -542,8 +606,17 @@ class OffPolicyFlow(Flow):
     def take_delivery_locked(self) -> DeliveryJob | None:
         if len(self.staged) >= self.stage_room or len(self.buffer) < self.config.first_batch_rows:
             return None
+        delivering = self.delivering
+        try:
+            return self._draw_locked()
+        except BaseException:  # an interrupt (KeyboardInterrupt): nothing is in flight
+            self.delivering = delivering
+            raise
+
+    def _draw_locked(self) -> DeliveryJob:
         n = int(self.schedule.g_del)
         info = self.buffer.draw(n * self.config.batch_size)
+        self.delivering += 1
         return DeliveryJob(info, n, self.config.batch_size, self.priority_generation)
 
     def starved_locked(self) -> bool:
@@ -577,10 +650,9 @@ class OnPolicyFlow(Flow):
         self.delivered_in_iter = 0
         self.early: dict[int, EarlyBatch] = {}
         self._write_lock = threading.Lock()  # slot order = write order within an iteration
-        #: Delivery invocations drawn and not yet finished (at most one: see
-        #: :meth:`take_delivery_locked`).
-        self.delivering = 0
+        # (``delivering``: at most one on-policy, see :meth:`take_delivery_locked`)
         self._refused_delivery = False  # a draw waited on one in flight: wake the worker
+        self._advancing_to: int | None = None  # see _advance_locked
 
     @property
     def max_pending_units(self) -> int:
@@ -588,7 +660,14 @@ class OnPolicyFlow(Flow):
 
     def admit_locked(self, rows: int, version: int | None) -> bool:
         """Admits the current version's rows up to the capacity; a newer version waits until
-        the current iteration has been consumed."""
+        the plane reaches it (the iterations before it consumed). A unit of more rows than an
+        iteration holds is refused whatever its version: it can never be admitted."""
+        cap = self.config.capacity
+        if rows > cap:
+            raise CapacityError(
+                f"a rollout of {rows} rows is larger than an on-policy iteration, which holds "
+                f"{cap} rows (capacity); split it or raise capacity", needed=rows,
+                available=cap)
         if version is not None and version < self.policy_version:
             raise StaleRolloutError(
                 f"rollout from policy version {version}, but the plane is at version "
@@ -635,13 +714,33 @@ class OnPolicyFlow(Flow):
                         written: Sequence[tuple[int, int, int]] = (), rows: int = 0) -> int:
         """Failed units leave the iteration, so it can still fill up with new pushes; so do
         the rows their invocation wrote before it failed, where nothing depends on them yet
-        (:meth:`_take_back_locked`)."""
+        (:meth:`_take_back_locked`). Rows that stay (the returned count) stay counted against
+        the iteration's capacity: only the failed units' other rows leave it."""
         kept = super().ingested_locked(units, failed=failed, rows=rows)
         if failed:
-            self.iter_pushed_rows -= sum(u.rows for u in units)
             if self._take_back_locked(written):
                 kept = 0
+            self.iter_pushed_rows -= sum(u.rows for u in units) - kept
         return kept
+
+    def kept_rows_note(self, units: Sequence[Unit], kept: int) -> str | None:
+        if not kept:
+            return None
+        lost = sum(u.rows for u in units)
+        prefix, first = 0, None
+        for k, u in enumerate(units):
+            prefix += u.rows
+            if prefix == kept:
+                first = k + 1
+                break
+        which = (f"; an operator that wrote its units in order wrote the rows of the first "
+                 f"{first} of the {len(units)}: push again only the last {len(units) - first}"
+                 if first is not None else "")
+        return (f"conduit: on-policy, the {kept} rows kept stay in iteration "
+                f"{self.policy_version} and count against its {self.config.capacity} rows: "
+                f"push again only rollouts of the {lost - kept} rows not stored (pushing "
+                f"every lost unit again would store the kept rows twice, or be refused with "
+                f"CapacityError past the capacity){which}")
 
     def _take_back_locked(self, written: Sequence[tuple[int, int, int]]) -> bool:
         """Drop the rows of a failed invocation's writes ``(version, start, n)`` from the
@@ -778,57 +877,78 @@ class OnPolicyFlow(Flow):
             early = None  # could not be assembled (rows were not in host memory): gather
         if not (landed or (early is not None and early.complete)):
             return None
+        # A draw is all or nothing: a sampler error, or an interrupt (KeyboardInterrupt)
+        # anywhere in it, puts back what it changed, the sampler's cursor included.
+        saved = (self.drawn_in_iter, self.drawn_rows, self.delivering,
+                 self.counters["early_batches"], self.early.get(self.drawn_in_iter))
+        try:
+            return self._draw_locked(early, landed)
+        except BaseException:
+            self._undraw_locked(*saved)
+            raise
+
+    def _draw_locked(self, early: EarlyBatch | None, landed: bool) -> DeliveryJob:
+        """Draw the next mini-batch (see :meth:`take_delivery_locked`)."""
+        cap, position = self.config.capacity, self.drawn_in_iter
         sampler = self.buffer.sampler
         m = self.config.num_minibatches
-        if self.drawn_in_iter % m == 0:
-            sampler.begin_epoch(cap, iteration=self.policy_version,
-                                epoch=self.drawn_in_iter // m)
+        if position % m == 0:
+            sampler.begin_epoch(cap, iteration=self.policy_version, epoch=position // m)
         info = sampler.sample(cap, 0)
         if early is not None and not torch.equal(early.indices, info.indices):
             early = None  # pragma: no cover - the layout is a pure function
         if early is None and not landed:  # pragma: no cover - follows from the above
             raise EmptyBufferError("on-policy delivery started before the iteration landed")
-        self.early.pop(self.drawn_in_iter, None)
+        self.early.pop(position, None)
         if early is not None:
             self.counters["early_batches"] += 1
             if info.indices.numel():
                 self.drawn_rows = max(self.drawn_rows, int(info.indices.max()) + 1)
         else:
             self.drawn_rows = cap  # drawn from the landed iteration: any row
-        self.drawn_in_iter += 1
-        self.delivering += 1
+        self.drawn_in_iter, self.delivering = position + 1, self.delivering + 1
         return DeliveryJob(info, 1, int(info.indices.numel()), self.priority_generation, early,
-                           position=self.drawn_in_iter - 1)
+                           position=position)
 
-    def _delivery_done_locked(self) -> None:
+    def _undraw_locked(self, position: int, drawn_rows: int, delivering: int, early_count: int,
+                       early: EarlyBatch | None) -> None:
+        """Put back what a draw of mini-batch ``position`` changed (the values before it):
+        the next draw is that mini-batch again (an epoch's first lays the epoch out again)."""
+        with contextlib.suppress(Exception):  # (the draw's own error is raised)
+            self.buffer.sampler.seek(position % self.config.num_minibatches)
+        if early is not None:
+            self.early[position] = early
+        self.counters["early_batches"] = early_count
+        self.drawn_in_iter, self.drawn_rows, self.delivering = position, drawn_rows, delivering
+
+    def _delivery_done_locked(self, job: DeliveryJob | None) -> None:
         """A delivery invocation finished (staged, handed over or undone): the next may be
         drawn."""
-        self.delivering = max(0, self.delivering - 1)
+        super()._delivery_done_locked(job)
         if self._refused_delivery:
             self._refused_delivery = False
             self.signals.wake(delivery=True)
-
-    def stage_locked(self, batches: list[Batch], generation: int, event: Any) -> None:
-        super().stage_locked(batches, generation, event)
-        self._delivery_done_locked()
-
-    def hand_over_locked(self, generation: int) -> bool:
-        handed = super().hand_over_locked(generation)
-        if handed:
-            self._delivery_done_locked()
-        return handed
 
     def undo_delivery_locked(self, job: DeliveryJob) -> None:
         """The mini-batch of a failed invocation is owed: its draw is taken back, so that the
         next invocation (after ``recover()``) draws the same rows and every row is still
         delivered exactly once per epoch. Invocations of an iteration run one at a time
-        (:meth:`take_delivery_locked`), so the failed one is the last drawn."""
-        self._delivery_done_locked()
+        (:meth:`take_delivery_locked`), so the failed one is the last drawn. Nothing changes
+        for a job already done; an interrupt (``KeyboardInterrupt``) leaves the job not done
+        (called again, it completes) or the draw taken back."""
+        if job.done:
+            return
         if job.position < 0 or job.position != self.drawn_in_iter - 1:
+            self._delivery_done_locked(job)  # pragma: no cover - not expected
             return  # pragma: no cover - a later draw or another iteration (not expected)
-        self.drawn_in_iter -= 1
         # The next draw is this mini-batch again (an epoch's first lays the epoch out again).
         self.buffer.sampler.seek(job.position % self.config.num_minibatches)
+        # one statement: the draw is taken back and the job done together
+        self.drawn_in_iter, job.done, self.delivering = (job.position, True,
+                                                         self.delivering - 1)
+        if self._refused_delivery:
+            self._refused_delivery = False
+            self.signals.wake(delivery=True)
 
     def starved_locked(self) -> bool:
         return self.iter_written_rows < self.config.capacity
@@ -836,8 +956,12 @@ class OnPolicyFlow(Flow):
     def delivery_units(self, job: DeliveryJob) -> float:
         return float(Fraction(1, self.config.num_minibatches))
 
+    def _count_delivered_locked(self) -> None:
+        # one statement: the plane's count and the iteration's
+        self.counters["delivered_batches"], self.delivered_in_iter = (
+            self.counters["delivered_batches"] + 1, self.delivered_in_iter + 1)
+
     def _delivered_locked(self) -> None:
-        self.delivered_in_iter += 1
         if self.delivered_in_iter == self.config.batches_per_iteration:
             self._advance_locked()
             # Pushes of the next version wait in push() for admission; the ingestion worker
@@ -845,12 +969,19 @@ class OnPolicyFlow(Flow):
             self.signals.wake(callers=True, ingestion=bool(self.pending))
 
     def _advance_locked(self) -> None:
+        """End the consumed iteration (every mini-batch delivered): clear the buffer and move
+        to the next policy version. Until its last statement, which marks the iteration
+        ended, it may be called again (an interrupt before it): each step sets what it set
+        the first time (the version it moves to is noted first)."""
+        if self._advancing_to is None:
+            self._advancing_to = self.policy_version + 1
         self.buffer.clear()
-        self.policy_version += 1
+        self.early = {}
+        self.policy_version = self._advancing_to
         self.iter_pushed_rows = sum(u.rows for u in self.pending)
         self.iter_written_rows = self.iter_landed_rows = 0
-        self.drawn_in_iter = self.delivered_in_iter = self.drawn_rows = 0
-        self.early = {}
+        self.drawn_in_iter = self.drawn_rows = 0
+        self.delivered_in_iter, self._advancing_to = 0, None  # (one line: ended)
 
     def pause_locked(self) -> None:
         """Mini-batches being assembled early fall back to a gather (the buffer may move, the

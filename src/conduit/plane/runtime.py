@@ -122,10 +122,7 @@ class OperatorRuntime:
         #: Whether the latched error only stands in for a stuck invocation's outcome (a
         #: worker that did not stop): that invocation's own error replaces it.
         self.error_provisional = False
-        #: Whether the latched error has been raised to a caller (who then knows its loss).
-        self.error_reported = False
         self.paused = 0
-        self.busy = 0
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
@@ -145,6 +142,13 @@ class OperatorRuntime:
         self.running_own: set[int] = set()
         self._inside = threading.local()  # which operator the thread runs (inside_operator)
         flow.deliver_ready = self.deliver_ready
+
+    @property
+    def busy(self) -> int:
+        """Operator invocations in flight: ingestion ones and the flow's delivery ones (counted
+        by the flow with the draw itself, so an interrupt cannot leave one counted that is not
+        in flight)."""
+        return self.ingesting + self.flow.delivering
 
     def take_unreported_locked(self) -> list[OperatorError]:
         """The losses kept for ``close()`` (:attr:`closing_errors`, :attr:`untold`); both stop
@@ -198,14 +202,12 @@ class OperatorRuntime:
         """
         with self.signals.lock:
             if self.error is None or (self.error_provisional and not provisional):
-                self.error, self.error_reported = err, False
-                self.error_provisional = provisional
+                self.error, self.error_provisional = err, provisional
             self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def raise_if_failed(self) -> None:
         """Raise the latched operator error, if any."""
         if self.error is not None:
-            self.error_reported = True
             raise raised_again(self.error)
 
     def raise_own(self, err: OperatorError | None) -> None:
@@ -241,7 +243,6 @@ class OperatorRuntime:
             return None
         units = self.flow.take_ingestion_locked(force=force)
         if units is not None:
-            self.busy += 1
             self.ingesting += 1
         return units
 
@@ -376,17 +377,19 @@ class OperatorRuntime:
         out = BufferOut(write)
         err = None
         raised: BaseException | None = None
+        outer = self.inside_operator()
         try:
             for u in units:
                 u.check_unchanged()
-            outer, self._inside.name = self.inside_operator(), "ingestion"
             try:
+                self._inside.name = "ingestion"
                 self.ingest_fn(ActorIn([u.data for u in units], [u.version for u in units]),
                                out)
             finally:
                 self._inside.name = outer
             self.flow.check_ingested(units, rows[0])
         except BaseException as exc:
+            self._inside.name = outer  # (an interrupt may have skipped the line above)
             raised = exc
         finally:
             self.timings.record("ingestion", time.perf_counter() - t0,
@@ -396,10 +399,14 @@ class OperatorRuntime:
                                                  written=written, rows=rows[0])
                 if raised is not None:  # with the rows the invocation left
                     err = self.fail("ingestion", raised, units=units, stored_rows=kept,
-                                    latch=latch)
+                                    latch=False)
+                    note = self.flow.kept_rows_note(units, kept)
+                    if note is not None:
+                        err.add_note(note)
+                    if latch:
+                        self.latch(err)
                     if latch and self.closing_errors is not None:
                         self.closing_errors.append(err)
-                self.busy -= 1
                 self.ingesting -= 1
                 self.signals.wake(callers=True)
         return err
@@ -407,13 +414,19 @@ class OperatorRuntime:
     # -- delivery ------------------------------------------------------------------------------
 
     def take_delivery_locked(self) -> DeliveryJob | None:
-        """The next delivery invocation (None while paused or when no batch can be formed)."""
+        """The next delivery invocation (None while paused or when no batch can be formed);
+        whoever takes it finishes it (:meth:`run_delivery`, or :meth:`abandon_locked`)."""
         if self.paused:
             return None
-        job = self.flow.take_delivery_locked()
-        if job is not None:
-            self.busy += 1
-        return job
+        return self.flow.take_delivery_locked()
+
+    def abandon_locked(self, job: DeliveryJob | None) -> None:
+        """``job`` was taken and an interrupt (``KeyboardInterrupt``) reached the thread
+        before its invocation finished: its draw is taken back (nothing, for a job that
+        finished, or None)."""
+        if job is not None and not job.done:
+            self.flow.undo_delivery_locked(job)
+            self.signals.wake(callers=True, delivery=True)
 
     def deliver_ready(self) -> None:
         """Deliver the next batch on the calling (worker) thread, if one can be formed: an
@@ -458,6 +471,7 @@ class OperatorRuntime:
         staged: list[Batch] = []
         direct: Batch | None = None
         err = None
+        outer = self.inside_operator()
         try:
             early = job.early
             rows = (dict(early.out) if early is not None and early.out is not None
@@ -468,8 +482,8 @@ class OperatorRuntime:
                 direct = rows  # the gathered rows are the batch, where they are
             else:
                 out = LearnerOut(batches=job.batches, device=self.learner_device)
-                outer, self._inside.name = self.inside_operator(), "delivery"
                 try:
+                    self._inside.name = "delivery"
                     self.deliver_fn(BufferIn(rows, batches=job.batches,
                                              batch_size=job.batch_size), out)
                 finally:
@@ -478,6 +492,7 @@ class OperatorRuntime:
                 if len(staged) != job.batches:
                     raise RuntimeError("the delivery operator did not call learn_out.write()")
         except BaseException as exc:
+            self._inside.name = outer  # (an interrupt may have skipped the line above)
             err = self.fail("delivery", exc, latch=caller_records is None)
             staged, direct = [], None
         finally:
@@ -492,17 +507,16 @@ class OperatorRuntime:
             else:
                 caller_records.append(rec)
             with self.signals.lock:
+                self.flow.counters["invocations_del"] += 1
                 if err is not None or self.error is not None:
                     direct = None  # a failure, or a latched error, drops what it made
                     self.flow.undo_delivery_locked(job)
                 else:
                     if direct is not None and not (
                             caller_records is not None
-                            and self.flow.hand_over_locked(job.generation)):
+                            and self.flow.hand_over_locked(job.generation, job)):
                         staged, direct = [direct], None
                     if staged:
-                        self.flow.stage_locked(staged, job.generation, event)
-                self.busy -= 1
-                self.flow.counters["invocations_del"] += 1
+                        self.flow.stage_locked(staged, job.generation, event, job)
                 self.signals.wake(callers=True)
         return err, direct
