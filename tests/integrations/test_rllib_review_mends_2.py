@@ -73,7 +73,7 @@ def test_a_dropped_buffer_is_collected_with_its_plane_and_threads() -> None:
         gc.collect()
         time.sleep(0.05)
     assert all(b() is None and p() is None for b, p in refs)
-    assert _conduit_threads() == before
+    assert _conduit_threads() <= before  # (threads of earlier tests may end meanwhile)
 
 
 def test_rows_an_add_acknowledged_before_its_flush_raised_are_linked_when_stored() -> None:

@@ -292,7 +292,6 @@ class FrontIngestion:
         self._stop = False
         self._closed = False  # no unit is queued after close() began draining
         self.error: OperatorError | None = None
-        self.error_reported = False
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
         self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
         #: Shares of failed inline invocations no caller was told of (see _drain_inline).
@@ -360,7 +359,6 @@ class FrontIngestion:
         """Raise the latched operator error, if any."""
         with self._cond:
             if self.error is not None:
-                self.error_reported = True
                 raise raised_again(self.error)
 
     def recover(self) -> OperatorError | None:
@@ -601,7 +599,7 @@ class FrontIngestion:
             if err is not None:
                 with self._cond:
                     if self.error is None:
-                        self.error, self.error_reported = err, False
+                        self.error = err
                     self._cond.notify_all()
 
     def hurry(self) -> None:
@@ -666,8 +664,9 @@ class FrontIngestion:
         """Stop the thread and store every queued unit.
 
         Raises:
-            DataLossError: Some acknowledged units were not stored: a latched failure never
-                raised to a caller, an inline failure raised to another thread's call than
+            DataLossError: Some acknowledged units were not stored: a latched failure not
+                cleared by :meth:`recover` (whether or not a call raised it meanwhile), an
+                inline failure raised to another thread's call than
                 the pushes of its units (or to none) and not cleared by :meth:`recover`, an
                 invocation cut short by an interrupt (such as ``KeyboardInterrupt``), a
                 failure while draining, or a thread stuck in the operator past the timeout;
@@ -691,7 +690,7 @@ class FrontIngestion:
                     deadline, done = time.monotonic() + self._timeout, self.counters[
                         "invocations"]
             stopped = stopped and not self._draining
-            latched = None if self.error_reported else self.error
+            latched = self.error  # told to a caller or not: close() reports what push acked
             errors = [latched, *self._kept_locked()] if latched else self._kept_locked()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:

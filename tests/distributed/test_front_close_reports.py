@@ -1,0 +1,58 @@
+"""The sharded front's ``close()`` reports the acknowledged units a failure on its ingestion
+thread lost, also once another call (a learner's, say) was told of the failure: the actors
+that pushed them never were. Only ``recover()`` clears them. Fails on the code before."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conduit.distributed.operators import FrontIngestion, QueuedUnit
+from conduit.errors import DataLossError, OperatorError
+from conduit.plane.ports import ActorIn, BufferOut
+from conduit.scheduling import Schedule
+
+
+def _failing_front() -> tuple[FrontIngestion, threading.Event]:
+    go, calls = threading.Event(), []
+
+    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        go.wait(5)
+        calls.append(1)
+        if len(calls) == 1:  # the first invocation only
+            raise ValueError("operator bug")
+        exp_out.write(actor_in.read())
+
+    def store(batch, unit, deadline) -> int:
+        return len(batch["id"])
+
+    ing = FrontIngestion(store=store, timeout=5.0)
+    ing.fn, ing.registered = op, True
+    ing.set_schedule(Schedule(1, 1, 0, 1))  # on the front's ingestion thread
+    deadline = time.monotonic() + 5
+    for start in (0, 4, 8):  # acknowledged: the pushes return
+        ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None), deadline)
+    go.set()
+    for _ in range(200):
+        if ing.error is not None:
+            break
+        time.sleep(0.02)
+    with pytest.raises(OperatorError):
+        ing.raise_if_failed()  # another call is told
+    return ing, go
+
+
+def test_close_reports_units_a_worker_failure_lost_after_a_call_was_told():
+    ing, _ = _failing_front()
+    with pytest.raises(DataLossError) as lost:
+        ing.close()  # the two units still queued are stored
+    assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)
+
+
+def test_recover_clears_them():
+    ing, _ = _failing_front()
+    assert ing.recover() is not None
+    ing.close()  # no DataLossError
