@@ -413,11 +413,13 @@ def test_a_push_whose_unit_waits_when_a_worker_fails_raises_and_stores_nothing(s
     recover()), it would have held whatever the caller wrote into its arrays since."""
     plane = ExperienceDataPlane(spec=small_spec, capacity=64, batch_size=2,
                                 schedule=Schedule(0, 1, 1, 1), timeout=5)
-    engine, tick = plane._engine, threading.Event()
+    engine, tick, failing = plane._engine, threading.Event(), [True]
 
     @plane.register_delivery()
     def deliver(exp_in, learn_out) -> None:  # type: ignore[no-untyped-def]
-        raise RuntimeError("delivery failed")
+        if failing[0]:
+            raise RuntimeError("delivery failed")
+        learn_out.write(exp_in.read())
 
     @plane.register_ingestion()
     def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
@@ -446,6 +448,7 @@ def test_a_push_whose_unit_waits_when_a_worker_fails_raises_and_stores_nothing(s
     other.join(10)
     assert raised.value.operator == "delivery"
     assert plane.stats()["pending_units"] == 0  # withdrawn
+    failing[0] = False  # (a worker restarted by recover() must not latch again meanwhile)
     plane.recover()
     plane.flush()
     assert stored_ids(plane) == [0, 1]
