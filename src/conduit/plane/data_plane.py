@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from conduit._checks import check_int
-from conduit.errors import CapacityError, ConduitError, ConfigError, OperatorError
+from conduit.errors import CapacityError, ConduitError, ConfigError, DataLossError, OperatorError
 from conduit.placement import PlacementDecision, PlacementMap
 from conduit.plane import checkpoint
 from conduit.plane.config import PlaneConfig
@@ -840,8 +840,20 @@ class ExperienceDataPlane:
     def __enter__(self) -> ExperienceDataPlane:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        """Close the plane. Leaving the block on an interrupt (``KeyboardInterrupt``,
+        ``SystemExit``, or an ``OperatorError`` whose operator was interrupted), the
+        exception goes on and a ``DataLossError`` of the close is added to it as a note, so
+        that stopping a run stays a stop; otherwise ``close()``'s errors are raised."""
+        cause = exc.__cause__ if isinstance(exc, OperatorError) else exc
+        if exc is None or isinstance(cause, Exception) or cause is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except DataLossError as lost:
+            exc.add_note(f"conduit: {lost}")
 
     def __repr__(self) -> str:
         return (f"ExperienceDataPlane(mode={self.mode!r}, capacity={self.capacity}, "

@@ -501,7 +501,7 @@ class PlaneEngine:
             self.closed = True  # pushes after this point raise PlaneClosedError
             self.signals.wake(callers=True, ingestion=True, delivery=True)
             loss = _Loss()
-            loss.add(rt.error)  # told to a caller or not: close() reports what push acked
+            loss.add(rt.untold_loss())  # the acked units of threads never told
             rt.closing_errors = []  # failures from here on, on any thread, are counted below
         try:
             self.stop()

@@ -122,6 +122,11 @@ class OperatorRuntime:
         #: Whether the latched error only stands in for a stuck invocation's outcome (a
         #: worker that did not stop): that invocation's own error replaces it.
         self.error_provisional = False
+        #: The latched error's lost units (None: not known, all are counted) and the threads
+        #: a dependent call told of it: ``close()`` reports the units whose pushing thread
+        #: was never told.
+        self.error_units: tuple[Unit, ...] | None = None
+        self.error_told: set[int] = set()
         self.paused = 0
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
@@ -184,10 +189,11 @@ class OperatorRuntime:
                             lost_rows=sum(u.rows for u in units), stored_rows=stored_rows)
         err.__cause__ = exc
         if latch:
-            self.latch(err)
+            self.latch(err, units=units)
         return err
 
-    def latch(self, err: OperatorError, *, provisional: bool = False) -> None:
+    def latch(self, err: OperatorError, *, provisional: bool = False,
+              units: Sequence[Unit] | None = None) -> None:
         """Latch ``err`` as the plane's operator error and wake all: workers stop, and
         dependent calls raise it until :meth:`recover`.
 
@@ -199,16 +205,39 @@ class OperatorRuntime:
             err: The error.
             provisional: ``err`` says only that a worker is stuck in an invocation (it
                 reports no loss); the invocation's own error, if it raises, replaces it.
+            units: The units ``err`` lost, when known (their pushing threads decide what
+                ``close()`` reports, see :meth:`untold_loss`).
         """
         with self.signals.lock:
             if self.error is None or (self.error_provisional and not provisional):
                 self.error, self.error_provisional = err, provisional
+                self.error_units = None if units is None else tuple(units)
+                self.error_told = set()
             self.signals.wake(callers=True, ingestion=True, delivery=True)
 
     def raise_if_failed(self) -> None:
         """Raise the latched operator error, if any."""
         if self.error is not None:
+            self.error_told.add(threading.get_ident())
             raise raised_again(self.error)
+
+    def untold_loss(self) -> OperatorError | None:
+        """The latched error as ``close()`` reports it (call with the lock held): only the
+        lost units whose pushing thread no call told of it (a thread told knows its pushes
+        may be lost; an actor thread whose units a learner's call was told of does not).
+        None when every one was told."""
+        err, units = self.error, self.error_units
+        if err is None or units is None:
+            return err
+        untold = [u for u in units if u.pusher is None or u.pusher.ident not in self.error_told]
+        if len(untold) == len(units):
+            return err
+        if not untold:
+            return None
+        part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
+                             lost_rows=sum(u.rows for u in untold))
+        part.__cause__ = err.__cause__
+        return part
 
     def raise_own(self, err: OperatorError | None) -> None:
         """Raise ``err``, the (unlatched) error of an invocation the calling thread ran (as
@@ -404,7 +433,7 @@ class OperatorRuntime:
                     if note is not None:
                         err.add_note(note)
                     if latch:
-                        self.latch(err)
+                        self.latch(err, units=units)
                     if latch and self.closing_errors is not None:
                         self.closing_errors.append(err)
                 self.ingesting -= 1
