@@ -33,15 +33,21 @@ def _failing_front() -> tuple[FrontIngestion, threading.Event]:
     ing.fn, ing.registered = op, True
     ing.set_schedule(Schedule(1, 1, 0, 1))  # on the front's ingestion thread
     deadline = time.monotonic() + 5
-    for start in (0, 4, 8):  # acknowledged: the pushes return
-        ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None), deadline)
+
+    def actor() -> None:  # acknowledged: the pushes return
+        for start in (0, 4, 8):
+            ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None,
+                                  threading.current_thread()), deadline)
+    pusher = threading.Thread(target=actor)
+    pusher.start()
+    pusher.join()
     go.set()
     for _ in range(200):
         if ing.error is not None:
             break
         time.sleep(0.02)
     with pytest.raises(OperatorError):
-        ing.raise_if_failed()  # another call is told
+        ing.raise_if_failed()  # another thread's call is told
     return ing, go
 
 
@@ -55,4 +61,31 @@ def test_close_reports_units_a_worker_failure_lost_after_a_call_was_told():
 def test_recover_clears_them():
     ing, _ = _failing_front()
     assert ing.recover() is not None
+    ing.close()  # no DataLossError
+
+
+def test_a_pushing_thread_told_is_not_told_again():
+    go, calls = threading.Event(), []
+
+    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
+        go.wait(5)
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("operator bug")
+        exp_out.write(actor_in.read())
+
+    ing = FrontIngestion(store=lambda batch, unit, deadline: len(batch["id"]), timeout=5.0)
+    ing.fn, ing.registered = op, True
+    ing.set_schedule(Schedule(1, 1, 0, 1))
+    deadline = time.monotonic() + 5
+    for start in (0, 4, 8):  # pushed on this thread
+        ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None,
+                              threading.current_thread()), deadline)
+    go.set()
+    for _ in range(200):
+        if ing.error is not None:
+            break
+        time.sleep(0.02)
+    with pytest.raises(OperatorError):
+        ing.raise_if_failed()  # the pushing thread is told
     ing.close()  # no DataLossError

@@ -292,6 +292,10 @@ class FrontIngestion:
         self._stop = False
         self._closed = False  # no unit is queued after close() began draining
         self.error: OperatorError | None = None
+        #: The latched error's lost units, and the threads a call told of it: ``close()``
+        #: reports the units whose pushing thread was never told.
+        self._error_units: list[QueuedUnit] = []
+        self._error_told: set[int] = set()
         self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
         self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
         #: Shares of failed inline invocations no caller was told of (see _drain_inline).
@@ -359,7 +363,24 @@ class FrontIngestion:
         """Raise the latched operator error, if any."""
         with self._cond:
             if self.error is not None:
+                self._error_told.add(threading.get_ident())
                 raise raised_again(self.error)
+
+    def _untold_locked(self) -> OperatorError | None:
+        """The latched error as ``close()`` reports it: only its lost units whose pushing
+        thread no call told of it (None when all were told)."""
+        err, units = self.error, self._error_units
+        if err is None or not units:
+            return err
+        untold = [u for u in units if u.pusher is None or u.pusher.ident not in self._error_told]
+        if len(untold) == len(units):
+            return err
+        if not untold:
+            return None
+        part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
+                             lost_rows=sum(u.rows for u in untold))
+        part.__cause__ = err.__cause__
+        return part
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it), and forget the failed inline
@@ -599,7 +620,7 @@ class FrontIngestion:
             if err is not None:
                 with self._cond:
                     if self.error is None:
-                        self.error = err
+                        self.error, self._error_units, self._error_told = err, units, set()
                     self._cond.notify_all()
 
     def hurry(self) -> None:
@@ -665,7 +686,8 @@ class FrontIngestion:
 
         Raises:
             DataLossError: Some acknowledged units were not stored: a latched failure not
-                cleared by :meth:`recover` (whether or not a call raised it meanwhile), an
+                cleared by :meth:`recover` (its units whose pushing thread no call told of
+                it), an
                 inline failure raised to another thread's call than
                 the pushes of its units (or to none) and not cleared by :meth:`recover`, an
                 invocation cut short by an interrupt (such as ``KeyboardInterrupt``), a
@@ -690,7 +712,7 @@ class FrontIngestion:
                     deadline, done = time.monotonic() + self._timeout, self.counters[
                         "invocations"]
             stopped = stopped and not self._draining
-            latched = self.error  # told to a caller or not: close() reports what push acked
+            latched = self._untold_locked()
             errors = [latched, *self._kept_locked()] if latched else self._kept_locked()
             self.error = None  # the queue is drained below whatever happened
             if not stopped:
