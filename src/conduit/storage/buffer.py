@@ -7,14 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from conduit._checks import check_device, check_int
-from conduit.errors import ConfigError, PriorityError, StateError
+from conduit.errors import CapacityError, ConfigError, PriorityError, StateError
 from conduit.spec import Batch, ExperienceSpec
 from conduit.storage.column_store import ColumnStore, Store, make_store
 from conduit.storage.layout import Placement
-from conduit.storage.row_ids import ROW_IDS_ATTR, RowIds
+from conduit.storage.row_ids import ID_BYTES_PER_SLOT, ROW_IDS_ATTR, RowIds
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
 from conduit.storage.state import StateDict, array, entry
@@ -81,7 +82,8 @@ def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
 
 def _check_draw(indices: torch.Tensor, size: int) -> None:
     """Refuse a draw whose slots are not all in ``[0, size)`` (slots forgotten since it was
-    drawn, by :meth:`ExperienceBuffer.clear` or :meth:`ExperienceBuffer.drop_newest`).
+    drawn, by :meth:`ExperienceBuffer.clear`, :meth:`ExperienceBuffer.drop_newest`,
+    :meth:`ExperienceBuffer.load_state_dict` or :meth:`ExperienceBuffer.adopt`).
 
     Raises:
         ConfigError: Such a slot (field ``indices``).
@@ -108,6 +110,26 @@ def _check_priority_values(priorities: torch.Tensor) -> None:
         raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
     if priorities.dtype != torch.bool and bool((priorities < 0).any()):
         raise PriorityError("priorities: contain negative values; pass |TD error|")
+
+
+def _check_slot_memory(capacity: int, sampler: Sampler) -> None:
+    """Refuse a ``capacity`` whose per-slot host state, the row ids
+    (:data:`~conduit.storage.row_ids.ID_BYTES_PER_SLOT`) and the sampler's
+    (:meth:`Sampler.bind_bytes`, such as a sum tree), does not fit the host memory available.
+    The store checks its own columns, but columns of no bytes, or of files (a
+    :class:`~conduit.storage.MemmapColumnStore`), leave that state unchecked, and allocating it
+    would fail untyped or be killed by the OS part way.
+
+    Raises:
+        CapacityError: It does not fit (the message names ``capacity``).
+    """
+    need = ID_BYTES_PER_SLOT * capacity + sampler.bind_bytes(capacity)
+    free = int(psutil.virtual_memory().available)
+    if need > free:
+        raise CapacityError(f"capacity: {capacity:,} slots need {need / 1e9:.2f} GB of host "
+                            f"memory for their row ids and the {type(sampler).__name__}'s "
+                            f"per-row state, more than the {free / 1e9:.2f} GB available; "
+                            f"reduce capacity", needed=need, available=free)
 
 
 def _check_parts(spec: Any, sampler: Any, placement: Any, store: Any) -> None:
@@ -159,7 +181,11 @@ class ExperienceBuffer:
         ConfigError: ``threads`` is not a positive integer; ``spec``, ``sampler``,
             ``placement`` or ``store`` is not of its type; ``store`` does not match ``spec``
             and ``capacity``; or ``sampler`` needs a field ``spec`` lacks (such as a
-            :class:`~conduit.storage.SequenceSampler`'s ``boundary_key``).
+            :class:`~conduit.storage.SequenceSampler`'s ``boundary_key``) or more rows than
+            ``capacity`` (its ``length``).
+        CapacityError: The columns (see the store), or the per-slot state besides them (row
+            ids, 16 bytes a slot, and the sampler's, such as a sum tree), do not fit the host
+            memory available (the message names ``capacity``).
     """
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, sampler: Sampler | None = None,
@@ -179,17 +205,23 @@ class ExperienceBuffer:
         self.capacity = self.store.capacity
         self.writer = RingWriter(capacity=self.capacity)
         self.sampler = sampler
-        self.sampler.bind(self.capacity)
+        _check_slot_memory(self.capacity, sampler)
+        try:
+            self.sampler.bind(self.capacity)
+            self._ids = RowIds(self.capacity)
+        except MemoryError as exc:  # (the check above counted memory that went meanwhile)
+            raise CapacityError(f"capacity: cannot allocate the row ids and sampler state of "
+                                f"{self.capacity:,} slots: {exc}") from exc
         # No slot holds a row yet: a sampler that served another buffer forgets its rows
         # (priorities, boundaries, an epoch's layout), which would be drawn from here.
         self.sampler.reset()
         self.threads = int(threads)
         self._lock = threading.RLock()
-        self._ids = RowIds(self.capacity)
         self._row_id, self._delivered_id = self._ids.row, self._ids.delivered  # (in place only)
         self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
         self._largest_write = 0  # rows of the largest extend so far (a snapshot's lead)
-        self._forgets = 0  # clear, drop_newest and load calls: a draw may name slots gone since
+        # clear, drop_newest, load and adopt calls: a draw may name slots gone since
+        self._forgets = 0
 
     @property
     def placement(self) -> Placement:
@@ -218,6 +250,11 @@ class ExperienceBuffer:
             SpecError: The batch does not match the spec.
             CapacityError: The batch has more rows than the buffer, or would take row ids
                 past 2**63 - 1 (nothing is written).
+            PlacementError: The store refuses the write (a
+                :class:`~conduit.storage.MemmapColumnStore` whose column was moved off its
+                file). Whatever the store raises, the ring (fill level, cursor, rows
+                written), the row ids and the sampler stay as they were; only a store that
+                fails part way leaves the slots it had begun to write changed.
         """
         if validate:
             data, n = self.spec.validate(batch, what="write")
@@ -227,14 +264,21 @@ class ExperienceBuffer:
         with self._lock, data_path_threads(1):
             if n > self._largest_write:
                 self._largest_write = n
-            first_id = self.writer.total_written
-            pieces = self.writer.reserve(n)
+            w = self.writer
+            first_id, cursor, size = w.total_written, w.cursor, w.size
+            pieces = w.reserve(n)
+            try:
+                for store_start, b0, length in pieces:
+                    part = (data if length == n else
+                            {k: v[b0:b0 + length] for k, v in data.items()})
+                    for snap in self._snapshots:
+                        snap.preserve(store_start, store_start + length)
+                        snap.preserve_ids("row_id", slice(store_start, store_start + length))
+                    self.store.set_range(store_start, part)
+            except BaseException:  # the rows are not the buffer's: it stays as it was
+                w.cursor, w.size, w.total_written = cursor, size, first_id
+                raise
             for store_start, b0, length in pieces:
-                part = data if length == n else {k: v[b0:b0 + length] for k, v in data.items()}
-                for snap in self._snapshots:
-                    snap.preserve(store_start, store_start + length)
-                    snap.preserve_ids("row_id", slice(store_start, store_start + length))
-                self.store.set_range(store_start, part)
                 self._ids.written(store_start, length, first_id + b0)
             idx = RingWriter.indices(pieces)
             self.sampler.on_write(idx, data, size=self.writer.size)
@@ -243,13 +287,21 @@ class ExperienceBuffer:
     def draw(self, batch_size: int) -> SampleInfo:
         """Pick indices (no gather).
 
+        A draw of slices of the write order (a sampler with
+        :attr:`~conduit.storage.samplers.Sampler.draws_slices`, such as a
+        :class:`~conduit.storage.SequenceSampler`) records the rows written so far, so that
+        :meth:`gather` can tell the slices that later writes reached.
+
         Raises:
             ConfigError: ``batch_size`` is not a positive integer.
             EmptyBufferError: The sampler has nothing to draw from.
         """
         batch_size = _batch_size(batch_size)
         with self._lock:
-            return self.sampler.sample(self.writer.size, batch_size)
+            info = self.sampler.sample(self.writer.size, batch_size)
+            if self.sampler.draws_slices:
+                info = SampleInfo(info.indices, info.weights, self.writer.total_written)
+            return info
 
     def gather(self, info: SampleInfo | torch.Tensor, *,
                device: torch.device | None = None) -> Batch:
@@ -257,6 +309,13 @@ class ExperienceBuffer:
 
         The returned tensors are the caller's: later gathers never write into them while
         anything refers to them (see :class:`~conduit.storage.column_store.GatherOutputs`).
+
+        A row of a draw may have been overwritten by a write since the draw (a draw and its
+        gather hold the buffer's lock one after the other, not together): the gather reads
+        the row the slot holds now. A slice of a draw of slices (:meth:`draw` of a
+        :class:`~conduit.storage.SequenceSampler`) that such a write reached would mix two
+        stretches of the write order, so it is drawn again, from the rows held now, for this
+        gather (the draw itself is left as it was).
 
         Args:
             info: A draw (:meth:`draw`), or a CPU integer tensor of filled slots with at
@@ -269,6 +328,8 @@ class ExperienceBuffer:
                 on the CPU, has no dimension, or names slots outside ``[0, len(self))``
                 (field ``indices``); ``device`` is not a device this machine has (field
                 ``device``).
+            EmptyBufferError: A slice of a draw of slices must be drawn again and the
+                sampler has nothing to draw from now.
         """
         device = None if device is None else check_device("device", device)
         with self._lock:
@@ -280,7 +341,28 @@ class ExperienceBuffer:
                                              f"torch.as_tensor(slots)")
             elif self._forgets:  # (until rows are forgotten, every slot drawn still holds one)
                 _check_draw(info.indices, self.writer.size)
+            if info.written is not None and info.written != self.writer.total_written:
+                info = self._redraw_reached(info)
             return self._gather_locked(info, device)
+
+    def _redraw_reached(self, info: SampleInfo) -> SampleInfo:
+        """``info``, a draw of slices, with each slice that holds a row written since the draw
+        (an id of at least ``info.written``) drawn again from the rows held now."""
+        indices = info.indices
+        reached = (self._row_id[indices.numpy()] >= info.written).reshape(
+            indices.shape[0], -1).any(axis=1)
+        k = int(reached.sum())
+        if not k:
+            return info
+        fresh = self.sampler.sample(self.writer.size, k)
+        keep = torch.from_numpy(reached)
+        indices = indices.clone()
+        indices[keep] = fresh.indices
+        weights = info.weights
+        if weights is not None and fresh.weights is not None:
+            weights = weights.clone()
+            weights[keep] = fresh.weights
+        return SampleInfo(indices, weights, self.writer.total_written)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
         """Draw and gather one batch.
@@ -336,8 +418,9 @@ class ExperienceBuffer:
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> int:
         """Set the priorities of delivered rows (prioritized samplers only).
 
-        An update for a slot whose delivered row has been overwritten since is skipped: it
-        belongs to a row that is gone, not to the row that took its slot. Given a recent
+        An update for a slot whose delivered row has been overwritten or forgotten since
+        (:meth:`clear`) is skipped: it belongs to a row that is gone, not to the row that took
+        its slot, nor to a slot that holds no row now. Given a recent
         batch's ``_index`` tensor (or a slice of it) as delivered, the update is matched to
         that batch's rows exactly, even when the row that took a slot was delivered too;
         given other indices (a copy, a list, a tensor moved between devices), to the row
@@ -351,8 +434,9 @@ class ExperienceBuffer:
             How many rows were updated.
 
         Raises:
-            PriorityError: Indices that are not integers or not filled slots; priorities that
-                are not finite and non-negative; mismatched lengths.
+            PriorityError: Indices that are not integers, not slots of the buffer (outside
+                ``[0, capacity)``), or slots that hold no row and never delivered one;
+                priorities that are not finite and non-negative; mismatched lengths.
         """
         idx, pr = priority_input(indices, "indices"), priority_input(priorities, "priorities")
         if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
@@ -362,12 +446,18 @@ class ExperienceBuffer:
             raise PriorityError(f"priorities: {pr.shape[0]} values for {idx.shape[0]} indices")
         with self._lock:
             slots = idx.numpy().astype(np.int64, copy=False)
-            size = self.writer.size
             current = np.empty(slots.shape[0], dtype=np.bool_)
-            kept = self._ids.matching(indices, slots, size, current)
-            if kept < 0:
-                raise PriorityError(f"indices: must be filled slots in [0, {size}), got "
-                                    f"[{slots.min()}, {slots.max()}]")
+            # Every slot of the buffer: one past the rows held now may have delivered a row
+            # before a clear, whose update is then skipped (its row id no longer matches).
+            kept = self._ids.matching(indices, slots, self.capacity, current)
+            size = self.writer.size
+            if kept < 0 or (kept and size < self.capacity
+                            and bool((slots[current] >= size).any())):
+                # (outside the buffer, or holding no row and never delivering one)
+                since = (f" (or, for rows delivered before a clear, slots in "
+                         f"[0, {self.capacity}))" if size < self.capacity else "")
+                raise PriorityError(f"indices: must be filled slots in [0, {size}){since}, "
+                                    f"got [{slots.min()}, {slots.max()}]")
             if kept < slots.shape[0]:
                 _check_priority_values(pr)  # (the sampler checks only those it keeps)
                 keep = torch.from_numpy(current)
@@ -500,7 +590,9 @@ class ExperienceBuffer:
 
     def adopt(self, other: ExperienceBuffer) -> None:
         """Take ``other``'s sampler (with its per-row state), ring cursor and row ids, after its
-        rows were copied here slot for slot (a migration).
+        rows were copied here slot for slot (a migration). A draw made here before is then
+        refused by :meth:`gather` where it names slots outside ``[0, len(self))``, as after
+        :meth:`clear`.
 
         Raises:
             ConfigError: ``other`` has another capacity, or its sampler needs a field this
@@ -516,6 +608,7 @@ class ExperienceBuffer:
             self.sampler = other.sampler
             self.writer.load_state_dict(other.writer.state_dict())
             self._ids.load(other._ids.row, other._ids.delivered)
+            self._forgets += 1
 
     def state_dict(self, *, rows: bool = True) -> StateDict:
         """Writer cursor, sampler state, row ids and (``rows``) a copy of the store."""

@@ -14,6 +14,8 @@ the rows as of the last :meth:`MemmapColumnStore.flush`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from conduit.errors import ConfigError, PlacementError, SpecError
+from conduit.errors import CapacityError, ConfigError, PlacementError, SpecError
 from conduit.spec import ExperienceSpec
 from conduit.storage.checkpoint import CheckpointError, atomic_write, check_path
 from conduit.storage.column_store import ColumnStore, _check_capacity, _check_state
@@ -35,6 +37,10 @@ MANIFEST = "manifest.json"
 
 _FORMAT = "conduit-memmap-store"
 _VERSION = 1
+
+#: Errors of a column file that does not fit: larger than a file there may be, than the disk
+#: holds, or than this process can map.
+_TOO_LARGE = (errno.EFBIG, errno.ENOSPC, errno.EOVERFLOW, errno.ENOMEM, errno.EINVAL)
 
 
 class MemmapColumnStore(ColumnStore):
@@ -61,7 +67,9 @@ class MemmapColumnStore(ColumnStore):
             under one, holds a ``manifest.json`` that is not a file, or cannot be created.
         SpecError: Reopening with a spec whose fields differ from the manifest's (the
             message names the field).
-        CapacityError: Reopening with another capacity.
+        CapacityError: Reopening with another capacity; or creating columns larger than a file
+            of that folder may be, than its disk holds or than this process can map (the
+            message names ``capacity``; the files and folders the call made are removed).
         CheckpointError: The manifest is not valid or was written on a host of the other
             byte order, or a column file is missing or has the wrong size (``part`` names
             the field).
@@ -84,6 +92,11 @@ class MemmapColumnStore(ColumnStore):
             self.meta = self._check_manifest(manifest)
             self._maps, self._cols = self._map_columns(create=False)
         else:
+            folders = []  # the folders this call makes, deepest first
+            for folder in (self.directory, *self.directory.parents):
+                if os.path.lexists(folder):
+                    break
+                folders.append(folder)
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except (FileExistsError, NotADirectoryError) as exc:
@@ -93,8 +106,19 @@ class MemmapColumnStore(ColumnStore):
             except OSError as exc:
                 raise ConfigError("directory", f"cannot create {self.directory}: "
                                                f"{exc.strerror or exc}") from None
-            self._maps, self._cols = self._map_columns(create=True)
-            self._write_manifest()
+            files: list[Path] = []  # the column files this call makes
+            try:
+                self._maps, self._cols = self._map_columns(create=True, made=files)
+                self._write_manifest()
+            except BaseException:
+                self._maps, self._cols = {}, {}
+                for path in files:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                for folder in folders:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()  # (only while empty)
+                raise
         self._make_views()
 
     def _moved(self, name: str) -> None:
@@ -134,16 +158,38 @@ class MemmapColumnStore(ColumnStore):
             self.meta = meta
         self._write_manifest()
 
-    def _map_columns(self, *, create: bool) -> tuple[dict[str, mmap.mmap],
-                                                     dict[str, torch.Tensor]]:
+    def _map_columns(self, *, create: bool, made: list[Path] | None = None
+                     ) -> tuple[dict[str, mmap.mmap], dict[str, torch.Tensor]]:
+        """Map every column's file (``create``: made first, sparse, its path added to
+        ``made`` where it did not exist).
+
+        Raises:
+            CapacityError: ``create`` and a column does not fit (see the class).
+            CheckpointError: Not ``create``, and a column file is missing or of another size.
+        """
         maps, cols = {}, {}
         for name, fs in self.spec.fields.items():
             shape = (self.capacity, *fs.shape)
             nbytes = self.capacity * fs.nbytes
             path = self.column_path(name)
             if create:
-                with open(path, "wb") as f:
-                    f.truncate(nbytes)
+                if made is not None and not os.path.lexists(path):
+                    made.append(path)
+                try:
+                    with open(path, "wb") as f:
+                        f.truncate(nbytes)
+                    if nbytes:
+                        with open(path, "r+b") as f:
+                            maps[name] = mmap.mmap(f.fileno(), nbytes)
+                except (OSError, OverflowError) as exc:
+                    if isinstance(exc, OSError) and exc.errno not in _TOO_LARGE:
+                        raise
+                    reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+                    raise CapacityError(f"capacity: {self.capacity:,} rows of field {name!r} "
+                                        f"take {nbytes:,} bytes, which {self.directory} "
+                                        f"cannot hold or this process cannot map ({reason}); "
+                                        f"reduce capacity or the field's size",
+                                        needed=nbytes) from None
             elif not path.exists():
                 raise CheckpointError(path, "column file is missing", part=name)
             elif path.stat().st_size != nbytes:
@@ -152,8 +198,9 @@ class MemmapColumnStore(ColumnStore):
             if nbytes == 0:  # mmap refuses empty files
                 cols[name] = torch.empty(shape, dtype=fs.dtype)
                 continue
-            with open(path, "r+b") as f:
-                maps[name] = mmap.mmap(f.fileno(), nbytes)
+            if name not in maps:
+                with open(path, "r+b") as f:
+                    maps[name] = mmap.mmap(f.fileno(), nbytes)
             cols[name] = torch.frombuffer(maps[name], dtype=fs.dtype,
                                           count=nbytes // fs.dtype.itemsize).view(shape)
         return maps, cols

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from conduit._checks import check_int
 from conduit.errors import CapacityError, ConfigError, SpecError, StateError
 from conduit.spec import RaggedFieldSpec, checked_indices
 
@@ -57,7 +58,8 @@ class RaggedStore:
         capacity: Rows held until :meth:`clear`.
 
     Raises:
-        ConfigError: No fields, a field that is not a RaggedFieldSpec, or a bad capacity.
+        ConfigError: No fields, a field that is not a RaggedFieldSpec, or a capacity that is
+            not a positive integer (a bool is not one).
     """
 
     def __init__(self, *, fields: Mapping[str, RaggedFieldSpec], capacity: int) -> None:
@@ -66,8 +68,7 @@ class RaggedStore:
         for name, fs in fields.items():
             if not isinstance(fs, RaggedFieldSpec):
                 raise ConfigError(f"fields[{name!r}]", f"expected a RaggedFieldSpec, got {fs!r}")
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError("capacity", f"must be a positive int, got {capacity!r}")
+        capacity = check_int("capacity", capacity, minimum=1)
         self.fields = dict(fields)
         self.capacity = capacity
         self._rows = 0
@@ -319,29 +320,32 @@ class RaggedStore:
                            for n in self.fields}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore :meth:`state_dict`; a refused state changes nothing.
 
         Raises:
-            StateError: A key is missing, or offsets and values disagree.
+            StateError: A key is missing; ``rows`` is not an integer in ``[0, capacity]``; a
+                field's values are not a 1-D tensor of its dtype, or its offsets not a 1-D
+                int64 tensor that describes ``rows`` rows of those values with lengths within
+                the field's ``[min_length, max_length]`` (the key names the field).
         """
-        rows = state.get("rows")
-        if not isinstance(rows, int) or not 0 <= rows <= self.capacity:
+        rows = state.get("rows") if isinstance(state, Mapping) else None
+        if isinstance(rows, bool) or not isinstance(rows, int) \
+                or not 0 <= rows <= self.capacity:
             raise StateError("ragged.rows", f"expected an int in [0, {self.capacity}], got "
                                             f"{rows!r}")
         fields = state.get("fields", {})
-        for name in self.fields:
+        if not isinstance(fields, Mapping):
+            raise StateError("ragged.fields", f"expected a mapping of field -> values and "
+                                              f"offsets, got {type(fields).__name__}")
+        for name, fs in self.fields.items():
             entry = fields.get(name)
             if not isinstance(entry, Mapping) or {"values", "offsets"} - set(entry):
                 raise StateError(f"ragged.fields.{name}", "missing values or offsets")
-            values, off = entry["values"], entry["offsets"]
-            if (off.numel() != rows + 1 or int(off[0]) != 0 or int(off[-1]) != values.numel()
-                    or bool((off[1:] < off[:-1]).any())):
-                raise StateError(f"ragged.fields.{name}.offsets",
-                                 f"{off.numel()} offsets do not describe {rows} rows of "
-                                 f"{values.numel()} values")
+            _check_saved_field(f"ragged.fields.{name}", fs, rows, entry["values"],
+                               entry["offsets"])
         for name in self.fields:
             values, off = fields[name]["values"], fields[name]["offsets"]
-            self._pools[name] = values.to(self.fields[name].dtype).clone()
+            self._pools[name] = values.detach().to("cpu", copy=True)
             self._offsets[name][:rows + 1] = off
             o = self._offsets[name][:rows + 1].numpy()
             self._uniform[name] = _one_length((o[1:] - o[:-1]).tolist()) if rows else None
@@ -359,6 +363,32 @@ class RaggedStore:
             raise SpecError("_slot", f"slots must lie in [0, {self._rows}), got "
                                      f"{min(s)}..{max(s)}")
         return slots
+
+
+def _check_saved_field(key: str, fs: RaggedFieldSpec, rows: int, values: Any,
+                       off: Any) -> None:
+    """Refuse a saved field (``values``, ``off``) that is not ``rows`` rows of ``fs``.
+
+    Raises:
+        StateError: It is not (``key`` and the part are named).
+    """
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype != fs.dtype:
+        got = (f"a {values.dtype} tensor of shape {tuple(values.shape)}"
+               if isinstance(values, torch.Tensor) else type(values).__name__)
+        raise StateError(f"{key}.values", f"expected a 1-D {fs.dtype} tensor, got {got}")
+    if not isinstance(off, torch.Tensor) or off.dim() != 1 or off.dtype != torch.int64:
+        got = (f"a {off.dtype} tensor of shape {tuple(off.shape)}"
+               if isinstance(off, torch.Tensor) else type(off).__name__)
+        raise StateError(f"{key}.offsets", f"expected a 1-D int64 tensor, got {got}")
+    if (off.numel() != rows + 1 or int(off[0]) != 0 or int(off[-1]) != values.numel()
+            or bool((off[1:] < off[:-1]).any())):
+        raise StateError(f"{key}.offsets", f"{off.numel()} offsets do not describe {rows} "
+                                           f"rows of {values.numel()} values")
+    lens = off[1:] - off[:-1]
+    if rows and not fs.min_length <= int(lens.min()) <= int(lens.max()) <= fs.max_length:
+        raise StateError(f"{key}.offsets", f"rows of {int(lens.min())}..{int(lens.max())} "
+                                           f"values, outside the field's "
+                                           f"{fs.min_length}..{fs.max_length}")
 
 
 def _check_pad(pad_value: Any, dtype: torch.dtype) -> None:

@@ -17,6 +17,9 @@ from conduit.storage import compiled
 #: The attribute of a delivered ``_index`` tensor holding the ids of the rows it names.
 ROW_IDS_ATTR = "_conduit_row_ids"
 
+#: Host bytes :class:`RowIds` takes per slot (two int64 ids).
+ID_BYTES_PER_SLOT = 16
+
 
 def delivered_ids(indices: Any) -> np.ndarray | None:
     """The row ids a gather gave with ``indices``, when ``indices`` is the ``_index`` tensor of
@@ -64,30 +67,39 @@ class RowIds:
         self.delivered[slots] = ids
         setattr(indices, ROW_IDS_ATTR, ids)
 
-    def matching(self, indices: Any, slots: np.ndarray, size: int,
+    def matching(self, indices: Any, slots: np.ndarray, bound: int,
                  current: np.ndarray) -> int:
         """Which of a priority update's ``slots`` still hold the row it is for: set in
         ``current`` (a bool array as long as ``slots``). For the ``_index`` tensor of a
         delivered batch (or a slice of one), the rows that batch delivered; for other
         ``indices``, the row each slot last delivered (a slot that never delivered one
-        counts as current).
+        counts as current). A slot that holds no row now (:meth:`clear`) does not hold the
+        row a delivery gave from it.
+
+        Args:
+            indices: The update's indices, as the caller gave them.
+            slots: The same, as int64 slots.
+            bound: Slots must lie in ``[0, bound)``: the buffer's capacity, so that an update
+                for rows delivered before a :meth:`clear` from slots past the rows held now is
+                matched (and skipped), not refused.
+            current: Where the answer goes.
 
         Returns:
-            How many are current, or -1 when a slot is outside ``[0, size)`` (then
+            How many are current, or -1 when a slot is outside ``[0, bound)`` (then
             ``current`` is undefined).
         """
         kernels = compiled.load("_row_kernels")
         ids = delivered_ids(indices)
         if ids is not None:  # its own rows, exactly
             if kernels is not None:
-                return int(kernels.delivered_rows(slots, size, ids, self.row, current))
-            if slots.size and (slots.min() < 0 or slots.max() >= size):
+                return int(kernels.delivered_rows(slots, bound, ids, self.row, current))
+            if slots.size and (slots.min() < 0 or slots.max() >= bound):
                 return -1
             np.equal(self.row[slots], ids, out=current)
             return int(current.sum())
         if kernels is not None:
-            return int(kernels.current_rows(slots, size, self.delivered, self.row, current))
-        if slots.size and (slots.min() < 0 or slots.max() >= size):
+            return int(kernels.current_rows(slots, bound, self.delivered, self.row, current))
+        if slots.size and (slots.min() < 0 or slots.max() >= bound):
             return -1
         delivered = self.delivered[slots]
         np.logical_or(delivered == -1, delivered == self.row[slots], out=current)

@@ -22,10 +22,16 @@ class SampleInfo:
     Attributes:
         indices: Buffer slots, CPU int64; shape ``[B]`` or ``[B, L]`` for sequences.
         weights: Importance weights ``[B]`` (prioritized only).
+        written: For a sampler that draws slices of the write order
+            (:attr:`Sampler.draws_slices`), the rows the buffer had written when the draw was
+            made (its ``total_written``), set by
+            :meth:`~conduit.storage.ExperienceBuffer.draw`: a gather then draws again the
+            slices that rows written since reached. None otherwise.
     """
 
     indices: torch.Tensor
     weights: torch.Tensor | None = None
+    written: int | None = None
 
 
 class Sampler(abc.ABC):
@@ -45,6 +51,8 @@ class Sampler(abc.ABC):
     :attr:`accepts_priorities` is set for every subclass from whether it overrides
     :meth:`update_priorities`; only then does the buffer remember which row each gather
     delivered from a slot (a scattered write per row that other samplers do not pay for).
+    The buffer also reads :attr:`draws_slices`: only then does a draw record the rows written
+    before it, for its gather to check.
 
     Args:
         seed: Seed of the sampler's own generator.
@@ -57,6 +65,10 @@ class Sampler(abc.ABC):
     consume_once: ClassVar[bool] = False
     #: Priority updates make batches drawn before them stale.
     invalidates_prefetch: ClassVar[bool] = False
+    #: A draw's rows along its last dimension are consecutive rows of the write order (sequence
+    #: slices), which a write between the draw and its gather may break: the buffer's gather
+    #: then draws such a slice again (:meth:`~conduit.storage.ExperienceBuffer.gather`).
+    draws_slices: ClassVar[bool] = False
     #: The sampler takes priority updates (derived: it overrides :meth:`update_priorities`).
     accepts_priorities: ClassVar[bool] = False
 
@@ -70,8 +82,19 @@ class Sampler(abc.ABC):
         self.capacity = 0
 
     def bind(self, capacity: int) -> None:
-        """Called by a buffer with its capacity before any write, then :meth:`reset`."""
+        """Called by a buffer with its capacity before any write, then :meth:`reset`.
+
+        Raises:
+            ConfigError: The sampler cannot draw from ``capacity`` slots (the field that
+                asks for more is named).
+        """
         self.capacity = capacity
+
+    def bind_bytes(self, capacity: int) -> int:
+        """Host bytes that :meth:`bind` and the draws allocate for ``capacity`` slots (per-row
+        state such as a sum tree's leaves): the buffer counts them against the memory
+        available before it binds the sampler."""
+        return 0
 
     def check_spec(self, spec: ExperienceSpec) -> None:
         """Called by the buffer with its spec, before it allocates anything: a sampler that

@@ -76,6 +76,10 @@ class FifoSampler(Sampler):
         return cls(num_minibatches=num_minibatches, seed=seed,
                    first_within=1 - 1 / units if units > 1 else 1.0)
 
+    def bind_bytes(self, capacity: int) -> int:
+        """An epoch's layout: one int64 slot per row."""
+        return 8 * capacity
+
     def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
         """Lay out the mini-batches of one epoch over ``size`` rows."""
         if size < self.num_minibatches:

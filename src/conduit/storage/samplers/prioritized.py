@@ -111,6 +111,12 @@ class PrioritizedSampler(Sampler):
         super().bind(capacity)
         self._tree = SumTree(capacity=capacity)
 
+    def bind_bytes(self, capacity: int) -> int:
+        """The sum tree: sums and minima over a power of two of at least ``capacity`` leaves,
+        eight bytes each per node."""
+        leaves = max(2, 1 << (capacity - 1).bit_length())  # (as SumTree rounds up)
+        return 32 * leaves
+
     @property
     def tree(self) -> SumTree:
         """The sum tree (after :meth:`bind`)."""

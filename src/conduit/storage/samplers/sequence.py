@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 
@@ -28,6 +30,8 @@ class SequenceSampler(Sampler):
             non-empty string.
     """
 
+    draws_slices: ClassVar[bool] = True
+
     def __init__(self, *, length: int, boundary_key: str = "done", seed: int = 0) -> None:
         super().__init__(seed=seed)
         self.length = check_int("length", length, minimum=1)
@@ -43,11 +47,24 @@ class SequenceSampler(Sampler):
 
     def bind(self, capacity: int) -> None:
         """Allocate the boundary flags (kept when already bound to this capacity: the buffer
-        then resets them)."""
+        then resets them).
+
+        Raises:
+            ConfigError: ``length`` is larger than ``capacity``: no slice would ever fit
+                (nothing changes).
+        """
+        if self.length > capacity:
+            raise ConfigError("length", f"{self.length} steps per slice do not fit a buffer of "
+                                        f"{capacity} rows; lower length or raise capacity")
         if self.capacity == capacity and self._ends.size == capacity:
             return
         super().bind(capacity)
         self._ends = np.zeros(capacity, dtype=bool)
+
+    def bind_bytes(self, capacity: int) -> int:
+        """The boundary flags (one byte a slot) and the valid starts a draw keeps (up to eight
+        bytes a slot)."""
+        return 9 * capacity
 
     def check_spec(self, spec: ExperienceSpec) -> None:
         """Refuse a spec without the boundary field (every write would fail after storing).
