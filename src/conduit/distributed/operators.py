@@ -53,6 +53,7 @@ from conduit.plane.runtime import (
     identity_ingestion,
     take_turn,
     turn_timeout,
+    untold_part,
     untold_share,
 )
 from conduit.scheduling.space import Schedule, ScheduleSpace
@@ -369,18 +370,7 @@ class FrontIngestion:
     def _untold_locked(self) -> OperatorError | None:
         """The latched error as ``close()`` reports it: only its lost units whose pushing
         thread no call told of it (None when all were told)."""
-        err, units = self.error, self._error_units
-        if err is None or not units:
-            return err
-        untold = [u for u in units if u.pusher is None or u.pusher.ident not in self._error_told]
-        if len(untold) == len(units):
-            return err
-        if not untold:
-            return None
-        part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
-                             lost_rows=sum(u.rows for u in untold))
-        part.__cause__ = err.__cause__
-        return part
+        return untold_part(self.error, self._error_units, self._error_told)
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it), and forget the failed inline

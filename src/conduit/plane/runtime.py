@@ -84,6 +84,25 @@ def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
     return share
 
 
+def untold_part(err: OperatorError | None, units: Sequence[Any] | None,
+                told: set[int]) -> OperatorError | None:
+    """What of the latched ``err`` a ``close()`` reports: the lost ``units`` (each with its
+    ``pusher`` thread) whose pushing thread is not among the ``told`` thread idents, as an
+    error of their own; ``err`` itself when none was told or its units are not known, None
+    when all were told."""
+    if err is None or not units:
+        return err
+    untold = [u for u in units if u.pusher is None or u.pusher.ident not in told]
+    if len(untold) == len(units):
+        return err
+    if not untold:
+        return None
+    part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
+                         lost_rows=sum(u.rows for u in untold))
+    part.__cause__ = err.__cause__
+    return part
+
+
 def raised_to_caller(err: OperatorError) -> BaseException:
     """What the failure ``err`` of an invocation the calling thread ran raises there: ``err``
     itself, or, when the operator was interrupted (it raised ``KeyboardInterrupt``,
@@ -226,18 +245,7 @@ class OperatorRuntime:
         lost units whose pushing thread no call told of it (a thread told knows its pushes
         may be lost; an actor thread whose units a learner's call was told of does not).
         None when every one was told."""
-        err, units = self.error, self.error_units
-        if err is None or units is None:
-            return err
-        untold = [u for u in units if u.pusher is None or u.pusher.ident not in self.error_told]
-        if len(untold) == len(units):
-            return err
-        if not untold:
-            return None
-        part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
-                             lost_rows=sum(u.rows for u in untold))
-        part.__cause__ = err.__cause__
-        return part
+        return untold_part(self.error, self.error_units, self.error_told)
 
     def raise_own(self, err: OperatorError | None) -> None:
         """Raise ``err``, the (unlatched) error of an invocation the calling thread ran (as
