@@ -410,8 +410,15 @@ class LearnerPort:
                 plane._cond.wait(left if ingestion.direct else min(left, 0.05))
 
     def bind(self, node: str) -> None:
-        """Read on ``node`` from now on (a draw already in flight is dropped)."""
-        with self._plane._cond:
+        """Read on ``node`` from now on (a draw already in flight is dropped).
+
+        Raises:
+            ShardUnavailableError: The plane's timeout ran out while another call held the
+                front (waiting on a shard); the port reads where it did.
+        """
+        plane = self._plane
+        with front_until(plane._cond, time.monotonic() + plane.timeout,
+                         "the port still reads where it did"):
             self.node, self._next = node, None
 
     def minibatches(self, *, timeout: float | None = None) -> Iterator[Batch]:

@@ -436,14 +436,16 @@ class RayExperienceDataPlane(ScheduledOperators):
             PriorityError: Not a prioritized plane; indices that are not a batch's
                 ``_index``; NaN, infinite or negative priorities, or priorities too large for
                 the shards' sum trees; mismatched lengths. Nothing is changed then.
-            ShardUnavailableError: A shard could not be updated or restored in time.
+            ShardUnavailableError: A shard could not be updated or restored in time, or the
+                plane's timeout ran out while another call held the front (waiting on a
+                shard; nothing was changed).
         """
         self._check_open()
         if not self._prioritized:
             raise PriorityError("sampler: this plane samples uniformly; build it with "
                                 "sampler='prioritized' to update priorities")
         deadline = time.monotonic() + self.timeout
-        with self._cond:
+        with front_until(self._cond, deadline, "no priority was changed"):
             owners, rows, pr = priority_updates(
                 indices, priorities, self._shards.high_water)
             self._replicator.update_priorities(owners, rows, pr, deadline)
