@@ -16,7 +16,10 @@ from conduit.plane.ports import ActorIn, BufferOut
 from conduit.scheduling import Schedule
 
 
-def _failing_front() -> tuple[FrontIngestion, threading.Event]:
+def _failing_front(*, pushed_here: bool = False) -> FrontIngestion:
+    """A front whose ingestion thread failed its first invocation (one unit of three
+    acknowledged ones, pushed by an actor thread, or by this one with ``pushed_here``), and
+    this thread's call told of it."""
     go, calls = threading.Event(), []
 
     def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
@@ -26,10 +29,7 @@ def _failing_front() -> tuple[FrontIngestion, threading.Event]:
             raise ValueError("operator bug")
         exp_out.write(actor_in.read())
 
-    def store(batch, unit, deadline) -> int:
-        return len(batch["id"])
-
-    ing = FrontIngestion(store=store, timeout=5.0)
+    ing = FrontIngestion(store=lambda batch, unit, deadline: len(batch["id"]), timeout=5.0)
     ing.fn, ing.registered = op, True
     ing.set_schedule(Schedule(1, 1, 0, 1))  # on the front's ingestion thread
     deadline = time.monotonic() + 5
@@ -38,54 +38,35 @@ def _failing_front() -> tuple[FrontIngestion, threading.Event]:
         for start in (0, 4, 8):
             ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None,
                                   threading.current_thread()), deadline)
-    pusher = threading.Thread(target=actor)
-    pusher.start()
-    pusher.join()
+    if pushed_here:
+        actor()
+    else:
+        pusher = threading.Thread(target=actor)
+        pusher.start()
+        pusher.join()
     go.set()
     for _ in range(200):
         if ing.error is not None:
             break
         time.sleep(0.02)
     with pytest.raises(OperatorError):
-        ing.raise_if_failed()  # another thread's call is told
-    return ing, go
+        ing.raise_if_failed()  # this thread's call is told
+    return ing
 
 
 def test_close_reports_units_a_worker_failure_lost_after_a_call_was_told():
-    ing, _ = _failing_front()
+    ing = _failing_front()
     with pytest.raises(DataLossError) as lost:
         ing.close()  # the two units still queued are stored
     assert (lost.value.lost_units, lost.value.lost_rows) == (1, 4)
 
 
 def test_recover_clears_them():
-    ing, _ = _failing_front()
+    ing = _failing_front()
     assert ing.recover() is not None
     ing.close()  # no DataLossError
 
 
 def test_a_pushing_thread_told_is_not_told_again():
-    go, calls = threading.Event(), []
-
-    def op(actor_in: ActorIn, exp_out: BufferOut) -> None:
-        go.wait(5)
-        calls.append(1)
-        if len(calls) == 1:
-            raise ValueError("operator bug")
-        exp_out.write(actor_in.read())
-
-    ing = FrontIngestion(store=lambda batch, unit, deadline: len(batch["id"]), timeout=5.0)
-    ing.fn, ing.registered = op, True
-    ing.set_schedule(Schedule(1, 1, 0, 1))
-    deadline = time.monotonic() + 5
-    for start in (0, 4, 8):  # pushed on this thread
-        ing.submit(QueuedUnit({"id": torch.arange(start, start + 4)}, 4, "a", None,
-                              threading.current_thread()), deadline)
-    go.set()
-    for _ in range(200):
-        if ing.error is not None:
-            break
-        time.sleep(0.02)
-    with pytest.raises(OperatorError):
-        ing.raise_if_failed()  # the pushing thread is told
+    ing = _failing_front(pushed_here=True)
     ing.close()  # no DataLossError

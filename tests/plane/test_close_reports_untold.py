@@ -50,14 +50,21 @@ def test_a_pushing_thread_told_of_the_failure_is_not_told_again_by_close():
     plane.close()  # no DataLossError: the thread that pushed them knows
 
 
-def test_leaving_the_block_on_an_interrupted_operator_keeps_the_interrupt():
-    plane, go = _plane(KeyboardInterrupt())
+def _failed_after_another_threads_pushes(fail_with: BaseException) -> ExperienceDataPlane:
+    """A plane whose ingestion worker failed (latched) over three units an actor thread
+    pushed (acknowledged)."""
+    plane, go = _plane(fail_with)
     actor = threading.Thread(target=lambda: [plane.push(
         {"rid": torch.arange(s, s + 4)}, policy_version=0) for s in (0, 4, 8)])
     actor.start()
     actor.join()
     go.set()
     _wait_latched(plane)
+    return plane
+
+
+def test_leaving_the_block_on_an_interrupted_operator_keeps_the_interrupt():
+    plane = _failed_after_another_threads_pushes(KeyboardInterrupt())
     with pytest.raises(OperatorError) as raised, plane:
         plane.pull(timeout=1)
     assert isinstance(raised.value.__cause__, KeyboardInterrupt)
@@ -67,13 +74,7 @@ def test_leaving_the_block_on_an_interrupted_operator_keeps_the_interrupt():
 
 
 def test_an_error_leaving_the_block_still_gets_closes_data_loss_error():
-    plane, go = _plane(ValueError("operator bug"))
-    actor = threading.Thread(target=lambda: [plane.push(
-        {"rid": torch.arange(s, s + 4)}, policy_version=0) for s in (0, 4, 8)])
-    actor.start()
-    actor.join()
-    go.set()
-    _wait_latched(plane)
+    plane = _failed_after_another_threads_pushes(ValueError("operator bug"))
     with pytest.raises(DataLossError) as lost, plane:
         plane.pull(timeout=1)  # the learner is told; the actor thread never was
     assert (lost.value.lost_units, lost.value.lost_rows) == (3, 12)

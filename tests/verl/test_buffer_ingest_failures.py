@@ -54,24 +54,31 @@ def _fail_on(buf, calls, exc=MemoryError):
     return seen
 
 
+def _put_all(buf, groups, todo, errors) -> None:
+    """Put the groups ``todo`` names, in order, putting again (first) those a
+    LostGroupsError names; the errors are appended to ``errors``."""
+    todo = deque(todo)
+    while todo:
+        uid = todo.popleft()
+        try:
+            buf.put(groups[uid])
+        except LostGroupsError as e:
+            errors.append(e)
+            todo = deque([*e.uids, *todo])
+
+
 def _fill_and_deliver(buf, groups):
     """Put every group, putting again those a LostGroupsError names, then the step's
     mini-batches; returns them and every error met."""
     errors = []
-    todo = deque(groups)
+    todo = list(groups)
     while True:
-        while todo:
-            uid = todo.popleft()
-            try:
-                buf.put(groups[uid])
-            except LostGroupsError as e:
-                errors.append(e)
-                todo = deque([*e.uids, *todo])
+        _put_all(buf, groups, todo, errors)
         try:
             return buf.minibatches(), errors
         except LostGroupsError as e:
             errors.append(e)
-            todo = deque(e.uids)
+            todo = list(e.uids)
 
 
 def _reference(schedule, seeds):
@@ -217,17 +224,7 @@ def test_a_failure_settled_by_the_putting_thread_while_the_learner_waits(monkeyp
         buf._with_advantages = gated
         errors = []
 
-        def rollout():
-            todo = deque(groups)
-            while todo:
-                uid = todo.popleft()
-                try:
-                    buf.put(groups[uid])
-                except LostGroupsError as e:
-                    errors.append(e)
-                    todo = deque([*e.uids, *todo])
-
-        putter = threading.Thread(target=rollout)
+        putter = threading.Thread(target=_put_all, args=(buf, groups, list(groups), errors))
         putter.start()
         try:
             assert ingesting.wait(10)
