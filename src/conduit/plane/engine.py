@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Set
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,14 +18,15 @@ import torch
 from conduit.errors import (
     BackpressureTimeout,
     ConfigError,
-    DataLossError,
     EmptyBufferError,
     OperatorError,
     PlaneClosedError,
     StateError,
 )
 from conduit.plane.config import PlaneConfig
+from conduit.plane.drain import close_and_drain
 from conduit.plane.flows import DeliveryJob, Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
+from conduit.plane.holds import OperatorHolds
 from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule
@@ -33,38 +34,6 @@ from conduit.spec import Batch
 from conduit.storage import ExperienceBuffer, data_path_threads
 from conduit.storage.state import StateDict, entry
 from conduit.timing import TimingRecord, Timings
-
-
-class _Loss:
-    """What :meth:`PlaneEngine.close` could not store: units and rows, and the first cause."""
-
-    def __init__(self) -> None:
-        self.units = self.rows = 0
-        self.cause: BaseException | None = None
-
-    def add(self, err: OperatorError | None) -> None:
-        """Count a failed invocation's lost units (None: nothing failed)."""
-        if err is not None:
-            self.cause = self.cause or err
-            self.units += err.lost_units
-            self.rows += err.lost_rows
-
-    def add_all(self, errors: list[OperatorError] | None) -> None:
-        """Count each of ``errors``."""
-        for err in errors or ():
-            self.add(err)
-
-    def add_queue(self, flow: Flow, *, inflight: bool, own: Set[int] = frozenset()) -> None:
-        """Count the queued units (and, with ``inflight``, those being ingested, less the
-        ``own`` units, by ``id``, of pushes that run their invocation inline and report it)
-        as lost and drop the queue."""
-        if inflight:
-            acked = [u for u in flow.inflight if id(u) not in own]
-            self.units += len(acked)
-            self.rows += sum(u.rows for u in acked)
-        self.units += len(flow.pending)
-        self.rows += sum(u.rows for u in flow.pending)
-        flow.pending.clear()
 
 
 class PlaneEngine:
@@ -85,9 +54,9 @@ class PlaneEngine:
         self.timeout = timeout
         self.runtime = OperatorRuntime(flow=flow, signals=signals, timings=timings,
                                        learner_device=learner_device)
+        self.holds = OperatorHolds(runtime=self.runtime, signals=signals, timeout=timeout)
         self.schedule = flow.schedule
         self.closed = False
-        self._holders: list[int] = []  # the threads in a _hold block, one entry per hold
         # One thread at a time holds the plane paused (a migration, set_schedule, a load);
         # re-entrant, so that a thread that holds it may pause again inside.
         self._pause_lock = threading.RLock()
@@ -226,9 +195,12 @@ class PlaneEngine:
         workers stay alive and idle, so entering and leaving costs no thread start.
 
         Raises:
-            OperatorError: An invocation did not finish within the timeout (see ``_hold``).
+            OperatorError: An invocation did not finish within the timeout (see
+                :meth:`~conduit.plane.holds.OperatorHolds.hold`).
+            ConfigError: Called from inside an operator.
         """
-        return self._hold("paused", until_idle="busy")
+        self.refuse_inside_operator("paused")
+        return self.holds.hold("paused", until_idle="busy")
 
     def writes_held(self, *, atomic_buffer: bool = False
                     ) -> contextlib.AbstractContextManager[None]:
@@ -240,57 +212,16 @@ class PlaneEngine:
         (off-policy), that read is already a consistent instant and nothing is held.
 
         Raises:
-            OperatorError: An invocation did not finish within the timeout (see ``_hold``).
+            OperatorError: An invocation did not finish within the timeout (see
+                :meth:`~conduit.plane.holds.OperatorHolds.hold`).
+            ConfigError: Called from inside an operator.
         """
+        self.refuse_inside_operator("frozen")
         if atomic_buffer and self.flow.state_is_buffer:
             return contextlib.nullcontext()
         if self.flow.delivery_changes_rows:
             return self.quiesced()
-        return self._hold("writes_held", until_idle="ingesting")
-
-    @contextlib.contextmanager
-    def _hold(self, counter: str, *, until_idle: str) -> Iterator[None]:
-        """Raise the runtime's ``counter`` (which stops invocations from starting) for the
-        block, once its ``until_idle`` count of running invocations is zero.
-
-        Raises:
-            OperatorError: (``operator="runtime"``, a ``TimeoutError`` as its cause) An
-                invocation was still running after the plane's timeout (an operator stuck on a
-                worker or on another caller's thread); the hold is given back, so the plane
-                stays usable once the invocation returns. Not latched. An interrupt during
-                the wait gives the hold back too.
-        """
-        self.refuse_inside_operator("frozen" if counter == "writes_held" else "paused")
-        rt, me = self.runtime, threading.get_ident()
-        deadline = time.perf_counter() + self.timeout
-        with self.signals.lock:
-            setattr(rt, counter, getattr(rt, counter) + 1)
-            self._holders.append(me)
-            try:
-                while getattr(rt, until_idle):
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        stuck = ("an ingestion" if rt.ingesting
-                                 else "a delivery" if rt.busy > rt.ingesting else "an")
-                        late = TimeoutError(
-                            f"{stuck} operator invocation was still running after the "
-                            f"plane's timeout ({self.timeout}s), so the operators could not "
-                            f"be held (for a save, state_dict(), paused() or a migration); "
-                            f"nothing was changed: retry once the operator returns")
-                        raise OperatorError("runtime", late) from late
-                    self.signals.callers.wait(min(remaining, 0.05))
-            except BaseException:  # the timeout, or an interrupt: the hold is given back
-                setattr(rt, counter, getattr(rt, counter) - 1)
-                self._holders.remove(me)
-                self.signals.wake(callers=True, ingestion=True, delivery=True)
-                raise
-        try:
-            yield
-        finally:
-            with self.signals.lock:
-                setattr(rt, counter, getattr(rt, counter) - 1)
-                self._holders.remove(me)
-                self.signals.wake(callers=True, ingestion=True, delivery=True)
+        return self.holds.hold("writes_held", until_idle="ingesting")
 
     def capture(self, *, rows: bool, buffer: bool = True) -> StateDict:
         """The plane's state (see ``ExperienceDataPlane.state_dict``; without the buffer's
@@ -494,74 +425,4 @@ class PlaneEngine:
         """
         if not self.closed:  # once closed, a call returns at once from any thread
             self.refuse_inside_operator("close")
-        rt, flow, lock = self.runtime, self.flow, self.signals.lock
-        with lock:
-            if self.closed:
-                return
-            self.closed = True  # pushes after this point raise PlaneClosedError
-            self.signals.wake(callers=True, ingestion=True, delivery=True)
-            loss = _Loss()
-            loss.add(rt.untold_loss())  # the acked units of threads never told
-            rt.closing_errors = []  # failures from here on, on any thread, are counted below
-        try:
-            self.stop()
-        except OperatorError as stuck:
-            with lock:
-                # failed before the stuck worker was found; what is in flight is counted lost here
-                loss.add_all(rt.take_unreported_locked())
-                loss.cause = loss.cause or stuck
-                loss.add_queue(flow, inflight=True, own=rt.running_own)
-        deadline = time.perf_counter() + self.timeout
-        interrupt: BaseException | None = None  # an interrupt the operator raised here
-        ordered = rt.inline_ordered(self.timeout)
-        try:
-            with lock:
-                if not ordered and rt.closing_errors is not None:
-                    loss.add_all(rt.take_unreported_locked())
-                    loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
-                        f"an inline ingestion on another thread did not finish within "
-                        f"{self.timeout}s"))
-                    loss.add_queue(flow, inflight=True, own=rt.running_own)
-            while True:
-                with lock:
-                    own = self._holders.count(threading.get_ident())
-                    while flow.pending and rt.paused + rt.writes_held > own:
-                        remaining = deadline - time.perf_counter()
-                        if remaining <= 0:
-                            break
-                        self.signals.callers.wait(min(remaining, 0.5))
-                    units = rt.take_ingestion_locked(
-                        force=True, ignore_holds=rt.paused + rt.writes_held <= own)
-                    if units is None:
-                        if flow.pending:  # held by another thread past the timeout
-                            loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
-                                f"the operators stayed held (paused(), frozen() or a save on "
-                                f"another thread) past {self.timeout}s"))
-                            loss.add_queue(flow, inflight=False)
-                        break
-                err = rt.run_ingestion(units, latch=False)
-                loss.add(err)
-                if err is not None and not isinstance(err.__cause__, Exception):
-                    interrupt = err.__cause__  # the caller asked to stop: the rest is lost
-                    with lock:
-                        loss.add_queue(flow, inflight=False)
-                    break
-        finally:
-            if ordered:
-                rt.end_inline_ordered()
-        with lock:
-            rt.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
-            loss.add_all(rt.take_unreported_locked())
-        cause = loss.cause
-        if loss.units:
-            lost = DataLossError(
-                f"close(): {loss.units} rollout units ({loss.rows} rows) acknowledged by push "
-                f"were not stored: {cause}", lost_units=loss.units, lost_rows=loss.rows)
-            if interrupt is not None:
-                interrupt.add_note(f"conduit: {lost}")
-                raise interrupt
-            raise lost from cause
-        if interrupt is not None:  # pragma: no cover - an interrupted invocation lost units
-            raise interrupt
-        if cause is not None and not isinstance(cause, OperatorError):  # pragma: no cover
-            raise cause
+        close_and_drain(self)
