@@ -32,6 +32,24 @@ def policy_version(v: object) -> int | None:
     return int(v)
 
 
+
+def wait_seconds(timeout: float | None, *, default: float) -> float:
+    """Seconds a call may wait: ``timeout``, or ``default`` when None.
+
+    Raises:
+        ConfigError: (field ``timeout``) It is not a number >= 0 and at most
+            ``threading.TIMEOUT_MAX`` (a longer wait than the platform's clock takes).
+    """
+    if timeout is None:
+        return default
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 <= timeout <= threading.TIMEOUT_MAX):
+        raise ConfigError("timeout", f"must be a number of seconds >= 0 and at most "
+                                     f"{threading.TIMEOUT_MAX:.4g} (threading.TIMEOUT_MAX), "
+                                     f"got {timeout!r}")
+    return float(timeout)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlaneConfig:
     """What an :class:`~conduit.plane.ExperienceDataPlane` was asked to be (see its Args).
@@ -112,14 +130,7 @@ class PlaneConfig:
             ConfigError: ``timeout`` is not a number >= 0 and at most ``threading.TIMEOUT_MAX``
                 (a longer wait than the platform's clock takes).
         """
-        if timeout is None:
-            return self.timeout
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 <= timeout <= threading.TIMEOUT_MAX):
-            raise ConfigError("timeout", f"must be a number of seconds >= 0 and at most "
-                                         f"{threading.TIMEOUT_MAX:.4g} (threading.TIMEOUT_MAX), "
-                                         f"got {timeout!r}")
-        return float(timeout)
+        return wait_seconds(timeout, default=self.timeout)
 
     @property
     def on_policy(self) -> bool:

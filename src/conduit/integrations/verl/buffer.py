@@ -42,6 +42,7 @@ from conduit.integrations.verl.advantages import (
 from conduit.integrations.verl.order import VerlOrderSampler
 from conduit.integrations.verl.put_checks import ADDED, GROUP, ROW, PutCheck, merged_meta
 from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
+from conduit.plane.config import wait_seconds
 from conduit.plane.migration import PlacementArg, check_placement_arg
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, FieldSpec
@@ -401,13 +402,7 @@ class GRPOBuffer:
         """
         if self._plane is not None:
             return self._plane.config.wait_for(timeout)
-        if timeout is None:
-            return float(self._plane_args["timeout"])
-        wait = check_real("timeout", timeout, positive=False, what="a number of seconds")
-        if wait > threading.TIMEOUT_MAX:
-            raise ConfigError("timeout", f"must be at most {threading.TIMEOUT_MAX:.4g} s "
-                                         f"(threading.TIMEOUT_MAX), got {timeout!r}")
-        return wait
+        return wait_seconds(timeout, default=float(self._plane_args["timeout"]))
 
     def _ingestion_failed(self) -> bool:
         """Whether an ingestion invocation failed since the last failure was settled."""
