@@ -17,46 +17,29 @@ training iterations, by their measured time (:mod:`~conduit.integrations.rllib.s
 # ruff: noqa: N803 (the keyword names are RLlib's: batch_size_B, batch_length_T)
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-import torch
-from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
     PrioritizedEpisodeReplayBuffer,
 )
-from ray.rllib.utils.typing import AgentID, ModuleID
+from ray.rllib.utils.typing import ModuleID
 
-from conduit import ExperienceDataPlane, ExperienceSpec, Schedule
+from conduit import ExperienceDataPlane, ExperienceSpec
 from conduit._checks import check_int
-from conduit.errors import (
-    ConduitError,
-    ConfigError,
-    EmptyBufferError,
-    OperatorError,
-    PlaneClosedError,
-    PriorityError,
-    SpecError,
-    StateError,
-)
-from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep, Read
+from conduit.errors import ConfigError
+from conduit.integrations.rllib.episode_rows import Appended, EpisodeRows, NStep
 from conduit.integrations.rllib.episodes import SampledEpisodes
 from conduit.integrations.rllib.metrics import CachedMetricsLogger
-from conduit.integrations.rllib.schedule import G_MAX, ReplaySchedule, ScheduleName
-from conduit.integrations.rllib.windows import (
-    Transitions,
-    WindowRequest,
-    WindowSampler,
-    deliver_windows,
-)
-from conduit.plane import BufferIn, LearnerOut
-from conduit.storage import Placement, PrioritizedSampler, Sampler, Store, UniformSampler
-from conduit.storage.state import entry
+from conduit.integrations.rllib.replay_metrics import add_metrics, sample_metrics
+from conduit.integrations.rllib.replay_plane import ReplayPlane
+from conduit.integrations.rllib.replay_sampling import PriorityRouter, SampleAssembler
+from conduit.integrations.rllib.replay_state import checked_spec, restore
+from conduit.integrations.rllib.schedule import ReplaySchedule, ScheduleName
+from conduit.integrations.rllib.windows import WindowRequest, WindowSampler
+from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
 
 
 def _count(field: str, value: Any) -> int:
@@ -69,38 +52,6 @@ def _count(field: str, value: Any) -> int:
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         value = int(value)
     return check_int(field, value, minimum=1)
-
-
-def _holds_priorities(plane_state: Any) -> bool:
-    """Whether a plane's state (in a buffer's :meth:`~ConduitEpisodeReplayBuffer.get_state`)
-    is a prioritized sampler's: its windows' inner sampler keeps a sum tree."""
-    state: Any = plane_state
-    for key in ("buffer", "sampler", "inner"):
-        if not isinstance(state, dict):
-            return False
-        state = state.get(key)
-    return isinstance(state, dict) and "tree" in state
-
-
-def _despite_draws(plane: ExperienceDataPlane, call: Callable[[], None]) -> None:
-    """``call()`` (a push or flush), again after a delivery failure latched on ``plane``: a
-    draw made ahead only reads rows, so its failure is the concern of the sample that pulls
-    it, never of the add writing rows (a push that raises stores nothing, so a retry stores
-    its rows once)."""
-    for tries in range(3):
-        failed = plane.failed
-        if failed is not None and failed.operator == "delivery":
-            plane.recover()
-        try:
-            call()
-            return
-        except OperatorError as exc:
-            if exc.operator != "delivery" or tries == 2:
-                raise
-
-
-def _per_id(value: float) -> tuple[dict[AgentID, float], dict[ModuleID, float]]:
-    return {DEFAULT_AGENT_ID: value}, {DEFAULT_MODULE_ID: value}
 
 
 class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
@@ -141,7 +92,8 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     DQN and SAC do (the plane's own workers, which draw ahead, are synchronized with them).
 
     With ``schedule="prefetch"`` (or ``"auto"`` when it keeps prefetch), a batch may be drawn
-    before the latest ``add`` calls (at most :data:`G_MAX` of them), so it may miss their
+    before the latest ``add`` calls (at most
+    :data:`~conduit.integrations.rllib.schedule.G_MAX` of them), so it may miss their
     rows; each of its transitions is what RLlib's buffer returns for its row when the batch
     was delivered, and importance weights are those of the draw. Batches drawn for other
     ``sample`` arguments (``n_step``, ``gamma``, ``beta``) are discarded, as are batches
@@ -190,80 +142,42 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0]) >> 1
         self.beta, self.placement = beta, placement
         self._alpha, self._eps = alpha, eps
-        self._rows = EpisodeRows(capacity)
-        self._sampler = self._new_sampler()
-        self._plane: ExperienceDataPlane | None = None
-        self._last_index: np.ndarray | None = None
-        self._last_rows: np.ndarray | None = None  # their rows' numbers in the ring's order
+        self._replay = ReplayPlane(capacity, seed=self.seed, placement=placement,
+                                   schedule=self.schedule, inner=self._inner_sampler())
+        self._rows: EpisodeRows = self._replay.rows
         self._build = SampledEpisodes(prioritized=self.prioritized)
-        self._acknowledged = 0
-        # An add whose rows were all pushed but not yet stored when its flush raised: its
-        # chunks and the ring rows before it, linked by _settle.
-        self._unsettled: tuple[Read, int] | None = None
-        #: Delivered batches thrown away: drawn for other arguments or overwritten rows.
-        self.discarded_batches = 0
+        self._assembler = SampleAssembler(self._replay, self.seed)
+        self._priorities = PriorityRouter(self._replay)
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
         """The plane the rows live in (None until the first ``add``)."""
-        return self._plane
+        return self._replay.plane
 
-    def _new_sampler(self) -> WindowSampler:
-        """A sampler of windows over :attr:`_rows` that has drawn nothing yet."""
-        inner: Sampler = (PrioritizedSampler(alpha=self._alpha, beta=self.beta, eps=self._eps,
-                                             seed=self.seed)
-                          if self.prioritized else UniformSampler(seed=self.seed))
-        return WindowSampler(inner, self._rows)
+    @property
+    def discarded_batches(self) -> int:
+        """Delivered batches thrown away: drawn for other arguments or overwritten rows."""
+        return self._assembler.discarded_batches
 
-    def _close_plane(self) -> Schedule | None:
-        """Close the plane (if any); returns the schedule a plane replacing it starts on."""
-        plane, self._plane = self._plane, None
-        if plane is None:
-            return None
-        decided = self.schedule.keep(plane)
-        plane.close()
-        return decided
+    @discarded_batches.setter
+    def discarded_batches(self, value: int) -> None:
+        self._assembler.discarded_batches = value
 
-    def _build_plane(self, spec: ExperienceSpec, batch_size: int,
-                     decided: Schedule | None = None, store: Store | None = None
-                     ) -> ExperienceDataPlane:
-        """A plane for ``spec`` on ``decided`` (None: the schedule :attr:`schedule` starts
-        with), in ``store`` if given."""
-        plane = ExperienceDataPlane(spec=spec, capacity=self.capacity,
-                                    batch_size=min(batch_size, self.capacity), min_size=1,
-                                    sampler=self._sampler, placement=self.placement,
-                                    seed=self.seed, g_max=G_MAX, store=store)
+    @property
+    def _sampler(self) -> WindowSampler:
+        """The sampler of windows the plane draws with."""
+        return self._replay.sampler
 
-        # The operator holds the plane and the buffer weakly: the plane's engine holds the
-        # operator until the plane is dropped, so strong references would keep both alive,
-        # with the plane's worker threads, after the buffer is gone.
-        owner, sampler = weakref.ref(plane), self._sampler
+    @property
+    def _last_index(self) -> np.ndarray | None:
+        """The slots of the most recent sample (None: none since the last priority update)."""
+        return self._priorities.index
 
-        def gather_obs(slots: np.ndarray) -> torch.Tensor:
-            live = owner()
-            if live is None:
-                raise PlaneClosedError("the buffer's plane was dropped")
-            return live.buffer.gather(torch.from_numpy(slots))["obs"]
-
-        @plane.register_delivery()
-        def n_step_windows(exp_in: BufferIn, learn_out: LearnerOut) -> None:
-            learn_out.write(deliver_windows(sampler, exp_in.read(), gather_obs))
-
-        self.schedule.apply(plane, decided)
-        return plane
-
-    def _plane_for(self, batch_size: int) -> ExperienceDataPlane:
-        """The plane, rebuilt with its rows when a sample asks for another batch size."""
-        plane = self._plane
-        if plane is None:
-            raise EmptyBufferError("cannot sample: nothing was added to the buffer")
-        if plane.batch_size != batch_size:  # (sample checked batch_size against capacity)
-            # The rows stay where they are: the new plane takes over the store.
-            state, spec, store = plane.state_dict(rows=False), plane.spec, plane.buffer.store
-            plane = self._build_plane(spec, batch_size, self._close_plane(), store=store)
-            plane.load_state_dict(state, rows=False)
-            self._plane = plane
-        return plane
+    def _inner_sampler(self) -> Sampler:
+        """A sampler of rows, for a sampler of windows that has drawn nothing yet."""
+        return (PrioritizedSampler(alpha=self._alpha, beta=self.beta, eps=self._eps,
+                                   seed=self.seed)
+                if self.prioritized else UniformSampler(seed=self.seed))
 
     def add(self, episodes: list[SingleAgentEpisode] | SingleAgentEpisode) -> None:
         """Write every timestep of ``episodes`` to the plane; chunks of an episode already in
@@ -285,95 +199,14 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 is not numeric or belongs to a Tuple or Dict space, or a chunk of an ongoing
                 episode does not start where its stored steps end (field ``t_started``).
         """
-        self.schedule.adding()
-        with self._rows.lock:  # a delivery running ahead sees links and ring change at once
-            self._settle_locked()
-            episodes = force_list(episodes)
-            for eps in episodes:
-                if not isinstance(eps, SingleAgentEpisode):
-                    multi = "MultiAgent" in type(eps).__name__
-                    raise SpecError(None, f"add takes SingleAgentEpisode objects (or a list "
-                                          f"of them), got {type(eps).__name__}" + (
-                        "; Conduit's RLlib buffers are single-agent: for multi-agent "
-                        "episodes use RLlib's MultiAgentEpisodeReplayBuffer or "
-                        "MultiAgentPrioritizedEpisodeReplayBuffer" if multi else ""))
-            read = self._rows.read(
-                episodes, spec=None if self._plane is None else self._plane.spec)
-            if read.steps:
-                if self._plane is None:
-                    assert read.spec is not None
-                    self._plane = self._build_plane(read.spec, self.batch_size_B)
-                ring = self._sampler.ring_rows
-                try:
-                    self._write(self._plane, read.rows, read.steps)
-                except BaseException:
-                    if self._sampler.ring_rows - ring == read.steps:  # the rows are stored
-                        self._added(self._rows.link(read))
-                    elif self._acknowledged == read.steps:
-                        # Every push returned, so the rows land (overlapped ingestion) after
-                        # the flush that raised: they are linked once they have (_settle);
-                        # batches drawn meanwhile, over rows without links, are stale.
-                        self._unsettled = (read, ring)
-                        self._sampler.invalidate()
-                    raise
-            added = self._rows.link(read)
-        self._added(added)
-
-    def _write(self, plane: ExperienceDataPlane, rows: dict[str, np.ndarray],
-               steps: int) -> None:
-        """Push ``rows`` to ``plane`` and flush it; :attr:`_acknowledged` counts the rows of
-        the pushes that returned."""
-        self._acknowledged = 0
-        for a in range(0, steps, self.capacity):
-            part = {k: v[a:a + self.capacity] for k, v in rows.items()}
-            _despite_draws(plane, lambda part=part: plane.push(part))
-            self._acknowledged += len(part["obs"])
-        _despite_draws(plane, plane.flush)
-
-    def _settle(self) -> None:
-        """Link the rows of an add whose flush raised after every push returned, once they
-        are all in the ring (flushing the plane first, within its timeout).
-
-        Raises:
-            BackpressureTimeout: They are still not stored (as the add raised); so do the
-                plane's other flush errors.
-        """
-        if self._unsettled is not None:
-            with self._rows.lock:
-                self._settle_locked()
-
-    def _settle_locked(self) -> None:
-        """:meth:`_settle`, holding ``_rows.lock``."""
-        pending = self._unsettled
-        if pending is None:
-            return
-        read, ring = pending
-        if self._sampler.ring_rows - ring < read.steps and self._plane is not None:
-            _despite_draws(self._plane, self._plane.flush)
-        self._unsettled = None
-        self._added(self._rows.link(read))
-        self._sampler.invalidate()  # batches drawn before the link are stale
+        self._replay.add(episodes, self.batch_size_B, self._added)
 
     def _added(self, added: Appended) -> None:
         """Count and log what an add changed."""
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added += added.steps
         self._num_episodes_evicted += added.evicted_episodes
-        self._log_add(added)
-
-    def _log_add(self, added: Appended) -> None:
-        a_added, m_added = _per_id(added.new_episodes)
-        a_steps, m_steps = _per_id(added.steps)
-        a_evicted, m_evicted = _per_id(added.evicted_episodes)
-        a_esteps, m_esteps = _per_id(added.evicted_steps)
-        self._update_add_metrics(
-            num_episodes_added=added.new_episodes, num_env_steps_added=added.steps,
-            num_episodes_evicted=added.evicted_episodes,
-            num_env_steps_evicted=added.evicted_steps,
-            agent_to_num_episodes_added=a_added, agent_to_num_steps_added=a_steps,
-            agent_to_num_episodes_evicted=a_evicted, agent_to_num_steps_evicted=a_esteps,
-            module_to_num_episodes_added=m_added, module_to_num_steps_added=m_steps,
-            module_to_num_episodes_evicted=m_evicted, module_to_num_steps_evicted=m_esteps)
+        self._update_add_metrics(**add_metrics(added))
 
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
                batch_length_T: int | None = None, n_step: NStep | None = None,
@@ -445,87 +278,16 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
         request = WindowRequest(n_step=1 if n_step is None else n_step, gamma=gamma,
                                 complete=self.prioritized,
                                 beta=float(beta) if self.prioritized else None)
-        self._settle()
+        self._replay.settle(self._added)
         self._sampler.set_request(request)
         resamples = self._sampler.resamples
-        # The plane draws at most `capacity` rows a batch: a larger sample joins `pulls`
-        # batches of one size and drops the surplus (fewer than `pulls` rows) at random
-        # positions, so each row kept is a draw of the sampler's own distribution.
-        pulls = -(-size // self.capacity)
-        plane = self._plane_for(-(-size // pulls))
-        self.schedule.sampling(plane)
-        parts, rows = [], []
-        for _ in range(pulls):
-            pulled, pulled_rows = self._pull(plane)
-            parts.append(Transitions.of(pulled))
-            rows.append(pulled_rows)
-        if pulls == 1:
-            batch, self._last_rows = parts[0], rows[0]
-        else:
-            total = sum(len(p.index) for p in parts)
-            drop = np.random.default_rng([self.seed, 2, self.sampled_timesteps]).choice(
-                total, total - size, replace=False)
-            keep = np.delete(np.arange(total), drop)
-            batch = Transitions.joined(parts, keep)
-            self._last_rows = np.concatenate(rows)[keep]
-        self._last_index = batch.index
+        batch, rows = self._assembler.assemble(size, self.sampled_timesteps)
+        self._priorities.remember(batch.index, rows)
         self.sampled_timesteps += size
         episodes = self._build.episodes(batch, self._rows.table, to_numpy=to_numpy)
-        self._log_sample(batch, self._sampler.resamples - resamples)
+        self._update_sample_metrics(**sample_metrics(batch, self._sampler.resamples - resamples))
         self.schedule.sampled()
         return episodes
-
-    def _pull(self, plane: ExperienceDataPlane) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        """The next batch drawn for the request in force with every row still in the buffer,
-        and its rows' numbers in the ring's order; others are discarded (a prefetched batch
-        may be either).
-
-        Raises:
-            EmptyBufferError: The draw for the request in force, over the rows in the buffer
-                now, found no row with a complete n-step window.
-        """
-        for _ in range(4 * G_MAX + 4):
-            try:
-                batch = plane.pull()
-            except OperatorError as exc:
-                cause = exc.__cause__
-                if isinstance(cause, ConduitError):
-                    plane.recover()
-                    raise cause from None
-                raise
-            failed = int(batch.pop("_failed")[0])
-            if failed >= 0:  # no row had a complete window when it was drawn
-                if (failed == self._sampler.ring_rows
-                        and int(batch["_request"][0]) == self._sampler.serial):
-                    raise EmptyBufferError(self._sampler.failure)
-                self.discarded_batches += 1  # drawn before an add, or for other arguments
-                continue
-            # Rows overwritten by adds since the batch was delivered are stale as well.
-            oldest = self._sampler.ring_rows - self.capacity
-            rows = batch.pop("_row").numpy()
-            if (batch.pop("_valid").numpy().all() and (rows >= oldest).all()
-                    and int(batch.pop("_request")[0]) == self._sampler.serial):
-                return batch, rows
-            self.discarded_batches += 1
-        raise EmptyBufferError(f"{4 * G_MAX + 4} batches in a row were drawn for other sample "
-                               f"arguments or lost rows to adds; sample with schedule='inline'")
-
-    def _log_sample(self, batch: Transitions, resamples: int) -> None:
-        size = len(batch.index)
-        a_sampled, m_sampled = _per_id(size)
-        a_eps, m_eps = _per_id(len(set(batch.episode.tolist())))
-        a_steps, m_steps = _per_id(len(set(batch.index.tolist())))
-        a_n, m_n = _per_id(float(batch.n_step.mean()))
-        a_re, m_re = _per_id(resamples)
-        self._update_sample_metrics(
-            num_env_steps_sampled=size, num_episodes_per_sample=a_eps[DEFAULT_AGENT_ID],
-            num_env_steps_per_sample=a_steps[DEFAULT_AGENT_ID],
-            sampled_n_step=a_n[DEFAULT_AGENT_ID], num_resamples=resamples,
-            agent_to_num_steps_sampled=a_sampled, agent_to_num_episodes_per_sample=a_eps,
-            agent_to_num_steps_per_sample=a_steps, agent_to_sampled_n_step=a_n,
-            agent_to_num_resamples=a_re, module_to_num_steps_sampled=m_sampled,
-            module_to_num_episodes_per_sample=m_eps, module_to_num_steps_per_sample=m_steps,
-            module_to_sampled_n_step=m_n, module_to_num_resamples=m_re)
 
     def get_num_timesteps(self, module_id: ModuleID | None = None) -> int:
         """Timesteps stored."""
@@ -538,13 +300,9 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     def get_state(self) -> dict[str, Any]:
         """The buffer's state, for RLlib checkpoints: the plane's ``state_dict`` (rows,
         sampler, ring), the episode links and the counters."""
-        self._settle()
-        plane = self._plane
-        return {"spec": plane.spec.to_dict() if plane else None,
-                "batch_size": plane.batch_size if plane else self.batch_size_B,
-                "plane": plane.state_dict() if plane else None,
-                "rows": self._rows.state_dict(),
-                "last_index": self._last_index,
+        self._replay.settle(self._added)
+        return {**self._replay.state_dict(self.batch_size_B),
+                "last_index": self._priorities.index,
                 "_num_timesteps_added": self._num_timesteps_added,
                 "_num_episodes_evicted": self._num_episodes_evicted,
                 "sampled_timesteps": self.sampled_timesteps}
@@ -558,51 +316,12 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                 priorities a uniform buffer would drop, a uniform one's has none to give). A
                 refused state leaves the buffer as it was.
         """
-        for key in ("spec", "batch_size", "plane", "rows", "last_index", "_num_timesteps_added",
-                    "_num_episodes_evicted", "sampled_timesteps"):
-            entry(state, key, "rllib_buffer")
-        if not self.prioritized and _holds_priorities(state["plane"]):
-            raise StateError("rllib_buffer.plane.buffer.sampler.inner",
-                             "a prioritized buffer's state (its rows have priorities, which "
-                             "this uniform buffer would drop): restore it into a "
-                             "ConduitPrioritizedEpisodeReplayBuffer")
-        spec = ExperienceSpec.from_dict(state["spec"]) if state["spec"] is not None else None
-        if spec is not None and set(spec.fields) != {"obs", "action"}:
-            raise StateError("spec", f"rows of fields {sorted(spec.fields)}; this buffer's rows "
-                                     f"are (obs, action): restore a state of this buffer kind")
-        self._rows.check_state(state["rows"])
-        # All or nothing: a state refused part way (its rows' table or tails, the plane's
-        # entry) puts the buffer back as it was, rows and links together.
-        before = self.get_state()
-        try:
-            self._load_state(state, spec)
-        except Exception as exc:
-            self._load_state(before, ExperienceSpec.from_dict(before["spec"])
-                             if before["spec"] is not None else None)
-            if isinstance(exc, ConduitError):
-                raise
-            raise StateError("rllib_buffer", f"does not fit this buffer "
-                                             f"({type(exc).__name__}: {exc})") from exc
+        spec = checked_spec(state, prioritized=self.prioritized, rows=self._rows)
+        restore(state, spec, before=self.get_state(), load=self._load_state)
 
     def _load_state(self, state: dict[str, Any], spec: ExperienceSpec | None) -> None:
-        decided = self._close_plane()  # first: its delivery worker reads the links
-        self._unsettled = None
-        self._rows.load_state_dict(state["rows"])
-        if spec is not None:
-            plane = self._build_plane(spec, state["batch_size"], decided)
-            try:
-                plane.load_state_dict(state["plane"])
-            except BaseException:
-                plane.close()
-                raise
-            self._plane = plane
-        else:  # the state of a buffer that never held a row: so is the sampler
-            self._sampler = self._new_sampler()
-        if self._rows.written != self._sampler.ring_rows:
-            raise StateError("rows.written", f"the links cover {self._rows.written} rows, the "
-                                             f"plane's ring received {self._sampler.ring_rows}; "
-                                             f"restore a state this buffer's get_state wrote")
-        self._last_index, self._last_rows = state["last_index"], None
+        self._replay.load_state(state, spec, self._inner_sampler)
+        self._priorities.remember(state["last_index"], None)
         self._num_timesteps = len(self._rows)
         self._num_timesteps_added = state["_num_timesteps_added"]
         self._num_episodes_evicted = state["_num_episodes_evicted"]
@@ -643,27 +362,4 @@ class ConduitPrioritizedEpisodeReplayBuffer(ConduitEpisodeReplayBuffer,
             PriorityError: No sample to update, a length that differs from it, or
                 priorities that are not finite and non-negative.
         """
-        if self._last_index is None or self._plane is None:
-            raise PriorityError("update_priorities: no sample since the last update")
-        try:
-            if isinstance(priorities, torch.Tensor):  # e.g. TD errors still in the graph
-                pr = priorities.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
-            else:
-                pr = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise PriorityError(f"priorities: must be numbers, got {priorities!r:.80} "
-                                f"({exc})") from None
-        if pr.numel() != len(self._last_index):
-            raise PriorityError(f"priorities: {pr.numel()} values for the "
-                                f"{len(self._last_index)} transitions of the last sample")
-        index = self._last_index
-        rows = self._last_rows
-        if rows is not None and len(rows) == len(index):
-            # Rows an add overwrote since the sample are gone: their slots hold new rows,
-            # which keep their own priorities (a prefetched draw after the add may have
-            # marked those slots delivered again, so the buffer's own check cannot tell).
-            kept = rows >= self._sampler.ring_rows - self.capacity
-            if not kept.all():
-                index, pr = index[kept], pr[torch.from_numpy(kept)]
-        self._plane.update_priorities(torch.from_numpy(index), pr)
-        self._last_index = self._last_rows = None
+        self._priorities.update(priorities)
