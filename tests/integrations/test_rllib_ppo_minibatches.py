@@ -101,6 +101,47 @@ def test_a_cache_serves_updates_of_awkward_layouts() -> None:
                      _rllib(columns, 7, **kwargs))
 
 
+def _abandoned(iterator: object, stops: tuple[int, ...]) -> Minibatches:
+    """Iterations of ``iterator`` that each stop (``break``) after ``stops[i]`` mini-batches,
+    then one to the end."""
+    out = []
+    for stop in stops:
+        for n, mb in enumerate(iterator, 1):
+            out.append({k: v.clone() for k, v in mb.policy_batches["p"].items()})
+            if n == stop:
+                break
+    rest, draw = _run(iterator)
+    return out + rest, draw
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("size", "minibatch_size", "epochs", "total", "stops"), [
+    (5, 2, 3, 0, (3, 1)),   # 8 mini-batches, spanning wraps; abandoned twice
+    (64, 16, 2, 0, (8,)),   # abandoned at the last mini-batch: none is left
+    (7, 3, 4, 6, (2, 2)),   # num_total_minibatches: RLlib's count lags one per abandonment
+    (5, 2, 1, 4, (4,)),
+])
+def test_an_abandoned_iteration_is_taken_up_where_it_stopped_as_rllibs(
+        size: int, minibatch_size: int, epochs: int, total: int, stops: tuple[int, ...],
+        overlap: bool) -> None:
+    # Defect: an iteration stopped part-way left the iterator spent: the next one yielded no
+    # mini-batch, where RLlib's iterator yields those not handed out yet.
+    columns = _columns(size)
+    kwargs = {"num_epochs": epochs, "minibatch_size": minibatch_size,
+              "num_total_minibatches": total}
+    np.random.seed(size)
+    theirs = _abandoned(MiniBatchCyclicIterator(_batch(columns), shuffle_batch_per_epoch=True,
+                                                **kwargs), stops)
+    np.random.seed(size)
+    ours = _abandoned(ConduitMiniBatchIterator(_batch(columns), shuffle=True,
+                                               device=torch.device("cpu"), overlap=overlap,
+                                               columns=ColumnCache(), **kwargs), stops)
+    planned = len(cyclic_minibatches(size, num_epochs=epochs, minibatch_size=minibatch_size,
+                                     shuffle=False))
+    assert len(theirs[0]) == (total + len(stops) if total else planned)
+    _assert_same(ours, theirs)
+
+
 @pytest.mark.parametrize(("size", "minibatch_size", "epochs"),
                          [(5, 2, 3), (3, 16, 4), (64, 16, 3), (4000, 128, 40), (2048, 1, 1),
                           (1031, 1, 1), (1, 1, 2), (50, 16, 2)])

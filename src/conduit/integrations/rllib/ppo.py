@@ -119,6 +119,11 @@ class CyclicLayout:
         self._lay_ahead()
         return self.parts[k]
 
+    def extend(self) -> None:
+        """Count one more mini-batch: the iteration goes on cutting the batch cyclically."""
+        self.count += 1
+        self._lay_ahead()
+
     def _draw(self) -> None:
         """Permute the batch's rows as ``SampleBatch.shuffle`` does at a wrap."""
         self._order = self._order[np.random.permutation(self._size)]
@@ -199,7 +204,8 @@ class PlannedSampler(Sampler):
             out so far: the owner appends the others to this same sequence, in order, before
             the plane draws them (a :class:`CyclicLayout`'s ``parts``).
         num_minibatches: Mini-batches per epoch (``count`` must be a multiple of it).
-        count: Mini-batches in all (default: ``len(parts)``).
+        count: Mini-batches in all (default: ``len(parts)`` after ``first``).
+        first: Index in ``parts`` of the first mini-batch delivered.
 
     Raises:
         ConfigError: ``count`` is not a positive multiple of ``num_minibatches``.
@@ -208,21 +214,21 @@ class PlannedSampler(Sampler):
     consume_once: ClassVar[bool] = True
 
     def __init__(self, parts: Sequence[np.ndarray], *, num_minibatches: int,
-                 count: int | None = None) -> None:
+                 count: int | None = None, first: int = 0) -> None:
         super().__init__()
-        count = len(parts) if count is None else count
+        count = len(parts) - first if count is None else count
         if count < 1 or count % num_minibatches:
             raise ConfigError("num_minibatches", f"{count} mini-batches do not form "
                                                  f"epochs of {num_minibatches}")
         self.parts = parts
-        self.count = count
+        self.count, self.first = count, first
         self.num_minibatches = num_minibatches
         self.epoch, self.cursor = 0, 0
 
     def layout(self, size: int, *, iteration: int, epoch: int) -> list[torch.Tensor]:
         """The mini-batches of ``epoch`` laid out so far."""
-        m = self.num_minibatches
-        return [_indices(p) for p in self.parts[epoch * m:(epoch + 1) * m]]
+        m, first = self.num_minibatches, self.first
+        return [_indices(p) for p in self.parts[first + epoch * m:first + (epoch + 1) * m]]
 
     def begin_epoch(self, size: int, *, iteration: int, epoch: int) -> None:
         self.epoch, self.cursor = epoch, 0
@@ -240,6 +246,7 @@ class PlannedSampler(Sampler):
         k = self.epoch * self.num_minibatches + self.cursor
         if self.cursor >= self.num_minibatches or k >= self.count:
             raise EmptyBufferError("the epoch's mini-batches are all delivered")
+        k += self.first
         if k >= len(self.parts):
             raise EmptyBufferError(f"mini-batch {k} is drawn before it is laid out")
         self.cursor += 1
@@ -351,8 +358,13 @@ class ConduitMiniBatchIterator:
             ``LearnerGroup`` sets it for every learner of several).
 
     Without ``num_total_minibatches`` and with ``num_epochs`` below 1 it yields no
-    mini-batches, as RLlib's iterator. It is iterated once (RLlib's ``Learner.update`` does):
-    iterating it again yields nothing, as RLlib's iterator once it has run.
+    mini-batches, as RLlib's iterator. Iterating it again once it has run yields nothing, as
+    RLlib's iterator. An iteration abandoned part-way (its consumer stops asking, as a
+    ``break`` does) is taken up where it stopped, as RLlib's iterator takes it up: the next
+    iteration yields the mini-batches not handed out yet, on a plane of its own. RLlib's
+    iterator counts a mini-batch towards ``num_total_minibatches`` only once the next one is
+    asked for, so with ``num_total_minibatches`` each abandoned iteration adds one mini-batch,
+    here as there.
 
     Raises:
         SpecError: The module's batch is empty and there are mini-batches to cut (``field``
@@ -372,8 +384,9 @@ class ConduitMiniBatchIterator:
         self.rllib: MiniBatchCyclicIterator | None = None
         self.layout: CyclicLayout | None = None
         self.num_minibatches = 0
-        self._started = False
+        self._handed = 0  # mini-batches handed out (the next iteration starts there)
         total = check_int("num_total_minibatches", num_total_minibatches, minimum=0)
+        self._minibatch_size, self._by_total = minibatch_size, bool(total)
         if not total and num_epochs < 1:
             return  # nothing to deliver
         if size == 0:
@@ -408,21 +421,23 @@ class ConduitMiniBatchIterator:
             if self.rllib is not None:
                 yield from self.rllib
             return
-        if self._started:
-            return  # the layout's shuffles are drawn: its mini-batches were handed out
-        self._started = True
-        size, spec, layout = len(self.rows), self.spec, self.layout
+        size, spec, layout, first = len(self.rows), self.spec, self.layout, self._handed
+        if first >= layout.count:
+            return  # every mini-batch was handed out
         cols = {k: v for k, v in self.rows.items() if k in spec.fields}
         rest = {k: v for k, v in self.rows.items() if k not in cols}
-        m = self.num_minibatches
+        count = layout.count - first
+        m = self.num_minibatches = plane_epoch(count, size=size,
+                                               minibatch_size=self._minibatch_size)
         kept = self.columns.take(spec, size, self.device) if self.columns is not None else None
         store = kept.store(size) if kept is not None else None
-        ahead = self._ahead(0)
+        ahead = self._ahead(first)
         try:
             plane = ExperienceDataPlane(
                 spec=spec, capacity=size, mode="on_policy", num_minibatches=m,
-                num_epochs=layout.count // m, learner_device=self.device,
-                sampler=PlannedSampler(layout.parts, num_minibatches=m, count=layout.count),
+                num_epochs=count // m, learner_device=self.device,
+                sampler=PlannedSampler(layout.parts, num_minibatches=m, count=count,
+                                       first=first),
                 store=store,
                 placement=(store.placement if store is not None else
                            Placement.device(self.device) if self.device.type == "cuda"
@@ -430,8 +445,10 @@ class ConduitMiniBatchIterator:
                 schedule=self._schedule(ahead))
             with plane:
                 plane.push(cols)
-                for k in range(layout.count):
-                    rows = layout.reach(k)  # RLlib's shuffles for this mini-batch, drawn now
+                for k in range(first, layout.count):
+                    # RLlib's shuffles for this mini-batch are drawn now (where an iteration
+                    # that failed before handing it out drew them, they stay as drawn).
+                    rows = layout.reach(k) if k == layout.reached else layout.parts[k]
                     if self._ahead(k + 1) != ahead:
                         ahead = not ahead
                         plane.set_schedule(self._schedule(ahead))
@@ -439,7 +456,14 @@ class ConduitMiniBatchIterator:
                     index: dict[torch.device, torch.Tensor] = {}
                     out = {name: v for name, v in minibatch.items() if name != "_index"}
                     out.update({name: _take(v, rows, index) for name, v in rest.items()})
-                    yield MultiAgentBatch({self.module_id: SampleBatch(out)}, self.env_steps)
+                    self._handed = k + 1
+                    try:
+                        yield MultiAgentBatch({self.module_id: SampleBatch(out)},
+                                              self.env_steps)
+                    except BaseException:  # abandoned (closed) at this mini-batch
+                        if self._by_total:
+                            layout.extend()  # RLlib's count has not reached it yet
+                        raise
         finally:
             if kept is not None:
                 self.columns.give_back(kept)  # the plane is closed: nothing writes them
