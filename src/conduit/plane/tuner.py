@@ -8,6 +8,7 @@ the per-iteration scores (docs/design.md §6).
 from __future__ import annotations
 
 import dataclasses
+import time
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,7 +56,9 @@ class WarmupScheduleTuner:
     1. **Warm-up.** ``policy.warmup`` learning iterations run on the plane's schedule at
        construction (the start schedule); off-policy one of them probes coarse threadless
        delivery (:func:`~conduit.scheduling.warmup_schedule`).
-    2. **Model.** The plane's timings become a :class:`~conduit.scheduling.Profile` with the
+    2. **Model.** The plane's timings (those made after the first learning iteration, which
+       pays one-off costs, where the later ones price every stage) become a
+       :class:`~conduit.scheduling.Profile` with the
        copy-time bound, and :class:`~conduit.plane.AutoScheduler` picks the argmin of Eq. 2
        (A), priced without the probe. With ``prioritized`` replay and no allowed priority
        lag, overlapped delivery is left out of that choice.
@@ -108,6 +111,7 @@ class WarmupScheduleTuner:
         self.model_plan: Plan | None = None
         self.profile: Profile | None = None
         self._probed: Fraction | None = None  # the g_del a warm-up iteration probed
+        self._since: float | None = None  # the end of the first learning iteration
         self._pair: TrialPair | None = None
         self._candidates: list[Schedule] = []
         self._order: list[int] = []
@@ -118,6 +122,10 @@ class WarmupScheduleTuner:
         if self.done or not iteration.learning:
             return
         self.seen += 1
+        if self.seen == 1:
+            # The first learning iteration pays one-off costs (kernels loaded or compiled on
+            # the first gather, the learner's first step): the model prices later ones.
+            self._since = time.perf_counter()
         if self.seen < self.policy.warmup:
             self._warm_up()
             return
@@ -141,7 +149,7 @@ class WarmupScheduleTuner:
             self.plane.set_schedule(want)
 
     def _plan_with_model(self) -> None:
-        space, timings = self.plane.space, self.plane.timings
+        space, timings = self.plane.space, _after_first(self.plane.timings, self._since)
         try:
             probed = profile_from_timings(timings, space)
             unprobed = probed if self._probed is None else profile_from_timings(
@@ -205,6 +213,21 @@ def _policy_changes(changes: dict[str, object]) -> dict[str, object]:
         if name in ("margin", "min_gain", "min_copy"):
             check_real(name, value, positive=False)
     return changes
+
+
+#: The records a profile needs (see :func:`~conduit.scheduling.profile_from_timings`).
+_PROFILED = ("rollout", "update", "ingestion", "delivery")
+
+
+def _after_first(timings: Timings, since: float | None) -> Timings:
+    """``timings`` without the records that began before ``since`` (the end of the first
+    learning iteration), when every name a profile needs has a record after it; else
+    ``timings`` as they are (a one-iteration warm-up, or records made before the tuner ran)."""
+    if since is None:
+        return timings
+    later = Timings()
+    later.add(r for n in timings.names() for r in timings.records(n) if r.start >= since)
+    return later if all(later.count(n) for n in _PROFILED) else timings
 
 
 def _without_units(timings: Timings, name: str, units: float) -> Timings:
