@@ -11,7 +11,8 @@ distributed faults); its new ring's row ids continue above every id it ever gave
 (off-policy), so an update for a lost row never reaches a new one.
 
 The set also records what every holder reported after the last change it applied, so a read
-can be served by any copy that is current (:meth:`ShardSet.read_from`).
+can be served by any copy that is current (:meth:`ShardSet.read_from`). The plane's ports are
+bound to nodes of the cluster (:class:`ClusterNodes`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -406,3 +408,37 @@ class ShardSet:
         for a in actors:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)
+
+
+class ClusterNodes:
+    """The Ray node ids a plane's ports may be bound to: the cluster's nodes, whose list is
+    asked again only for an id not seen before.
+
+    Args:
+        ray: The ``ray`` module (connected).
+        known: The ids known at first (the driver's node and the shards').
+        check_open: Raises :class:`PlaneClosedError` once the plane is closed (the cluster
+            is not asked then: its Ray may be gone).
+    """
+
+    def __init__(self, ray: Any, known: set[str], check_open: Callable[[], None]) -> None:
+        self._ray, self._known, self._check_open = ray, known, check_open
+
+    def check(self, node: str | None) -> None:
+        """Refuse a node id that is not (and was never) a node of the cluster.
+
+        Raises:
+            ConfigError: ``node`` is not a node of the cluster.
+            PlaneClosedError: ``node`` was not seen before and the plane is closed.
+        """
+        if node is None:
+            return
+        if not isinstance(node, str):
+            raise ConfigError("node", f"expected a Ray node id (a str) or None, got {node!r}")
+        if node in self._known:
+            return
+        self._check_open()  # the cluster is not asked once closed (its Ray may be gone)
+        self._known = {n["NodeID"] for n in self._ray.nodes()}
+        if node not in self._known:
+            raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
+                                      f"node id (ray.nodes(), plane.nodes)")

@@ -268,7 +268,7 @@ class LearnerPort:
         iteration = self._unreported
         if iteration is None:
             return
-        self._plane._rank_done(self.rank, iteration, deadline, clear_by=clear_by)
+        self._plane._changes.rank_done(self.rank, iteration, deadline, clear_by=clear_by)
         self._unreported = None
 
     # -- both -------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class LearnerPort:
                 the timeout ran out while another call held the front (waiting on a shard).
             PlaneClosedError: The plane is closed.
         """
-        with self._plane._in_flight():  # close() keeps Ray up until it returns
+        with self._plane._life.in_flight():  # close() keeps Ray up until it returns
             return self._pull(timeout)
 
     def _pull(self, timeout: float | None) -> Batch:
@@ -321,7 +321,7 @@ class LearnerPort:
         # is bounded by the pull's deadline, as a clear cut short is)
         self._report(deadline, clear_by=deadline)
         if plane.config.on_policy and plane._gate.clearing:
-            plane._finish_clear(deadline)  # a clear cut short by an interrupt or a timeout
+            plane._changes.finish_clear(deadline)  # a clear cut short by an interrupt or a timeout
         if self._owed is not None:  # formed, then an interrupt kept it from being returned
             return self._hand_out(self._owed[0])
         if self._staged and self._fresh(self._staged_from):

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 
 from conduit.distributed.errors import ShardUnavailableError
-from conduit.errors import (
-    BackpressureTimeout,
-    ConfigError,
-    DataLossError,
-    OperatorError,
-    PlaneClosedError,
-    raised_again,
+from conduit.distributed.ingestion import (
+    IngestionLatch,
+    IngestionQueue,
+    IngestionWorker,
+    InlineDrains,
+    raise_lost,
 )
+from conduit.errors import ConfigError, OperatorError, PlaneClosedError
 from conduit.plane.config import PlaneConfig
 from conduit.plane.flows import check_written_rows
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
@@ -51,10 +51,6 @@ from conduit.plane.runtime import (
     IngestionFn,
     identity_delivery,
     identity_ingestion,
-    take_turn,
-    turn_timeout,
-    untold_part,
-    untold_share,
 )
 from conduit.scheduling.space import Schedule, ScheduleSpace
 from conduit.spec import Batch
@@ -254,6 +250,12 @@ class FrontIngestion:
     """The operators of the sharded front: the ingestion operator with its queue, its thread
     and its error latch, and the delivery operator the learner ports run.
 
+    It holds the operators and the schedule and runs one invocation; the queue
+    (:class:`~conduit.distributed.ingestion.IngestionQueue`), the error latch
+    (:class:`~conduit.distributed.ingestion.IngestionLatch`), the inline drains
+    (:class:`~conduit.distributed.ingestion.InlineDrains`) and the thread
+    (:class:`~conduit.distributed.ingestion.IngestionWorker`) are its parts.
+
     Args:
         store: Writes one operator output (called with no lock of this class held).
         timeout: Seconds a worker write may take, and ``close`` may wait for the worker.
@@ -280,36 +282,67 @@ class FrontIngestion:
         self.deliver_fn: DeliveryFn = identity_delivery
         self.schedule = Schedule()
         self._cond = threading.Condition(threading.RLock())
-        self._pending: deque[QueuedUnit] = deque()
-        self._inflight = 0  # units taken by a running invocation
-        #: The running invocations' units, each with the unit of the push running it inline.
-        self._running: dict[int, tuple[list[QueuedUnit], QueuedUnit | None]] = {}
-        self._hurry = 0  # flushes waiting: ingest fewer than g_ing units
-        self._hurried = False  # a learner waits for rows: ingest what is queued
-        self._thread: threading.Thread | None = None
+        self._units = IngestionQueue(self._cond, lambda: self.schedule.g_ing)
+        self._latch = IngestionLatch(self._cond)
+        self._drains = InlineDrains(cond=self._cond, queue=self._units, latch=self._latch,
+                                    run=self._run, on_lost=on_lost)
+        self._worker = IngestionWorker(cond=self._cond, queue=self._units, latch=self._latch,
+                                       run=self._run, name=self.thread_name)
         # set_schedule and close, one at a time: a close during a schedule change would find
         # no thread while the old one still runs, and a change after close would start one
         self._life = threading.Lock()
-        self._stop = False
-        self._closed = False  # no unit is queued after close() began draining
-        self.error: OperatorError | None = None
-        #: The latched error's lost units, and the threads a call told of it: ``close()``
-        #: reports the units whose pushing thread was never told.
-        self._error_units: list[QueuedUnit] = []
-        self._error_told: set[int] = set()
-        self.counters = {"invocations": 0, "lost_units": 0, "lost_rows": 0}
-        self._interrupted: list[OperatorError] = []  # losses of interrupted invocations
-        #: Shares of failed inline invocations no caller was told of (see _drain_inline).
-        self._untold: list[OperatorError] = []
-        self._draining = 0  # threads in _drain_inline (close() waits for them)
-        self._inline_order = threading.RLock()  # see _drain
         self._inside = threading.local()  # set on a thread while it runs the operator
-        #: On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
-        #: then a share of the iteration's rows per invocation, as on a local plane.
-        self.iteration: tuple[int, Callable[[], bool]] | None = None
-        #: Off-policy: most rows one invocation's units may hold (a shard's ring), since the
-        #: operator may write them joined; None: no bound.
-        self.row_limit: int | None = None
+
+    # -- state of the parts ------------------------------------------------------------------
+    @property
+    def error(self) -> OperatorError | None:
+        """The latched operator error, if any."""
+        return self._latch.error
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Invocations run, and units and rows their failures lost."""
+        return self._latch.counters
+
+    @property
+    def iteration(self) -> tuple[int, Callable[[], bool]] | None:
+        """On-policy: the iteration's rows and whether all of them were pushed. ``g_ing`` is
+        then a share of the iteration's rows per invocation, as on a local plane."""
+        return self._units.iteration
+
+    @iteration.setter
+    def iteration(self, value: tuple[int, Callable[[], bool]] | None) -> None:
+        self._units.iteration = value
+
+    @property
+    def row_limit(self) -> int | None:
+        """Off-policy: most rows one invocation's units may hold (a shard's ring), since the
+        operator may write them joined; None: no bound."""
+        return self._units.row_limit
+
+    @row_limit.setter
+    def row_limit(self, value: int | None) -> None:
+        self._units.row_limit = value
+
+    @property
+    def _pending(self) -> deque[QueuedUnit]:
+        return self._units.pending
+
+    @property
+    def _inflight(self) -> int:
+        return self._units.inflight
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return self._worker.thread
+
+    @property
+    def _draining(self) -> int:
+        return self._drains.count
+
+    @_draining.setter
+    def _draining(self, value: int) -> None:
+        self._drains.count = value
 
     # -- schedule ---------------------------------------------------------------------------
     @property
@@ -347,44 +380,27 @@ class FrontIngestion:
         with self._life:
             self._join()
             with self._cond:
-                if self._closed:
+                if self._units.closed:
                     raise PlaneClosedError("the sharded plane is closed")
-                self.schedule, self._stop = schedule, False
+                self.schedule = schedule
             if self.overlapped:
-                self._thread = threading.Thread(target=self._work, name=self.thread_name,
-                                                daemon=True)
-                self._thread.start()
+                self._worker.start()
 
-    @property
-    def _g(self) -> int:
-        return int(self.schedule.g_ing)
-
-    # -- errors (as conduit.plane.runtime.OperatorRuntime latches them) -----------------------
+    # -- errors -----------------------------------------------------------------------------
     def raise_if_failed(self) -> None:
         """Raise the latched operator error, if any."""
-        with self._cond:
-            if self.error is not None:
-                self._error_told.add(threading.get_ident())
-                raise raised_again(self.error)
-
-    def _untold_locked(self) -> OperatorError | None:
-        """The latched error as ``close()`` reports it: only its lost units whose pushing
-        thread no call told of it (None when all were told)."""
-        return untold_part(self.error, self._error_units, self._error_told)
+        self._latch.raise_if_failed()
 
     def recover(self) -> OperatorError | None:
         """Unlatch the operator error (the caller handled it), and forget the failed inline
         invocations no caller was told of (handled as well); returns the latched error."""
-        with self._cond:
-            err, self.error = self.error, None
-            self._untold.clear()
-            self._cond.notify_all()
-        return err
+        return self._latch.recover()
 
     # -- the queue --------------------------------------------------------------------------
     def submit(self, unit: QueuedUnit, deadline: float) -> None:
         """Queue ``unit``; inline, run the invocations that are due on this thread until
-        ``unit`` is taken (see :meth:`_drain_inline`).
+        ``unit`` is taken (see :meth:`InlineDrains.drain
+        <conduit.distributed.ingestion.InlineDrains.drain>`).
 
         Raises:
             BackpressureTimeout: No room in the queue by ``deadline``, or, inline, its turn
@@ -402,64 +418,17 @@ class FrontIngestion:
             self._on_lost([unit], 0)
             raise
         if inline:  # as decided when it was queued (a set_schedule may have come since)
-            self._drain_inline(force=False, deadline=deadline, current=unit, counted=True)
+            self._drains.drain(force=False, deadline=deadline, current=unit, counted=True)
 
     def _queue(self, unit: QueuedUnit, deadline: float) -> bool:
         """Queue ``unit``; whether its push drains inline (then counted in ``_draining``)."""
         with self._cond:
-            while True:
-                if self._closed:
-                    raise PlaneClosedError("the sharded plane is closed")
-                self.raise_if_failed()
-                # On-policy the iteration gate bounds what is queued.
-                if self.iteration is not None or len(self._pending) < 2 * self._g:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BackpressureTimeout(
-                        f"push waited for room: {len(self._pending)} units queued and "
-                        f"{self._inflight} being ingested (at most 2·g_ing = {2 * self._g} "
-                        f"wait); the ingestion operator is slower than the actors")
-                self._cond.wait(left)
-            self._pending.append(unit)
+            self._units.put_locked(unit, deadline, self.raise_if_failed)
             inline = not self.overlapped
             if inline:
-                self._draining += 1  # its push's drain, counted before close() can begin
+                self._drains.count += 1  # its push's drain, counted before close() can begin
             self._cond.notify_all()
             return inline
-
-    def _take(self, *, force: bool) -> list[QueuedUnit] | None:
-        """Up to ``g_ing`` queued units of one node (call with the lock held), no more than
-        :attr:`row_limit` rows together; on-policy, up to ``g_ing`` of the iteration's rows, or
-        everything once the iteration is pushed."""
-        if not self._pending:
-            return None
-        if self.iteration is None:
-            units_cap, rows_cap = self._g, None
-            if len(self._pending) < self._g and not force:
-                return None
-        else:
-            capacity, complete = self.iteration
-            want = max(1, int(self.schedule.g_ing * capacity))
-            if force or complete():
-                units_cap, rows_cap = len(self._pending), None
-            elif sum(u.rows for u in self._pending) < want:
-                return None
-            else:
-                units_cap, rows_cap = len(self._pending), want
-        node = self._pending[0].node
-        units: list[QueuedUnit] = []
-        got = 0
-        limit = self.row_limit if self.iteration is None else None
-        while (self._pending and len(units) < units_cap and self._pending[0].node == node
-               and (rows_cap is None or got < rows_cap)):
-            if units and limit is not None and got + self._pending[0].rows > limit:
-                break  # joined, they would not fit the shard: the rest go next
-            units.append(self._pending.popleft())
-            got += units[-1].rows
-        self._inflight += len(units)
-        self._cond.notify_all()  # room in the queue for a waiting push
-        return units
 
     def _run(self, units: list[QueuedUnit], current: QueuedUnit | None = None,
              floor: float | None = None) -> OperatorError | None:
@@ -475,23 +444,16 @@ class FrontIngestion:
         prepare, commit = self._prepare, self._commit
         hold = (prepare, commit) if (self.iteration is not None and prepare is not None
                                      and commit is not None) else None
-        with self._cond:
-            self._running[id(units)] = (units, current)
+        self._units.running(units, current)
         try:
             err, interrupt, kept = invoke(self.fn, units, store=self._store, hold=hold,
                                           timeout=self._timeout, floor=floor,
                                           current=current, inside=self._inside)
         finally:
-            with self._cond:
-                del self._running[id(units)]
+            self._units.ran(units)
         with self._cond:
-            self._inflight -= len(units)
-            self.counters["invocations"] += 1
-            if err is not None:
-                self.counters["lost_units"] += err.lost_units
-                self.counters["lost_rows"] += err.lost_rows
-            if interrupt is not None and err is not None and err.lost_units:
-                self._interrupted.append(err)
+            self._units.inflight -= len(units)
+            self._latch.count_locked(err, interrupted=interrupt is not None)
             self._cond.notify_all()
         if err is not None:
             self._on_lost(units, kept)
@@ -499,136 +461,18 @@ class FrontIngestion:
             raise interrupt
         return err
 
-    def _drain_inline(self, *, force: bool, deadline: float | None,
-                      current: QueuedUnit | None = None, counted: bool = False) -> None:
-        """Run the due invocations on this thread: every one (a flush), or, for a push
-        (``current``: its unit), those until its unit is taken, by this thread or another.
-
-        A failed invocation's error goes to the call that brought its input: it is raised
-        here unless this is a push and the invocation did not hold ``current`` (units of
-        other pushes queued before it); the push then goes on, its unit still queued. The
-        units of a failure that other threads pushed, or of one not raised, are kept for
-        :meth:`close` (their pushes returned). An interrupt (such as ``KeyboardInterrupt``)
-        of an invocation without ``current`` takes ``current`` out of the queue and hands it
-        to ``on_lost`` (the push raises, so it stores nothing; had it stayed queued, a retry
-        of the push would store its rows twice).
-
-        Drains on different threads run their invocations one at a time, in the order they
-        took their units (rows land in push order; no other thread takes a push's unit while
-        that push runs earlier ones). A drain waits its turn until ``deadline``
-        (``time.monotonic()``); without one (a learner's hurry) it leaves the queue to the
-        drain that runs. A push that raises while it waits its turn (its deadline passed, an
-        interrupt) withdraws its unit if it is still queued; one that a drain before it has
-        taken meanwhile stays with that drain (after an interrupt, its rows may then be stored
-        although the push raised). :meth:`close` waits for the drains on other threads, so
-        what they keep is counted; one that would begin after it (a flush or a learner's
-        hurry, ``counted`` False) leaves the queue to it.
-
-        Raises:
-            BackpressureTimeout: ``deadline`` passed while another thread's inline
-                invocations ran (a push's unit is then withdrawn).
-        """
-        with self._cond:
-            if not counted:
-                if self._closed:
-                    return
-                self._draining += 1
-        try:
-            self._drain(force=force, current=current, deadline=deadline)
-        except BaseException:
-            if current is not None:  # e.g. interrupted while waiting its turn
-                self._withdraw(current)
-            raise
-        finally:
-            with self._cond:
-                self._draining -= 1
-                self._cond.notify_all()
-
-    def _drain(self, *, force: bool, current: QueuedUnit | None,
-               deadline: float | None) -> None:
-        order = self._inline_order
-        while True:
-            units: list[QueuedUnit] = []
-            # Invocations on different callers' threads run one at a time, in the order they
-            # took their units: rows land in push order, and while a push's invocation over
-            # earlier units runs, no other thread takes its unit, so a push that raises
-            # withdraws it (under the same lock) before anyone could store it.
-            if not take_turn(order, deadline, time.monotonic):
-                if deadline is None or (current is not None and not self._withdraw(current)):
-                    return  # the running drain ingests; or this push's unit was taken
-                raise turn_timeout("push" if current is not None else "flush")
-            try:
-                with self._cond:
-                    if current is not None and all(u is not current for u in self._pending):
-                        return  # taken: stored, or failed where its push was told
-                    self.raise_if_failed()
-                    units = self._take(force=force) or []
-                if not units:
-                    return
-                err = self._run(units, current, deadline)
-            except BaseException:
-                if current is not None and all(u is not current for u in units):
-                    self._withdraw(current)
-                raise
-            finally:
-                order.release()
-            if err is None:
-                continue
-            told = current is None or any(u is current for u in units)
-            share = untold_share(err, units, told=told)
-            if share is not None:
-                with self._cond:
-                    self._untold.append(share)
-            if told:
-                raise err
-
-    def _withdraw(self, unit: QueuedUnit) -> bool:
-        """Take ``unit`` out of the queue, if it is still there, and hand it to ``on_lost``;
-        False if it was not queued any more (taken by an invocation)."""
-        with self._cond:
-            at = next((k for k, u in enumerate(self._pending) if u is unit), None)
-            if at is None:
-                return False
-            del self._pending[at]
-            self._cond.notify_all()
-        self._on_lost([unit], 0)
-        return True
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._stop:  # close() drains the queue itself, counting failures
-                        return
-                    if self.error is None:
-                        units = self._take(force=self._hurry > 0 or self._hurried)
-                        if units is not None:
-                            self._hurried = self._hurried and bool(self._pending)
-                            break
-                    self._cond.wait()
-            err = self._run(units)
-            if err is not None:
-                with self._cond:
-                    if self.error is None:
-                        self.error, self._error_units, self._error_told = err, units, set()
-                    self._cond.notify_all()
-
     def hurry(self) -> None:
         """A learner waits for rows: ingest what is queued, however few units (inline: on
         this thread, which must not hold the front's lock, unless another thread's inline
         ingestion runs, which it leaves the queue to; overlapped: on the thread)."""
         if self.overlapped:
-            with self._cond:
-                if self._pending and not self._hurried:
-                    self._hurried = True
-                    self._cond.notify_all()
+            self._units.hurry()
             return
-        self._drain_inline(force=True, deadline=None)
+        self._drains.drain(force=True, deadline=None)
 
     def idle(self) -> bool:
         """Whether no unit waits or is being ingested."""
-        with self._cond:
-            return not self._pending and not self._inflight
+        return self._units.idle()
 
     def flush(self, deadline: float) -> None:
         """Ingest every queued unit (fewer than ``g_ing`` included).
@@ -640,36 +484,14 @@ class FrontIngestion:
         """
         self.refuse_inside("flush")
         if not self.overlapped:
-            self._drain_inline(force=True, deadline=deadline)
+            self._drains.drain(force=True, deadline=deadline)
             return
-        with self._cond:
-            self._hurry += 1
-            self._cond.notify_all()
-            try:
-                while self._pending or self._inflight:
-                    self.raise_if_failed()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise BackpressureTimeout(
-                            f"flush: {len(self._pending)} rollout units still queued and "
-                            f"{self._inflight} being ingested when the timeout ran out; pass a "
-                            f"longer timeout or check the ingestion operator")
-                    self._cond.wait(left)
-                self.raise_if_failed()
-            finally:
-                self._hurry = max(0, self._hurry - 1)
+        self._units.wait_ingested(deadline, self.raise_if_failed)
 
     # -- close ------------------------------------------------------------------------------
     def _join(self) -> bool:
         """Stop the thread after its running invocation; False if it did not stop in time."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return True
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        thread.join(self._timeout)
-        return not thread.is_alive()
+        return self._worker.join(self._timeout)
 
     def close(self) -> None:
         """Stop the thread and store every queued unit.
@@ -687,60 +509,32 @@ class FrontIngestion:
         """
         self.refuse_inside("close")
         with self._cond:
-            self._closed = True
+            self._units.closed = True
             self._cond.notify_all()
         with self._life:  # after a schedule change in progress has stopped its thread
             stopped = self._join()
         with self._cond:
             # Inline drains on other threads first: what they fail or keep is counted below.
-            # They run one at a time, so the wait lasts while they make progress: it ends
-            # when ``timeout`` passes without an invocation finishing.
-            deadline, done = time.monotonic() + self._timeout, self.counters["invocations"]
-            while self._draining and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-                if self.counters["invocations"] != done:
-                    deadline, done = time.monotonic() + self._timeout, self.counters[
-                        "invocations"]
-            stopped = stopped and not self._draining
-            latched = self._untold_locked()
-            errors = [latched, *self._kept_locked()] if latched else self._kept_locked()
-            self.error = None  # the queue is drained below whatever happened
+            stopped = self._drains.wait_locked(self._timeout) and stopped
+            errors = self._latch.reports_locked()  # the queue is drained below regardless
             if not stopped:
-                # Acknowledged units still queued or in a running invocation (a push's own
-                # unit is not acknowledged: the push reports it).
-                acked = [u for units, current in self._running.values() for u in units
-                         if u is not current] + list(self._pending)
+                acked = self._units.acknowledged_locked()
                 errors.append(OperatorError("runtime", TimeoutError(
                     f"the ingestion thread, or an inline ingestion on another thread, did not "
                     f"finish within {self._timeout:g} s"),
                     lost_units=len(acked), lost_rows=sum(u.rows for u in acked)))
-                self._pending.clear()
+                self._units.pending.clear()
         while True:
             with self._cond:
-                units = self._take(force=True)
+                units = self._units.take_locked(force=True)
             if units is None:
                 break
             err = self._run(units)
             if err is not None:
                 errors.append(err)
         with self._cond:  # kept by a drain that outlived the wait above
-            errors += self._kept_locked()
-        lost_units = sum(e.lost_units for e in errors)
-        lost_rows = sum(e.lost_rows for e in errors)
-        if lost_units:
-            cause = errors[0]
-            raise DataLossError(
-                f"close(): {lost_units} rollout units ({lost_rows} rows) acknowledged by push "
-                f"were not stored: {cause}", lost_units=lost_units,
-                lost_rows=lost_rows) from cause
-
-    def _kept_locked(self) -> list[OperatorError]:
-        """The losses kept for :meth:`close` (interrupted invocations, failures no caller was
-        told of), forgotten here."""
-        kept = [*self._interrupted, *self._untold]
-        self._interrupted.clear()
-        self._untold.clear()
-        return kept
+            errors += self._latch.kept_locked()
+        raise_lost(errors)
 
 
 def check_ports(kind: str, got: tuple[str, str], want: tuple[str, str]) -> None:

@@ -8,11 +8,14 @@ slot for slot. Payloads go into Ray's object store once (``ray.put``, numpy colu
 without a copy) and every holder reads the same object. The Fig. 8 ingestion operator runs in
 the front, before that ordering, and the delivery operator on each learner rank's thread
 (:mod:`conduit.distributed.operators`, :mod:`conduit.distributed.delivery`).
+
+The plane composes the front's parts: the push path (:mod:`conduit.distributed.ingress`),
+priority updates and iteration clears (:mod:`conduit.distributed.changes`), and its open and
+closed life on the Ray it uses (:mod:`conduit.distributed.lifecycle`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -21,16 +24,17 @@ from typing import Any, Literal
 
 import torch
 
-from conduit.distributed._ray import connect, connection_id, release
-from conduit.distributed.cluster import ShardRecovery, ShardResources, ShardSet
+from conduit.distributed._ray import connect
+from conduit.distributed.changes import FrontChanges
+from conduit.distributed.cluster import ClusterNodes, ShardRecovery, ShardResources, ShardSet
 from conduit.distributed.delivery import DeviceArg, LearnerPort, rank_devices
 from conduit.distributed.ingress import Ingress
 from conduit.distributed.iteration import IterationGate
-from conduit.distributed.operators import ScheduledOperators, front_until
+from conduit.distributed.lifecycle import PlaneLifecycle
+from conduit.distributed.operators import ScheduledOperators
 from conduit.distributed.replication import Replicator
-from conduit.distributed.sampling import priority_updates
 from conduit.distributed.shard import shard_spec_for
-from conduit.errors import ConfigError, PlaneClosedError, PriorityError
+from conduit.errors import ConfigError
 from conduit.plane.config import PlaneConfig
 from conduit.plane.config import policy_version as check_policy_version
 from conduit.scheduling.space import Mode, ScheduleSpace
@@ -38,6 +42,55 @@ from conduit.spec import Batch, ExperienceSpec
 from conduit.storage import Placement, Sampler
 
 SamplerArg = Literal["uniform", "prioritized"] | Sampler | None
+
+
+def check_counts(*, num_shards: Any, replication: Any, num_learners: Any) -> None:
+    """Refuse shard, copy and learner counts that are not integers >= 1.
+
+    Raises:
+        ConfigError: Named after the first such argument.
+    """
+    for name, value, low in (("num_shards", num_shards, 1), ("replication", replication, 1),
+                             ("num_learners", num_learners, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+
+
+def refuse_unsharded(*, rollout_rows: int | None, store: Any) -> None:
+    """Refuse the local plane's arguments a sharded plane has no use for.
+
+    Raises:
+        ConfigError: ``rollout_rows`` or ``store`` is not None (named).
+    """
+    for name, value in (("rollout_rows", rollout_rows), ("store", store)):
+        if value is not None:
+            raise ConfigError(name, "not available on a sharded plane (each shard builds "
+                                    "its own store; units are ingested whole); leave it "
+                                    "unset")
+
+
+def check_sharding(cfg: PlaneConfig, *, num_shards: int, replication: int, num_learners: int,
+                   shard_resources: Any, placement: Any) -> None:
+    """Refuse a layout of shards, copies and learner ranks that cannot hold ``cfg``'s rows.
+
+    Raises:
+        ConfigError: More copies than shards; ``shard_resources`` that is not a
+            :class:`ShardResources` or ``placement`` that is not a
+            :class:`~conduit.storage.Placement` (None allowed for both); on-policy, more ranks
+            than rows in a mini-batch.
+    """
+    if replication > num_shards:
+        raise ConfigError("replication", f"{replication} copies need at least as many "
+                                         f"shards, got num_shards={num_shards}")
+    if shard_resources is not None and not isinstance(shard_resources, ShardResources):
+        raise ConfigError("shard_resources", f"expected a ShardResources or None, got "
+                                             f"{shard_resources!r}")
+    if placement is not None and not isinstance(placement, Placement):
+        raise ConfigError("placement", f"a sharded plane takes a Placement or None, got "
+                                       f"{placement!r}")
+    if cfg.on_policy and cfg.train_batch_size < num_learners:
+        raise ConfigError("num_learners", f"{num_learners} ranks cannot share mini-batches "
+                                          f"of {cfg.train_batch_size} rows")
 
 
 class ActorPort:
@@ -131,32 +184,19 @@ class RayExperienceDataPlane(ScheduledOperators):
                  replication: int = 2, address: str | None = None,
                  shard_resources: ShardResources | None = None, num_learners: int = 1,
                  prefetch: bool | None = None) -> None:
-        for name, value, low in (("num_shards", num_shards, 1), ("replication", replication, 1),
-                                 ("num_learners", num_learners, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+        check_counts(num_shards=num_shards, replication=replication, num_learners=num_learners)
         devices = rank_devices(learner_device, num_learners)
         self.config = cfg = PlaneConfig(
             spec=spec, capacity=capacity, mode=mode, batch_size=batch_size,
             num_minibatches=num_minibatches, num_epochs=num_epochs, min_size=min_size,
             rollout_spec=rollout_spec, g_max=g_max, max_priority_lag=max_priority_lag,
             timeout=timeout, seed=seed, learner_device=devices[0])
-        for name, value in (("rollout_rows", rollout_rows), ("store", store)):
-            if value is not None:
-                raise ConfigError(name, "not available on a sharded plane (each shard builds "
-                                        "its own store; units are ingested whole); leave it "
-                                        "unset")
+        refuse_unsharded(rollout_rows=rollout_rows, store=store)
         self.space: ScheduleSpace = cfg.schedule_space()
         schedule = self._resolve_schedule(schedule, prefetch)
-        if replication > num_shards:
-            raise ConfigError("replication", f"{replication} copies need at least as many "
-                                             f"shards, got num_shards={num_shards}")
-        if shard_resources is not None and not isinstance(shard_resources, ShardResources):
-            raise ConfigError("shard_resources", f"expected a ShardResources or None, got "
-                                                 f"{shard_resources!r}")
-        if placement is not None and not isinstance(placement, Placement):
-            raise ConfigError("placement", f"a sharded plane takes a Placement or None, got "
-                                           f"{placement!r}")
+        check_sharding(cfg, num_shards=num_shards, replication=replication,
+                       num_learners=num_learners, shard_resources=shard_resources,
+                       placement=placement)
         self.mode, self.capacity, self.batch_size = cfg.mode, cfg.capacity, cfg.train_batch_size
         self.min_size, self.num_minibatches = cfg.first_batch_rows, cfg.num_minibatches
         self.num_epochs, self.timeout = cfg.num_epochs, cfg.timeout
@@ -164,41 +204,32 @@ class RayExperienceDataPlane(ScheduledOperators):
         self.prefetch, self._g_del = bool(schedule.overlap_del), max(1, int(schedule.g_del))
         self.num_shards, self.replication, self.num_learners = num_shards, replication, \
             num_learners
-        if cfg.on_policy and cfg.train_batch_size < num_learners:
-            raise ConfigError("num_learners", f"{num_learners} ranks cannot share mini-batches "
-                                              f"of {cfg.train_batch_size} rows")
         shard_rows = cfg.capacity if cfg.on_policy else math.ceil(cfg.capacity / num_shards)
         shard_spec = shard_spec_for(sampler, cfg, shard_rows, placement)
         self._prioritized, self._beta = shard_spec.sampler == "prioritized", shard_spec.beta
-        self._ray, self._started = connect(address, timeout_s=cfg.timeout)
-        self._ray_conn = connection_id(self._ray)
+        ray, started = connect(address, timeout_s=cfg.timeout)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._closed = False
-        self._closing = threading.Lock()  # close(): only one call ends the plane
-        # pushes and pulls in progress: some wait (an ObjectRef, a draw's rows) or put rows
-        # outside the front's lock, so close() waits for them before it shuts down a Ray it
-        # started
-        self._pushing = 0
-        self._pushes = threading.Condition(threading.Lock())
-        self._mine = threading.local()  # this thread's calls among them (a close() inside an
-        # operator that a pull runs does not wait for that pull)
+        self._life = PlaneLifecycle(ray=ray, started=started, cond=self._cond,
+                                    timeout=cfg.timeout)
         self._gate = IterationGate(capacity=cfg.capacity, num_learners=num_learners,
                                    cond=self._cond, check_open=self._check_open)
         try:
-            self._shards = ShardSet(self._ray, num_shards=num_shards, replication=replication,
+            self._shards = ShardSet(ray, num_shards=num_shards, replication=replication,
                                     config=shard_spec,
                                     resources=shard_resources or ShardResources(),
                                     timeout=cfg.timeout)
         except BaseException:
-            if self._started:
-                release(self._ray, self._ray_conn)
+            self._life.release_started()
             raise
         self._replicator = Replicator(shards=self._shards, cond=self._cond,
                                       replication=replication, on_lost=self._lost)
-        here = self._ray.get_runtime_context().get_node_id()
-        self._known_nodes = {here, *self._shards.nodes}
-        self._ingress = Ingress(config=cfg, ray=self._ray, shards=self._shards,
+        self._changes = FrontChanges(cond=self._cond, gate=self._gate,
+                                     replicator=self._replicator, shards=self._shards,
+                                     prioritized=self._prioritized, timeout=cfg.timeout)
+        here = ray.get_runtime_context().get_node_id()
+        self._nodes = ClusterNodes(ray, {here, *self._shards.nodes}, self._check_open)
+        self._ingress = Ingress(config=cfg, ray=ray, shards=self._shards,
                                 replicator=self._replicator, gate=self._gate, cond=self._cond,
                                 schedule=schedule, here=here)
         self._ingestion = self._ingress.ingestion
@@ -252,28 +283,9 @@ class RayExperienceDataPlane(ScheduledOperators):
             raise ConfigError("rank", f"must lie in [0, {self.num_learners}), got {rank!r}")
         port = self._ports[rank]
         if node is not None:
-            self._check_node(node)
+            self._nodes.check(node)
             port.bind(node)
         return port
-
-    def _check_node(self, node: str | None) -> None:
-        """Refuse a node id that is not (and was never) a node of the cluster; the cluster's
-        list is asked again only for an id not seen before.
-
-        Raises:
-            ConfigError: ``node`` is not a node of the cluster.
-        """
-        if node is None:
-            return
-        if not isinstance(node, str):
-            raise ConfigError("node", f"expected a Ray node id (a str) or None, got {node!r}")
-        if node in self._known_nodes:
-            return
-        self._check_open()  # the cluster is not asked once closed (its Ray may be gone)
-        self._known_nodes = {n["NodeID"] for n in self._ray.nodes()}
-        if node not in self._known_nodes:
-            raise ConfigError("node", f"{node!r} is not a node of the cluster; pass a Ray "
-                                      f"node id (ray.nodes(), plane.nodes)")
 
     def actor_port(self, node: str | None = None) -> ActorPort:
         """A port whose pushes go to ``node``'s shard (None: the caller's node).
@@ -281,7 +293,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         Raises:
             ConfigError: ``node`` is not a node of the cluster.
         """
-        self._check_node(node)
+        self._nodes.check(node)
         return ActorPort(self, node)
 
     # -- ingestion --------------------------------------------------------------------------
@@ -338,28 +350,12 @@ class RayExperienceDataPlane(ScheduledOperators):
                 was lost, or its task raised (field ``rollout``; nothing was stored).
             PlaneClosedError: The plane is closed.
         """
-        with self._in_flight():
+        with self._life.in_flight():
             self._check_open()
-            self._check_node(node)
+            self._nodes.check(node)
             self._ingress.push(rollout, node=node,
                                policy_version=check_policy_version(policy_version),
                                deadline=time.monotonic() + self.config.wait_for(timeout))
-
-    @contextlib.contextmanager
-    def _in_flight(self) -> Iterator[None]:
-        """A push or pull in progress: :meth:`close` waits for it before it shuts down a Ray
-        the plane started."""
-        mine = self._mine
-        with self._pushes:
-            self._pushing += 1
-        mine.calls = getattr(mine, "calls", 0) + 1
-        try:
-            yield
-        finally:
-            mine.calls -= 1
-            with self._pushes:
-                self._pushing -= 1
-                self._pushes.notify_all()
 
     def _lost(self, rows: int) -> None:
         """A heal lost ``rows`` stored rows (reported and warned about): on-policy they leave
@@ -389,44 +385,6 @@ class RayExperienceDataPlane(ScheduledOperators):
         """Rank 0's share of every mini-batch of the current on-policy iteration."""
         return self.learner_port.minibatches(timeout=timeout)
 
-    def _rank_done(self, rank: int, iteration: int, deadline: float, *,
-                   clear_by: float | None = None) -> None:
-        """On-policy: ``rank`` pulled its last share of ``iteration``; the last rank clears
-        every holder of every shard's rows and opens the next iteration. Reporting it again is
-        harmless (a rank counts once; an iteration the front moved past is ignored).
-
-        Args:
-            rank: The rank.
-            iteration: The iteration it consumed.
-            deadline: Until when another call that holds the front (it may wait on a stalled
-                shard) is waited for (``time.monotonic()``; the pulling call's).
-            clear_by: When the clear must be done (None: the plane's timeout from now).
-
-        Raises:
-            ShardUnavailableError: ``deadline`` passed while another call held the front
-                (nothing was marked: the rank's next pull reports it again), or the clear did
-                not finish in time (the iteration stays consumed: :meth:`_finish_clear`
-                completes it).
-        """
-        by = time.monotonic() + self.timeout if clear_by is None else clear_by
-        with front_until(self._cond, deadline, "the mini-batch formed is kept for the "
-                                               "rank's next pull, which marks the iteration "
-                                               "consumed"):
-            self._gate.consumed(rank, iteration, lambda: self._replicator.clear_all(by))
-
-    def _finish_clear(self, deadline: float) -> None:
-        """On-policy: finish clearing a consumed iteration whose clear was cut short (an
-        interrupt or a timeout in :meth:`_rank_done`), so the next iteration opens.
-
-        Raises:
-            ShardUnavailableError: ``deadline`` passed while another call held the front, or
-                the clear did not finish by it (the iteration stays consumed, for a later call
-                to clear).
-        """
-        with front_until(self._cond, deadline, "the consumed iteration was not cleared (a "
-                                               "later call clears it)"):
-            self._gate.finish(lambda: self._replicator.clear_all(deadline))
-
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Give new priorities to delivered rows, on the shard that owns each row and on its
         replicas, all or nothing (the whole update is checked first). Rows overwritten since
@@ -441,14 +399,7 @@ class RayExperienceDataPlane(ScheduledOperators):
                 shard; nothing was changed).
         """
         self._check_open()
-        if not self._prioritized:
-            raise PriorityError("sampler: this plane samples uniformly; build it with "
-                                "sampler='prioritized' to update priorities")
-        deadline = time.monotonic() + self.timeout
-        with front_until(self._cond, deadline, "no priority was changed"):
-            owners, rows, pr = priority_updates(
-                indices, priorities, self._shards.high_water)
-            self._replicator.update_priorities(owners, rows, pr, deadline)
+        self._changes.update_priorities(indices, priorities)
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -468,16 +419,12 @@ class RayExperienceDataPlane(ScheduledOperators):
         }
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise PlaneClosedError("the sharded plane is closed")
-        if connection_id(self._ray) != self._ray_conn:
-            # a call would start a new local Ray (or use another): the plane's Ray is gone
-            raise PlaneClosedError("the sharded plane's Ray was shut down; build a new plane")
+        self._life.check_open()
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self._life.closed
 
     def close(self) -> None:
         """Refuse new calls, store every queued unit, then end the shard actors (and the
@@ -491,38 +438,7 @@ class RayExperienceDataPlane(ScheduledOperators):
             ConfigError: Called from inside the ingestion operator, which close would wait
                 for; nothing changes.
         """
-        # Not under the front's lock, which a call holds while it waits on a shard: close
-        # would wait out that call's timeout. Ending the shards ends such a call, with
-        # PlaneClosedError (and ShardSet re-creates no shard once they were ended).
-        with self._closing:
-            if self._closed:
-                return
-            self._ingestion.refuse_inside("close")
-            self._closed = True
-        self._wake()
-        try:
-            self._ingestion.close()
-        finally:
-            self._shards.kill_all()
-            with self._cond:  # the call in flight has ended: waiters see the plane closed
-                self._cond.notify_all()
-            if self._started:
-                # pushes and pulls still running end with PlaneClosedError once they see the
-                # shards ended (an ObjectRef's wait looks every half second), or a pull hands
-                # out the batch it formed; Ray must outlive them
-                with self._pushes:
-                    own = getattr(self._mine, "calls", 0)
-                    self._pushes.wait_for(lambda: self._pushing <= own, timeout=self.timeout)
-                release(self._ray, self._ray_conn)  # the last plane using it shuts it down
-
-    def _wake(self) -> None:
-        """Wake the calls waiting on the front's condition, unless a call holds its lock (it
-        is woken after the shards were ended)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._cond.notify_all()
-            finally:
-                self._lock.release()
+        self._life.close(self._ingestion, self._shards)
 
     def __enter__(self) -> RayExperienceDataPlane:
         return self
