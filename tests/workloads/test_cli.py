@@ -141,7 +141,7 @@ def test_conduit_demo_keeps_ray_token_authentication_on(tmp_path: Path) -> None:
     attach their Ray actors to a Ray with token authentication on."""
     pytest.importorskip("ray")
     proc = _conduit_as_a_user(
-        tmp_path, "demo", "--algo", "dqn", "--image-size", "32", "--iters", "2", "--rounds",
+        tmp_path, "demo", "--algo", "ppo", "--image-size", "32", "--iters", "2", "--rounds",
         "1", "--actors", "1", "--device", "cpu", "--out", str(tmp_path / "demo"))
     assert "plan Conduit chose" in proc.stdout
     res = json.loads((tmp_path / "demo" / "demo.json").read_text())

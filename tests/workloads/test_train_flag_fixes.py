@@ -196,12 +196,12 @@ def test_values_that_match_what_inline_runs_are_taken(flags: list[str]) -> None:
 # 8. Progress lines in the demo; the usage line names the command.
 
 def test_demo_prints_progress_lines(tmp_path: Path, capsys) -> None:
-    assert demo_main(["--algo", "dqn", "--image-size", "16", "--iters", "2", "--rounds", "1",
+    assert demo_main(["--algo", "ppo", "--image-size", "16", "--iters", "2", "--rounds", "1",
                       "--actors", "1", "--no-use-ray", "--device", "cpu", "--log-every", "1",
                       "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for buffer in ("inline", "conduit"):
-        assert f"[dqn {buffer}] iter    1/2" in out and f"[dqn {buffer}] iter    2/2" in out
+        assert f"[ppo {buffer}] iter    1/2" in out and f"[ppo {buffer}] iter    2/2" in out
     with pytest.raises(SystemExit):
         demo_main(["--help"])
     assert "--log-every" in capsys.readouterr().out

@@ -156,14 +156,14 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
     for buffer in ("trl", "conduit"):  # first-run costs (imports, allocator, threads) untimed
         grpo.train(grpo.Args(task=a.task, buffer=buffer, steps=2, seed=a.seed,
                              batch_size=a.batch_size, max_completion_length=min(a.lengths),
-                             steps_per_generation=warm_spg))
+                             steps_per_generation=warm_spg, log_every=0))
     progress("warm-up done")
     for length in a.lengths:
         for r in range(a.rounds):
             for buffer in (("trl", "conduit") if r % 2 == 0 else ("conduit", "trl")):
                 args = grpo.Args(task=a.task, buffer=buffer, steps=a.steps, seed=a.seed,
                                  batch_size=a.batch_size, max_completion_length=length,
-                                 steps_per_generation=a.steps_per_generation)
+                                 steps_per_generation=a.steps_per_generation, log_every=0)
                 res = one_run(args, pad=a.pad)
                 runs.append({**res, "round": r})
                 progress(f"length {length} round {r + 1}/{a.rounds} {buffer:<8} "

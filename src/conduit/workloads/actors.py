@@ -261,6 +261,20 @@ def check_actor_cpus(actors: int, actor_cpus: float, cluster_cpus: float) -> Non
                                     "smaller --actors")
 
 
+def require_ray() -> Any:
+    """The ``ray`` module (the ``conduit-rl[ray]`` extra), imported.
+
+    Raises:
+        ConfigError: Ray is not installed (field ``use_ray``).
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("use_ray", f"Ray is not installed ({exc}); pip install "
+                                     "'conduit-rl[ray]', or pass --no-use-ray") from exc
+    return ray
+
+
 @contextmanager
 def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
     """Ray for the duration of the block: a local Ray is started (or ``address`` attached to)
@@ -269,12 +283,14 @@ def ray_running(address: str = "", *, enabled: bool = True) -> Iterator[None]:
     Args:
         address: Ray cluster address to attach to (empty: start a local Ray).
         enabled: False makes this a no-op (in-process actors).
+
+    Raises:
+        ConfigError: Ray is not installed (see :func:`require_ray`).
     """
     if not enabled:
         yield
         return
-    import ray
-
+    ray = require_ray()
     if ray.is_initialized():
         yield
         return

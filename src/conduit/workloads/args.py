@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+import gymnasium as gym
 import torch
 
 from conduit import Placement, Schedule
@@ -204,15 +205,21 @@ def probe_env(env_id: str, **kw: object) -> EnvInfo | None:
     """The environment's :class:`EnvInfo` for a check before Ray starts, or None when the id
     is unknown (the trainer then raises its own :class:`ConfigError` naming it).
 
+    Args:
+        env_id: The environment id.
+        **kw: More :func:`~conduit.workloads.envs.env_info` arguments (``image_size``,
+            ``num_agents``).
+
     Raises:
-        ConfigError: The environment needs an optional extra that is not installed (field
-            ``env``).
+        ConfigError: The environment needs an optional extra that is not installed, or its
+            observation is not one array (field ``env``), or it cannot take the image payload
+            (field ``image_size``).
     """
     try:
         return env_info(env_id, **kw)  # type: ignore[arg-type]
     except ImportError as exc:
         raise ConfigError("env", f"{env_id}: {exc}") from exc
     except ConfigError as exc:
-        if exc.field == "env":
-            return None
+        if exc.field == "env" and isinstance(exc.__cause__, gym.error.Error):
+            return None  # Gymnasium does not know the id
         raise

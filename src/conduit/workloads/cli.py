@@ -21,7 +21,7 @@ from conduit.errors import ConduitError, ConfigError, interrupt_of
 from conduit.report import check_figure_path, check_output_path, finite, write_json
 from conduit.scheduling.space import feasible_space
 from conduit.workloads import dqn, grpo, ppo, sac
-from conduit.workloads.actors import ray_running, sigterm_interrupts
+from conduit.workloads.actors import ray_running, require_ray, sigterm_interrupts
 from conduit.workloads.args import (
     MAX_SEED,
     MIN_IMAGE_SIZE,
@@ -48,8 +48,8 @@ Train DQN, SAC or PPO with Ray rollout actors, or GRPO on a tiny causal LM with 
 Prints a per-iteration breakdown (GRPO: the reward curve) and writes a JSON log and a PNG
 (--out, --plot; by default under runs/train/).
 Flags depend on --algo (see 'conduit train --algo sac --help').
-Ctrl-C or SIGTERM stops the run cleanly (Ray shut down; the iterations so far are written to
---out, marked "interrupted"): one line, exit status 130 or 143."""
+Ctrl-C or SIGTERM stops the run cleanly (Ray shut down; the iterations, for GRPO the optimizer
+steps, so far are written to --out, marked "interrupted"): one line, exit status 130 or 143."""
 
 _DEMO_HELP = """\
 Run a heavy-payload workload (image observations, a payload-size stand-in) with the inline
@@ -87,6 +87,10 @@ def _print_summary(result: RunResult) -> None:
     print(f"  plan: {result.plan.get('placement')} | {result.plan.get('schedule')}")
     finite = result.losses_finite if result.updates else "n/a (no update ran)"
     print(f"  final mean return: {s['final_return']:.1f}   losses finite: {finite}")
+    if result.updates and not result.losses_finite:
+        print(f"  stopped after iteration {len(result.records)} of {result.config['iters']}: "
+              "a loss was not finite (the run diverged; lower the learning rates or the "
+              "reward and loss scales)")
 
 
 def _check_trainer(mod: ModuleType, args: TrainerArgs) -> None:
@@ -145,14 +149,19 @@ def _train(argv: list[str] | None) -> int:
     mod = TRAINERS[known.algo]
     # Checks that need several flags (or the environment) are usage errors naming the flag,
     # before any output and before Ray starts.
-    if hasattr(mod, "report"):  # a workload that prints and saves its own result (grpo)
-        args = parse_command(parser, mod.Args, argv, check=getattr(mod, "check", None))
+    if known.algo == "grpo":  # a workload that prints and saves its own result
+        args = parse_command(parser, grpo.Args, argv, check=grpo.check)
         _check_outputs(parser, args.out, args.plot)
-        return mod.report(mod.train(args), args)
+        grpo.require_trl()
+        grpo.output_paths(args)  # the default paths too, before the run
+        result = grpo.train(args, on_interrupt=lambda r: grpo.write_interrupted(r, args))
+        return grpo.report(result, args)
     args = parse_command(parser, mod.Args, argv, check=lambda a: _check_trainer(mod, a))
     _check_outputs(parser, args.out, args.plot)
-    # An unknown --device fails here (a ConfigError naming it), before Ray starts.
+    # An unknown --device, or Ray missing, fails here (a ConfigError naming the flag).
     resolve_device(args.device)
+    if args.use_ray:
+        require_ray()
     stem = f"runs/train/{known.algo}_{_safe(args.env)}_{args.buffer}"
     out_path = check_output_path(args.out or f"{stem}.json", "out")
     png_path = check_output_path(args.plot or f"{stem}.png", "plot")
@@ -183,7 +192,9 @@ class DemoArgs:
     image_size: int = arg(128, f"image payload side, 0 (none) or at least {MIN_IMAGE_SIZE} "
                           "(128 ~ 48 KB, 256 ~ 192 KB per observation); a payload-size "
                           "stand-in")
-    iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total)")
+    iters: int = arg(0, "iterations per run (0: sized for about 3 minutes in total); at "
+                     "least enough for an update (DQN and SAC learn once 512 transitions are "
+                     "stored)")
     rounds: int = arg(2, "runs per mode, alternating the order (inline, Conduit, Conduit, "
                       "inline, ...); the medians pool every run's iterations, so the shared "
                       "machine's drift does not land on one mode", min=1)
@@ -217,6 +228,34 @@ def _demo_args(d: DemoArgs, buffer: str) -> TrainerArgs:
     raise ConfigError("algo", f"must be dqn, sac or ppo, got {d.algo!r}")
 
 
+def iterations_to_learn(args: TrainerArgs) -> int:
+    """Iterations a run takes up to and including its first update: the first that brings
+    the stored transitions to ``--learning-starts`` (DQN, SAC), else the first (PPO)."""
+    rows = args.actors * args.envs_per_actor * args.steps_per_rollout
+    return max(1, -(-getattr(args, "learning_starts", 0) // rows))
+
+
+def _check_demo(d: DemoArgs) -> None:
+    """The demo's checks that need more than one flag, before Ray starts.
+
+    Raises:
+        ConfigError: The image payload is too small (field ``image_size``), or ``--iters`` is
+            too few for the workload's first update, so there would be no learner to compare
+            (field ``iters``).
+    """
+    check_image_size(d.image_size)
+    if d.iters:
+        args = _demo_args(dataclasses.replace(d, device="cpu"), "inline")
+        need = iterations_to_learn(args)
+        if d.iters < need:
+            raise ConfigError("iters", f"{d.iters} is too few for an update: {d.algo.upper()} "
+                                       f"learns from transition {args.learning_starts}, in "
+                                       f"iteration {need} ({d.actors} actor(s) x "
+                                       f"{args.envs_per_actor * args.steps_per_rollout} "
+                                       "transitions an iteration); pass --iters "
+                                       f"{need} or more, or 0 for the default")
+
+
 def _change(red: float) -> str:
     return f"{100 * red:.0f}% lower" if red >= 0 else f"{-100 * red:.0f}% higher"
 
@@ -230,7 +269,7 @@ def demo_main(argv: list[str] | None = None) -> int:
 
 def _demo(argv: list[str] | None) -> int:
     p = command_parser("conduit demo", _DEMO_HELP, DemoArgs)
-    d = parse_command(p, DemoArgs, argv, check=lambda d: check_image_size(d.image_size))
+    d = parse_command(p, DemoArgs, argv, check=_check_demo)
     if d.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {d.rounds}")
     device = resolve_device(d.device)

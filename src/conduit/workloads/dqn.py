@@ -11,6 +11,7 @@ and overlap the operators with rollout and update.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,11 +48,11 @@ class Args(TrainerArgs):
                                "from the first rollout); at most --buffer-size")
     start_e: float = arg(1.0, "initial exploration epsilon", min=0, max=1)
     end_e: float = arg(0.05, "final exploration epsilon", min=0, max=1)
-    exploration_steps: int = arg(15_000, "transitions over which epsilon decays linearly",
-                                 min=1)
+    exploration_steps: int = arg(15_000, "transitions over which epsilon goes linearly from "
+                                 "--start-e to --end-e", min=1)
     prioritized: bool = arg(False, "prioritized experience replay")
-    per_alpha: float = arg(0.6, "PER priority exponent")
-    per_beta: float = arg(0.4, "PER importance-weight exponent")
+    per_alpha: float = arg(0.6, "PER priority exponent", min=0, finite=True)
+    per_beta: float = arg(0.4, "PER importance-weight exponent", min=0, finite=True)
 
 
 def check(args: Args) -> None:
@@ -59,14 +60,16 @@ def check(args: Args) -> None:
     Ray starts.
 
     Raises:
-        ConfigError: The environment has continuous actions (field ``env``), the replay flags
-            conflict (see :func:`~conduit.workloads.args.check_replay`), or a shared flag is
-            refused (see :func:`~conduit.workloads.args.check_trainer_args`).
+        ConfigError: The environment has continuous actions (field ``env``), or an
+            observation the workloads cannot take, alone or with the image payload (see
+            :func:`~conduit.workloads.envs.env_info`), the replay flags conflict (see
+            :func:`~conduit.workloads.args.check_replay`), or a shared flag is refused (see
+            :func:`~conduit.workloads.args.check_trainer_args`).
     """
     check_trainer_args(args)
     check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
                  learning_starts=args.learning_starts)
-    info = probe_env(args.env, num_agents=args.num_agents)
+    info = probe_env(args.env, image_size=args.image_size, num_agents=args.num_agents)
     if info is not None and not info.discrete:
         raise ConfigError("env", f"DQN needs discrete actions; {args.env} is continuous "
                                  "(train it with --algo sac or ppo)")
@@ -75,7 +78,8 @@ def check(args: Args) -> None:
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train DQN and return the per-iteration breakdown; ``on_batch`` sees each training
-    batch (for tests)."""
+    batch (for tests). A loss that is not finite stops the run after its iteration; the result
+    says so (``losses_finite`` False)."""
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size, num_agents=args.num_agents)
@@ -96,12 +100,13 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     transitions, updates = 0, 0
+    diverged = False  # a loss was not finite: the run stops and its result says so
     with rollout_actors(args, algo="dqn", info=info, num_agents=args.num_agents) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="dqn")
         for it in range(args.iters):
             with rec.iteration(it) as log:
-                epsilon = max(args.end_e, args.start_e - (args.start_e - args.end_e)
-                              * transitions / args.exploration_steps)
+                epsilon = args.start_e + (min(1.0, transitions / args.exploration_steps)
+                                          * (args.end_e - args.start_e))
                 # Actor rollout with the latest weights; each rollout goes through the
                 # plane's actor port (ingestion runs inline or overlapped).
                 got = rollout_and_push(plane, actors, args.steps_per_rollout,
@@ -126,12 +131,17 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                         if updates % args.target_update_every == 0:
                             target_network.load_state_dict(q_network.state_dict())
                         losses.append(loss.item())
+                    if not math.isfinite(losses[-1]):
+                        diverged = True
+                        break
                     if args.prioritized:
                         plane.update_priorities(batch["_index"], td.abs() + 1e-3)
                 if learning and losses:
                     log["loss"] = losses[-1]
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
+            if diverged:
+                break
         plane.flush()
     return RunResult.of("dqn", args, plan, rec, losses, actors, updates=updates)
 

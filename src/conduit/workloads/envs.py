@@ -190,11 +190,40 @@ class EnvInfo:
     agents: int
 
 
+FLAT_OBSERVATIONS = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
+                     gym.spaces.MultiBinary)
+"""Observation spaces the workloads take: each observation is one array, read as a flat state
+vector (an image payload also needs a ``Box``)."""
+
+
 def env_info(env_id: str, *, image_size: int = 0, num_agents: int = 4) -> EnvInfo:
-    """Probe an environment's spaces without keeping it."""
+    """Probe an environment's spaces without keeping it.
+
+    Args:
+        env_id: See :func:`make_env`.
+        image_size: The image payload side the run will attach (0: none).
+        num_agents: See :func:`make_env`.
+
+    Raises:
+        ConfigError: Gymnasium cannot make ``env_id``, or its observation is not one array
+            (a ``Tuple`` or ``Dict`` space; field ``env``); ``image_size`` is set for
+            ``MultiAgentCartPole`` or for an observation that is not a ``Box`` (field
+            ``image_size``).
+    """
+    if env_id == MULTI_AGENT_CARTPOLE and image_size:
+        raise ConfigError("image_size", "image payloads are not supported on "
+                                        "MultiAgentCartPole; pass --image-size 0")
     env = make_env(env_id, image_size=0, num_agents=num_agents)
     try:
         obs_space, act_space = env.observation_space, env.action_space
+        if not isinstance(obs_space, FLAT_OBSERVATIONS):
+            raise ConfigError("env", f"{env_id} observes {obs_space}, not one array; pass an "
+                                     "environment whose observation space is a Box or "
+                                     "Discrete, such as CartPole-v1")
+        if image_size and not isinstance(obs_space, gym.spaces.Box):
+            raise ConfigError("image_size", f"the image payload is drawn from a Box "
+                                            f"observation; {env_id} observes {obs_space}; "
+                                            "pass --image-size 0")
         agents = env.num_agents if isinstance(env, MultiAgentCartPole) else 1
         obs_dim = int(np.prod(obs_space.shape))
         if isinstance(act_space, gym.spaces.Discrete):

@@ -2,8 +2,9 @@
 :mod:`conduit.workloads.grpo_task` with TRL's ``GRPOTrainer``, its experience path either TRL's
 own (``--buffer trl``) or Conduit's (``--buffer conduit``: :class:`ConduitGRPOTrainer`).
 
-``conduit train --algo grpo`` runs it, prints the reward curve, and writes the curve (JSON) and a
-plot. Needs the ``conduit-rl[trl]`` extra; TRL is imported when a run starts.
+``conduit train --algo grpo`` runs it, prints a progress line every ``--log-every`` steps and
+the reward curve, and writes the curve (JSON) and a plot; an interrupted run writes the steps so
+far. Needs the ``conduit-rl[trl]`` extra; TRL is imported when a run starts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,8 @@ from typing import Any
 import torch
 
 from conduit.cli_args import arg
-from conduit.errors import ConfigError
-from conduit.report import pyplot, save_figure, write_json
+from conduit.errors import ConduitError, ConfigError, interrupt_of
+from conduit.report import check_output_path, pyplot, save_figure, write_json
 from conduit.workloads import grpo_task
 from conduit.workloads.args import MAX_SEED
 
@@ -46,9 +48,10 @@ class Args:
     hidden: int = arg(64, "model width", min=1)
     layers: int = arg(2, "decoder layers", min=1)
     lr: float = arg(3e-3, "learning rate", positive=True)
-    beta: float = arg(0.0, "KL coefficient (a reference model when > 0)")
+    beta: float = arg(0.0, "KL coefficient (a reference model when > 0)", min=0, finite=True)
     seed: int = arg(0, "random seed", max=MAX_SEED)
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
+    log_every: int = arg(10, "print a progress line every this many optimizer steps (0: never)")
     out: str = arg("", "JSON path (default runs/train/grpo_<task>_<buffer>.json)",
                    output="file")
     plot: str = arg("", "PNG path (default next to the JSON)", output="file")
@@ -101,16 +104,45 @@ def check(args: Args) -> None:
                                         f"{args.num_generations}")
 
 
+def require_trl() -> None:
+    """Import TRL, which a run needs (the ``conduit-rl[trl]`` extra).
+
+    Raises:
+        ConfigError: TRL, or a library it needs, is not installed (field ``algo``).
+    """
+    try:
+        import trl  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("algo", f"grpo needs the optional trl extra, which is not installed "
+                                  f"({exc}); pip install 'conduit-rl[trl]'") from exc
+
+
+def output_paths(args: Args) -> tuple[Path, Path]:
+    """The JSON and PNG paths of a run: ``--out`` (default
+    ``runs/train/grpo_<task>_<buffer>.json``) and ``--plot`` (default next to the JSON),
+    checked before the run.
+
+    Raises:
+        ConfigError: A path cannot be written (field ``out`` or ``plot``).
+    """
+    out = check_output_path(args.out or f"runs/train/grpo_{args.task}_{args.buffer}.json",
+                            "out")
+    return out, check_output_path(args.plot or out.with_suffix(".png"), "plot")
+
+
 def build_trainer(args: Args, *, output_dir: str, **trainer_kwargs: Any) -> Any:
-    """A ``GRPOTrainer`` (``buffer="trl"``) or ``ConduitGRPOTrainer`` for ``args``.
+    """A ``GRPOTrainer`` (``buffer="trl"``) or ``ConduitGRPOTrainer`` for ``args``, printing
+    a progress line every ``args.log_every`` optimizer steps.
 
     Raises:
         ValueError: Unknown ``buffer`` or ``task``.
-        ConfigError: :func:`check` refuses ``args``.
+        ConfigError: :func:`check` refuses ``args``, or TRL is not installed (see
+            :func:`require_trl`).
     """
     if args.buffer not in BUFFERS:
         raise ValueError(f"buffer: must be one of {BUFFERS}, got {args.buffer!r}")
     check(args)
+    require_trl()
     from trl import GRPOConfig, GRPOTrainer
 
     if args.threads:
@@ -144,30 +176,65 @@ def build_trainer(args: Args, *, output_dir: str, **trainer_kwargs: Any) -> Any:
     trainer = cls(model=model, args=cfg, reward_funcs=grpo_task.reward_fn(args.task),
                   train_dataset=data, processing_class=tok, **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)  # the log dicts stay in trainer.state.log_history
+    if args.log_every:
+        trainer.add_callback(progress_printer(args))
     return trainer
 
 
-def train(args: Args, *, trainer_kwargs: dict[str, Any] | None = None,
-          hook: Any = None) -> GRPOResult:
+def progress_printer(args: Args) -> Any:
+    """A ``TrainerCallback`` that prints a progress line every ``args.log_every`` optimizer
+    steps and after the last: the step, the latest mean reward, the loss and the time."""
+    from transformers import TrainerCallback
+
+    t0 = time.perf_counter()
+
+    class ProgressPrinter(TrainerCallback):
+        def on_log(self, _args: Any, state: Any, _control: Any,
+                   logs: dict[str, float] | None = None, **_kw: Any) -> None:
+            step = state.global_step
+            if "loss" not in (logs or {}) or (step % args.log_every and step != args.steps):
+                return
+            reward = next((h["reward"] for h in reversed(state.log_history) if "reward" in h),
+                          float("nan"))
+            print(f"[grpo {args.buffer}] step {step:>4}/{args.steps} | reward {reward:.3f} | "
+                  f"loss {logs['loss']:.3g} | {time.perf_counter() - t0:.1f}s", flush=True)
+
+    return ProgressPrinter()
+
+
+def train(args: Args, *, trainer_kwargs: dict[str, Any] | None = None, hook: Any = None,
+          on_interrupt: Callable[[GRPOResult], None] | None = None) -> GRPOResult:
     """Run GRPO for ``args.steps`` optimizer steps.
 
     Args:
         args: The run.
         trainer_kwargs: Extra keyword arguments of the trainer class.
         hook: Called with the trainer before training (e.g. to time its methods).
+        on_interrupt: Called with the steps so far when the run is interrupted (Ctrl-C, also
+            inside a Conduit operator), before the interrupt propagates.
     """
     with tempfile.TemporaryDirectory(prefix="conduit-grpo-") as tmp:
         trainer = build_trainer(args, output_dir=tmp, **(trainer_kwargs or {}))
         if hook is not None:
             hook(trainer)
         t0 = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        except (KeyboardInterrupt, ConduitError) as exc:
+            if on_interrupt is not None and interrupt_of(exc) is not None:
+                on_interrupt(_result(args, trainer, time.perf_counter() - t0))
+            raise
         wall = time.perf_counter() - t0
+    return _result(args, trainer, wall)
+
+
+def _result(args: Args, trainer: Any, wall_s: float) -> GRPOResult:
+    """The losses, rewards and parameters ``trainer`` holds after ``wall_s`` seconds."""
     hist = trainer.state.log_history
     losses = [float(h["loss"]) for h in hist if "loss" in h]
     rewards = [float(h["reward"]) for h in hist if "reward" in h]
     params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return GRPOResult(args, losses, rewards, wall, params, trainer)
+    return GRPOResult(args, losses, rewards, wall_s, params, trainer)
 
 
 def plot_rewards(curves: dict[str, list[float]], path: str | Path, *, title: str
@@ -188,14 +255,23 @@ def plot_rewards(curves: dict[str, list[float]], path: str | Path, *, title: str
 
 
 def report(result: GRPOResult, args: Args) -> int:
-    """Print and save a finished run (``conduit train --algo grpo``); the exit status."""
+    """Print and save a finished run (``conduit train --algo grpo``) to
+    :func:`output_paths`; the exit status."""
     r = result.rewards
     print(f"GRPO ({args.task}, {args.buffer}): {args.steps} steps in {result.wall_s:.1f}s; mean "
           f"reward {r[0]:.3f} -> {r[-1]:.3f} over {len(r)} generation batches")
-    stem = f"runs/train/grpo_{args.task}_{args.buffer}"
-    out = write_json(args.out or f"{stem}.json", result.to_json())
-    png = plot_rewards({args.buffer: r}, args.plot or out.with_suffix(".png"),
+    out_path, png_path = output_paths(args)
+    out = write_json(out_path, result.to_json(), field="out")
+    png = plot_rewards({args.buffer: r}, png_path,
                        title=f"GRPO on the digit task '{args.task}'")
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     finite = all(x == x and abs(x) != float("inf") for x in result.losses)
     return 0 if finite else 1
+
+
+def write_interrupted(result: GRPOResult, args: Args) -> None:
+    """Write the steps an interrupted run made (``"interrupted": true``) to the JSON path of
+    :func:`output_paths`."""
+    out, _ = output_paths(args)
+    write_json(out, {**result.to_json(), "interrupted": True}, field="out")
+    print(f"wrote {out} (interrupted after {len(result.losses)} steps)", flush=True)

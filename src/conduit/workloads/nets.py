@@ -132,7 +132,10 @@ class SACActor(nn.Module):
                                          device=mean.device)
         y = torch.tanh(u)
         action = y * self.scale + self.bias
-        logp = Normal(mean, std).log_prob(u) - torch.log(self.scale * (1 - y.pow(2)) + 1e-6)
+        # Not validated: a diverged learner's NaN parameters give NaN losses, which the
+        # trainer reports, rather than an error here.
+        logp = (Normal(mean, std, validate_args=False).log_prob(u)
+                - torch.log(self.scale * (1 - y.pow(2)) + 1e-6))
         return action, logp.sum(-1)
 
 
@@ -154,10 +157,12 @@ class PPOAgent(nn.Module):
         return self.critic(self.enc(obs, pixels)).squeeze(-1)
 
     def dist(self, h: torch.Tensor) -> Categorical | Normal:
+        """The policy's action distribution; not validated, so NaN parameters of a diverged
+        learner give NaN losses (which the trainer reports) rather than an error."""
         out = self.actor(h)
         if self.discrete:
-            return Categorical(logits=out)
-        return Normal(out, self.log_std.exp().expand_as(out))
+            return Categorical(logits=out, validate_args=False)
+        return Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor,
                  pixels: torch.Tensor | None = None

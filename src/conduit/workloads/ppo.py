@@ -10,6 +10,7 @@ per epoch, and that the batches are the same whatever the schedule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -169,8 +170,11 @@ def check(args: Args) -> None:
         ConfigError: ``MultiAgentCartPole`` (field ``env``): PPO here sizes an iteration with
             one row per env and step, while a multi-agent env yields one per live agent; the
             environment needs an optional extra that is not installed (field ``env``);
-            ``--num-minibatches`` does not divide an iteration's samples; or a shared flag
-            is refused (see :func:`~conduit.workloads.args.check_trainer_args`).
+            ``--num-minibatches`` does not divide an iteration's samples, or leaves one
+            sample per mini-batch with ``--norm-adv`` (field ``num_minibatches``); the
+            environment's observation cannot be taken (see
+            :func:`~conduit.workloads.envs.env_info`); or a shared flag is refused (see
+            :func:`~conduit.workloads.args.check_trainer_args`).
     """
     if args.env == MULTI_AGENT_CARTPOLE:
         raise ConfigError("env", f"PPO here supports single-agent envs; {args.env} has "
@@ -182,12 +186,21 @@ def check(args: Args) -> None:
                                              f"{rows} samples of an iteration (--actors x "
                                              "--envs-per-actor x --steps-per-rollout x "
                                              "--rollout-fragments)")
-    probe_env(args.env)  # an unknown id is left to env_info, which names it
+    if args.norm_adv and rows // args.num_minibatches < 2:
+        raise ConfigError("num_minibatches", f"{args.num_minibatches} splits the {rows} "
+                                             "samples of an iteration into mini-batches of "
+                                             f"{rows // args.num_minibatches} row, whose "
+                                             "advantages --norm-adv cannot normalize (a "
+                                             "standard deviation needs two); pass a smaller "
+                                             "--num-minibatches, or --no-norm-adv")
+    probe_env(args.env, image_size=args.image_size)  # an unknown id is left to env_info
 
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
-    """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch."""
+    """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch. A
+    loss that is not finite stops the run after its iteration; the result says so
+    (``losses_finite`` False)."""
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
@@ -223,6 +236,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     env_steps = 0
+    diverged = False  # a loss was not finite: the run stops and its result says so
     with rollout_actors(args, algo="ppo", info=info) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="ppo")
         for it in range(args.iters):
@@ -248,9 +262,14 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                         nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                         optimizer.step()
                         losses.append(loss.item())
+                    if not math.isfinite(losses[-1]):
+                        diverged = True
+                        break
                 log.update(loss=losses[-1], **stats)
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
+            if diverged:
+                break
         plane.flush()
     return RunResult.of("ppo", args, plan, rec, losses, actors)
 

@@ -10,6 +10,7 @@ the planned and overlapped experience path.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,12 +44,12 @@ class Args(TrainerArgs):
     gamma: float = arg(0.99, "discount factor", min=0, max=1)
     tau: float = arg(0.005, "target smoothing coefficient (1: copy the critics every step)",
                      positive=True, max=1.0)
-    reward_scale: float = arg(1.0, "reward multiplier applied in ingestion")
+    reward_scale: float = arg(1.0, "reward multiplier applied in ingestion", finite=True)
     updates_per_iter: int = arg(32, "gradient steps per iteration", min=1)
     learning_starts: int = arg(1_000, "transitions stored (random actions) before learning "
                                "(0: learn from the first rollout); at most --buffer-size")
     autotune: bool = arg(True, "tune the entropy coefficient automatically")
-    alpha: float = arg(0.2, "entropy coefficient when not autotuned")
+    alpha: float = arg(0.2, "entropy coefficient when not autotuned", min=0, finite=True)
 
 
 def check(args: Args) -> None:
@@ -57,14 +58,16 @@ def check(args: Args) -> None:
 
     Raises:
         ConfigError: The environment has discrete actions or needs an extra that is not
-            installed (field ``env``), the replay flags conflict (see
+            installed (field ``env``), or has an observation the workloads cannot take, alone
+            or with the image payload (see :func:`~conduit.workloads.envs.env_info`), the
+            replay flags conflict (see
             :func:`~conduit.workloads.args.check_replay`), or a shared flag is refused (see
             :func:`~conduit.workloads.args.check_trainer_args`).
     """
     check_trainer_args(args)
     check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
                  learning_starts=args.learning_starts)
-    info = probe_env(args.env)
+    info = probe_env(args.env, image_size=args.image_size)
     if info is not None and info.discrete:
         raise ConfigError("env", f"SAC here needs continuous actions; {args.env} is discrete "
                                  "(train it with --algo dqn or ppo)")
@@ -72,7 +75,9 @@ def check(args: Args) -> None:
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
-    """Train SAC and return the per-iteration breakdown; ``on_batch`` sees each batch."""
+    """Train SAC and return the per-iteration breakdown; ``on_batch`` sees each batch. A loss
+    that is not finite stops the run after its iteration; the result says so
+    (``losses_finite`` False)."""
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
@@ -103,6 +108,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     transitions = 0
+    diverged = False  # a loss was not finite: the run stops and its result says so
     with rollout_actors(args, algo="sac", info=info) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="sac")
         for it in range(args.iters):
@@ -153,10 +159,15 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                                 for p, tp in zip(net.parameters(), tgt.parameters()):
                                     tp.lerp_(p, args.tau)
                         losses += [qf_loss.item(), actor_loss.item()]
+                    if not (math.isfinite(losses[-2]) and math.isfinite(losses[-1])):
+                        diverged = True
+                        break
                 if learning and losses:
                     log.update(qf_loss=losses[-2], actor_loss=losses[-1], alpha=alpha)
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
                 tuner.step(rec.records[-1])
+            if diverged:
+                break
         plane.flush()
     # Two losses (critic, actor) per gradient step.
     return RunResult.of("sac", args, plan, rec, losses, actors, updates=len(losses) // 2)
