@@ -235,6 +235,30 @@ def test_side_by_side_fills_every_buffer_and_skips_peers_that_cannot_run(
     assert harness.measure_side_by_side(TINY, ["conduit"], TINY_CFG, quiet) == {}
 
 
+def test_side_by_side_progress_counts_the_repetitions_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    class Floor(NumpyPeer):
+        name = "gather-floor"
+
+    made = {"gather-floor": Floor, "conduit": NumpyPeer}
+    monkeypatch.setattr(harness, "_make", lambda name: made[name]())
+    runs: list[int] = []
+    times = harness.interleaved_times
+
+    def counting(calls: Any, *, repeats: int, warmup: int) -> Any:
+        runs.append(repeats)
+        return times(calls, repeats=repeats, warmup=warmup)
+
+    monkeypatch.setattr(harness, "interleaved_times", counting)
+    lines: list[str] = []
+    cfg = replace(TINY_CFG, repeats=2, rounds=3)
+    assert harness.measure_side_by_side(TINY, ["conduit"], cfg, lines.append)
+    assert runs == [6]
+    assert any(line.endswith("side by side: 6 rounds") for line in lines), lines
+
+
 def test_busy_threads_counts_threads_whose_cpu_time_grew() -> None:
     assert harness.busy_threads({1: 0.5, 2: 1.0}, {1: 0.5, 2: 1.25, 3: 0.01}) == 2
     assert harness.busy_threads({}, harness.thread_times()) >= 1

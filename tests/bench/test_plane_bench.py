@@ -72,3 +72,27 @@ def test_the_off_policy_fill_holds_at_least_one_batch_in_whole_units(
     with pytest.raises(FilledError):
         run_loop(args, on_policy=False, schedule=Schedule(0, 1, 0, 1))
     assert pushed[0] >= 64 and pushed[0] % 3 == 0
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_operator_figures_cover_the_measured_iterations_only(
+        on_policy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conduit.timing import Timings
+
+    summaries: list[dict[str, dict[str, float]]] = []
+    summary = Timings.summary
+
+    def spy(self: Timings) -> dict[str, dict[str, float]]:
+        summaries.append(summary(self))
+        return summaries[-1]
+
+    monkeypatch.setattr(Timings, "summary", spy)
+    args = PlaneBenchArgs(dim=8, rollout_rows=16, batch_size=16, capacity=256, iters=3,
+                          warmup=2, hidden=8, onpolicy_units=2, minibatches=2)
+    got = run_loop(args, on_policy=on_policy, schedule=Schedule(0, 1, 0, 1) if not on_policy
+                   else Schedule(0, 1, 0, Fraction(1, 2)))
+    counts = {k: v["count"] for k, v in summaries[-1].items()}
+    # Inline: every operator of an iteration is recorded within it; the fill's pushes and the
+    # warm-up iterations are not counted.
+    assert counts["rollout"] == counts["update"] == counts["ingestion"] == args.iters
+    assert got["operator_counts"] == counts
+    assert set(got["operator_median_ms"]) == set(counts)

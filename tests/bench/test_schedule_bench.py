@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
+
+import pytest
 
 from conduit.bench.schedule import main
 
@@ -45,7 +48,7 @@ def test_quick_run_writes_json_and_png(tmp_path, capsys):
         # from the sweep (whose configurations ran minutes apart).
         for paired in (auto["paired"], best["paired"]):
             assert paired["rounds"] == 2 and len(paired["round_wall_ms"]) == 2
-            assert paired["wall_ms"] in paired["round_wall_ms"]
+            assert paired["wall_ms"] == statistics.median(paired["round_wall_ms"])
         assert p["gap"] == auto["paired"]["wall_ms"] / best["paired"]["wall_ms"] - 1
         assert p["gap_sweep"] == auto["wall_ms"] / best["wall_ms"] - 1
         assert p["within_target"] == (p["gap"] <= 0.05)
@@ -93,5 +96,19 @@ def test_paired_rounds_alternate_which_plane_goes_first(monkeypatch):
     assert {c[1:] for c in calls[2:] if c[0] == "a"} == {(4, 2)}
     assert {c[1:] for c in calls[2:] if c[0] == "b"} == {(3, 1)}
     assert ra["rounds"] == rb["rounds"] == 4
-    assert ra["wall_ms"] == sorted(ra["round_wall_ms"])[2]
+    assert ra["wall_ms"] == statistics.median(ra["round_wall_ms"])
     assert ra["wall_ms"] > rb["wall_ms"]
+
+
+def test_the_median_round_of_an_even_count_is_the_mean_of_the_middle_two():
+    from conduit.bench.schedule import _median_round
+
+    def rnd(wall, exposed):
+        return {"wall": wall, "exposed": exposed, "rollout": 0.0, "update": 0.0}
+
+    rounds = [rnd(0.004, 0.4), rnd(0.001, 0.1), rnd(0.003, 0.3), rnd(0.002, 0.2)]
+    got = _median_round(rounds, iters=5)
+    assert got["wall_ms"] == statistics.median(got["round_wall_ms"]) == 2.5
+    assert got["exposed_ms"] == pytest.approx(250.0)  # the same two rounds
+    odd = _median_round(rounds[:3], iters=5)
+    assert odd["wall_ms"] == 3.0 and odd["exposed_ms"] == 300.0

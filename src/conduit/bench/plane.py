@@ -79,7 +79,9 @@ def fill_units(args: PlaneBenchArgs) -> int:
 
 
 def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> dict[str, Any]:
-    """Run the synthetic loop under ``schedule``; returns per-iteration breakdown medians."""
+    """Run the synthetic loop under ``schedule``; returns per-iteration breakdown medians, and
+    each operator's median time and number of records over the measured iterations (the fill
+    and the warm-up left out)."""
     work = Workload(args.dim, args.hidden)
     spec = synthetic_spec(args.dim)
     if on_policy:
@@ -103,6 +105,8 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
             if not on_policy:  # fill to a realistic replay size before measuring
                 fill(plane, work, rollout_rows=args.rollout_rows, units=fill_units(args))
             for it in range(args.warmup + args.iters):
+                if it == args.warmup:  # the operator figures cover the measured iterations
+                    plane.timings.clear()
                 t0 = time.perf_counter()
                 compute = step(plane)
                 wall = time.perf_counter() - t0
@@ -115,7 +119,8 @@ def run_loop(args: PlaneBenchArgs, *, on_policy: bool, schedule: Schedule) -> di
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {"schedule": schedule.to_dict(), "label": schedule.label(),
             "median_ms": {k: v * 1e3 for k, v in med.items()},
-            "operator_median_ms": {k: v["median_s"] * 1e3 for k, v in timing.items()}}
+            "operator_median_ms": {k: v["median_s"] * 1e3 for k, v in timing.items()},
+            "operator_counts": {k: v["count"] for k, v in timing.items()}}
 
 
 def gather_vs_copy(*, dim: int, capacity: int, batch: int, repeats: int) -> dict[str, float]:

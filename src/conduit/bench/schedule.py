@@ -30,6 +30,7 @@ measurement.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -187,8 +188,7 @@ class _Point:
 
     def run(self, plane: ExperienceDataPlane, schedule: Schedule) -> dict[str, float]:
         """Switch ``plane`` to ``schedule``, warm up, then measure ``rounds`` rounds of a whole
-        number of ``g`` cycles; the round with the median wall time is reported (robust to a
-        neighbour process stealing the CPU for part of a round)."""
+        number of ``g`` cycles; the median round is reported (:func:`_median_round`)."""
         iters = self._switch(plane, schedule)[1]
         rounds = [synthetic.measure(plane, self.step, iters=iters, warmup=0)
                   for _ in range(max(1, self.args.rounds))]
@@ -211,11 +211,19 @@ class _Point:
 
 
 def _median_round(rounds: list[dict[str, float]], iters: int) -> dict[str, Any]:
-    """The round with the median wall time (robust to a neighbour process stealing the CPU
-    for part of a round), in ms, with every round's wall time."""
-    m = sorted(rounds, key=lambda r: r["wall"])[len(rounds) // 2]
-    return {"wall_ms": m["wall"] * 1e3, "exposed_ms": m["exposed"] * 1e3,
-            "rollout_ms": m["rollout"] * 1e3, "update_ms": m["update"] * 1e3,
+    """The median round by wall time (robust to a neighbour process stealing the CPU for part
+    of a round), in ms, with every round's wall time. With an even number of rounds it is the
+    mean of the two middle rounds, field by field, so its wall time is the median
+    (``statistics.median``) of the rounds' wall times."""
+    by_wall = sorted(rounds, key=lambda r: r["wall"])
+    n = len(by_wall)
+    middle = by_wall[(n - 1) // 2:n // 2 + 1]
+
+    def ms(key: str) -> float:
+        return statistics.fmean(r[key] * 1e3 for r in middle)
+
+    return {"wall_ms": ms("wall"), "exposed_ms": ms("exposed"),
+            "rollout_ms": ms("rollout"), "update_ms": ms("update"),
             "iters": iters, "rounds": len(rounds),
             "round_wall_ms": [r["wall"] * 1e3 for r in rounds]}
 

@@ -566,7 +566,8 @@ def _interleaved_medians(w: Workload, names: Sequence[str], cfg: PeersConfig,
         big = make_chunk(1024, w.dim, seed=w.seed)
         for adapter in made.values():
             fill(adapter, big, w.capacity)
-        progress(f"d={w.dim} batch={w.batch}: {what} side by side: {cfg.repeats} rounds")
+        progress(f"d={w.dim} batch={w.batch}: {what} side by side: "
+                 f"{cfg.repeats * cfg.rounds} rounds")
         times = interleaved_times({k: call(a) for k, a in made.items()},
                                   repeats=cfg.repeats * cfg.rounds, warmup=cfg.warmup)
         return {k: statistics.median(t) * 1e3 for k, t in times.items()}
