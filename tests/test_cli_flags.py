@@ -259,7 +259,8 @@ def test_scale_quick_keeps_explicit_flags() -> None:
 
 
 def test_plane_run_measures_with_the_explicit_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """End to end through ``run``: the loop it starts gets the flags asked for."""
+    """End to end through ``run`` (given the arguments after ``--quick``): the loop it starts
+    gets the flags asked for."""
     from conduit.bench import plane
 
     class StopError(Exception):
@@ -270,7 +271,7 @@ def test_plane_run_measures_with_the_explicit_flags(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(plane, "run_loop", first_loop)
     with pytest.raises(StopError) as stop:
-        plane.run(plane.PlaneBenchArgs(quick=True, dim=16, iters=2))
+        plane.run(plane.effective(plane.PlaneBenchArgs(quick=True, dim=16, iters=2)))
     args = stop.value.args[0]
     assert (args.dim, args.iters, args.batch_size) == (16, 2, 64)
 
@@ -461,7 +462,7 @@ def test_peers_flags_are_not_abbreviated(
 
     calls: list[Any] = []
 
-    def record(cfg: Any) -> Any:
+    def record(cfg: Any, **_: Any) -> Any:
         calls.append(cfg)
         raise SystemExit(0)
 
@@ -480,7 +481,7 @@ def test_peers_quick_keeps_flags_written_out(monkeypatch: pytest.MonkeyPatch,
 
     calls: list[Any] = []
 
-    def record(cfg: Any) -> Any:
+    def record(cfg: Any, **_: Any) -> Any:
         calls.append(cfg)
         raise SystemExit(0)
 

@@ -102,11 +102,14 @@ def _call(prog: str, module: str, func: str, argv: list[str]) -> int:
 
 
 def _interrupted(prog: str, exc: KeyboardInterrupt) -> int:
-    """One line for an interrupt; the exit status 128 + the signal (130 for Ctrl-C, 143 for
-    SIGTERM, which ``conduit train`` and ``conduit demo`` raise as an interrupt)."""
+    """One line for an interrupt, with the notes it carries (a benchmark's partial results);
+    the exit status 128 + the signal (130 for Ctrl-C, 143 for SIGTERM, which ``conduit train``
+    and ``conduit demo`` raise as an interrupt)."""
     signum = int(getattr(exc, "signum", signal.SIGINT))
+    notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()) if isinstance(n, str))
     print(f"{prog}: " + ("interrupted" if signum == signal.SIGINT
-                         else f"terminated ({signal.Signals(signum).name})"), file=sys.stderr)
+                         else f"terminated ({signal.Signals(signum).name})") + notes,
+          file=sys.stderr)
     return 128 + signum
 
 

@@ -32,7 +32,6 @@ from conduit.bench.peers.harness import (
     MetricResult,
     PeersConfig,
     RowResult,
-    apply_quick,
     fit_capacity,
     format_reasons,
     format_table,
@@ -284,10 +283,10 @@ def test_capacity_is_kept_when_it_fits_and_lowered_with_a_reason_when_not() -> N
 
 def test_quick_applies_only_to_flags_left_at_their_default() -> None:
     cfg = PeersConfig(quick=True, repeats=7)
-    q = apply_quick(cfg, explicit={"repeats"})
+    q = harness.effective(cfg, {"repeats"})
     assert q.repeats == 7 and q.dims == harness.QUICK["dims"]
     assert q.capacity == harness.QUICK["capacity"]
-    assert apply_quick(PeersConfig(), explicit=set()) == PeersConfig()
+    assert harness.effective(PeersConfig(), set()) == PeersConfig()
 
 
 def test_config_rejects_unknown_peers_and_bad_sizes() -> None:

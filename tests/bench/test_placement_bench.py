@@ -86,3 +86,14 @@ def test_planner_prediction_per_batch_uses_the_batch_size() -> None:
     x = transition_spec(128).bytes_per_sample
     pick = planner_pick(preset("a100-8"), x, 4096, "cuda:0", batch_size=64)
     assert pick["predicted_batch_s"] == pytest.approx(pick["predicted_s_per_sample"] * 64)
+
+
+def test_the_capacity_reduction_note_names_the_capacity_quick_asked_for(
+        tmp_path: Path, capsys) -> None:
+    out = tmp_path / "p3"
+    assert main(["--quick", "--no-overlap", "--dims", "4000", "--out", str(out)]) == 0
+    data = json.loads((out / "placement.json").read_text())
+    assert data["capacity_requested"] == 4096 and data["capacity_reduced"] is True
+    printed = capsys.readouterr().out
+    assert "capacity reduced from 4,096 to fit memory" in printed
+    assert "100,000" not in printed

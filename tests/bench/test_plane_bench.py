@@ -73,6 +73,7 @@ def test_the_off_policy_fill_holds_at_least_one_batch_in_whole_units(
         run_loop(args, on_policy=False, schedule=Schedule(0, 1, 0, 1))
     assert pushed[0] >= 64 and pushed[0] % 3 == 0
 
+
 @pytest.mark.parametrize("on_policy", [False, True])
 def test_operator_figures_cover_the_measured_iterations_only(
         on_policy: bool, monkeypatch: pytest.MonkeyPatch) -> None:

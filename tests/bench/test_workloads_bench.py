@@ -34,3 +34,18 @@ def test_rounds_alternate_which_mode_runs_first():
 
     assert [buffer_order(r) for r in range(3)] == [
         ("inline", "conduit"), ("conduit", "inline"), ("inline", "conduit")]
+
+
+def test_quick_runs_one_light_workload(tmp_path):
+    import json
+
+    from conduit.bench.workloads import QUICK, main
+
+    assert main(["--quick", "--iters", "3", "--no-use-ray", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "workloads.json").read_text())
+    assert "partial" not in data and data["args"]["quick"] is True
+    assert list(data["workloads"]) == ["DQN-CP"]
+    runs = data["workloads"]["DQN-CP"]["runs"]
+    assert [r["buffer"] for r in runs] == ["inline", "conduit"]
+    assert data["args"]["iters"] == 3 and data["args"]["actors"] == QUICK["actors"]

@@ -5,7 +5,8 @@ For each algorithm and seed, the same trainer runs with ``--buffer inline`` and
 after every iteration, against the iteration and against wall-clock time, and reports when each
 run first reaches the target return (PPO on CartPole-v1: 475; DQN on CartPole-v1: 195).
 Same iterations to target means the algorithm is unchanged; less wall time means Conduit's
-shorter iterations pay off.
+shorter iterations pay off. The JSON is rewritten with ``"partial": true`` after every seed
+of an algorithm (both modes), so an interrupted run keeps the seeds it finished.
 
     conduit bench convergence --out runs/bench/convergence
     conduit bench convergence --algos ppo --seeds 1 2 3
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from conduit.bench.common import PartialJSON, progress
 from conduit.cli_args import arg, command_parser, parse_command
 from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
@@ -97,7 +99,8 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
     """
     check(a)
     runs: list[dict[str, Any]] = []
-    with ray_running(enabled=a.use_ray):
+    out = Path(a.out)
+    with PartialJSON(out / "convergence.json") as partial, ray_running(enabled=a.use_ray):
         for algo in a.algos:
             for k, seed in enumerate(a.seeds):
                 # Alternate which mode runs first, so drift of the shared machine does not
@@ -124,9 +127,10 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
                                  "losses_finite": res.losses_finite, "plan": res.plan})
                     where = (f"reached {TARGETS[algo]:.0f} at iteration {hit['iteration']} "
                              f"({hit['wall_s']:.0f}s)" if hit else "did not reach the target")
-                    print(f"  .. {algo} seed {seed} {buffer:<8} "
-                          f"{time.perf_counter() - t0:5.0f}s  final {pts[-1]['return']:6.1f}  "
-                          f"{where}", flush=True)
+                    progress(f"{algo} seed {seed} {buffer:<8} "
+                             f"{time.perf_counter() - t0:5.0f}s  final {pts[-1]['return']:6.1f}  "
+                             f"{where}")
+                partial.write({"args": asdict(a), "targets": TARGETS, "runs": runs})
     rows = []
     for algo in a.algos:
         for buffer in ("inline", "conduit"):
@@ -139,7 +143,6 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
     print(f"\nCartPole-v1, targets {TARGETS}; medians over seeds that reached the target")
     print(table(["algo", "buffer", "reached", "iters to target", "wall s to target",
                  "final return", "ms / iteration"], rows))
-    out = Path(a.out)
     payload = {"args": asdict(a), "targets": TARGETS, "runs": runs}
     write_json(out / "convergence.json", payload, with_machine=True)
     png = plot(runs, a.algos, out / "convergence.png")

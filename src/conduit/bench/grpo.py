@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.workloads import grpo, grpo_task
@@ -136,19 +137,22 @@ def check(a: GRPOBenchArgs) -> None:
                                         f"group size {GROUP_SIZE}")
 
 
-def effective(args: GRPOBenchArgs) -> GRPOBenchArgs:
-    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
-    return apply_quick(args, QUICK)
+def effective(args: GRPOBenchArgs, given: Collection[str] | None = None) -> GRPOBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(args, QUICK, given)
 
 
 def run(a: GRPOBenchArgs) -> dict[str, Any]:
     """Every (length, round, trainer), then the table, JSON and PNG; returns the payload.
 
+    Args:
+        a: The arguments to run with, ``--quick`` already applied (:func:`effective`).
+
     Raises:
         ConfigError: An argument :func:`check` refuses (before any model is built).
     """
     check(a)
-    a = effective(a)
     runs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     # two mini-batches per generation where they hold whole groups
@@ -252,7 +256,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench grpo``."""
     p = command_parser("conduit bench grpo", __doc__, GRPOBenchArgs)
-    run(parse_command(p, GRPOBenchArgs, argv, check=check))
+    run(parse_quick(p, GRPOBenchArgs, argv, effective, check=check))
     return 0
 
 

@@ -36,7 +36,7 @@ import subprocess
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,8 +44,8 @@ from typing import Any, Protocol
 import psutil
 import torch
 
-from conduit.bench.common import apply_quick, check_rows, progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import PartialJSON, apply_quick, check_rows, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.synthetic import Workload, fill, make_step, register_ops, synthetic_spec
@@ -538,9 +538,11 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def effective(args: PersistBenchArgs) -> PersistBenchArgs:
-    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
-    return apply_quick(args, QUICK)
+def effective(args: PersistBenchArgs, given: Collection[str] | None = None
+              ) -> PersistBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(args, QUICK, given)
 
 
 def fill_units(args: PersistBenchArgs) -> int:
@@ -549,15 +551,13 @@ def fill_units(args: PersistBenchArgs) -> int:
 
 
 def check_args(args: PersistBenchArgs) -> PersistBenchArgs:
-    """The arguments after ``--quick``, once the plane the benchmark builds and fills would
-    take them.
+    """``args``, once the plane the benchmark builds and fills would take them.
 
     Raises:
         ConfigError: ``--batch-size`` exceeds ``--capacity`` (field ``batch_size``), or one
             rollout unit exceeds it or the whole units that fit hold less than one batch
             (field ``rollout_rows``).
     """
-    args = effective(args)
     check_rows(batch_size=args.batch_size, capacity=args.capacity,
                rollout_rows=args.rollout_rows)
     filled = fill_units(args) * args.rollout_rows
@@ -571,7 +571,11 @@ def check_args(args: PersistBenchArgs) -> PersistBenchArgs:
 
 
 def run(args: PersistBenchArgs) -> dict[str, Any]:
-    """Run the whole benchmark; prints tables, writes JSON and PNG.
+    """Run the whole benchmark; prints tables, writes JSON and PNG. The JSON is written with
+    ``"partial": true`` once the throughput is measured, then whole at the end.
+
+    Args:
+        args: The arguments to run with, ``--quick`` already applied (:func:`effective`).
 
     Raises:
         ConfigError: As :func:`check_args` raises it, before any work.
@@ -582,13 +586,15 @@ def run(args: PersistBenchArgs) -> dict[str, Any]:
     plane = ExperienceDataPlane(spec=synthetic_spec(args.dim), capacity=args.capacity,
                                 batch_size=args.batch_size, schedule=Schedule(1, 1, 1, 1))
     register_ops(plane, on_policy=False)
-    with plane, tempfile.TemporaryDirectory(prefix="persist-", dir=args.scratch or out) as tmp:
+    with (PartialJSON(out / "persist.json") as partial, plane,
+          tempfile.TemporaryDirectory(prefix="persist-", dir=args.scratch or out) as tmp):
         folder = Path(tmp)
         units = fill_units(args)
         progress(f"filling {units * args.rollout_rows} rows of dim {args.dim}")
         fill(plane, Workload(args.dim, args.hidden), rollout_rows=args.rollout_rows, units=units)
         result: dict[str, Any] = {"args": asdict(args),
                                   "throughput": throughput(plane, folder, repeats=args.repeats)}
+        partial.write(result)
         result["stall"] = stall(plane, args, folder)
     print_tables(result)
     jp = write_json(out / "persist.json", result, with_machine=True)
@@ -600,7 +606,7 @@ def run(args: PersistBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench persist``."""
     p = command_parser("conduit bench persist", __doc__, PersistBenchArgs)
-    run(parse_command(p, PersistBenchArgs, argv, check=check_args))
+    run(parse_quick(p, PersistBenchArgs, argv, effective, check=check_args))
     return 0
 
 

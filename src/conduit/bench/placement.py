@@ -32,7 +32,7 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,8 @@ from typing import Any
 import psutil
 import torch
 
-from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import CapacityError, ConfigError
 from conduit.placement import Topology, plan_placement
 from conduit.plane import ExperienceDataPlane
@@ -239,9 +239,11 @@ QUICK: dict[str, Any] = {"dims": (128, 1000), "capacity": 4096, "repeats": 5, "w
 """What ``--quick`` sets: tiny sizes for a smoke run."""
 
 
-def effective(args: PlacementBenchArgs) -> PlacementBenchArgs:
-    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
-    return apply_quick(args, QUICK)
+def effective(args: PlacementBenchArgs, given: Collection[str] | None = None
+              ) -> PlacementBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(args, QUICK, given)
 
 
 def plot(path: Path, result: dict[str, Any]) -> Path | None:
@@ -278,14 +280,13 @@ def plot(path: Path, result: dict[str, Any]) -> Path | None:
 
 
 def check(args: PlacementBenchArgs) -> None:
-    """Refuse arguments the flags' own bounds let through (after ``--quick``).
+    """Refuse arguments the flags' own bounds let through.
 
     Raises:
         ConfigError: An unknown or absent learner device, a capacity below the batch
             size, or a dimension at which one batch does not fit the memory budget (see
             :func:`fit_capacity`).
     """
-    args = effective(args)
     learner = resolve_device(args.learner_device, field="learner_device")
     if args.capacity < args.batch_size:
         raise ConfigError("capacity", f"{args.capacity} rows hold less than one batch of "
@@ -298,11 +299,13 @@ def check(args: PlacementBenchArgs) -> None:
 def run(args: PlacementBenchArgs) -> dict[str, Any]:
     """The whole sweep; returns the JSON payload (without writing it).
 
+    Args:
+        args: The arguments to run with, ``--quick`` already applied (:func:`effective`).
+
     Raises:
         ConfigError: An argument :func:`check` refuses.
     """
     check(args)
-    args = effective(args)
     learner = resolve_device(args.learner_device, field="learner_device")
     targets = placements_available(learner, args.shards)
     topo = Topology.detect()
@@ -390,7 +393,7 @@ def format_result(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench placement``."""
     parser = command_parser("conduit bench placement", __doc__, PlacementBenchArgs)
-    args = parse_command(parser, PlacementBenchArgs, argv, check=check)
+    args = parse_quick(parser, PlacementBenchArgs, argv, effective, check=check)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, check_rows, progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import apply_quick, check_rows, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
 from conduit.plane.config import PlaneConfig
@@ -184,13 +184,14 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def effective(args: PlaneBenchArgs) -> PlaneBenchArgs:
-    """The arguments after ``--quick``: :data:`QUICK` for the flags left at their defaults."""
-    return apply_quick(args, QUICK)
+def effective(args: PlaneBenchArgs, given: Collection[str] | None = None) -> PlaneBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(args, QUICK, given)
 
 
 def check_args(args: PlaneBenchArgs) -> PlaneBenchArgs:
-    """The arguments after ``--quick``, once the planes the benchmark builds would take them.
+    """``args``, once the planes the benchmark builds would take them.
 
     Off-policy, a buffer of ``--capacity`` rows sampled ``--batch-size`` at a time, filled one
     rollout unit of ``--rollout-rows`` at a time; on-policy, ``--onpolicy-units`` units of
@@ -200,7 +201,6 @@ def check_args(args: PlaneBenchArgs) -> PlaneBenchArgs:
         ConfigError: Naming the flag's field (``batch_size``, ``rollout_rows`` or
             ``minibatches``).
     """
-    args = effective(args)
     spec = synthetic_spec(1)
     check_rows(batch_size=args.batch_size, capacity=args.capacity,
                rollout_rows=args.rollout_rows)
@@ -221,6 +221,9 @@ def check_args(args: PlaneBenchArgs) -> PlaneBenchArgs:
 
 def run(args: PlaneBenchArgs) -> dict[str, Any]:
     """Run the whole benchmark; prints tables, writes JSON and PNG.
+
+    Args:
+        args: The arguments to run with, ``--quick`` already applied (:func:`effective`).
 
     Raises:
         ConfigError: As :func:`check_args` raises it, before any work.
@@ -275,7 +278,7 @@ def run(args: PlaneBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench plane``."""
     p = command_parser("conduit bench plane", __doc__, PlaneBenchArgs)
-    run(parse_command(p, PlaneBenchArgs, argv, check=check_args))
+    run(parse_quick(p, PlaneBenchArgs, argv, effective, check=check_args))
     return 0
 
 

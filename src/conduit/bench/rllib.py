@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +48,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
 from conduit.workloads.envs import ImagePayload
@@ -534,10 +534,11 @@ def plot(rows: dict[str, dict[str, Any]], micro: dict[int, Any], path: Path) -> 
     return save_figure(fig, path)
 
 
-def effective(a: RllibBenchArgs) -> RllibBenchArgs:
-    """The arguments after ``--quick``: :data:`QUICK_ARGS` for the flags left at their
-    defaults (the workloads and their sizes follow ``quick`` in :func:`run`)."""
-    return apply_quick(a, QUICK_ARGS)
+def effective(a: RllibBenchArgs, given: Collection[str] | None = None) -> RllibBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK_ARGS` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`; the workloads and their sizes follow
+    ``quick`` in :func:`run`)."""
+    return apply_quick(a, QUICK_ARGS, given)
 
 
 def check(a: RllibBenchArgs) -> None:
@@ -559,27 +560,60 @@ def check(a: RllibBenchArgs) -> None:
 
 
 def run(a: RllibBenchArgs) -> dict[str, Any]:
-    """Run the side-by-side training runs and the microbenchmark; write JSON and PNG.
+    """Run the side-by-side training runs and the microbenchmark; write JSON and PNG. The JSON
+    is written with ``"partial": true`` after every (seed, workload) pair and every
+    microbenchmark capacity, then whole at the end.
+
+    Args:
+        a: The arguments to run with, ``--quick`` already applied (:func:`effective`).
 
     Raises:
         ConfigError: An argument :func:`check` refuses.
     """
-    import ray
-
     check(a)
     only = a.only or (QUICK if a.quick else ())
     chosen = [w for w in workloads() if not only or w.name in only]
-    quick = effective(a)
-    seeds, capacities, repeats = quick.seeds, quick.capacities, quick.repeats
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w.name: {v: [] for v in VARIANTS}
                                                         for w in chosen}
+    micro: dict[int, Any] = {}
+    out = Path(a.out)
+
+    def workload_rows() -> dict[str, dict[str, Any]]:
+        return {w.name: {"algo": w.algo, "heavy": w.heavy,
+                         **{v: summarize(runs[w.name][v]) for v in VARIANTS},
+                         "runs": runs[w.name]}
+                for w in chosen if any(runs[w.name].values())}
+
+    partial = PartialJSON(out / "rllib.json")
+    with partial:
+        _run_all(a, chosen, runs, micro,
+                 lambda: partial.write({"args": asdict(a), "workloads": workload_rows(),
+                                        "micro": {str(c): m for c, m in micro.items()}}))
+    rows = workload_rows()
+    goals = targets(rows)
+    print_tables(rows, micro, goals)
+    payload = {"args": asdict(a), "workloads": rows, "targets": goals,
+               "micro": {str(c): m for c, m in micro.items()}}
+    write_json(out / "rllib.json", payload, with_machine=True)
+    png = plot(rows, micro, out / "rllib.png")
+    print(f"wrote {out / 'rllib.json'}" + (f" and {png}" if png else ""))
+    return payload
+
+
+def _run_all(a: RllibBenchArgs, chosen: list[Workload],
+             runs: dict[str, dict[str, list[dict[str, Any]]]], micro: dict[int, Any],
+             save: Callable[[], object]) -> None:
+    """The training runs of every seed and workload into ``runs``, then the microbenchmark
+    at every capacity into ``micro``, calling ``save`` after each."""
+    import ray
+
     own_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test's) is used as it is
     if own_ray:
         ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False,
                  log_to_driver=False)
     try:
         register_envs()
-        for seed in range(seeds):
+        for seed in range(a.seeds):
             for w in chosen:
                 iters = a.iters or (1 if a.quick else w.iters)
                 t0 = time.perf_counter()
@@ -593,32 +627,21 @@ def run(a: RllibBenchArgs) -> dict[str, Any]:
                 progress(f"seed {seed} {w.name:<10} both variants "
                          f"{time.perf_counter() - t0:5.1f}s  conduit/rllib per round "
                          f"{_median(pair['conduit']['paired']):.3f}")
+                save()
     finally:
         if own_ray:
             ray.shutdown()
-    rows = {w.name: {"algo": w.algo, "heavy": w.heavy,
-                     **{v: summarize(runs[w.name][v]) for v in VARIANTS},
-                     "runs": runs[w.name]} for w in chosen}
-    micro = {}
-    for cap in capacities:
+    for cap in a.capacities:
         t0 = time.perf_counter()
-        micro[cap] = microbench(cap, repeats)
+        micro[cap] = microbench(cap, a.repeats)
         progress(f"microbenchmark at capacity {cap:,}: {time.perf_counter() - t0:.1f}s")
-    goals = targets(rows)
-    print_tables(rows, micro, goals)
-    out = Path(a.out)
-    payload = {"args": asdict(a), "workloads": rows, "targets": goals,
-               "micro": {str(c): m for c, m in micro.items()}}
-    write_json(out / "rllib.json", payload, with_machine=True)
-    png = plot(rows, micro, out / "rllib.png")
-    print(f"wrote {out / 'rllib.json'}" + (f" and {png}" if png else ""))
-    return payload
+        save()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench rllib``."""
     p = command_parser("conduit bench rllib", __doc__, RllibBenchArgs)
-    run(parse_command(p, RllibBenchArgs, argv, check=check))
+    run(parse_quick(p, RllibBenchArgs, argv, effective, check=check))
     return 0
 
 

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, progress
-from conduit.cli_args import arg, check_reachable, command_parser, parse_command
+from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.cli_args import arg, check_reachable, command_parser
 from conduit.placement import Topology
 from conduit.placement.cluster import inter_node_bandwidth
 from conduit.placement.topology import NodeTopology
@@ -73,10 +74,10 @@ class ScaleBenchArgs:
     quick: bool = arg(False, "shard counts 1 and 2, small sizes, one round: a smoke run "
                              "(flags given explicitly win)")
 
-    def effective(self) -> ScaleBenchArgs:
-        """The arguments after ``--quick`` (which changes the fields left at their defaults
-        only)."""
-        return apply_quick(self, QUICK)
+    def effective(self, given: Collection[str] | None = None) -> ScaleBenchArgs:
+        """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+        :func:`~conduit.bench.common.apply_quick`)."""
+        return apply_quick(self, QUICK, given)
 
 
 #: What ``--quick`` gives the flags left at their defaults.
@@ -226,9 +227,14 @@ def projection(*, row_bytes: int, bandwidth: float, replication: int, batch_size
 
 
 def run(a: ScaleBenchArgs) -> dict[str, Any]:
-    """Run the benchmark; returns what it writes to JSON."""
+    """Run the benchmark; returns what it writes to JSON.
+
+    Args:
+        a: The arguments to run with, ``--quick`` already applied
+            (:meth:`ScaleBenchArgs.effective`).
+    """
     from conduit.distributed import RayExperienceDataPlane, ShardResources
-    a = a.effective()
+
     spec = _spec(a.dim)
     progress(f"starting {max(a.shards)} Ray nodes")
     cluster = LocalCluster(nodes=max(a.shards), cpus=a.node_cpus, address=a.address)
@@ -330,8 +336,8 @@ def _plot(rows: dict[int, dict[str, float]], proj: list[dict[str, float]], out: 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench scale``."""
     p = command_parser("conduit bench scale", __doc__, ScaleBenchArgs)
-    run(parse_command(p, ScaleBenchArgs, argv,
-                      check=lambda a: check_reachable("address", a.address)))
+    run(parse_quick(p, ScaleBenchArgs, argv, ScaleBenchArgs.effective,
+                    check=lambda a: check_reachable("address", a.address)))
     return 0
 
 

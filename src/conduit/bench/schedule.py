@@ -32,14 +32,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from conduit.bench.common import progress
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane, synthetic
 from conduit.plane.autotune import plane_copy_times, profile_plane
@@ -102,25 +103,25 @@ _QUICK = {"batch_sizes": (32, 128), "dims": (128, 512), "base_dim": 128, "base_b
           "profile_iters": 1, "hidden": 16, "capacity": 2000, "fill_units": 4}
 
 
-def _quick(args: ScheduleBenchArgs) -> ScheduleBenchArgs:
-    defaults = {f.name: getattr(ScheduleBenchArgs(), f.name) for f in fields(args)}
-    over = {k: v for k, v in _QUICK.items() if getattr(args, k) == defaults[k]}
-    if "granularities" in over:  # the quick ones, within an explicit --g-max
-        g_max = over.get("g_max", args.g_max)
-        over["granularities"] = tuple(g for g in over["granularities"] if g <= g_max)
-    return replace(args, **over)
+def effective(args: ScheduleBenchArgs, given: Collection[str] | None = None
+              ) -> ScheduleBenchArgs:
+    """The arguments after ``--quick``: the quick values for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`), the quick granularities only up to the
+    ``g_max`` in force."""
+    out = apply_quick(args, _QUICK, given)
+    if out.granularities != args.granularities:  # the quick ones, within an explicit --g-max
+        out = replace(out, granularities=tuple(g for g in out.granularities if g <= out.g_max))
+    return out
 
 
 def check_args(args: ScheduleBenchArgs) -> ScheduleBenchArgs:
-    """The arguments the sweep runs with (after ``--quick`` and the default placements), or
-    the value it would refuse, found before any work.
+    """The arguments the sweep runs with (with the default placements), or the value it would
+    refuse, found before any work.
 
     Raises:
         ConfigError: An unknown placement (field ``placements``) or a granularity outside
             ``[1, g_max]`` (field ``granularities``).
     """
-    if args.quick:
-        args = _quick(args)
     if not args.placements:
         args = replace(args, placements=PLACEMENTS if torch.cuda.is_available()
                        else ("pageable", "sharded-cpu"))
@@ -378,7 +379,11 @@ def _fmt_fid(f: dict[str, Any] | None) -> list[Any]:
 
 
 def run(args: ScheduleBenchArgs) -> dict[str, Any]:
-    """Run the sweep; prints a table, writes JSON and PNG under ``args.out``.
+    """Run the sweep; prints a table, writes JSON and PNG under ``args.out``. The JSON is
+    written with ``"partial": true`` after every point, then whole at the end.
+
+    Args:
+        args: The arguments to run with, ``--quick`` already applied (:func:`effective`).
 
     Raises:
         ConfigError: As :func:`check_args` raises it.
@@ -390,18 +395,17 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
-        pts = sweep_points(args)
-        for i, (b, d) in enumerate(pts, 1):
-            progress(f"point {i}/{len(pts)}: batch {b}, dim {d}")
-            points.append(run_point(args, b, d))
-            p = points[-1]
-            progress(f"  alternating: best manual {p['best_manual']['placement']} "
-                     f"{p['best_manual']['label']} {p['best_manual']['paired']['wall_ms']:.2f} "
-                     f"ms; auto {p['auto']['label']} {p['auto']['paired']['wall_ms']:.2f} ms "
-                     f"(gap {100 * p['gap']:+.1f}%)")
-            write_json(out / "schedule.json", {"args": asdict(args), "target_gap": TARGET_GAP,
-                                               "points": points, "partial": True},
-                       with_machine=True)
+        with PartialJSON(out / "schedule.json") as partial:
+            pts = sweep_points(args)
+            for i, (b, d) in enumerate(pts, 1):
+                progress(f"point {i}/{len(pts)}: batch {b}, dim {d}")
+                points.append(run_point(args, b, d))
+                p = points[-1]
+                progress(f"  alternating: best manual {p['best_manual']['placement']} "
+                         f"{p['best_manual']['label']} {p['best_manual']['paired']['wall_ms']:.2f} "
+                         f"ms; auto {p['auto']['label']} {p['auto']['paired']['wall_ms']:.2f} ms "
+                         f"(gap {100 * p['gap']:+.1f}%)")
+                partial.write({"args": asdict(args), "target_gap": TARGET_GAP, "points": points})
     finally:
         torch.set_num_threads(before)
     summary = summarize(points, args.top_k)
@@ -441,7 +445,7 @@ def run(args: ScheduleBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench schedule``."""
     p = command_parser("conduit bench schedule", __doc__, ScheduleBenchArgs)
-    run(parse_command(p, ScheduleBenchArgs, argv, check=check_args))
+    run(parse_quick(p, ScheduleBenchArgs, argv, effective, check=check_args))
     return 0
 
 

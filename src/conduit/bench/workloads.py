@@ -13,18 +13,23 @@ moves it. The image workloads are payload-size stand-ins (128×128×3 ≈ 48 KB 
 
     conduit bench workloads --rounds 3 --out runs/bench/workloads
     conduit bench workloads --only DQN-CP PPO-img128 --iters 10
+    conduit bench workloads --quick
+
+The JSON is rewritten with ``"partial": true`` after every workload, so an interrupted sweep
+keeps the workloads it finished.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from conduit._checks import check_int
-from conduit.cli_args import arg, command_parser, parse_command
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
+from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.report import table, write_json
 from conduit.workloads.actors import ray_running
@@ -111,6 +116,18 @@ class WorkloadBenchArgs:
                          "then Conduit first, ...); medians pool every run's iterations", min=1)
     out: str = arg("runs/bench/workloads", "folder for workloads.json and workloads.png",
                    output="dir")
+    quick: bool = arg(False, "one light workload (DQN-CP), one actor, few iterations: a smoke "
+                             "run (flags given explicitly win)")
+
+
+#: What ``--quick`` gives the flags not given.
+QUICK = {"only": ("DQN-CP",), "iters": 12, "actors": 1}
+
+
+def effective(a: WorkloadBenchArgs, given: Collection[str] | None = None) -> WorkloadBenchArgs:
+    """The arguments after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(a, QUICK, given)
 
 
 def _iters(algo: str, requested: int, gpu: bool) -> int:
@@ -164,6 +181,9 @@ def check(a: WorkloadBenchArgs) -> None:
 def run(a: WorkloadBenchArgs) -> dict[str, Any]:
     """Run the sweep and write JSON + PNG; returns the JSON payload.
 
+    Args:
+        a: The arguments to run with, ``--quick`` already applied (:func:`effective`).
+
     Raises:
         ConfigError: An argument :func:`check` refuses.
     """
@@ -171,7 +191,8 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
     gpu = resolve_device(a.device).type == "cuda"
     chosen = [w for w in workloads(gpu=gpu) if not a.only or w.name in a.only]
     rows: dict[str, dict[str, Any]] = {}
-    with ray_running(enabled=a.use_ray):
+    out = Path(a.out)
+    with PartialJSON(out / "workloads.json") as partial, ray_running(enabled=a.use_ray):
         for w in chosen:
             mod = TRAINERS[w.algo]
             base = mod.Args(**w.kwargs, actors=a.actors, seed=a.seed, device=a.device,
@@ -195,15 +216,20 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                     rows[w.name][f"{buffer}_losses_finite"] = (
                         rows[w.name].get(f"{buffer}_losses_finite", True)
                         and res.losses_finite)
-                    print(f"  .. {w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
-                          f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
-                          f"{1000 * res.summary['end_to_end']:8.2f} ms"
-                          + (f"  {res.plan.get('schedule', '')}" if buffer == "conduit" else ""),
-                          flush=True)
+                    progress(f"{w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
+                             f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
+                             f"{1000 * res.summary['end_to_end']:8.2f} ms"
+                             + (f"  {res.plan.get('schedule', '')}" if buffer == "conduit"
+                                else ""))
+            r = rows[w.name]
             for buffer, runs in records.items():
-                rows[w.name][buffer] = summarize_records(runs)
-            rows[w.name]["end_to_end_reduction_per_round"] = round_reductions(
+                r[buffer] = summarize_records(runs)
+            r["end_to_end_reduction_per_round"] = round_reductions(
                 records["inline"], records["conduit"])
+            r["exposed_reduction"] = reduction(r["inline"]["exposed"], r["conduit"]["exposed"])
+            r["end_to_end_reduction"] = reduction(r["inline"]["end_to_end"],
+                                                  r["conduit"]["end_to_end"])
+            partial.write({"args": asdict(a), "workloads": rows})
     table_rows = []
     for name, r in rows.items():
         i, c = r["inline"], r["conduit"]
@@ -217,14 +243,11 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
             f"{100 * reduction(i['end_to_end'], c['end_to_end']):.0f}%",
             _spread(r["end_to_end_reduction_per_round"]),
             r["conduit_plan"].get("schedule", "")])
-        r["exposed_reduction"] = reduction(i["exposed"], c["exposed"])
-        r["end_to_end_reduction"] = reduction(i["end_to_end"], c["end_to_end"])
     print("\nper-iteration medians, inline/conduit (ms); reductions are Conduit vs inline "
           "(pooled over rounds; 'per round': lowest..highest of each round's paired runs)")
     print(table(["workload", "rollout", "exp. ingestion", "exp. delivery", "update",
                  "end to end", "exposed -", "e2e -", "e2e - per round", "conduit schedule"],
                 table_rows))
-    out = Path(a.out)
     payload = {"args": asdict(a), "workloads": rows}
     write_json(out / "workloads.json", payload, with_machine=True)
     png = plot_comparison({n: {"inline": r["inline"], "conduit": r["conduit"]}
@@ -236,7 +259,7 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conduit bench workloads``."""
     p = command_parser("conduit bench workloads", __doc__, WorkloadBenchArgs)
-    run(parse_command(p, WorkloadBenchArgs, argv, check=check))
+    run(parse_quick(p, WorkloadBenchArgs, argv, effective, check=check))
     return 0
 
 

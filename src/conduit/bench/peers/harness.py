@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -47,6 +47,7 @@ from typing import Any
 import psutil
 import torch
 
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick
 from conduit.bench.peers.adapter import (
     Chunk,
     OperationSkipped,
@@ -67,7 +68,7 @@ from conduit.bench.peers.gear_peer import GearPlacementPeer
 from conduit.bench.peers.reverb_peer import ReverbPeer
 from conduit.bench.peers.rllib_peer import RLlibPeer
 from conduit.bench.peers.torchrl_peer import TorchRLPeer
-from conduit.cli_args import arg, command_parser, parse_command, usage_error
+from conduit.cli_args import arg, command_parser, usage_error
 from conduit.errors import ConfigError
 from conduit.report import machine, pyplot, save_figure, table, write_json
 from conduit.timing import repeat_times
@@ -298,11 +299,10 @@ QUICK = {"dims": (128, 1000), "batches": (256,), "capacity": 16384, "warmup": 2,
 """What ``--quick`` changes (only for flags left at their defaults)."""
 
 
-def apply_quick(cfg: PeersConfig, explicit: set[str]) -> PeersConfig:
-    """Apply :data:`QUICK` to every field the user did not set explicitly."""
-    if not cfg.quick:
-        return cfg
-    return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
+def effective(cfg: PeersConfig, given: Collection[str] | None = None) -> PeersConfig:
+    """The configuration after ``--quick``: :data:`QUICK` for the flags not given (see
+    :func:`~conduit.bench.common.apply_quick`)."""
+    return apply_quick(cfg, QUICK, given)
 
 
 # Bytes a peer may hold per stored byte: a margin for RLlib (episode objects, deep copies on add,
@@ -887,13 +887,15 @@ def write_plot(rows: Sequence[RowResult], path: Path) -> str | None:
 # Entry point
 
 
-def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
-        ) -> tuple[dict[str, Any], list[RowResult]]:
+def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None,
+        partial: PartialJSON | None = None) -> tuple[dict[str, Any], list[RowResult]]:
     """Run the benchmark described by ``cfg``.
 
     Args:
-        cfg: What to run.
+        cfg: What to run, ``--quick`` already applied (:func:`effective`).
         progress: Receives one line per step (default: printed to stderr).
+        partial: Where the rows measured so far are written after every workload and after
+            Reverb's (none by default).
 
     Returns:
         The JSON-ready report and the rows it was built from.
@@ -927,6 +929,15 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
 
         rows: list[RowResult] = []
         adapters = build_adapters(cfg.peers)
+        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+
+        def save() -> None:
+            if partial is not None:
+                partial.write({"benchmark": "conduit bench peers", "config": config,
+                               "machine": host,
+                               "capacity_notes": {str(k): v for k, v in capacity_notes.items()},
+                               "rows": [asdict(r) for r in rows]})
+
         for w in workloads:
             # Inserts and epochs do not depend on the batch size: measured with the first.
             only = None if w.batch == cfg.batches[0] else ("sample_uniform", "sample_per_update")
@@ -952,6 +963,7 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                     if name in side:
                         rows[-1].side_ms, rows[-1].floor_ms = side[name], side[FLOOR]
                     rows[-1].side_per_ms = per.get(name)
+            save()
 
         versions: dict[str, Any] = {}
         if "reverb" in cfg.peers:
@@ -971,13 +983,13 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
                                       epoch_repeats=cfg.epoch_repeats, progress=log)
                 versions["reverb"] = reverb.versions
                 rows += rows_from_worker(doc_rows, reverb.versions.get("dm-reverb"))
+                save()
 
         host["load_average_end"] = (list(os.getloadavg()) if hasattr(os, "getloadavg")
                                     else None)
         report = {
             "benchmark": "conduit bench peers",
-            "config": {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in asdict(cfg).items()},
+            "config": config,
             "machine": host,
             "elapsed_s": round(time.time() - started, 1),
             "capacity_notes": {str(k): v for k, v in capacity_notes.items()},
@@ -997,11 +1009,8 @@ def run(cfg: PeersConfig, *, progress: Callable[[str], None] | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``conduit bench peers`` argument parser.
-
-    Flags are not abbreviated (``--dim`` is not ``--dims``): ``--quick`` keeps the flags
-    written out in ``argv``, so an abbreviation would be overwritten as if left unset.
-    """
+    """The ``conduit bench peers`` argument parser. Flags are not abbreviated (``--dim`` is
+    not ``--dims``)."""
     parser = command_parser("conduit bench peers", __doc__, PeersConfig)
     parser.allow_abbrev = False
     return parser
@@ -1026,17 +1035,6 @@ def check_config(cfg: PeersConfig) -> None:
                                         "--minibatches")
 
 
-def _explicit_flags(argv: Sequence[str]) -> set[str]:
-    names = {f.name for f in fields(PeersConfig)}
-    out = set()
-    for a in argv:
-        if a.startswith("--"):
-            key = a[2:].split("=", 1)[0].removeprefix("no-").replace("-", "_")
-            if key in names:
-                out.add(key)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``conduit bench peers``; returns the process exit code (0 unless misused).
 
@@ -1045,19 +1043,19 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    explicit = _explicit_flags(argv)
     names = {f.name for f in fields(PeersConfig)}
     try:
-        cfg = apply_quick(parse_command(parser, PeersConfig, argv, check=lambda c: check_config(
-            apply_quick(c, explicit))), explicit)
+        cfg = parse_quick(parser, PeersConfig, argv, effective, check=check_config)
     except ValueError as exc:
         name, _, reason = str(exc).partition(": ")
         if name in names and reason:
             usage_error(parser, name, reason)
         parser.error(str(exc))
-    report, rows = run(cfg)
-    report["command"] = " ".join(["conduit bench peers", *argv])
     out = Path(cfg.out)
+    command = " ".join(["conduit bench peers", *argv])
+    with PartialJSON(out / "peers.json", with_machine=False) as partial:
+        report, rows = run(cfg, partial=partial)
+    report["command"] = command
     write_json(out / "peers.json", report)
     plot_error = write_plot(rows, out / "peers.png") if cfg.plot else "disabled (--no-plot)"
 
