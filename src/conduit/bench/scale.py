@@ -173,7 +173,8 @@ def measure_round(plane: Any, spec: ExperienceSpec, a: ScaleBenchArgs, seed: int
 
 def measure_recovery(plane: Any) -> dict[str, float]:
     """Kill shard 0's actor and time its restore (detection, re-creation, row copy)."""
-    ray = plane._ray
+    import ray  # the plane's Ray, connected (the [ray] extra)
+
     actor = plane._shards.actors[0]
     ray.kill(actor, no_restart=True)
     while True:  # the kill is asynchronous: wait until Ray reports the actor dead
