@@ -138,6 +138,108 @@ def test_peers_keeps_the_workloads_it_finished(
     assert data["config"]["batches"] == [16, 32]
 
 
+def test_plane_keeps_the_loops_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit.bench import plane
+
+    def loop() -> dict[str, Any]:
+        return {"schedule": {}, "label": "s", "median_ms": {"exposed": 1.0}}
+
+    monkeypatch.setattr(plane, "run_loop", _interrupt_on(2, loop))
+    data = _interrupted(["bench", "plane", "--quick", "--out", str(tmp_path)],
+                        tmp_path / "plane.json", capsys)
+    assert data["loops"] == {"off_policy": [{**loop(), "name": "inline"}]}
+
+
+def test_placement_keeps_the_placements_it_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from conduit.bench import placement
+
+    targets = [t.label for t in placement.placements_available(torch.device("cpu"), (2,))]
+    n = len(targets)  # measured once untimed, then at every d
+    monkeypatch.setattr(placement, "measure", _interrupt_on(
+        2 * n + 2, lambda: {"inline_s": 1e-3, "fill_s": 0.0, "pinned_memory": False}))
+    data = _interrupted(["bench", "placement", "--quick", "--dims", "64", "300", "--shards", "2",
+                         "--no-overlap", "--learner-device", "cpu", "--out", str(tmp_path)],
+                        tmp_path / "placement.json", capsys)
+    assert [(e["dim"], e["placement"]) for e in data["entries"]] == [
+        *((64, t) for t in targets), (300, targets[0])]
+    assert [p["dim"] for p in data["planner"]] == [64] and data["placements"] == targets
+
+
+def test_grpo_keeps_the_runs_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from conduit.bench import grpo as grpo_bench
+    from conduit.workloads import grpo
+
+    calls: list[int] = []
+
+    def one_run(args: grpo.Args, *, pad: str) -> dict[str, Any]:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {"buffer": args.buffer, "max_completion_length": args.max_completion_length,
+                "wall_s": 0.2, "step_s": 0.1, "exposed_s": 0.02, "exposed_per_step_s": 0.01,
+                "exposed_generation_steps_s": 0.01, "generation_s": 0.1, "losses": [0.5],
+                "rewards": [1.0], "params": {"w": torch.zeros(2)}}
+
+    monkeypatch.setattr(grpo, "train", lambda *a, **k: None)  # the untimed warm-up
+    monkeypatch.setattr(grpo_bench, "one_run", one_run)
+    data = _interrupted(["bench", "grpo", "--lengths", "8", "16", "--rounds", "1", "--steps",
+                         "2", "--out", str(tmp_path)], tmp_path / "grpo.json", capsys)
+    assert [(r["max_completion_length"], r["buffer"]) for r in data["runs"]] == [
+        (8, "trl"), (8, "conduit")]
+    assert not any("params" in r for r in data["runs"])
+    assert [(s["max_completion_length"], s["identical_params"]) for s in data["summary"]] == [
+        (8, True)]
+
+
+def test_scale_keeps_the_shard_counts_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit import distributed
+    from conduit.bench import scale
+
+    class Cluster:
+        address = "local"
+
+        def __init__(self, **_: Any) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    class Plane:
+        def __init__(self, *, num_shards: int, **_: Any) -> None:
+            self.nodes, self.rows = [f"node{i}" for i in range(num_shards)], 0
+
+        def __len__(self) -> int:
+            return self.rows
+
+        def push(self, rows: dict[str, Any], *, node: str) -> None:
+            self.rows += len(rows["obs"])
+
+    def figures() -> dict[str, float]:
+        return {"insert_rows_s": 1.0, "sample_rows_s": 1.0, "wait_ms_no_prefetch": 1.0,
+                "wait_ms_prefetch": 0.5, "hidden": 0.5}
+
+    monkeypatch.setattr(scale, "LocalCluster", Cluster)
+    monkeypatch.setattr(distributed, "RayExperienceDataPlane", Plane)
+    monkeypatch.setattr(scale, "measure_round", lambda *a, **k: figures())
+    monkeypatch.setattr(scale, "measure_recovery", _interrupt_on(1, dict))
+    data = _interrupted(["bench", "scale", "--quick", "--shards", "1", "2", "--fill-rows", "64",
+                         "--out", str(tmp_path)], tmp_path / "scale.json", capsys)
+    assert data["rounds"] == {"1": [figures()], "2": [figures()]}
+    assert data["measured"] == {"1": figures()}
+
+
 def test_partial_json_marks_the_file_and_names_it_on_an_interrupt(tmp_path: Path) -> None:
     path = tmp_path / "x.json"
     with pytest.raises(KeyboardInterrupt) as exc, PartialJSON(path):

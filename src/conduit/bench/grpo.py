@@ -15,6 +15,9 @@ every optimizer step the benchmark times:
     conduit bench grpo
     conduit bench grpo --lengths 16 64 --steps 48 --rounds 2
     conduit bench grpo --quick
+
+The JSON is rewritten with ``"partial": true`` after every run, so an interrupted comparison
+keeps the runs it finished.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
 from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.report import pyplot, save_figure, table, write_json
@@ -143,6 +146,47 @@ def effective(args: GRPOBenchArgs, given: Collection[str] | None = None) -> GRPO
     return apply_quick(args, QUICK, given)
 
 
+def summarize(runs: list[dict[str, Any]], length: int) -> tuple[dict[str, Any], list[Any]]:
+    """The comparison at one completion length: medians over its rounds, and whether the
+    first TRL and the first Conduit run have identical losses, rewards and parameters.
+
+    Args:
+        runs: The runs so far, each from :func:`one_run` with its ``"round"``.
+        length: The completion length to summarize (every round of both trainers finished).
+
+    Returns:
+        The length's entry of the JSON summary and its row of the printed table.
+    """
+    by = {b: [x for x in runs if x["max_completion_length"] == length and x["buffer"] == b]
+          for b in ("trl", "conduit")}
+    med = {b: {k: statistics.median(x[k] for x in rs) for k in (
+        "step_s", "exposed_per_step_s", "exposed_generation_steps_s", "exposed_s")}
+           for b, rs in by.items()}
+    ref, got = by["trl"][0], by["conduit"][0]
+    same_losses = ref["losses"] == got["losses"]
+    same_rewards = ref["rewards"] == got["rewards"]
+    same_params = all(torch.equal(ref["params"][k], got["params"][k]) for k in ref["params"])
+    loss_diff = max((abs(x - y) for x, y in zip(ref["losses"], got["losses"])), default=0.0)
+    param_diff = max(float((ref["params"][k] - got["params"][k]).abs().max())
+                     for k in ref["params"])
+    red = 1 - med["conduit"]["exposed_per_step_s"] / med["trl"]["exposed_per_step_s"]
+    step_red = 1 - med["conduit"]["step_s"] / med["trl"]["step_s"]
+    summary = {"max_completion_length": length, "median": med,
+               "exposed_reduction": red, "step_time_reduction": step_red,
+               "identical_losses": same_losses, "identical_rewards": same_rewards,
+               "identical_params": same_params, "max_loss_diff": loss_diff,
+               "max_param_diff": param_diff, "rewards": {
+                   "trl": ref["rewards"], "conduit": got["rewards"]}}
+    row = [length, f"{1000 * med['trl']['step_s']:.1f}",
+           f"{1000 * med['conduit']['step_s']:.1f}", f"{100 * step_red:+.0f}%",
+           f"{1000 * med['trl']['exposed_per_step_s']:.2f}",
+           f"{1000 * med['conduit']['exposed_per_step_s']:.2f}",
+           f"{100 * red:.0f}%", "yes" if same_rewards else "NO",
+           "yes" if same_losses else f"max diff {loss_diff:.1e}",
+           "yes" if same_params else f"max diff {param_diff:.1e}"]
+    return summary, row
+
+
 def run(a: GRPOBenchArgs) -> dict[str, Any]:
     """Every (length, round, trainer), then the table, JSON and PNG; returns the payload.
 
@@ -162,46 +206,33 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
                              batch_size=a.batch_size, max_completion_length=min(a.lengths),
                              steps_per_generation=warm_spg, log_every=0))
     progress("warm-up done")
-    for length in a.lengths:
-        for r in range(a.rounds):
-            for buffer in (("trl", "conduit") if r % 2 == 0 else ("conduit", "trl")):
-                args = grpo.Args(task=a.task, buffer=buffer, steps=a.steps, seed=a.seed,
-                                 batch_size=a.batch_size, max_completion_length=length,
-                                 steps_per_generation=a.steps_per_generation, log_every=0)
-                res = one_run(args, pad=a.pad)
-                runs.append({**res, "round": r})
-                progress(f"length {length} round {r + 1}/{a.rounds} {buffer:<8} "
-                         f"{1000 * res['step_s']:7.1f} ms/step, exposed "
-                         f"{1000 * res['exposed_per_step_s']:6.2f} ms/step")
-    rows, summary = [], []
-    for length in a.lengths:
-        by = {b: [x for x in runs if x["max_completion_length"] == length and x["buffer"] == b]
-              for b in ("trl", "conduit")}
-        med = {b: {k: statistics.median(x[k] for x in rs) for k in (
-            "step_s", "exposed_per_step_s", "exposed_generation_steps_s", "exposed_s")}
-               for b, rs in by.items()}
-        ref, got = by["trl"][0], by["conduit"][0]
-        same_losses = ref["losses"] == got["losses"]
-        same_rewards = ref["rewards"] == got["rewards"]
-        same_params = all(torch.equal(ref["params"][k], got["params"][k]) for k in ref["params"])
-        loss_diff = max((abs(x - y) for x, y in zip(ref["losses"], got["losses"])), default=0.0)
-        param_diff = max(float((ref["params"][k] - got["params"][k]).abs().max())
-                         for k in ref["params"])
-        red = 1 - med["conduit"]["exposed_per_step_s"] / med["trl"]["exposed_per_step_s"]
-        step_red = 1 - med["conduit"]["step_s"] / med["trl"]["step_s"]
-        summary.append({"max_completion_length": length, "median": med,
-                        "exposed_reduction": red, "step_time_reduction": step_red,
-                        "identical_losses": same_losses, "identical_rewards": same_rewards,
-                        "identical_params": same_params, "max_loss_diff": loss_diff,
-                        "max_param_diff": param_diff, "rewards": {
-                            "trl": ref["rewards"], "conduit": got["rewards"]}})
-        rows.append([length, f"{1000 * med['trl']['step_s']:.1f}",
-                     f"{1000 * med['conduit']['step_s']:.1f}", f"{100 * step_red:+.0f}%",
-                     f"{1000 * med['trl']['exposed_per_step_s']:.2f}",
-                     f"{1000 * med['conduit']['exposed_per_step_s']:.2f}",
-                     f"{100 * red:.0f}%", "yes" if same_rewards else "NO",
-                     "yes" if same_losses else f"max diff {loss_diff:.1e}",
-                     "yes" if same_params else f"max diff {param_diff:.1e}"])
+    out = Path(a.out)
+    rows: list[list[Any]] = []
+    summary: list[dict[str, Any]] = []
+
+    def payload() -> dict[str, Any]:
+        """The JSON payload of the runs so far (their parameters left out)."""
+        return {"args": asdict(a), "summary": summary,
+                "runs": [{k: v for k, v in x.items() if k != "params"} for x in runs],
+                "wall_s": time.perf_counter() - t_start}
+
+    with PartialJSON(out / "grpo.json") as partial:
+        for length in a.lengths:
+            for r in range(a.rounds):
+                for buffer in (("trl", "conduit") if r % 2 == 0 else ("conduit", "trl")):
+                    args = grpo.Args(task=a.task, buffer=buffer, steps=a.steps, seed=a.seed,
+                                     batch_size=a.batch_size, max_completion_length=length,
+                                     steps_per_generation=a.steps_per_generation, log_every=0)
+                    res = one_run(args, pad=a.pad)
+                    runs.append({**res, "round": r})
+                    progress(f"length {length} round {r + 1}/{a.rounds} {buffer:<8} "
+                             f"{1000 * res['step_s']:7.1f} ms/step, exposed "
+                             f"{1000 * res['exposed_per_step_s']:6.2f} ms/step")
+                    partial.write(payload())
+            sm, row = summarize(runs, length)
+            summary.append(sm)
+            rows.append(row)
+            partial.write(payload())
     print(f"\nGRPO on the CPU digit task, {a.steps} steps, batch {a.batch_size} x "
           f"{a.steps_per_generation} mini-batches per generation, Conduit padding to the "
           f"{a.pad}; medians over {a.rounds} round(s)")
@@ -213,15 +244,11 @@ def run(a: GRPOBenchArgs) -> dict[str, Any]:
                  for b, m in sm["median"].items()}
         print(f"length {sm['max_completion_length']}: share of the exposed path on generation "
               f"steps: TRL {100 * share['trl']:.0f} %, Conduit {100 * share['conduit']:.0f} %")
-    out = Path(a.out)
-    for x in runs:
-        x.pop("params")
-    payload = {"args": asdict(a), "summary": summary, "runs": runs,
-               "wall_s": time.perf_counter() - t_start}
-    write_json(out / "grpo.json", payload, with_machine=True)
+    result = payload()
+    write_json(out / "grpo.json", result, with_machine=True)
     png = plot(summary, out / "grpo.png")
     print(f"wrote {out / 'grpo.json'}" + (f" and {png}" if png else ""))
-    return payload
+    return result
 
 
 def plot(summary: list[dict[str, Any]], path: Path) -> Path | None:

@@ -23,7 +23,9 @@ reduced automatically so that a buffer fits the memory budget (``--max-buffer-gb
 fraction of what is free); the capacity actually used is reported per ``d``.
 
 Prints a table, writes ``placement.json`` and ``placement.png`` (log latency vs dimension, one
-line per placement, a star on the planner's pick) under ``--out``.
+line per placement, a star on the planner's pick) under ``--out``. The JSON is rewritten with
+``"partial": true`` after every placement measured at every ``d``, so an interrupted sweep keeps
+what it measured.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import psutil
 import torch
 
-from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
 from conduit.cli_args import arg, command_parser
 from conduit.errors import CapacityError, ConfigError
 from conduit.placement import Topology, plan_placement
@@ -297,7 +299,8 @@ def check(args: PlacementBenchArgs) -> None:
 
 
 def run(args: PlacementBenchArgs) -> dict[str, Any]:
-    """The whole sweep; returns the JSON payload (without writing it).
+    """The whole sweep; returns the JSON payload, which :func:`main` writes. Until then the
+    file holds what is measured so far, with ``"partial": true``.
 
     Args:
         args: The arguments to run with, ``--quick`` already applied (:func:`effective`).
@@ -313,54 +316,65 @@ def run(args: PlacementBenchArgs) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     planner: list[dict[str, Any]] = []
     caps: dict[int, int] = {}
-    # An untimed round on every placement first, so the allocators, the kernels and the
-    # learner-side copy paths are warm before it is measured (otherwise the first line of the
-    # table pays for them).
-    first = transition_spec(max(args.dims))
-    warm_cap = min(fit_capacity(args, first.bytes_per_sample, targets), 4 * args.batch_size)
-    for t in targets:
-        measure(args, t, first, warm_cap, learner)
-    for d in args.dims:
-        spec = transition_spec(d)
-        x = spec.bytes_per_sample
-        cap = fit_capacity(args, x, targets)
-        caps[d] = cap
-        reduced = cap < args.capacity
-        progress(f"d={d}: {x:,} B/sample, capacity {cap:,} rows "
-                 f"({cap * x / 1e9:.2f} GB){' (reduced to fit memory)' if reduced else ''}")
+
+    def result() -> dict[str, Any]:
+        """The payload of what is measured so far."""
+        ratios = {}
+        for d in args.dims:
+            by = {e["placement"]: e["inline_ms"] for e in entries if e["dim"] == d}
+            base = by.get("pageable")
+            ratios[str(d)] = {k: (base / v if base and v > 0 else None) for k, v in by.items()}
+        return {"bench": "placement", "args": asdict(args), "dims": list(args.dims),
+                "batch_size": args.batch_size, "learner_device": str(learner),
+                "cuda": torch.cuda.is_available(), "topology_source": topo.source,
+                "topology_estimated": topo.estimated,
+                "placements": [t.label for t in targets],
+                "capacity_requested": args.capacity,
+                "capacity": {str(d): c for d, c in caps.items()},
+                "capacity_reduced": any(c < args.capacity for c in caps.values()),
+                "entries": entries, "planner": planner, "speedup_vs_pageable": ratios,
+                "notes": [t.note and f"{t.label}: {t.note}" for t in targets if t.note]}
+
+    with PartialJSON(Path(args.out) / "placement.json") as partial:
+        # An untimed round on every placement first, so the allocators, the kernels and the
+        # learner-side copy paths are warm before it is measured (otherwise the first line of
+        # the table pays for them).
+        first = transition_spec(max(args.dims))
+        warm_cap = min(fit_capacity(args, first.bytes_per_sample, targets), 4 * args.batch_size)
         for t in targets:
-            r = measure(args, t, spec, cap, learner)
-            e = {"dim": d, "bytes_per_sample": x, "capacity": cap, "placement": t.label,
-                 "kind": t.placement.kind, "devices": list(t.placement.devices),
-                 "note": t.note, "inline_ms": r["inline_s"] * 1e3,
-                 "overlap_ms": r["overlap_s"] * 1e3 if "overlap_s" in r else None,
-                 "fill_s": r["fill_s"], "pinned_memory": r["pinned_memory"]}
-            entries.append(e)
-            extra = f", overlap {e['overlap_ms']:.3f} ms" if e["overlap_ms"] is not None else ""
-            progress(f"  {t.label:<28} inline {e['inline_ms']:.3f} ms{extra}")
-        pick = planner_pick(topo, x, cap, plan_learner, batch_size=args.batch_size)
-        paper = planner_pick(topo, x, PAPER_CAPACITY, plan_learner, batch_size=args.batch_size)
-        planner.append({"dim": d, "capacity": cap, **pick,
-                        "measured_label": _match(targets, pick.get("chosen")),
-                        "paper_capacity": PAPER_CAPACITY,
-                        "paper_capacity_label": paper.get("label"),
-                        "paper_capacity_reason": paper.get("reason")})
-        progress(f"  planner picks {pick.get('label') or 'nothing'} "
-                 f"(at 10^6 rows: {paper.get('label') or 'nothing fits'})")
-    ratios = {}
-    for d in args.dims:
-        by = {e["placement"]: e["inline_ms"] for e in entries if e["dim"] == d}
-        base = by.get("pageable")
-        ratios[str(d)] = {k: (base / v if base and v > 0 else None) for k, v in by.items()}
-    return {"bench": "placement", "args": asdict(args), "dims": list(args.dims),
-            "batch_size": args.batch_size, "learner_device": str(learner),
-            "cuda": torch.cuda.is_available(), "topology_source": topo.source,
-            "topology_estimated": topo.estimated,
-            "placements": [t.label for t in targets],
-            "capacity_requested": args.capacity, "capacity": {str(d): c for d, c in caps.items()},
-            "capacity_reduced": any(c < args.capacity for c in caps.values()),
-            "entries": entries, "planner": planner, "speedup_vs_pageable": ratios,
-            "notes": [t.note and f"{t.label}: {t.note}" for t in targets if t.note]}
+            measure(args, t, first, warm_cap, learner)
+        for d in args.dims:
+            spec = transition_spec(d)
+            x = spec.bytes_per_sample
+            cap = fit_capacity(args, x, targets)
+            caps[d] = cap
+            reduced = cap < args.capacity
+            progress(f"d={d}: {x:,} B/sample, capacity {cap:,} rows "
+                     f"({cap * x / 1e9:.2f} GB){' (reduced to fit memory)' if reduced else ''}")
+            for t in targets:
+                r = measure(args, t, spec, cap, learner)
+                e = {"dim": d, "bytes_per_sample": x, "capacity": cap, "placement": t.label,
+                     "kind": t.placement.kind, "devices": list(t.placement.devices),
+                     "note": t.note, "inline_ms": r["inline_s"] * 1e3,
+                     "overlap_ms": r["overlap_s"] * 1e3 if "overlap_s" in r else None,
+                     "fill_s": r["fill_s"], "pinned_memory": r["pinned_memory"]}
+                entries.append(e)
+                extra = (f", overlap {e['overlap_ms']:.3f} ms" if e["overlap_ms"] is not None
+                         else "")
+                progress(f"  {t.label:<28} inline {e['inline_ms']:.3f} ms{extra}")
+                partial.write(result())
+            pick = planner_pick(topo, x, cap, plan_learner, batch_size=args.batch_size)
+            paper = planner_pick(topo, x, PAPER_CAPACITY, plan_learner,
+                                 batch_size=args.batch_size)
+            planner.append({"dim": d, "capacity": cap, **pick,
+                            "measured_label": _match(targets, pick.get("chosen")),
+                            "paper_capacity": PAPER_CAPACITY,
+                            "paper_capacity_label": paper.get("label"),
+                            "paper_capacity_reason": paper.get("reason")})
+            progress(f"  planner picks {pick.get('label') or 'nothing'} "
+                     f"(at 10^6 rows: {paper.get('label') or 'nothing fits'})")
+            partial.write(result())
+    return result()
 
 
 def format_result(result: dict[str, Any]) -> str:

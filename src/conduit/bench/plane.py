@@ -14,6 +14,9 @@ schedule (Fig. 5a) and under an overlapped one, side by side, and reports per it
 On-policy, both schedules use the same consume-once layout; by default its first mini-batch is
 drawn from every rollout unit but the last (``--no-lead-first`` for a plain shuffle), so an
 overlapped plane can assemble it while the last unit is still being ingested.
+
+The JSON is rewritten with ``"partial": true`` after every loop (mode and schedule), so an
+interrupted run keeps the loops it finished.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, check_rows, parse_quick, progress
+from conduit.bench.common import PartialJSON, apply_quick, check_rows, parse_quick, progress
 from conduit.cli_args import arg, command_parser
 from conduit.errors import ConfigError
 from conduit.plane import ExperienceDataPlane
@@ -235,38 +238,40 @@ def run(args: PlaneBenchArgs) -> dict[str, Any]:
         "on_policy": [("inline", Schedule(0, 1, 0, Fraction(1, m))),
                       ("overlap", Schedule(1, Fraction(1, m), 1, Fraction(1, m)))],
     }
-    loops: dict[str, list[dict[str, Any]]] = {}
-    for mode, cfgs in configs.items():
-        loops[mode] = []
-        for name, sched in cfgs:
-            progress(f"{mode} {name}: {sched.label()} ({args.iters} iterations)")
-            r = run_loop(args, on_policy=mode == "on_policy", schedule=sched)
-            r["name"] = name
-            loops[mode].append(r)
-    rows = []
-    reductions = {}
-    for mode, cfgs in loops.items():
-        base = cfgs[0]["median_ms"]["exposed"]
-        for c in cfgs:
-            md = c["median_ms"]
-            red = 1 - md["exposed"] / base if base > 0 else 0.0
-            rows.append([mode, c["name"], c["label"], md["rollout"], md["update"],
-                         md["exposed"], md["wall"], f"{100 * red:.1f}%"])
-        reductions[mode] = 1 - cfgs[1]["median_ms"]["exposed"] / base if base > 0 else 0.0
-    print("\nPer-iteration medians (ms), measured side by side in one run")
-    print(table(["mode", "config", "schedule", "rollout", "update", "exposed", "end-to-end",
-                 "exposed reduction"], rows))
-    progress(f"gather vs copy: batch {args.batch_size}, dim {args.dim}, "
-             f"capacity {args.capacity}")
-    gc = gather_vs_copy(dim=args.dim, capacity=args.capacity, batch=args.batch_size,
-                        repeats=args.repeats)
-    print(f"\nSample batch {args.batch_size} × dim {args.dim} from {args.capacity} slots "
-          f"({gc['bytes'] / 1e6:.1f} MB)")
-    print(table(["plain copy_ (ms)", "floor (ms)", "gather (ms)", "draw+gather (ms)",
-                 "gather/copy", "sample/copy", "sample/floor"],
-                [[gc["copy_ms"], gc["floor_ms"], gc["gather_ms"], gc["sample_ms"],
-                  gc["gather_over_copy"], gc["sample_over_copy"], gc["sample_over_floor"]]]))
     out = Path(args.out)
+    loops: dict[str, list[dict[str, Any]]] = {}
+    with PartialJSON(out / "plane.json") as partial:
+        for mode, cfgs in configs.items():
+            loops[mode] = []
+            for name, sched in cfgs:
+                progress(f"{mode} {name}: {sched.label()} ({args.iters} iterations)")
+                r = run_loop(args, on_policy=mode == "on_policy", schedule=sched)
+                r["name"] = name
+                loops[mode].append(r)
+                partial.write({"args": asdict(args), "loops": loops})
+        rows = []
+        reductions = {}
+        for mode, cfgs in loops.items():
+            base = cfgs[0]["median_ms"]["exposed"]
+            for c in cfgs:
+                md = c["median_ms"]
+                red = 1 - md["exposed"] / base if base > 0 else 0.0
+                rows.append([mode, c["name"], c["label"], md["rollout"], md["update"],
+                             md["exposed"], md["wall"], f"{100 * red:.1f}%"])
+            reductions[mode] = 1 - cfgs[1]["median_ms"]["exposed"] / base if base > 0 else 0.0
+        print("\nPer-iteration medians (ms), measured side by side in one run")
+        print(table(["mode", "config", "schedule", "rollout", "update", "exposed", "end-to-end",
+                     "exposed reduction"], rows))
+        progress(f"gather vs copy: batch {args.batch_size}, dim {args.dim}, "
+                 f"capacity {args.capacity}")
+        gc = gather_vs_copy(dim=args.dim, capacity=args.capacity, batch=args.batch_size,
+                            repeats=args.repeats)
+        print(f"\nSample batch {args.batch_size} × dim {args.dim} from {args.capacity} slots "
+              f"({gc['bytes'] / 1e6:.1f} MB)")
+        print(table(["plain copy_ (ms)", "floor (ms)", "gather (ms)", "draw+gather (ms)",
+                     "gather/copy", "sample/copy", "sample/floor"],
+                    [[gc["copy_ms"], gc["floor_ms"], gc["gather_ms"], gc["sample_ms"],
+                      gc["gather_over_copy"], gc["sample_over_copy"], gc["sample_over_floor"]]]))
     result = {"args": asdict(args), "loops": loops, "exposed_reduction": reductions,
               "gather_vs_copy": gc}
     jp = write_json(out / "plane.json", result, with_machine=True)

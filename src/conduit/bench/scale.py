@@ -26,6 +26,9 @@ real scaling.
 
 Starting the local cluster (``ray.cluster_utils.Cluster``) turns on Ray's token authentication
 the way a local ``ray.init()`` does; ``--address`` attaches to an existing cluster instead.
+
+The JSON is rewritten with ``"partial": true`` after every shard count's round and every shard
+count's recovery, so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from conduit.bench.common import apply_quick, parse_quick, progress
+from conduit.bench.common import PartialJSON, apply_quick, parse_quick, progress
 from conduit.cli_args import arg, check_reachable, command_parser
 from conduit.placement import Topology
 from conduit.placement.cluster import inter_node_bandwidth
@@ -237,39 +240,50 @@ def run(a: ScaleBenchArgs) -> dict[str, Any]:
     from conduit.distributed import RayExperienceDataPlane, ShardResources
 
     spec = _spec(a.dim)
+    out = Path(a.out)
+    rounds: dict[int, list[dict[str, float]]] = {s: [] for s in a.shards}
+    rows: dict[int, dict[str, float]] = {}
+
+    def measured() -> dict[str, Any]:
+        """The JSON payload of what is measured so far."""
+        return {"args": asdict(a), "measured": {str(s): m for s, m in rows.items()},
+                "rounds": {str(s): v for s, v in rounds.items()}}
+
     progress(f"starting {max(a.shards)} Ray nodes")
-    cluster = LocalCluster(nodes=max(a.shards), cpus=a.node_cpus, address=a.address)
-    try:
-        planes = {}
-        for s in a.shards:
-            progress(f"{s} shard(s): starting")
-            planes[s] = RayExperienceDataPlane(
-                spec=spec, capacity=a.fill_rows * 2, batch_size=a.batch_size, num_shards=s,
-                replication=min(2, s), address=cluster.address, min_size=a.batch_size,
-                shard_resources=ShardResources(num_cpus=0.1), timeout=120.0)
-        rounds: dict[int, list[dict[str, float]]] = {s: [] for s in a.shards}
-        for r in range(a.rounds):
-            for s in a.shards:  # side by side: every round visits every shard count
-                progress(f"round {r + 1}/{a.rounds}: {s} shard(s)")
-                rounds[s].append(measure_round(planes[s], spec, a, seed=100 * r))
-        rows: dict[int, dict[str, float]] = {}
-        for s in a.shards:
-            fill = _rollout(spec, a.rollout_rows, 7)
-            while len(planes[s]) < a.fill_rows:
-                planes[s].push(fill, node=planes[s].nodes[len(planes[s]) % s])
-            med = {k: statistics.median(m[k] for m in rounds[s]) for k in rounds[s][0]}
-            if s >= 2:
-                progress(f"{s} shards: killing shard 0 with {len(planes[s])} rows")
-                med.update(measure_recovery(planes[s]))
-            rows[s] = med
-        live = list(dict.fromkeys(planes[max(a.shards)].nodes))
-        progress(f"measuring the inter-node bandwidth between {len(live)} Ray nodes")
-        bandwidth = inter_node_bandwidth(live, probe_bytes=8 << 20 if a.quick else 64 << 20) \
-            if len(live) > 1 else float("nan")
-        for p in planes.values():
-            p.close()
-    finally:
-        cluster.close()
+    with PartialJSON(out / "scale.json") as partial:
+        cluster = LocalCluster(nodes=max(a.shards), cpus=a.node_cpus, address=a.address)
+        try:
+            planes = {}
+            for s in a.shards:
+                progress(f"{s} shard(s): starting")
+                planes[s] = RayExperienceDataPlane(
+                    spec=spec, capacity=a.fill_rows * 2, batch_size=a.batch_size,
+                    num_shards=s, replication=min(2, s), address=cluster.address,
+                    min_size=a.batch_size, shard_resources=ShardResources(num_cpus=0.1),
+                    timeout=120.0)
+            for r in range(a.rounds):
+                for s in a.shards:  # side by side: every round visits every shard count
+                    progress(f"round {r + 1}/{a.rounds}: {s} shard(s)")
+                    rounds[s].append(measure_round(planes[s], spec, a, seed=100 * r))
+                    partial.write(measured())
+            for s in a.shards:
+                fill = _rollout(spec, a.rollout_rows, 7)
+                while len(planes[s]) < a.fill_rows:
+                    planes[s].push(fill, node=planes[s].nodes[len(planes[s]) % s])
+                med = {k: statistics.median(m[k] for m in rounds[s]) for k in rounds[s][0]}
+                if s >= 2:
+                    progress(f"{s} shards: killing shard 0 with {len(planes[s])} rows")
+                    med.update(measure_recovery(planes[s]))
+                rows[s] = med
+                partial.write(measured())
+            live = list(dict.fromkeys(planes[max(a.shards)].nodes))
+            progress(f"measuring the inter-node bandwidth between {len(live)} Ray nodes")
+            bandwidth = inter_node_bandwidth(live, probe_bytes=8 << 20 if a.quick else 64 << 20) \
+                if len(live) > 1 else float("nan")
+            for p in planes.values():
+                p.close()
+        finally:
+            cluster.close()
     row_bytes = spec.bytes_per_sample
     top = rows[max(a.shards)]
     per_batch_s = max(0.0, top["wait_ms_no_prefetch"] / 1e3
@@ -308,7 +322,6 @@ def run(a: ScaleBenchArgs) -> dict[str, Any]:
               "projection": proj, "note": "all Ray nodes share one machine: measured figures "
                                           "show correctness and overhead, not real scaling; "
                                           "the projection is a model"}
-    out = Path(a.out)
     path = write_json(out / "scale.json", result, with_machine=True)
     _plot(rows, proj, out)
     progress(f"wrote {path}")
