@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from conduit.errors import PriorityError
-from conduit.storage.buffer import priority_input
+from conduit.storage.row_ledger import priority_input
 
 ROW_BITS = 40
 """A delivered ``_index`` is ``owner << ROW_BITS | row_id``: shard and place in its order."""

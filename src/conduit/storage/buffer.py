@@ -1,4 +1,12 @@
-"""ExperienceBuffer: a store, a ring writer and a sampler, composed (TorchRL's shape)."""
+"""ExperienceBuffer: a store, a ring writer and a sampler, composed (TorchRL's shape).
+
+The buffer's own work is done by parts too: :class:`~conduit.storage.buffer_writer.BufferWriter`
+(writes), :class:`~conduit.storage.reader.BufferReader` (draws and gathers),
+:class:`~conduit.storage.row_ledger.RowLedger` (row ids and priority updates),
+:class:`~conduit.storage.snapshot_tracker.SnapshotTracker` (snapshots in progress) and
+:class:`~conduit.storage.buffer_state.BufferState` (state dicts); the buffer holds the lock
+they all run under.
+"""
 
 from __future__ import annotations
 
@@ -6,110 +14,27 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 
 from conduit._checks import check_device, check_int
-from conduit.errors import CapacityError, ConfigError, PriorityError, StateError
+from conduit.errors import CapacityError, ConfigError
 from conduit.spec import Batch, ExperienceSpec
-from conduit.storage.column_store import ColumnStore, Store, make_store
+from conduit.storage.buffer_state import BufferState
+from conduit.storage.buffer_writer import BufferWriter
+from conduit.storage.column_store import Store, make_store
 from conduit.storage.layout import Placement
-from conduit.storage.row_ids import ID_BYTES_PER_SLOT, ROW_IDS_ATTR, RowIds
+from conduit.storage.reader import MAX_BATCH_ROWS, BufferReader, batch_rows
+from conduit.storage.row_ids import ID_BYTES_PER_SLOT
+from conduit.storage.row_ledger import RowLedger, priority_arguments, priority_input
 from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
-from conduit.storage.snapshot import Blocks, RowSnapshot, sleep_share
-from conduit.storage.state import StateDict, array, entry
+from conduit.storage.snapshot import Blocks, RowSnapshot
+from conduit.storage.snapshot_tracker import SnapshotTracker, filled_blocks
+from conduit.storage.state import StateDict
 from conduit.storage.threads import GatherWorkers, data_path_threads
 from conduit.storage.writer import RingWriter
 
-#: The most rows one batch may hold: far more than memory holds for any row, and below the
-#: sizes torch's draws refuse with errors of their own.
-MAX_BATCH_ROWS = 2**31 - 1
-
-
-def _batch_size(value: Any) -> int:
-    """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
-    integer (a Python or NumPy integer; not a bool) of at most :data:`MAX_BATCH_ROWS`."""
-    rows = check_int("batch_size", value, minimum=1)
-    if rows > MAX_BATCH_ROWS:
-        raise ConfigError("batch_size", f"must be at most {MAX_BATCH_ROWS} rows, got {rows}")
-    return rows
-
-
-def priority_input(values: Any, field: str) -> torch.Tensor:
-    """``values`` of a priority update (its indices or priorities) as a flat CPU tensor
-    without autograd history (no copy when it is one).
-
-    Raises:
-        PriorityError: They are not numbers (None, text, ragged lists); the message starts
-            with ``field``.
-    """
-    if (isinstance(values, torch.Tensor) and values.dim() == 1 and values.device.type == "cpu"
-            and not values.requires_grad):
-        return values
-    try:
-        return torch.as_tensor(values).detach().cpu().reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise PriorityError(f"{field}: must be a tensor, array or list of numbers, got "
-                            f"{type(values).__name__} ({e})") from None
-
-
-def _checked_slots(indices: torch.Tensor, size: int) -> torch.Tensor:
-    """Slots given by a caller, as int64: integers in ``[0, size)`` (checked before a
-    gather, which would read an unfilled slot's leftovers, or on a sharded store an output
-    row no shard fills).
-
-    Raises:
-        ConfigError: They are not such slots (field ``indices``).
-    """
-    if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
-                             torch.uint8):
-        raise ConfigError("indices", f"must be integer slots (a batch's _index), got "
-                                     f"dtype {indices.dtype}")
-    if indices.device.type != "cpu":
-        raise ConfigError("indices", f"must be on the CPU, got {indices.device}")
-    if indices.dim() == 0:
-        raise ConfigError("indices", f"must have a batch dimension, got a 0-d tensor "
-                                     f"({int(indices)}); pass {int(indices)} as a "
-                                     f"1-element tensor")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
-        raise ConfigError("indices", f"must be filled slots in [0, {size}), got "
-                                     f"[{int(indices.min())}, {int(indices.max())}]")
-    # A copy: the batch's ``_index`` is the caller's, and a later change to ``indices`` must
-    # not change it (nor the row ids a gather keeps on it).
-    return indices.to(torch.int64, copy=True)
-
-
-def _check_draw(indices: torch.Tensor, size: int) -> None:
-    """Refuse a draw whose slots are not all in ``[0, size)`` (slots forgotten since it was
-    drawn, by :meth:`ExperienceBuffer.clear`, :meth:`ExperienceBuffer.drop_newest`,
-    :meth:`ExperienceBuffer.load_state_dict` or :meth:`ExperienceBuffer.adopt`).
-
-    Raises:
-        ConfigError: Such a slot (field ``indices``).
-    """
-    slots = indices.numpy()
-    if slots.size and (slots.min() < 0 or slots.max() >= size):
-        raise ConfigError("indices", f"the draw names slots [{int(slots.min())}, "
-                                     f"{int(slots.max())}], but only [0, {size}) hold rows "
-                                     f"now (rows were cleared or dropped since it was "
-                                     f"drawn); draw again")
-
-
-def _check_priority_values(priorities: torch.Tensor) -> None:
-    """Refuse priorities that are not real, finite and non-negative (checked before an update
-    skips any of them, so a bad value is refused wherever it falls).
-
-    Raises:
-        PriorityError: Such a priority.
-    """
-    if priorities.is_complex():
-        raise PriorityError(f"priorities: must be real numbers (|TD errors|), got "
-                            f"{priorities.dtype} values")
-    if priorities.is_floating_point() and not bool(torch.isfinite(priorities).all()):
-        raise PriorityError("priorities: contain NaN or infinity; pass finite |TD errors|")
-    if priorities.dtype != torch.bool and bool((priorities < 0).any()):
-        raise PriorityError("priorities: contain negative values; pass |TD error|")
+__all__ = ["MAX_BATCH_ROWS", "ExperienceBuffer", "priority_input"]
 
 
 def _check_slot_memory(capacity: int, sampler: Sampler) -> None:
@@ -151,6 +76,21 @@ def _check_parts(spec: Any, sampler: Any, placement: Any, store: Any) -> None:
     if store is not None and not all(hasattr(store, a) for a in ("spec", "capacity", "get")):
         raise ConfigError("store", f"expected a store (ColumnStore, MemmapColumnStore, "
                                    f"...), got {type(store).__name__}")
+
+
+def _store_for(spec: ExperienceSpec, capacity: int, placement: Placement | None,
+               store: Store | None) -> Store:
+    """``store``, or when None a new one for ``placement``.
+
+    Raises:
+        ConfigError: ``store`` does not hold ``capacity`` rows of ``spec``.
+    """
+    if store is None:
+        return make_store(spec=spec, capacity=capacity, placement=placement)
+    if store.spec != spec or store.capacity != capacity:
+        raise ConfigError("store", f"holds {store.capacity} rows of {store.spec}, the "
+                                   f"buffer needs {capacity} rows of {spec}")
+    return store
 
 
 class ExperienceBuffer:
@@ -196,32 +136,28 @@ class ExperienceBuffer:
         sampler = sampler or UniformSampler()
         sampler.check_spec(spec)
         self.spec = spec
-        if store is None:
-            store = make_store(spec=spec, capacity=capacity, placement=placement)
-        elif store.spec != spec or store.capacity != capacity:
-            raise ConfigError("store", f"holds {store.capacity} rows of {store.spec}, the "
-                                       f"buffer needs {capacity} rows of {spec}")
-        self.store = store
+        self.store = _store_for(spec, capacity, placement, store)
         self.capacity = self.store.capacity
         self.writer = RingWriter(capacity=self.capacity)
         self.sampler = sampler
         _check_slot_memory(self.capacity, sampler)
+        self._lock = threading.RLock()
+        self._tracker = SnapshotTracker(self._lock)
         try:
             self.sampler.bind(self.capacity)
-            self._ids = RowIds(self.capacity)
+            self._rows = RowLedger(self.capacity, self._tracker)
         except MemoryError as exc:  # (the check above counted memory that went meanwhile)
             raise CapacityError(f"capacity: cannot allocate the row ids and sampler state of "
                                 f"{self.capacity:,} slots: {exc}") from exc
         # No slot holds a row yet: a sampler that served another buffer forgets its rows
         # (priorities, boundaries, an epoch's layout), which would be drawn from here.
         self.sampler.reset()
-        self.threads = int(threads)
-        self._lock = threading.RLock()
-        self._row_id, self._delivered_id = self._ids.row, self._ids.delivered  # (in place only)
-        self._snapshots: list[RowSnapshot] = []  # copies in progress (begin_snapshot)
-        self._largest_write = 0  # rows of the largest extend so far (a snapshot's lead)
-        # clear, drop_newest, load and adopt calls: a draw may name slots gone since
-        self._forgets = 0
+        self._reader = BufferReader(threads=int(threads), rows=self._rows)
+        self._writer = BufferWriter(rows=self._rows, snapshots=self._tracker)
+        self._state = BufferState(capacity=self.capacity, rows=self._rows,
+                                  snapshots=self._tracker)
+        self._row_id, self._delivered_id = self._rows.row, self._rows.delivered  # (in place)
+        self._snapshots = self._tracker.live  # copies in progress (begin_snapshot; in place)
 
     @property
     def placement(self) -> Placement:
@@ -235,6 +171,24 @@ class ExperienceBuffer:
     def total_written(self) -> int:
         """Rows ever written (including overwritten ones)."""
         return self.writer.total_written
+
+    @property
+    def threads(self) -> int:
+        """Threads of the data path (see the constructor's ``threads``)."""
+        return self._reader.threads
+
+    @threads.setter
+    def threads(self, threads: int) -> None:
+        self._reader.threads = threads
+
+    @property
+    def _workers(self) -> GatherWorkers | None:
+        """The pool large gathers are split over with ``threads > 1``, or None."""
+        return self._reader.workers
+
+    @_workers.setter
+    def _workers(self, workers: GatherWorkers | None) -> None:
+        self._reader.workers = workers
 
     def extend(self, batch: Mapping[str, Any], *, validate: bool = True) -> torch.Tensor:
         """Append rows, overwriting the oldest once full.
@@ -262,27 +216,7 @@ class ExperienceBuffer:
             data = dict(batch)
             n = next(iter(data.values())).shape[0]
         with self._lock, data_path_threads(1):
-            if n > self._largest_write:
-                self._largest_write = n
-            w = self.writer
-            first_id, cursor, size = w.total_written, w.cursor, w.size
-            pieces = w.reserve(n)
-            try:
-                for store_start, b0, length in pieces:
-                    part = (data if length == n else
-                            {k: v[b0:b0 + length] for k, v in data.items()})
-                    for snap in self._snapshots:
-                        snap.preserve(store_start, store_start + length)
-                        snap.preserve_ids("row_id", slice(store_start, store_start + length))
-                    self.store.set_range(store_start, part)
-            except BaseException:  # the rows are not the buffer's: it stays as it was
-                w.cursor, w.size, w.total_written = cursor, size, first_id
-                raise
-            for store_start, b0, length in pieces:
-                self._ids.written(store_start, length, first_id + b0)
-            idx = RingWriter.indices(pieces)
-            self.sampler.on_write(idx, data, size=self.writer.size)
-        return idx
+            return self._writer.extend(data, n, self.writer, self.store, self.sampler)
 
     def draw(self, batch_size: int) -> SampleInfo:
         """Pick indices (no gather).
@@ -296,12 +230,9 @@ class ExperienceBuffer:
             ConfigError: ``batch_size`` is not a positive integer.
             EmptyBufferError: The sampler has nothing to draw from.
         """
-        batch_size = _batch_size(batch_size)
+        batch_size = batch_rows(batch_size)
         with self._lock:
-            info = self.sampler.sample(self.writer.size, batch_size)
-            if self.sampler.draws_slices:
-                info = SampleInfo(info.indices, info.weights, self.writer.total_written)
-            return info
+            return self._reader.draw(self.sampler, self.writer, batch_size)
 
     def gather(self, info: SampleInfo | torch.Tensor, *,
                device: torch.device | None = None) -> Batch:
@@ -333,36 +264,8 @@ class ExperienceBuffer:
         """
         device = None if device is None else check_device("device", device)
         with self._lock:
-            if isinstance(info, torch.Tensor):
-                info = SampleInfo(_checked_slots(info, self.writer.size))
-            elif not isinstance(info, SampleInfo):
-                raise ConfigError("indices", f"must be a SampleInfo or a tensor of slots, got "
-                                             f"{type(info).__name__}; pass "
-                                             f"torch.as_tensor(slots)")
-            elif self._forgets:  # (until rows are forgotten, every slot drawn still holds one)
-                _check_draw(info.indices, self.writer.size)
-            if info.written is not None and info.written != self.writer.total_written:
-                info = self._redraw_reached(info)
-            return self._gather_locked(info, device)
-
-    def _redraw_reached(self, info: SampleInfo) -> SampleInfo:
-        """``info``, a draw of slices, with each slice that holds a row written since the draw
-        (an id of at least ``info.written``) drawn again from the rows held now."""
-        indices = info.indices
-        reached = (self._row_id[indices.numpy()] >= info.written).reshape(
-            indices.shape[0], -1).any(axis=1)
-        k = int(reached.sum())
-        if not k:
-            return info
-        fresh = self.sampler.sample(self.writer.size, k)
-        keep = torch.from_numpy(reached)
-        indices = indices.clone()
-        indices[keep] = fresh.indices
-        weights = info.weights
-        if weights is not None and fresh.weights is not None:
-            weights = weights.clone()
-            weights[keep] = fresh.weights
-        return SampleInfo(indices, weights, self.writer.total_written)
+            info = self._reader.resolve(info, self.sampler, self.writer)
+            return self._reader.read(info, self.store, self.sampler, device)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
         """Draw and gather one batch.
@@ -372,13 +275,11 @@ class ExperienceBuffer:
                 device this machine has.
             EmptyBufferError: The sampler has nothing to draw from.
         """
-        batch_size = _batch_size(batch_size)
+        batch_size = batch_rows(batch_size)
         device = None if device is None else check_device("device", device)
         with self._lock:
-            return self._gather_locked(self.sampler.sample(self.writer.size, batch_size),
-                                       device)
-
-    _workers: GatherWorkers | None = None
+            info = self.sampler.sample(self.writer.size, batch_size)
+            return self._reader.read(info, self.store, self.sampler, device)
 
     @property
     def gather_mode(self) -> str | None:
@@ -386,34 +287,7 @@ class ExperienceBuffer:
         :data:`~conduit.storage.threads.GATHER_MODES` once measured (see
         :class:`~conduit.storage.threads.GatherWorkers`); None with one thread, before the
         first large gather, or while the trials run."""
-        workers = self._workers
-        return None if workers is None or self.threads < 2 else workers.mode
-
-    def _gather_locked(self, info: SampleInfo, device: torch.device | None) -> Batch:
-        indices = info.indices
-        if self.threads > 1 and isinstance(self.store, ColumnStore):
-            # Several data-path threads: a large gather may be split over row ranges on the
-            # buffer's own pool, each range on one torch thread (see GatherWorkers).
-            if self._workers is None:
-                self._workers = GatherWorkers(threads=self.threads)
-            with data_path_threads(1):
-                out = self.store.get(indices, device=device, workers=self._workers)
-        elif torch.get_num_threads() == self.threads:  # usually right already: no switch
-            out = self.store.get(indices, device=device)
-        else:
-            with data_path_threads(self.threads):
-                out = self.store.get(indices, device=device)
-        if self.sampler.accepts_priorities:
-            # Only a priority update reads which row a slot delivered (see update_priorities).
-            if hasattr(indices, ROW_IDS_ATTR):  # gathered before: this batch gets its own
-                indices = indices.clone()
-            for snap in self._snapshots:
-                snap.preserve_ids("delivered_id", indices.numpy().reshape(-1))
-            self._ids.deliver(indices)
-        out["_index"] = indices
-        if info.weights is not None:
-            out["_weight"] = info.weights
-        return out
+        return self._reader.mode
 
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> int:
         """Set the priorities of delivered rows (prioritized samplers only).
@@ -438,32 +312,9 @@ class ExperienceBuffer:
                 ``[0, capacity)``), or slots that hold no row and never delivered one;
                 priorities that are not finite and non-negative; mismatched lengths.
         """
-        idx, pr = priority_input(indices, "indices"), priority_input(priorities, "priorities")
-        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-            raise PriorityError(f"indices: must be integer slots (a batch's _index), got dtype "
-                                f"{idx.dtype}")
-        if pr.shape[0] != idx.shape[0]:
-            raise PriorityError(f"priorities: {pr.shape[0]} values for {idx.shape[0]} indices")
+        idx, pr = priority_arguments(indices, priorities)
         with self._lock:
-            slots = idx.numpy().astype(np.int64, copy=False)
-            current = np.empty(slots.shape[0], dtype=np.bool_)
-            # Every slot of the buffer: one past the rows held now may have delivered a row
-            # before a clear, whose update is then skipped (its row id no longer matches).
-            kept = self._ids.matching(indices, slots, self.capacity, current)
-            size = self.writer.size
-            if kept < 0 or (kept and size < self.capacity
-                            and bool((slots[current] >= size).any())):
-                # (outside the buffer, or holding no row and never delivering one)
-                since = (f" (or, for rows delivered before a clear, slots in "
-                         f"[0, {self.capacity}))" if size < self.capacity else "")
-                raise PriorityError(f"indices: must be filled slots in [0, {size}){since}, "
-                                    f"got [{slots.min()}, {slots.max()}]")
-            if kept < slots.shape[0]:
-                _check_priority_values(pr)  # (the sampler checks only those it keeps)
-                keep = torch.from_numpy(current)
-                idx, pr = idx[keep], pr[keep]
-            self.sampler.update_priorities(idx, pr)
-            return kept
+            return self._rows.update_priorities(indices, idx, pr, self.sampler, len(self))
 
     def drop_newest(self, n: int) -> None:
         """Forget the ``n`` newest rows, as if they had never been written: the next write
@@ -476,26 +327,7 @@ class ExperienceBuffer:
                 keeps per-row state (priorities, sequence starts) that would outlive them.
         """
         with self._lock:
-            w = self.writer
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= w.size:
-                raise ConfigError("n", f"must be an integer in [0, {w.size}], got {n!r}")
-            if w.size == w.capacity and w.cursor != 0:
-                raise ConfigError("n", "the ring has wrapped part way: its newest rows took "
-                                       "the slots of older ones, which cannot come back")
-            if type(self.sampler).on_write is not Sampler.on_write:
-                raise ConfigError("sampler", f"{type(self.sampler).__name__} keeps per-row "
-                                             f"state; rows cannot be taken back from it")
-            if n == 0:
-                return
-            slots = slice(w.size - n, w.size)
-            for snap in self._snapshots:
-                snap.preserve_ids("row_id", slots)
-                snap.preserve_ids("delivered_id", slots)
-            self._ids.forget(slots)
-            self._forgets += 1
-            w.size -= n
-            w.cursor = w.size
-            w.total_written -= n
+            self._writer.take_back(n, self.writer, self.sampler)
 
     def clear(self) -> None:
         """Forget all rows (storage stays allocated).
@@ -506,28 +338,15 @@ class ExperienceBuffer:
         since.
         """
         with self._lock:
-            for snap in self._snapshots:
-                snap.preserve_ids("row_id")
             self.writer.reset()
             self.sampler.reset()
-            self._ids.clear()
-            self._forgets += 1
+            self._rows.clear()
 
     def filled_blocks(self) -> Blocks:
         """Views (not copies) of the filled slots ``[0, len(self))``: ``(first slot, columns)``
         per part of the store (one per shard)."""
         with self._lock:
-            size, store = self.writer.size, self.store
-            shards = getattr(store, "shards", None)
-            if shards is None:
-                return [(0, {n: store.column(n)[:size] for n in self.spec.fields})]
-            blocks = []
-            for k, shard in enumerate(shards):
-                start = int(store.bounds[k])
-                n = min(size, int(store.bounds[k + 1])) - start
-                if n > 0:
-                    blocks.append((start, {f: shard.column(f)[:n] for f in self.spec.fields}))
-            return blocks
+            return filled_blocks(self.store, self.spec.fields, self.writer.size)
 
     def begin_snapshot(self, *, spare: Mapping[tuple[int, str], torch.Tensor] | None = None
                        ) -> RowSnapshot:
@@ -545,15 +364,9 @@ class ExperienceBuffer:
             instant, with the ids filled in as they are read out.
         """
         with self._lock:
-            state: StateDict = {"writer": self.writer.state_dict(),
-                                "sampler": self.sampler.state_dict(),
-                                "row_id": torch.from_numpy(self._row_id),
-                                "delivered_id": torch.from_numpy(self._delivered_id)}
-            snap = RowSnapshot(views=self.filled_blocks(), state=state, lock=self._lock,
-                               ids={"row_id": self._row_id, "delivered_id": self._delivered_id},
-                               spare=spare, lead_rows=2 * self._largest_write)
-            self._snapshots.append(snap)
-            return snap
+            state = self._state.save(self.writer, self.sampler, live=True)
+            return self._tracker.begin(views=self.filled_blocks(), state=state,
+                                       ids=self._rows.arrays(), spare=spare)
 
     def complete_snapshot(self, snap: RowSnapshot, *, chunk_bytes: int = 2 << 20,
                           duty: float = 1.0) -> Blocks:
@@ -574,19 +387,14 @@ class ExperienceBuffer:
             ConfigError: ``duty`` is outside ``(0, 1]``.
         """
         try:
-            sleep_share(duty)  # checked here too: an empty snapshot reads no column
-            blocks = snap.materialize(chunk_bytes=chunk_bytes, duty=duty)
-            for name in ("row_id", "delivered_id"):
-                snap.state[name] = torch.from_numpy(snap.ids(name))
+            return self._tracker.read_out(snap, chunk_bytes=chunk_bytes, duty=duty)
         finally:
             self.drop_snapshot(snap)
-        return blocks
 
     def drop_snapshot(self, snap: RowSnapshot) -> None:
         """Stop tracking ``snap``: later writes no longer copy rows into it."""
         with self._lock:
-            if snap in self._snapshots:
-                self._snapshots.remove(snap)
+            self._tracker.drop(snap)
 
     def adopt(self, other: ExperienceBuffer) -> None:
         """Take ``other``'s sampler (with its per-row state), ring cursor and row ids, after its
@@ -603,21 +411,14 @@ class ExperienceBuffer:
                                        f"{self.capacity}; a migration keeps the capacity")
         other.sampler.check_spec(self.spec)
         with self._lock:
-            for snap in self._snapshots:
-                snap.preserve_ids()
             self.sampler = other.sampler
             self.writer.load_state_dict(other.writer.state_dict())
-            self._ids.load(other._ids.row, other._ids.delivered)
-            self._forgets += 1
+            self._rows.load(other._rows.row, other._rows.delivered)
 
     def state_dict(self, *, rows: bool = True) -> StateDict:
         """Writer cursor, sampler state, row ids and (``rows``) a copy of the store."""
         with self._lock:
-            store = {"store": self.store.state_dict()} if rows else {}
-            return {**store, "writer": self.writer.state_dict(),
-                    "sampler": self.sampler.state_dict(),
-                    "row_id": torch.from_numpy(self._row_id.copy()),
-                    "delivered_id": torch.from_numpy(self._delivered_id.copy())}
+            return self._state.save(self.writer, self.sampler, self.store if rows else None)
 
     def load_state_dict(self, state: StateDict, *, rows: bool = True) -> None:
         """Restore from :meth:`state_dict` (store placement may differ).
@@ -631,28 +432,7 @@ class ExperienceBuffer:
             SpecError, CapacityError: The saved store does not match this buffer.
         """
         with self._lock:
-            # All or nothing: every part checks its entry before it changes anything, and a
-            # part that refuses puts back the parts loaded before it (the rows come last).
-            ids = {key: array(state, key, "buffer", length=self.capacity, dtype=np.int64)
-                   for key in ("row_id", "delivered_id")}
-            writer = RingWriter(capacity=self.capacity)
-            writer.load_state_dict(entry(state, "writer", "buffer"))
-            before = self.sampler.state_dict()
-            try:  # a sampler that refuses part way is put back too
-                self.sampler.load_state_dict(entry(state, "sampler", "buffer"))
-                self.sampler.check_rows(size=writer.size, head=writer.cursor)
-                if rows:
-                    for snap in self._snapshots:
-                        snap.preserve(0, snap.size)
-                    self.store.load_state_dict(entry(state, "store", "buffer"))
-            except BaseException:
-                self.sampler.load_state_dict(before)
-                raise
-            for snap in self._snapshots:
-                snap.preserve_ids()
-            self.writer.load_state_dict(writer.state_dict())
-            self._ids.load(ids["row_id"], ids["delivered_id"])
-            self._forgets += 1
+            self._state.load(state, self.writer, self.sampler, self.store if rows else None)
 
     def rows_in(self, state: StateDict) -> int:
         """The rows a buffer loaded from ``state`` (:meth:`state_dict`) would hold.
@@ -661,12 +441,4 @@ class ExperienceBuffer:
             StateError: The state is of a buffer with another capacity (its ``row_id`` has
                 another length), or the writer's entry is missing or out of range.
         """
-        shape = getattr(entry(state, "row_id", "buffer"), "shape", None)
-        if shape is not None and len(shape) == 1 and shape[0] != self.capacity:
-            raise StateError("buffer.row_id", f"the state is of a buffer with capacity "
-                                              f"{shape[0]}, this one holds {self.capacity} "
-                                              f"rows; load it where capacity={shape[0]}")
-        array(state, "row_id", "buffer", length=self.capacity, dtype=np.int64)
-        writer = RingWriter(capacity=self.capacity)
-        writer.load_state_dict(entry(state, "writer", "buffer"))
-        return writer.size
+        return self._state.rows_in(state)

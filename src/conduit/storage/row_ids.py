@@ -20,6 +20,9 @@ ROW_IDS_ATTR = "_conduit_row_ids"
 #: Host bytes :class:`RowIds` takes per slot (two int64 ids).
 ID_BYTES_PER_SLOT = 16
 
+#: The names of :class:`RowIds`' two arrays (``row``, ``delivered``) in a buffer's state.
+ID_ARRAYS = ("row_id", "delivered_id")
+
 
 def delivered_ids(indices: Any) -> np.ndarray | None:
     """The row ids a gather gave with ``indices``, when ``indices`` is the ``_index`` tensor of
