@@ -23,7 +23,6 @@ import math
 import numbers
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -32,16 +31,19 @@ import torch
 from conduit._checks import check_int
 from conduit.errors import (
     ConfigError,
-    EmptyBufferError,
     OperatorError,
     PlaneClosedError,
     SpecError,
     StateError,
 )
+from conduit.integrations.grpo_delivery import MiniBatchDelivery
+from conduit.integrations.grpo_gate import PrefetchGate
+from conduit.integrations.grpo_logprobs import LogProbPlan, LogProbSource, check_sources
+from conduit.integrations.grpo_pushes import IterationPushes, PushUnit, joined
 from conduit.plane import ExperienceDataPlane
 from conduit.scheduling.space import Schedule, feasible_space
 from conduit.spec import Batch, ExperienceSpec, RaggedFieldSpec, as_indices, checked_indices
-from conduit.storage import FifoSampler, data_path_threads
+from conduit.storage import FifoSampler
 from conduit.storage.ragged import RaggedStore
 
 ScaleRewards = Literal["group", "none"]
@@ -232,11 +234,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *,
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts`` end to end; a single part as it is (no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
-
-
 class OrderedFifoSampler(FifoSampler):
     """Consume-once sampling in an order the trainer gives per iteration (its shuffle), split
     into ``num_minibatches`` equal parts; every epoch repeats the iteration's order."""
@@ -255,69 +252,6 @@ class OrderedFifoSampler(FifoSampler):
             raise StateError("sampler.order", f"no order of {size} rows for iteration "
                                               f"{iteration}; call begin_iteration first")
         return list(torch.tensor_split(order, self.num_minibatches))
-
-
-@dataclass(frozen=True)
-class LogProbSource:
-    """Per-token log-probs a delivered mini-batch needs, computed during delivery.
-
-    Attributes:
-        key: Name in the delivered batch (``old_per_token_logps``, ``ref_per_token_logps``).
-        fn: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask)`` -> a
-            floating-point tensor shaped as ``completion_ids`` (B, T); anything else fails
-            the delivery with a :class:`SpecError` naming ``key``. It must read a policy that
-            does not change during the iteration (a snapshot).
-        skip_first: Leading mini-batches of a single-epoch iteration that need none (they are
-            trained under the policy that generated them, so the learner's own log-probs,
-            detached, are the same): an int >= 0, or ``skip_first(iteration)`` -> that int,
-            called once per iteration by :meth:`GroupExperiencePath.begin_iteration` (where
-            the iteration's start does not fall on an optimizer step, the count differs from
-            one iteration to the next).
-        reuse_across_epochs: With several epochs, compute a mini-batch's log-probs once per
-            iteration and deliver the same tensor in its later epochs (every epoch repeats
-            the iteration's mini-batches, and ``fn`` reads a snapshot, so they would not
-            change); they are held until the mini-batch's last epoch is delivered. False
-            (default): ``fn`` runs on every delivery.
-    """
-
-    key: str
-    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    skip_first: int | Callable[[int], int] = 0
-    reuse_across_epochs: bool = False
-
-
-_OUT_KEYS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                       "advantages", "row"})
-
-
-def _check_sources(logprobs: Any) -> tuple[LogProbSource, ...]:
-    """``logprobs`` as a tuple, each a :class:`LogProbSource` with a callable ``fn``, a key
-    of its own, an int >= 0 (or callable) ``skip_first`` and a bool ``reuse_across_epochs``.
-
-    Raises:
-        ConfigError: One is not (field ``logprobs``, or ``logprobs[i]...``).
-    """
-    if isinstance(logprobs, (str, bytes)) or not isinstance(logprobs, Sequence):
-        raise ConfigError("logprobs", f"must be a sequence of LogProbSource, got {logprobs!r}")
-    keys: set[str] = set()
-    for i, src in enumerate(logprobs):
-        if not isinstance(src, LogProbSource):
-            raise ConfigError(f"logprobs[{i}]", f"must be a LogProbSource, got {src!r}")
-        if not isinstance(src.key, str) or not src.key or src.key in _OUT_KEYS | keys:
-            raise ConfigError(f"logprobs[{i}].key", f"must be a new name for the delivered "
-                                                    f"batch, got {src.key!r}")
-        keys.add(src.key)
-        if not callable(src.fn):
-            raise ConfigError(f"logprobs[{i}].fn", f"must be callable, got {src.fn!r}")
-        skip = src.skip_first
-        if not callable(skip) and (isinstance(skip, bool) or not isinstance(skip, int)
-                                   or skip < 0):
-            raise ConfigError(f"logprobs[{i}].skip_first", f"must be an int >= 0 or a "
-                                                           f"callable, got {skip!r}")
-        if not isinstance(src.reuse_across_epochs, bool):
-            raise ConfigError(f"logprobs[{i}].reuse_across_epochs", f"must be a bool, got "
-                                                                    f"{src.reuse_across_epochs!r}")
-    return tuple(logprobs)
 
 
 def _checked_options(*, group_size: int, groups: int, num_minibatches: int, pad_token_id: Any,
@@ -339,7 +273,7 @@ def _checked_options(*, group_size: int, groups: int, num_minibatches: int, pad_
     if schedule is not None and not isinstance(schedule, Schedule):
         raise ConfigError("schedule", f"must be a conduit Schedule or None, got "
                                       f"{schedule!r}")
-    sources = _check_sources(logprobs)
+    sources = check_sources(logprobs)
     try:
         learner_device = torch.device(learner_device)
     except (RuntimeError, TypeError) as exc:
@@ -373,32 +307,7 @@ def _default_schedule(group_size: int, rows: int, m: int) -> Schedule:
     return Schedule(0, g_ing, 1, Fraction(1, m))
 
 
-def _skip_of(i: int, src: LogProbSource, iteration: int) -> int:
-    """``src``'s leading mini-batches without log-probs in ``iteration``.
-
-    Raises:
-        ConfigError: A callable ``skip_first`` returned something else than an int >= 0.
-    """
-    n = src.skip_first(iteration) if callable(src.skip_first) else src.skip_first
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ConfigError(f"logprobs[{i}].skip_first", f"must give an int >= 0, got {n!r}")
-    return int(n)
-
-
-@dataclass
-class _Unit:
-    """Groups pushed together: their first row in generation order, the sequences as given
-    (for the scorer) and packed."""
-
-    first: int
-    prompt_ids: Sequence[Sequence[int]]
-    completion_ids: Sequence[Sequence[int]]
-    prompts: tuple[torch.Tensor, torch.Tensor]
-    completions: tuple[torch.Tensor, torch.Tensor]
-    payload: Any
-
-
-def _unit_rewards(unit: _Unit, score: Callable[..., Any], group_size: int) -> torch.Tensor:
+def _unit_rewards(unit: PushUnit, score: Callable[..., Any], group_size: int) -> torch.Tensor:
     """The rewards ``score`` gives the completions of one push, checked.
 
     Raises:
@@ -410,159 +319,124 @@ def _unit_rewards(unit: _Unit, score: Callable[..., Any], group_size: int) -> to
     return r
 
 
-def _logprobs_of(src: LogProbSource, batch: Batch) -> torch.Tensor:
-    """``src``'s per-token log-probs of a padded mini-batch, on one torch thread (a prefetch
-    must not take the learner's cores).
+class _GroupIngestion:
+    """The plane's ingestion operator: scores the groups of each push in one call, computes
+    their advantages, packs their tokens and writes one row per completion.
 
-    Raises:
-        SpecError: ``src.fn`` returned something else than a floating-point tensor shaped as
-            ``completion_ids`` (field ``src.key``).
-    """
-    completion_ids = batch["completion_ids"]
-    with data_path_threads(1):
-        logps = src.fn(batch["prompt_ids"], batch["prompt_mask"], completion_ids,
-                       batch["completion_mask"])
-    if (not isinstance(logps, torch.Tensor) or not logps.is_floating_point()
-            or logps.shape != completion_ids.shape):
-        got = (f"{logps.dtype} tensor of shape {tuple(logps.shape)}"
-               if isinstance(logps, torch.Tensor) else type(logps).__name__)
-        raise SpecError(src.key, f"LogProbSource {src.key!r}: fn returned {got}; return "
-                                 f"a floating-point tensor of per-token log-probs "
-                                 f"shaped as completion_ids, {tuple(completion_ids.shape)}")
-    return logps
-
-
-class _Pushes:
-    """The current iteration's pushes, in row order: the rows each reserved, the tokens of
-    those ingested (packed in ``ragged``, row ``r`` in slot ``r``), their rewards and
-    advantages, and the earliest row a failure lost.
-
-    Pushes, ingestion and delivery run on different threads: ``lock`` guards ``ragged`` and
-    the units. A failure marks the first row of the push it lost (:meth:`lose`);
-    :meth:`settle` then withdraws that push and every later one, whose rows would no longer
-    follow generation order, so that the count of pushed rows is again what the plane holds
-    or still ingests.
+    Args:
+        pushes: The iteration's pushes.
+        score: The path's scorer.
+        group_size: Completions per prompt (G).
+        scale_rewards: ``"group"`` or ``"none"`` (see :func:`group_advantages`).
     """
 
-    def __init__(self, ragged: RaggedStore, *, rows: int, group_size: int) -> None:
-        self.ragged, self.lock = ragged, threading.Lock()
-        self._rows, self._group_size = rows, group_size
-        # by serial, unique for the path's lifetime, so a push that was withdrawn after a
-        # failure can never be taken for its replacement
-        self.units: dict[int, _Unit] = {}
-        self.pushed = 0  # rows reserved by the pushes not withdrawn
-        self.rewards = torch.full((rows,), float("nan"))
-        self.advantages = torch.zeros(rows)
-        self._serial = 0
-        self._lost: int | None = None  # first row of the earliest lost push
-        self._lost_to: BaseException | None = None  # the failure that lost it
-        self._spent: list[dict[int, _Unit]] = []  # earlier iterations' arrivals, to free
-
-    def restart(self) -> None:
-        """Empty, for the next iteration (the last one's arrivals wait for
-        :meth:`free_spent`)."""
-        with self.lock:
-            self.ragged.clear()
-            self._spent.append(self.units)
-            self.units, self.pushed, self._lost, self._lost_to = {}, 0, None, None
-        self.rewards = torch.full((self._rows,), float("nan"))
-        self.advantages = torch.zeros(self._rows)
-
-    def add(self, unit: _Unit) -> int:
-        """Reserve ``unit``'s rows, from :attr:`pushed` on; returns its serial. The caller
-        holds the path's push lock."""
-        serial = self._serial
-        self._serial += 1
-        self.units[serial] = unit
-        self.pushed += len(unit.completion_ids)
-        return serial
-
-    def lose(self, serials: Sequence[int], cause: BaseException | None = None) -> None:
-        """The pushes ``serials`` failed (of ``cause``): those still live mark their first row
-        lost (a withdrawn one, or one of an earlier iteration, marks nothing)."""
-        with self.lock:
-            for serial in serials:
-                unit = self.units.get(serial)
-                if unit is not None and (self._lost is None or unit.first < self._lost):
-                    self._lost, self._lost_to = unit.first, cause
-
-    def settle(self) -> None:
-        """Withdraw the pushes from the earliest lost row on."""
-        with self.lock:
-            cut, self._lost, self._lost_to = self._lost, None, None
-            if cut is None:
-                return
-            self.units = {s: u for s, u in self.units.items() if u.first < cut}
-            self.pushed = min(self.pushed, cut)
-            if len(self.ragged) > cut:  # rows of an invocation that failed after packing
-                self._truncate(cut)
-        self.rewards[cut:] = float("nan")
-        self.advantages[cut:] = 0.0
-
-    def _truncate(self, rows: int) -> None:
-        """Keep the ragged store's first ``rows`` rows (with :attr:`lock` held)."""
-        state = self.ragged.state_dict()
-        fields = {}
-        for name, entry in state["fields"].items():
-            off = entry["offsets"][:rows + 1]
-            fields[name] = {"values": entry["values"][:int(off[-1])], "offsets": off}
-        self.ragged.load_state_dict({"rows": rows, "fields": fields})
-
-    def live(self, serials: Sequence[int]) -> list[_Unit]:
-        """The pushes ``serials``, which an ingestion invocation holds.
-
-        Raises:
-            StateError: One was withdrawn after an earlier push of its iteration failed, or
-                follows one that failed and is not withdrawn yet (chained to that failure).
-        """
-        units = []
-        lost, cause = self._lost, self._lost_to
-        for serial in serials:
-            unit = self.units.get(serial)
-            if unit is None:
-                raise StateError("unit", "a push withdrawn after an earlier push of its "
-                                         "iteration failed; push its groups again")
-            if lost is not None and unit.first >= lost:
-                g = self._group_size
-                raise StateError("unit", f"groups from {unit.first // g} follow groups from "
-                                         f"{lost // g}, which failed ({cause!r}); push the "
-                                         f"groups again from group {lost // g}") from cause
-            units.append(unit)
-        return units
-
-    def pack(self, serials: Sequence[int], units: Sequence[_Unit]) -> None:
-        """Append the tokens of ``units`` (pushes ``serials``, consecutive), packed as one.
-
-        Raises:
-            StateError: They are not the next rows, or one was withdrawn meanwhile.
-        """
-        packed = {name: tuple(_joined(parts) for parts in zip(
-            *(getattr(unit, attr) for unit in units)))
-            for name, attr in (("prompt_ids", "prompts"), ("completion_ids", "completions"))}
-        with self.lock:  # (joined before: delivery pads under this lock)
-            at = len(self.ragged)
-            for serial, unit in zip(serials, units):
-                if self.units.get(serial) is not unit or unit.first != at:
-                    raise StateError("row", f"groups from {unit.first // self._group_size} "
-                                            f"were ingested out of order")
-                at += len(unit.completion_ids)
-            self.ragged.extend_packed(packed)
-
-    def unpack(self, rows: int) -> None:
-        """Keep the first ``rows`` rows' tokens (a write after :meth:`pack` failed)."""
-        with self.lock:
-            self._truncate(rows)
-
-    def free_spent(self) -> None:
-        """Drop earlier iterations' arrivals (their tensors)."""
-        with self.lock:
-            spent, self._spent = self._spent, []
-        del spent
+    def __init__(self, pushes: IterationPushes, score: Callable[..., Any], *, group_size: int,
+                 scale_rewards: ScaleRewards) -> None:
+        self._pushes, self._score = pushes, score
+        self.group_size, self.scale_rewards = group_size, scale_rewards
+        self._ingesting = threading.local()  # set on a thread while it runs the ingestion
 
     @property
-    def spent(self) -> int:
-        """Earlier iterations whose arrivals are not freed yet."""
-        return len(self._spent)
+    def active(self) -> bool:
+        """Whether the calling thread runs the ingestion (a call from the scorer)."""
+        return getattr(self._ingesting, "active", False)
+
+    def ingest(self, actor_in: Any, exp_out: Any) -> None:
+        """Ingest the pushes ``actor_in`` holds into ``exp_out`` (the operator); a failure
+        loses them (see :meth:`IterationPushes.lose`)."""
+        serials = [int(u["unit"].numpy()[0]) for u in actor_in.read_units()]
+        if not serials:
+            return
+        self._ingesting.active = True
+        try:
+            self._ingest_units(serials, exp_out)
+        except BaseException as exc:
+            self._pushes.lose(serials, exc)  # the plane drops the invocation's units
+            raise
+        finally:
+            self._ingesting.active = False
+
+    def _ingest_units(self, serials: list[int], exp_out: Any) -> None:
+        pushes = self._pushes
+        units = pushes.live(serials)
+        reward = joined([_unit_rewards(unit, self._score, self.group_size) for unit in units])
+        adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
+        start, n = units[0].first, reward.numel()  # consecutive rows, in push order
+        pushes.pack(serials, units)
+        try:
+            exp_out.write({"advantage": adv})
+        except BaseException:
+            pushes.unpack(start)
+            raise
+        pushes.rewards[start:start + n] = reward
+        pushes.advantages[start:start + n] = adv
+
+
+class _GroupIntake:
+    """Takes pushes of whole groups: checks them against the iteration, reserves their rows
+    and queues them on the plane, in row order.
+
+    Args:
+        plane: The path's plane.
+        pushes: The iteration's pushes.
+        group_size: Completions per prompt (G).
+        rows: Rows per iteration.
+    """
+
+    def __init__(self, plane: ExperienceDataPlane, pushes: IterationPushes, *, group_size: int,
+                 rows: int) -> None:
+        self._plane, self._pushes = plane, pushes
+        self.group_size, self.rows = group_size, rows
+        # held from a push's reservation of rows through plane.push, so the plane queues
+        # pushes in row order; ingestion never takes it (a push from inside ingestion, such as
+        # from the scorer, is refused: it would wait for the ingestion it runs in)
+        self._lock = threading.Lock()
+
+    def push(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+             payload: Any, *, iteration: int, prompt_width: int) -> None:
+        """Check the groups of one push, reserve their rows and push them to the plane.
+
+        Raises:
+            SpecError, OperatorError, BackpressureTimeout, PlaneClosedError: As
+                :meth:`GroupExperiencePath.push_groups`.
+        """
+        pushes = self._pushes
+        with self._lock:
+            pushes.settle()
+            first = pushes.pushed // self.group_size
+            n = len(completion_ids)
+            if n == 0 or n % self.group_size:
+                raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
+                                                  f"expected a multiple of group_size="
+                                                  f"{self.group_size}")
+            if len(prompt_ids) != n:
+                raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} "
+                                              f"prompts for {n} completions")
+            if pushes.pushed + n > self.rows:
+                raise SpecError(None, f"iteration {iteration} holds "
+                                      f"{self.rows // self.group_size} groups and "
+                                      f"{pushes.pushed // self.group_size} are pushed; call "
+                                      f"begin_iteration for the next one")
+            what = f"groups {first}..{first + n // self.group_size - 1}"
+            prompts = pushes.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
+                                                                  what=what)
+            completions = pushes.ragged.fields["completion_ids"].validate(
+                completion_ids, field="completion_ids", what=what)
+            if int(prompts[1].max()) > prompt_width:
+                raise SpecError("prompt_ids", f"{what} hold a prompt longer than the "
+                                              f"iteration's prompt_width {prompt_width}")
+            _check_one_prompt_per_group(prompts, self.group_size, what)
+            serial = pushes.add(PushUnit(pushes.pushed, prompt_ids, completion_ids, prompts,
+                                         completions, payload))
+            try:
+                self._plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
+                                 policy_version=iteration)
+            except BaseException:
+                # refused, or ingested here and failed: withdrawn (a copy the plane still
+                # holds fails its ingestion, as its serial is gone)
+                pushes.lose([serial])
+                pushes.settle()
+                raise
 
 
 class GroupExperiencePath:
@@ -636,23 +510,17 @@ class GroupExperiencePath:
         self.num_minibatches, self.num_epochs = num_minibatches, num_epochs
         self.pad_token_id, self.scale_rewards = int(pad_token_id), scale_rewards
         self.pad_completions_to = pad_completions_to
-        self._score, self._logprobs = score, sources
-        self._skips = tuple(0 for _ in sources)  # per source, for the current iteration
-        # (iteration, mini-batch) -> its rows, the log-probs of the sources that reuse them
-        # across epochs, and the epochs delivered so far
-        self._reused: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor], int]] = {}
-        self._pushes = _Pushes(RaggedStore(fields={
+        self._pushes = IterationPushes(RaggedStore(fields={
             "prompt_ids": RaggedFieldSpec(torch.int64, max_length=max_prompt_length),
             "completion_ids": RaggedFieldSpec(torch.int64, max_length=max_completion_length)},
             capacity=rows), rows=rows, group_size=group_size)
-        # held from a push's reservation of rows through plane.push, so the plane queues
-        # pushes in row order; ingestion never takes it (a push from inside ingestion, such as
-        # from the scorer, is refused: it would wait for the ingestion it runs in)
-        self._push_lock = threading.Lock()
-        self._ingesting = threading.local()  # set on a thread while it runs the ingestion
-        self._permit = threading.Event()  # set: the next prefetched delivery may start
-        self._pulling = threading.local()  # set on the learner's thread inside pull()
-        self._gate_s, self._closing = float(gate_prefetch), False
+        self._plan = LogProbPlan(sources, num_epochs=num_epochs)
+        self._gate = PrefetchGate(gate_prefetch)
+        self._ingestion = _GroupIngestion(self._pushes, score, group_size=group_size,
+                                          scale_rewards=scale_rewards)
+        self._delivery = MiniBatchDelivery(self._pushes, self._plan, self._gate, rows=rows,
+                                           pad_token_id=self.pad_token_id,
+                                           pad_completions_to=pad_completions_to)
         # A completion's buffer slot is its row in generation order and its ragged slot
         # (both are filled in push order from 0 each iteration), so a row holds only its
         # advantage; delivery reads the rest through ``_index``.
@@ -664,18 +532,27 @@ class GroupExperiencePath:
             sampler=self._sampler, rollout_rows=group_size, learner_device=learner_device,
             rollout_spec=ExperienceSpec.of(unit=((), torch.int64)), timeout=timeout,
             schedule=schedule or _default_schedule(group_size, rows, m))
-        self.plane.register_ingestion()(self._ingest)
+        self._intake = _GroupIntake(self.plane, self._pushes, group_size=group_size, rows=rows)
+        self.plane.register_ingestion()(self._ingestion.ingest)
         self.plane.register_delivery(
-            whole_iteration=pad_completions_to == "iteration")(self._deliver)
+            whole_iteration=pad_completions_to == "iteration")(self._delivery.deliver)
         self.iteration = -1
-        self._part_of = [0] * rows  # row -> its mini-batch within the epoch
         self._all_rows = set(range(rows))
-        self._prompt_width = 0
 
     @property
     def ragged(self) -> RaggedStore:
         """The iteration's prompt and completion tokens, packed (row ``r`` in slot ``r``)."""
         return self._pushes.ragged
+
+    @property
+    def _prompt_width(self) -> int:
+        """Width the iteration's prompts are left-padded to."""
+        return self._delivery.prompt_width
+
+    @property
+    def _reused(self) -> dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor], int]]:
+        """Log-probs held for the later epochs of the iteration's mini-batches."""
+        return self._plan.reused
 
     # -- the trainer's side -------------------------------------------------------------------
 
@@ -715,18 +592,15 @@ class GroupExperiencePath:
             raise StateError("iteration", f"iteration {self.iteration} still has mini-batches "
                                           f"to pull")
         iteration = self.iteration if restart else self.iteration + 1
-        skips = tuple(_skip_of(i, src, iteration) for i, src in enumerate(self._logprobs))
+        skips = self._plan.skips_for(iteration)
         # checked: from here on nothing raises
-        self.iteration, self._skips = iteration, skips
-        self._reused = {}
-        if not self._closing:  # generation is over and the learner is not updating
-            self._permit.clear()
+        self.iteration = iteration
+        self._plan.begin(iteration, skips)
+        self._gate.rearm()
         self._sampler.set_order(self.iteration, order)
-        per_part = self.rows // self.num_minibatches  # equal parts, in delivery order
-        for position, row in enumerate(in_order):
-            self._part_of[row] = position // per_part
+        self._delivery.set_order(in_order, self.num_minibatches)
         pushes.restart()  # the last iteration's arrivals are freed by a delivery on the worker
-        self._prompt_width = int(prompt_width)
+        self._delivery.prompt_width = int(prompt_width)
 
     @property
     def pushed_groups(self) -> int:
@@ -765,7 +639,7 @@ class GroupExperiencePath:
             OperatorError, BackpressureTimeout, PlaneClosedError: As
                 :meth:`ExperienceDataPlane.push`; the groups are lost (see the class).
         """
-        if getattr(self._ingesting, "active", False):
+        if self._ingestion.active:
             raise StateError("push_groups", "called from inside ingestion (the scorer): a push "
                                             "there would wait for the ingestion it runs in; "
                                             "push groups from the generator, not from score()")
@@ -776,42 +650,8 @@ class GroupExperiencePath:
                                                 "before pushing groups")
         _check_sequences(prompt_ids, "prompt_ids")
         _check_sequences(completion_ids, "completion_ids")
-        pushes = self._pushes
-        with self._push_lock:
-            pushes.settle()
-            first = pushes.pushed // self.group_size
-            n = len(completion_ids)
-            if n == 0 or n % self.group_size:
-                raise SpecError("completion_ids", f"groups from {first} have {n} completions, "
-                                                  f"expected a multiple of group_size="
-                                                  f"{self.group_size}")
-            if len(prompt_ids) != n:
-                raise SpecError("prompt_ids", f"groups from {first} have {len(prompt_ids)} "
-                                              f"prompts for {n} completions")
-            if pushes.pushed + n > self.rows:
-                raise SpecError(None, f"iteration {self.iteration} holds {self.groups} groups "
-                                      f"and {pushes.pushed // self.group_size} are pushed; call "
-                                      f"begin_iteration for the next one")
-            what = f"groups {first}..{first + n // self.group_size - 1}"
-            prompts = self.ragged.fields["prompt_ids"].validate(prompt_ids, field="prompt_ids",
-                                                                what=what)
-            completions = self.ragged.fields["completion_ids"].validate(
-                completion_ids, field="completion_ids", what=what)
-            if int(prompts[1].max()) > self._prompt_width:
-                raise SpecError("prompt_ids", f"{what} hold a prompt longer than the "
-                                              f"iteration's prompt_width {self._prompt_width}")
-            _check_one_prompt_per_group(prompts, self.group_size, what)
-            serial = pushes.add(_Unit(pushes.pushed, prompt_ids, completion_ids, prompts,
-                                      completions, payload))
-            try:
-                self.plane.push({"unit": torch.full((n,), serial, dtype=torch.int64)},
-                                policy_version=self.iteration)
-            except BaseException:
-                # refused, or ingested here and failed: withdrawn (a copy the plane still
-                # holds fails its ingestion, as its serial is gone)
-                pushes.lose([serial])
-                pushes.settle()
-                raise
+        self._intake.push(prompt_ids, completion_ids, payload, iteration=self.iteration,
+                          prompt_width=self._delivery.prompt_width)
 
     def recover(self) -> OperatorError | None:
         """Clear the plane's latched operator error (:meth:`ExperienceDataPlane.recover`) and
@@ -845,22 +685,12 @@ class GroupExperiencePath:
             EmptyBufferError, OperatorError, PlaneClosedError: As
                 :meth:`ExperienceDataPlane.pull`.
         """
-        if not self._gate_s:
-            return self.plane.pull()
-        self._pulling.active = True  # a delivery this thread runs itself never waits
-        try:
-            try:
-                return self.plane.pull(timeout=0)
-            except EmptyBufferError:
-                self._permit.set()  # the learner waits: the next delivery costs it nothing
-                return self.plane.pull()
-        finally:
-            self._pulling.active = False
+        return self._gate.pull(self.plane)
 
     def update_started(self) -> None:
         """The learner began its update on the mini-batch it pulled last: with
         ``gate_prefetch``, the next mini-batch's delivery may start now."""
-        self._permit.set()
+        self._gate.open()
 
     def flush(self) -> None:
         """Ingest every pushed group now.
@@ -893,102 +723,8 @@ class GroupExperiencePath:
     def close(self) -> None:
         """Stop the plane's workers (a delivery waiting for :meth:`update_started` is let
         go)."""
-        self._closing = True
-        self._permit.set()
+        self._gate.close()
         self.plane.close()
-
-    # -- operators ----------------------------------------------------------------------------
-
-    def _ingest(self, actor_in: Any, exp_out: Any) -> None:
-        serials = [int(u["unit"].numpy()[0]) for u in actor_in.read_units()]
-        if not serials:
-            return
-        self._ingesting.active = True
-        try:
-            self._ingest_units(serials, exp_out)
-        except BaseException as exc:
-            self._pushes.lose(serials, exc)  # the plane drops the invocation's units
-            raise
-        finally:
-            self._ingesting.active = False
-
-    def _ingest_units(self, serials: list[int], exp_out: Any) -> None:
-        pushes = self._pushes
-        units = pushes.live(serials)
-        reward = _joined([_unit_rewards(unit, self._score, self.group_size) for unit in units])
-        adv = group_advantages(reward, self.group_size, scale=self.scale_rewards)
-        start, n = units[0].first, reward.numel()  # consecutive rows, in push order
-        pushes.pack(serials, units)
-        try:
-            exp_out.write({"advantage": adv})
-        except BaseException:
-            pushes.unpack(start)
-            raise
-        pushes.rewards[start:start + n] = reward
-        pushes.advantages[start:start + n] = adv
-
-    def _wait_for_permit(self) -> None:
-        """With ``gate_prefetch``: a delivery on the worker starts once the learner updates
-        (or waits in :meth:`pull`), at the latest after ``gate_prefetch`` seconds, and takes
-        that permission."""
-        if not self._gate_s or getattr(self._pulling, "active", False):
-            return
-        self._permit.wait(self._gate_s)
-        if not self._closing:
-            self._permit.clear()
-
-    def _deliver(self, exp_in: Any, learn_out: Any) -> None:
-        self._wait_for_permit()
-        pushes = self._pushes
-        if pushes.spent > 1 or (pushes.spent and not getattr(self._pulling, "active", False)):
-            pushes.free_spent()  # on the worker; on the learner once two iterations' wait
-        rows = exp_in.read()
-        slots = rows["_index"]  # generation rows, and ragged slots (see the spec)
-        with pushes.lock:
-            prompt_ids, prompt_mask = pushes.ragged.padded_with_mask(
-                "prompt_ids", slots, pad_value=self.pad_token_id, side="left",
-                width=self._prompt_width, mask_dtype=torch.int64)
-            width = None
-            if self.pad_completions_to == "iteration":
-                width = int(pushes.ragged.lengths("completion_ids").max())
-            completion_ids, completion_mask = pushes.ragged.padded_with_mask(
-                "completion_ids", slots, pad_value=self.pad_token_id, width=width,
-                mask_dtype=torch.int64)
-        out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-               "completion_ids": completion_ids, "completion_mask": completion_mask,
-               "advantages": rows["advantage"], "row": slots}
-        part = self._part_of[int(slots.numpy()[0])] if slots.numel() else 0
-        reused = self._reused_logprobs(part, slots)
-        for src, skip in zip(self._logprobs, self._skips):
-            if src.key in reused:
-                out[src.key] = reused[src.key]
-            elif self.num_epochs > 1 or part >= skip:
-                out[src.key] = _logprobs_of(src, out)
-        self._keep_logprobs(part, slots, out, reused)
-        learn_out.write(out)
-
-    def _reused_logprobs(self, part: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The log-probs an earlier epoch computed for mini-batch ``part`` of the iteration
-        (the sources with ``reuse_across_epochs``), if it held the same rows ``slots``."""
-        held = self._reused.get((self.iteration, part))
-        if held is None or not torch.equal(held[0], slots):
-            return {}
-        return held[1]
-
-    def _keep_logprobs(self, part: int, slots: torch.Tensor, out: Batch,
-                       reused: dict[str, torch.Tensor]) -> None:
-        """Hold the log-probs of mini-batch ``part`` (delivered as ``out``) that its later
-        epochs reuse; drop them with its last epoch."""
-        if self.num_epochs == 1 or not any(s.reuse_across_epochs for s in self._logprobs):
-            return
-        key = (self.iteration, part)
-        held = self._reused.get(key)
-        epochs = held[2] + 1 if reused and held is not None else 1
-        if epochs >= self.num_epochs:
-            self._reused.pop(key, None)
-            return
-        keep = {s.key: out[s.key] for s in self._logprobs if s.reuse_across_epochs}
-        self._reused[key] = (slots.clone(), keep, epochs)
 
     def __enter__(self) -> GroupExperiencePath:
         return self
