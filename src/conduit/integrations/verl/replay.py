@@ -22,10 +22,8 @@ each tag carries ``conduit_score`` and ``conduit_advantage`` (equal to what verl
 keys across data-parallel ranks; set ``trainer.balance_batch=False`` to train in this order.
 """
 
-import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -36,23 +34,17 @@ from transfer_queue import KVBatchMeta
 
 from conduit._checks import check_bool, check_int, check_key, check_real
 from conduit.errors import (
-    ConduitError,
     ConfigError,
     EmptyBufferError,
     PlaneClosedError,
 )
 from conduit.integrations.verl._checks import check_epsilon
-from conduit.integrations.verl._weak import weak_ingestion
-from conduit.integrations.verl.advantages import grpo_group_advantage
-from conduit.plane import ActorIn, BufferOut, ExperienceDataPlane
-from conduit.spec import Batch, ExperienceSpec
+from conduit.integrations.verl.replay_checks import GroupChecks
+from conduit.integrations.verl.replay_evictions import GroupEvictor, merge_counts
+from conduit.integrations.verl.replay_plane import StepPlane
+from conduit.plane import ExperienceDataPlane
 
 _log = logging.getLogger(__name__)
-
-_SPEC = ExperienceSpec.of(key=((), torch.int64), seq_len=((), torch.int64),
-                          score=((), torch.float32), advantage=((), torch.float32))
-_ROLLOUT_SPEC = ExperienceSpec.of(key=((), torch.int64), seq_len=((), torch.int64),
-                                  score=((), torch.float32))
 
 
 @dataclass(frozen=True)
@@ -168,26 +160,33 @@ class ConduitReplayBuffer:
         self.max_off_policy_strategy = max_off_policy_strategy
         self.config = ConduitSamplerConfig.from_kwargs(sampler_kwargs)
         self.poll_interval = self.config.poll_interval
-        self.refill_fn = refill_fn
-        self._plane: ExperienceDataPlane | None = None
-        self._step_rows = 0
-        self._unreported: dict[str, int] = {}  # evictions no returned metrics counted yet
-        self._warned = False  # a malformed group was evicted (and warned about)
+        self._evictor = GroupEvictor(refill_fn, _log)
+        self._checks = GroupChecks(self.config)
+        self._steps = StepPlane(self.config)
         self._closed = False
+
+    @property
+    def refill_fn(self) -> Callable[[int], int] | None:
+        """verl's callback that replaces evicted groups (None: no replacements)."""
+        return self._evictor.refill_fn
+
+    @refill_fn.setter
+    def refill_fn(self, fn: Callable[[int], int] | None) -> None:
+        self._evictor.refill_fn = fn
 
     @property
     def plane(self) -> ExperienceDataPlane | None:
         """The plane of the training partition (built by the first ``sample``)."""
-        return self._plane
+        return self._steps.plane
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """Finished groups in ``partition_id`` (evicting failed ones first; they are counted
         in the metrics the next ``wait_for_sampleable`` or ``sample`` returns)."""
         metrics: dict = {}
         try:
-            return len(self._finished(partition_id, metrics))
+            return len(self._evictor.finished(partition_id, metrics))
         finally:
-            self._defer(metrics)
+            self._evictor.defer(metrics)
 
     def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int, *,
                             timeout: float | None = None) -> tuple[set[str], dict]:
@@ -214,9 +213,9 @@ class ConduitReplayBuffer:
         metrics: dict = {}
         try:
             while True:
-                finished = self._finished(partition_id, metrics)
+                finished = self._evictor.finished(partition_id, metrics)
                 if len(finished) >= target_count:
-                    _merge(metrics, self._take_unreported())
+                    merge_counts(metrics, self._evictor.take_unreported())
                     return set(finished), metrics
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -225,7 +224,7 @@ class ConduitReplayBuffer:
                                            f"{partition_id!r}")
                 time.sleep(min(self.config.poll_interval, left))
         except BaseException:
-            self._defer(metrics)
+            self._evictor.defer(metrics)
             raise
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int
@@ -262,7 +261,7 @@ class ConduitReplayBuffer:
         try:
             return self._sample(global_steps, partition_id, batch_size, metrics)
         except BaseException:
-            self._defer(metrics)  # reported by the next metrics returned
+            self._evictor.defer(metrics)  # reported by the next metrics returned
             raise
 
     def _sample(self, global_steps: int, partition_id: str, batch_size: int, metrics: dict
@@ -275,16 +274,16 @@ class ConduitReplayBuffer:
             listing, chosen = self._choose(global_steps, partition_id, batch_size, deadline,
                                            metrics)
             keys, tags = self._trajectories(listing, chosen)
-            bad = self._miscounted(keys, chosen, exact=train)
+            bad = self._checks.miscounted(keys, chosen, exact=train)
             if not bad and train:
-                mask, reward = self._read(keys, partition_id)
-                bad = self._bad_layout(keys, chosen, mask, reward, partition_id)
+                mask, reward = self._checks.read(keys, partition_id)
+                bad = self._checks.bad_layout(keys, chosen, mask, reward, partition_id)
                 if not bad:
                     scores = reward.sum(dim=-1).to(torch.float32)
-                    bad = self._bad_rows(keys, mask, scores)
+                    bad = self._checks.bad_rows(keys, mask, scores)
             if not bad:
                 break
-            self._evict_malformed(bad, partition_id, metrics)
+            self._evictor.evict_malformed(bad, partition_id, metrics)
             if not train:  # no replacement comes: the batch goes on without them, as verl's
                 chosen = [u for u in chosen if u not in bad]
                 if not chosen:
@@ -296,7 +295,7 @@ class ConduitReplayBuffer:
         if not train:
             tq.kv_clear(keys=chosen, partition_id=partition_id)
             return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
-        order = self._through_plane(mask, scores, tags, batch_size)
+        order = self._steps.run(mask, scores, tags, batch_size)
         tq.kv_clear(keys=chosen, partition_id=partition_id)  # the groups leave the pool
         prefix = "training/conduit"
         metrics.update({f"{prefix}/score_mean": float(scores.mean()),
@@ -324,9 +323,9 @@ class ConduitReplayBuffer:
                            if metrics.get(name) else "")
                 raise EmptyBufferError(f"{e} (sample waits sampler_kwargs.timeout="
                                        f"{self.config.timeout} s in all{evicted})") from None
-            _merge(metrics, waited)
+            merge_counts(metrics, waited)
             listing = tq.kv_list(partition_id).get(partition_id, {})
-            finished = self._finished(partition_id, metrics, listing=listing)
+            finished = self._evictor.finished(partition_id, metrics, listing=listing)
             if len(finished) >= batch_size:
                 return listing, sorted(finished, key=lambda u: (finished[u], u))[:batch_size]
 
@@ -334,31 +333,8 @@ class ConduitReplayBuffer:
         """Stop the plane's workers; a later ``sample`` raises
         :class:`~conduit.errors.PlaneClosedError`. Idempotent."""
         self._closed = True
-        if self._plane is not None:
-            self._plane.close()
-
-    def _finished(self, partition_id: str, metrics: dict,
-                  listing: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, int]:
-        """Finished groups (uid -> the step that issued them); failed ones are evicted."""
-        if listing is None:
-            listing = tq.kv_list(partition_id).get(partition_id, {})
-        finished, failed = {}, []
-        for key, tag in listing.items():
-            if tag.get("is_prompt", False):
-                if tag.get("status") == "finished":
-                    finished[key] = int(tag.get("global_steps", 0))
-                elif tag.get("status") == "failure":
-                    failed.append(key)
-        if failed:
-            doomed = set(failed)
-            tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in doomed],
-                        partition_id=partition_id)
-            name = f"{'training' if partition_id == 'train' else 'validation'}" \
-                   f"/rollout_failure/evicted_samples"
-            metrics[name] = metrics.get(name, 0) + len(failed)
-            if self.refill_fn is not None and partition_id == "train":
-                self.refill_fn(len(failed))
-        return finished
+        if self._steps.plane is not None:
+            self._steps.plane.close()
 
     @staticmethod
     def _trajectories(listing: Mapping[str, Mapping[str, Any]], chosen: list[str]
@@ -374,204 +350,3 @@ class ConduitReplayBuffer:
 
         keys = sorted(found, key=position)
         return keys, [dict(listing[k]) for k in keys]
-
-    def _miscounted(self, keys: list[str], chosen: list[str], *, exact: bool
-                    ) -> dict[str, tuple[str, str]]:
-        """Chosen groups without ``group_size`` trajectories (``exact``) or without any, and
-        groups of a multi-output agent loop: uid -> (field, message)."""
-        count = dict.fromkeys(chosen, 0)
-        multi: set[str] = set()
-        for key in keys:
-            uid, *rest = key.split("_")
-            count[uid] += 1
-            if len(rest) >= 2 and rest[-1].isdigit() and int(rest[-1]) > 0:
-                multi.add(uid)
-        bad = {}
-        n = self.config.group_size
-        for uid, found in count.items():
-            if uid in multi:
-                bad[uid] = ("uid", f"finished group {uid!r} has keys {{uid}}_{{trajectory}}_"
-                                   f"{{index}} with index > 0, from a multi-output agent loop: "
-                                   f"verl gives each trajectory the advantage of its last "
-                                   f"output, which this buffer does not compute")
-            elif found == 0 or (exact and found != n):
-                want = f"group_size={n}" if exact else "at least one"
-                bad[uid] = ("uid", f"finished group {uid!r} has {found} trajectories "
-                                   f"in TransferQueue, expected {want}")
-        return bad
-
-    def _read(self, keys: list[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trajectories' response masks and rewards (both padded)."""
-        data = tq.kv_batch_get(keys=keys, partition_id=partition_id,
-                               select_fields=["response_mask", self.config.reward_key])
-        return _padded(data["response_mask"]), _padded(data[self.config.reward_key])
-
-    def _layout_fault(self, mask: torch.Tensor, reward: torch.Tensor) -> tuple[str, str] | None:
-        """What is wrong with the fields' dtype or rank (trajectories stacked), if anything:
-        (field, message)."""
-        if mask.dim() != 2:
-            return ("response_mask", f"must be a [response_length] tensor per trajectory, got "
-                                     f"shape {tuple(mask.shape[1:])}")
-        if mask.is_floating_point() or mask.is_complex():
-            return ("response_mask", f"must be a bool or integer tensor (1 on response "
-                                     f"tokens), got {mask.dtype}")
-        if reward.dim() != 2:
-            key = self.config.reward_key
-            return (key, f"must be a token-level [response_length] tensor per trajectory, "
-                         f"got shape {tuple(reward.shape[1:])}")
-        return None
-
-    def _bad_layout(self, keys: list[str], chosen: list[str], mask: torch.Tensor,
-                    reward: torch.Tensor, partition_id: str) -> dict[str, tuple[str, str]]:
-        """Groups whose ``response_mask`` or rewards have the wrong dtype or rank: uid ->
-        (field, message). Only when the stacked fields are wrong does it read the groups one
-        by one to find them (all chosen groups when no single one is wrong by itself)."""
-        fault = self._layout_fault(mask, reward)
-        if fault is None:
-            return {}
-        bad: dict[str, tuple[str, str]] = {}
-        for uid in chosen:
-            own = [k for k in keys if k.split("_")[0] == uid]
-            m, r = self._read(own, partition_id)
-            found = self._layout_fault(m, r)
-            if found is not None:
-                bad[uid] = (found[0], f"group {uid!r}: {found[0]} {found[1]}")
-        return bad or {uid: (fault[0], f"the chosen groups' {fault[0]} {fault[1]}")
-                       for uid in chosen}
-
-    def _bad_rows(self, keys: list[str], mask: torch.Tensor, scores: torch.Tensor
-                  ) -> dict[str, tuple[str, str]]:
-        """Groups with an empty response, a score that is not finite, or advantages that are
-        not (the group's mean or standard deviation overflows float32): uid -> (field,
-        message), for the first such trajectory of each. The trajectories come group by
-        group, ``group_size`` each."""
-        bad: dict[str, tuple[str, str]] = {}
-        reward = self.config.reward_key
-        for i in (mask.sum(dim=-1) == 0).nonzero().flatten().tolist():
-            bad.setdefault(keys[i].split("_")[0], (
-                "response_mask", f"trajectory {keys[i]!r} has an empty response; every "
-                                 f"response needs a token"))
-        for i in (~torch.isfinite(scores)).nonzero().flatten().tolist():
-            bad.setdefault(keys[i].split("_")[0], (
-                reward, f"trajectory {keys[i]!r} has a non-finite score {float(scores[i])} "
-                        f"(the sum of its {reward}); rewards must be finite"))
-        n = self.config.group_size
-        if n > 1 and len(keys) % n == 0:
-            groups = scores.view(-1, n)
-            mean, std = groups.mean(dim=1), groups.std(dim=1)
-            ok = torch.isfinite(mean)
-            if self.config.norm_adv_by_std_in_grpo:
-                adv = (groups - mean[:, None]) / (std[:, None] + self.config.epsilon)
-                ok &= torch.isfinite(std)
-            else:
-                adv = groups - mean[:, None]
-            ok &= torch.isfinite(adv).all(dim=1)
-            for g in (~ok).nonzero().flatten().tolist():
-                bad.setdefault(keys[g * n].split("_")[0], (
-                    reward, f"group {keys[g * n].split('_')[0]!r}: the mean or standard "
-                            f"deviation of its scores overflows float32, so its advantages "
-                            f"are not finite; scale the rewards down"))
-        return bad
-
-    def _evict_malformed(self, bad: Mapping[str, tuple[str, str]], partition_id: str,
-                         metrics: dict) -> None:
-        """Evict the ``bad`` groups as failed ones are: clear their keys, count them in
-        ``metrics``, ask ``refill_fn`` for as many on ``train``, and warn about the first
-        group this buffer evicts (each is logged)."""
-        listing = tq.kv_list(partition_id).get(partition_id, {})  # what landed meanwhile too
-        tq.kv_clear(keys=[k for k in listing if k.split("_")[0] in bad],
-                    partition_id=partition_id)
-        kind = "training" if partition_id == "train" else "validation"
-        _merge(metrics, {f"{kind}/conduit/evicted_malformed": len(bad)})
-        if self.refill_fn is not None and partition_id == "train":
-            self.refill_fn(len(bad))
-        for field, message in bad.values():
-            _log.info("evicted a malformed group from partition %r (field %r): %s",
-                      partition_id, field, message)
-        if not self._warned:
-            self._warned = True
-            field, message = next(iter(bad.values()))
-            warnings.warn(f"ConduitReplayBuffer evicted a malformed group from partition "
-                          f"{partition_id!r} (field {field!r}): {message}. sample goes on "
-                          f"with other groups; later evictions are counted in the metrics "
-                          f"({kind}/conduit/evicted_malformed) and logged, not warned about",
-                          RuntimeWarning, stacklevel=4)
-
-    def _defer(self, metrics: Mapping[str, int]) -> None:
-        """Keep eviction counts no returned metrics carried, for the next metrics."""
-        _merge(self._unreported, metrics)
-
-    def _take_unreported(self) -> dict[str, int]:
-        """Evictions since the last returned metrics (reported once)."""
-        out, self._unreported = self._unreported, {}
-        return out
-
-    def _through_plane(self, mask: torch.Tensor, scores: torch.Tensor, tags: list[dict],
-                       groups: int) -> list[int]:
-        """Push each group (checked: ``group_size`` rows each) through the plane; the rows'
-        order over its mini-batches. Writes each tag's ``conduit_score`` and
-        ``conduit_advantage``. If anything fails once a row was pushed, the plane is closed
-        (the next call builds a fresh one), so no pushed row outlives the call."""
-        plane = self._plane_for(groups * self.config.group_size)
-        n = self.config.group_size
-        try:
-            for start in range(0, len(tags), n):  # one rollout unit per group
-                stop = start + n
-                plane.push({"key": torch.arange(start, stop),
-                            "seq_len": mask[start:stop].sum(-1), "score": scores[start:stop]},
-                           policy_version=plane.policy_version)
-            order: list[int] = []
-            for mb in plane.minibatches():
-                for k, s, a in zip(mb["key"].tolist(), mb["score"].tolist(),
-                                   mb["advantage"].tolist()):
-                    tags[k]["conduit_score"], tags[k]["conduit_advantage"] = s, a
-                    order.append(k)
-        except BaseException:
-            self._reset_plane()
-            raise
-        return order
-
-    def _reset_plane(self) -> None:
-        """Drop the plane and the rows it holds; the next step builds a fresh one."""
-        plane, self._plane = self._plane, None
-        if plane is not None:
-            with contextlib.suppress(ConduitError):  # e.g. DataLossError: dropped on purpose
-                plane.close()
-
-    def _plane_for(self, rows: int) -> ExperienceDataPlane:
-        if self._plane is not None:
-            if rows != self._step_rows:
-                raise ConfigError("batch_size", f"a step of {rows} rows after steps of "
-                                                f"{self._step_rows}; keep the batch size")
-            return self._plane
-        mb = self.config.mini_batch_size or rows
-        if rows % mb:
-            raise ConfigError("sampler_kwargs.mini_batch_size", f"{mb} does not divide the "
-                                                                f"step's {rows} rows")
-        plane = ExperienceDataPlane(
-            spec=_SPEC, rollout_spec=_ROLLOUT_SPEC, capacity=rows, mode="on_policy",
-            num_minibatches=rows // mb, placement=self.config.placement,
-            rollout_rows=self.config.group_size, timeout=self.config.timeout)
-        plane.register_ingestion()(weak_ingestion(self._ingest))
-        self._plane, self._step_rows = plane, rows
-        return plane
-
-    def _ingest(self, actor_in: ActorIn, exp_out: BufferOut) -> None:
-        for group in actor_in.read_units():
-            exp_out.write(self._with_advantage(group))
-
-    def _with_advantage(self, group: Batch) -> Batch:
-        advantage = grpo_group_advantage(group["score"], epsilon=self.config.epsilon,
-                                         norm_by_std=self.config.norm_adv_by_std_in_grpo)
-        return {**group, "advantage": advantage}
-
-
-def _merge(into: dict, counts: Mapping[str, int]) -> None:
-    """Add ``counts`` to ``into``, name by name."""
-    for name, value in counts.items():
-        into[name] = into.get(name, 0) + value
-
-
-def _padded(t: torch.Tensor) -> torch.Tensor:
-    """TransferQueue returns ragged fields as nested tensors: pad them with zeros."""
-    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
