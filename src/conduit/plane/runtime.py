@@ -78,10 +78,7 @@ def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
     others = [u for u in units if not told or (u.pusher is not None and u.pusher is not me)]
     if not others:
         return None
-    share = OperatorError(err.operator, err.__cause__ or err, lost_units=len(others),
-                          lost_rows=sum(u.rows for u in others))
-    share.__cause__ = err.__cause__
-    return share
+    return _part_of(err, others)
 
 
 def untold_part(err: OperatorError | None, units: Sequence[Any] | None,
@@ -97,8 +94,13 @@ def untold_part(err: OperatorError | None, units: Sequence[Any] | None,
         return err
     if not untold:
         return None
-    part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(untold),
-                         lost_rows=sum(u.rows for u in untold))
+    return _part_of(err, untold)
+
+
+def _part_of(err: OperatorError, units: Sequence[Any]) -> OperatorError:
+    """``err`` for only ``units`` of the units it lost: same operator and cause."""
+    part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(units),
+                         lost_rows=sum(u.rows for u in units))
     part.__cause__ = err.__cause__
     return part
 
