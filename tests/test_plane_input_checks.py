@@ -3,7 +3,6 @@ needs a field its spec lacks, with a typed error naming the argument; so do the 
 tuners. A pushed view of part of a tensor is held apart from the rest of it."""
 
 import contextlib
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from conduit.plane.flows import Unit, hold_rollout
 from conduit.plane.tuner import WarmupScheduleTuner
 from conduit.spec import ExperienceSpec
 from conduit.storage import SequenceSampler
+from tests.plane.helpers import frozen_elsewhere
 
 SPEC = ExperienceSpec.of(id=((), torch.int64), terminated=((), torch.bool))
 
@@ -116,21 +116,10 @@ def test_a_chunk_pushed_while_another_thread_holds_the_operators_is_stored_as_pu
                              schedule=Schedule(0, 1, 0, 1), timeout=5) as plane:
         buf = torch.arange(8, dtype=torch.int64)
         done = torch.zeros(8, dtype=torch.bool)
-        held, release = threading.Event(), threading.Event()
-
-        def saver() -> None:
-            with plane.frozen(flush=False):  # what a checkpoint on another thread does
-                held.set()
-                release.wait(5)
-
-        t = threading.Thread(target=saver)
-        t.start()
-        assert held.wait(5)
-        plane.push({"id": buf[0:4], "terminated": done[0:4]})
-        assert plane.stats()["pending_units"] == 1  # it waits past the push
-        buf[0:4] = 99
-        release.set()
-        t.join()
+        with frozen_elsewhere(plane, hold_s=5):  # what a checkpoint on another thread does
+            plane.push({"id": buf[0:4], "terminated": done[0:4]})
+            assert plane.stats()["pending_units"] == 1  # it waits past the push
+            buf[0:4] = 99
         plane.flush()
         stored = plane.buffer.store.column("id")[:len(plane.buffer)]
         assert sorted(stored.tolist()) == [0, 1, 2, 3]

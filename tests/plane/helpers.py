@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from conduit import ExperienceDataPlane
@@ -22,3 +26,25 @@ def refusing_ingestion(plane: ExperienceDataPlane) -> None:
         if (data["id"] < 0).any():
             raise ValueError("bad rollout")
         exp_out.write(data)
+
+
+@contextmanager
+def frozen_elsewhere(plane: ExperienceDataPlane, *, hold_s: float = 10.0) -> Iterator[None]:
+    """Hold ``plane.frozen(flush=False)`` on another thread (what a checkpoint taken there
+    does) for the block; the thread lets go when the block ends, at the latest after
+    ``hold_s`` seconds."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with plane.frozen(flush=False):
+            held.set()
+            release.wait(hold_s)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        yield
+    finally:
+        release.set()
+        holder.join(hold_s)

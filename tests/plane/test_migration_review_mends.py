@@ -19,6 +19,7 @@ from conduit.errors import ConfigError, OperatorError
 from conduit.placement import PlacementMap
 from conduit.plane import data_plane, migration
 from conduit.spec import ExperienceSpec, FieldSpec
+from tests.plane.helpers import frozen_elsewhere
 from tests.plane.test_migration import C_TRACE, contents, host_topology, trace_rows, trace_spec
 
 NARROW = ExperienceSpec.of(rid=((), torch.int64), x=((3,), torch.float32))
@@ -172,21 +173,8 @@ def test_a_migration_waits_for_another_threads_pause_and_gives_up_unchanged():
 def test_workers_run_after_a_migration_beside_another_threads_frozen_block():
     with ExperienceDataPlane(spec=IDS, capacity=32, batch_size=4, timeout=5,
                              schedule=Schedule(1, 1, 1, 1)) as plane:
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with plane.frozen(flush=False):
-                held.set()
-                release.wait(10)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert held.wait(5)
-        try:
+        with frozen_elsewhere(plane):
             plane.migrate(Placement.sharded(["cpu", "cpu"]))
-        finally:
-            release.set()
-            holder.join(10)
         plane.push({"rid": torch.arange(8)})
         plane.flush(timeout=5)
         assert sorted(contents(plane)["rid"].tolist()) == list(range(8))

@@ -23,7 +23,7 @@ from conduit.plane.config import PlaneConfig
 from conduit.plane.runtime import OperatorRuntime
 from conduit.storage import UniformSampler
 from tests.conftest import make_rows
-from tests.plane.helpers import refusing_ingestion, stored_ids
+from tests.plane.helpers import frozen_elsewhere, refusing_ingestion, stored_ids
 
 
 def slow_raise_own(monkeypatch: pytest.MonkeyPatch, during=None) -> None:  # type: ignore[no-untyped-def]
@@ -172,22 +172,8 @@ def test_close_counts_the_queue_held_past_the_timeout_as_lost(small_spec):
                                 schedule=Schedule(1, 4, 0, 1), timeout=0.3)
     for i in range(3):
         plane.push(make_rows(small_spec, 4, start=4 * i))
-    entered, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with plane.frozen(flush=False):
-            entered.set()
-            release.wait(5)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    assert entered.wait(5)
-    try:
-        with pytest.raises(DataLossError, match="held") as info:
-            plane.close()
-    finally:
-        release.set()
-        t.join(5)
+    with frozen_elsewhere(plane, hold_s=5), pytest.raises(DataLossError, match="held") as info:
+        plane.close()
     assert (info.value.lost_units, info.value.lost_rows) == (3, 12)
     assert plane.closed
 
