@@ -72,7 +72,8 @@ def test_the_thread_ingests_and_close_refuses_later_units():
         exp_out.write(actor_in.read())
     ing.fn, ing.registered = op, True
     ing.set_schedule(Schedule(1, 1, 0, 1))
-    assert ing.overlapped and ing._thread is not None and ing._thread.name == "conduit-ingestion"
+    thread = ing._worker.thread
+    assert ing.overlapped and thread is not None and thread.name == "conduit-ingestion"
     deadline = time.monotonic() + 5
     for k in range(3):
         ing.submit(unit(2 * k, "a"), deadline)
@@ -84,7 +85,7 @@ def test_the_thread_ingests_and_close_refuses_later_units():
     assert ing.idle()
     assert [ids for _, ids in store.writes] == [[0, 1], [2, 3], [4, 5]]
     ing.close()
-    assert ing._thread is None
+    assert ing._worker.thread is None
     with pytest.raises(PlaneClosedError):
         ing.submit(unit(8, "a"), deadline)
     assert len(store.writes) == 3
@@ -97,7 +98,7 @@ def test_a_switch_to_inline_stops_the_thread_and_keeps_order():
     deadline = time.monotonic() + 5
     ing.submit(unit(0, "a"), deadline)
     ing.flush(deadline)
-    thread = ing._thread
+    thread = ing._worker.thread
     ing.set_schedule(Schedule(0, 1, 0, 1))
     assert thread is not None and not thread.is_alive()
     assert ing.direct  # no operator, one unit per inline invocation
@@ -200,7 +201,7 @@ def test_a_push_whose_unit_was_stored_is_not_told_of_a_later_failure():
     _failing_on_negative_ids(ing, queue_another)
     ing.submit(unit(10, "n1"), time.monotonic() + 5)  # returns: its rows are stored
     assert store.writes == [("n1", [10, 11])]
-    assert list(ing._pending) == [other]  # left to its own push
+    assert list(ing._units.pending) == [other]  # left to its own push
 
 
 def test_close_reports_an_inline_loss_told_to_another_thread_only():
@@ -319,7 +320,7 @@ def test_an_interrupted_push_keeps_its_unit_from_other_threads_drains():
     earlier = unit(0, "n1")
     earlier.pusher = threading.Thread(target=lambda: None)  # its push returned
     ing._queue(earlier, time.monotonic() + 5)
-    ing._draining -= 1  # queued as a returned push's unit: no drain of its own
+    ing._drains.count -= 1  # queued as a returned push's unit: no drain of its own
     mine = QueuedUnit({"id": torch.tensor([10, 11])}, 2, "n1", None,
                       threading.current_thread())
     with pytest.raises(KeyboardInterrupt):
@@ -353,7 +354,7 @@ def test_a_push_interrupted_while_waiting_its_turn_withdraws_its_unit():
     ing.fn, ing.registered = operator, True
     earlier = unit(0, "n1")
     ing._queue(earlier, time.monotonic() + 5)
-    ing._draining -= 1  # queued as a returned push's unit: no drain of its own
+    ing._drains.count -= 1  # queued as a returned push's unit: no drain of its own
     flusher = threading.Thread(target=ing.flush, args=(time.monotonic() + 10,))
     flusher.start()
     assert inside.wait(10)  # the flush runs the earlier unit, holding the order
@@ -368,7 +369,7 @@ def test_a_push_interrupted_while_waiting_its_turn_withdraws_its_unit():
 
     def send_when_waiting() -> None:
         deadline = time.monotonic() + 10
-        while mine not in ing._pending and time.monotonic() < deadline:
+        while mine not in ing._units.pending and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(0.2)  # the push now waits for the flush's invocation
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -519,7 +520,7 @@ def test_close_waits_for_inline_drains_while_they_make_progress():
     for p in pushers:
         p.start()
     deadline = time.monotonic() + 10
-    while ing._inflight == 0 and time.monotonic() < deadline:
+    while ing._units.inflight == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)  # the others queue (two of them) or wait for room
     ing.close()  # no DataLossError: every drain finished, one after the other
@@ -549,6 +550,6 @@ def test_a_schedule_switch_while_a_push_queues_leaves_close_nothing_to_wait_for(
     ing._queue = queue_then_switch  # type: ignore[method-assign]
     ing.submit(unit(0, "n1"), time.monotonic() + 5)
     ing._queue = queue  # type: ignore[method-assign]
-    assert ing._draining == 0
+    assert ing._drains.count == 0
     ing.close()  # no DataLossError, no wait
     assert [ids for _, ids in store.writes] == [[0, 1]]

@@ -414,7 +414,7 @@ def test_close_during_a_schedule_change_stores_the_running_invocations_units(clu
         if threading.current_thread().name == "switcher" and not closing.is_set():
             plane.push(rows(3, 0))
             plane.push(rows(3, 3))  # two acknowledged units, taken by the worker
-            while ingestion._inflight < 2:
+            while ingestion._units.inflight < 2:
                 time.sleep(0.01)
             threading.Timer(0.2, closing.set).start()
         return join()

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -323,26 +322,6 @@ class FrontIngestion:
     @row_limit.setter
     def row_limit(self, value: int | None) -> None:
         self._units.row_limit = value
-
-    @property
-    def _pending(self) -> deque[QueuedUnit]:
-        return self._units.pending
-
-    @property
-    def _inflight(self) -> int:
-        return self._units.inflight
-
-    @property
-    def _thread(self) -> threading.Thread | None:
-        return self._worker.thread
-
-    @property
-    def _draining(self) -> int:
-        return self._drains.count
-
-    @_draining.setter
-    def _draining(self, value: int) -> None:
-        self._drains.count = value
 
     # -- schedule ---------------------------------------------------------------------------
     @property
