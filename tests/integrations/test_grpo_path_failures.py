@@ -197,7 +197,7 @@ def test_an_iteration_holding_groups_is_not_begun_again():
 
 def _state(path):
     return (path.iteration, path._sampler._orders.get(path.iteration), path.pushed_groups,
-            len(path.ragged), path._prompt_width)
+            len(path.ragged), path._delivery.prompt_width)
 
 
 @pytest.mark.parametrize("width", [None, "4", math.nan, 4.0, 0, 7, True])

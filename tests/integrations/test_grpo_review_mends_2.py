@@ -266,7 +266,7 @@ def test_old_policy_copy_is_freed_when_train_returns_and_rebuilt_by_the_next(mon
     assert refs and any(carried)  # old log-probs were computed on the copy
     gc.collect()
     assert all(r() is None for r in refs)
-    assert trainer._old_policy is None and trainer._old_params == ([], [])
+    assert trainer._old is None and trainer._old_policy is None
     refs.clear()
     carried.clear()
     trainer.train()
@@ -364,7 +364,7 @@ def test_later_epochs_reuse_the_logprobs_of_their_minibatch():
             for b in batches:
                 assert torch.equal(b["old_per_token_logps"], b["completion_ids"].float() * 0.5)
                 assert torch.equal(b["ref_per_token_logps"], b["completion_ids"].float() * 0.5)
-            assert path._reused == {}  # released with each mini-batch's last epoch
+            assert path._plan.reused == {}  # released with each mini-batch's last epoch
     assert calls == {"reused": 2 * m, "recomputed": 2 * m * epochs}
 
 

@@ -544,16 +544,6 @@ class GroupExperiencePath:
         """The iteration's prompt and completion tokens, packed (row ``r`` in slot ``r``)."""
         return self._pushes.ragged
 
-    @property
-    def _prompt_width(self) -> int:
-        """Width the iteration's prompts are left-padded to."""
-        return self._delivery.prompt_width
-
-    @property
-    def _reused(self) -> dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor], int]]:
-        """Log-probs held for the later epochs of the iteration's mini-batches."""
-        return self._plan.reused
-
     # -- the trainer's side -------------------------------------------------------------------
 
     def begin_iteration(self, order: torch.Tensor, *, prompt_width: int) -> None:

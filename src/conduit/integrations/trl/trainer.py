@@ -115,11 +115,6 @@ class ConduitGRPOTrainer(GRPOTrainer):
         """The frozen copy of the policy that old log-probs are computed on, if any."""
         return None if self._old is None else self._old.module
 
-    @property
-    def _old_params(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The copy's parameters and the policy's, paired (empty without a copy)."""
-        return ([], []) if self._old is None else self._old.params
-
     def _needs_old_logps(self) -> bool:
         """TRL's rule for when old log-probs are computed: ``gradient_accumulation_steps`` not
         a multiple of ``steps_per_generation × num_iterations``."""
