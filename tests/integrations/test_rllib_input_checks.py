@@ -163,9 +163,9 @@ def test_priorities_in_any_torch_tensor_are_taken(make: Callable[[], torch.Tenso
     buffer = _buffers()[1](capacity=100, schedule="inline", seed=0, alpha=1.0, eps=1e-9)
     buffer.add([_episode()])
     buffer.sample(num_items=2, n_step=1)
-    index = torch.from_numpy(buffer._last_index.copy())
+    index = torch.from_numpy(buffer._priorities.index.copy())
     buffer.update_priorities(make())
-    assert buffer._sampler.inner.priorities(index).tolist() == pytest.approx([3.0, 3.0])
+    assert buffer._replay.sampler.inner.priorities(index).tolist() == pytest.approx([3.0, 3.0])
 
 
 # -- 8. a prioritized buffer's state given to a uniform one ---------------------------------------
@@ -183,7 +183,7 @@ def test_a_uniform_buffer_refuses_a_prioritized_state_and_keeps_its_own() -> Non
     uniform, prioritized = _buffers()
     source = _filled(prioritized)
     source.sample(num_items=20, n_step=1)
-    source.update_priorities(np.where(source._last_index < 10, 1000.0, 1e-3))
+    source.update_priorities(np.where(source._priorities.index < 10, 1000.0, 1e-3))
     target = _filled(uniform, episodes=1)
     with pytest.raises(StateError, match="prioritized"):
         target.set_state(source.get_state())

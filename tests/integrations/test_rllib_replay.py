@@ -159,8 +159,8 @@ def test_uniform_buffer_returns_what_rllib_returns(adds: list[list[SingleAgentEp
     theirs = _filled(EpisodeReplayBuffer(capacity=1000), adds)
     assert len(ours) == len(theirs) and ours.get_num_episodes() == theirs.get_num_episodes()
     theirs.rng = _Draws(positions, n_steps=n_steps)
-    ours._sampler.inner.sample = _scripted(positions, weights=False)
-    ours._sampler._rng = _Draws(n_steps)
+    ours._replay.sampler.inner.sample = _scripted(positions, weights=False)
+    ours._replay.sampler._rng = _Draws(n_steps)
     kwargs = {"num_items": len(positions), "n_step": n_step, "gamma": GAMMA,
               "batch_length_T": 0, "sample_episodes": True}
     a, b = ours.sample(**kwargs), theirs.sample(**kwargs)
@@ -184,8 +184,8 @@ def test_prioritized_buffer_returns_what_rllib_returns(adds: list[list[SingleAge
     positions = _positions(adds)
     n_steps = [3 - k % 3 for k in range(len(positions))]
     theirs.rng = _Draws(positions, len(theirs), n_steps)
-    ours._sampler._rng = _Draws(n_steps)
-    ours._sampler.inner.sample = _scripted(positions, weights=True)
+    ours._replay.sampler._rng = _Draws(n_steps)
+    ours._replay.sampler.inner.sample = _scripted(positions, weights=True)
     a = ours.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
     b = theirs.sample(num_items=complete, n_step=n_step, gamma=GAMMA, beta=0.4)
     for x, y in zip(a, b):
@@ -199,10 +199,10 @@ def test_priorities_reach_the_sum_tree_and_shape_weights(
                                                            eps=1e-6, seed=3), adds)
     first = buffer.sample(num_items=32, n_step=1, beta=1.0)
     assert all(e.get_extra_model_outputs("weights", 0) == 1.0 for e in first)
-    slots = torch.from_numpy(buffer._last_index.copy())
+    slots = torch.from_numpy(buffer._priorities.index.copy())
     td = np.linspace(0.1, 3.2, 32)
     buffer.update_priorities(td, "default_policy")
-    tree = buffer._sampler.inner
+    tree = buffer._replay.sampler.inner
     expected = {int(s): (p + 1e-6) ** 0.5 for s, p in zip(slots, td)}  # last update wins
     assert tree.priorities(torch.tensor(list(expected))).numpy() == pytest.approx(
         list(expected.values()))
@@ -211,7 +211,7 @@ def test_priorities_reach_the_sum_tree_and_shape_weights(
     # Weights: (N·P(i))^-β over the largest possible, so the smallest priority has weight 1.
     leaves = tree.priorities(torch.arange(len(buffer))).numpy()
     sampled = buffer.sample(num_items=64, n_step=1, beta=1.0)
-    index = buffer._last_index
+    index = buffer._priorities.index
     want = (leaves.min() / leaves[index])
     got = np.array([e.get_extra_model_outputs("weights", 0) for e in sampled])
     assert got == pytest.approx(want, rel=1e-5)
@@ -382,7 +382,7 @@ def test_prefetched_samples_return_what_rllib_returns(adds: list[list[SingleAgen
     for _ in range(3):
         _wait_staged(ours)
         sampled = ours.sample(**kwargs)
-        positions = ours._last_index.tolist()  # no wrap: slot = row position
+        positions = ours._priorities.index.tolist()  # no wrap: slot = row position
         n_steps = [int(e.get_extra_model_outputs("n_step", 0)) for e in sampled]
         rllib = PrioritizedEpisodeReplayBuffer if prioritized else EpisodeReplayBuffer
         theirs = _filled(rllib(capacity=1000, alpha=0.6), adds)
@@ -404,8 +404,8 @@ def test_priorities_after_a_prefetched_sample_reach_its_rows(
     kwargs = {"num_items": 16, "n_step": 1, "beta": 1.0}
     buffer.sample(**kwargs)
     _wait_staged(buffer)
-    sampled = buffer._last_index.copy()
-    tree = buffer._sampler.inner
+    sampled = buffer._priorities.index.copy()
+    tree = buffer._replay.sampler.inner
     before = tree.priorities(torch.arange(len(buffer))).numpy()
     td = np.linspace(0.5, 8.0, 16)
     discarded = buffer.plane.counters["discarded_batches"]
@@ -417,7 +417,7 @@ def test_priorities_after_a_prefetched_sample_reach_its_rows(
     nxt = buffer.sample(**kwargs)
     assert buffer.plane.counters["discarded_batches"] > discarded
     # Drawn after the update: weights follow the new priorities.
-    want = after.min() / after[buffer._last_index]
+    want = after.min() / after[buffer._priorities.index]
     got = np.array([e.get_extra_model_outputs("weights", 0) for e in nxt])
     assert got == pytest.approx(want, rel=1e-5)
     buffer.plane.close()
@@ -439,12 +439,12 @@ def test_priorities_skip_rows_an_add_overwrote_after_the_sample(schedule: str) -
                                                    schedule=schedule)
     buffer.add(_ten_step_episodes(2, 0))  # slots 0..19
     buffer.sample(num_items=20, n_step=1)
-    sampled = buffer._last_index.copy()
+    sampled = buffer._priorities.index.copy()
     buffer.add(_ten_step_episodes(1, 2))  # new rows in slots 0..9
     if schedule == "prefetch":
         _wait_staged(buffer)  # the next draw, made after the add
     buffer.update_priorities(np.full(20, 1e-3), "default_policy")
-    pr = buffer._sampler.inner.priorities(torch.arange(20)).numpy()
+    pr = buffer._replay.sampler.inner.priorities(torch.arange(20)).numpy()
     for slot in set(sampled.tolist()):
         assert pr[slot] == pytest.approx(1.0 if slot < 10 else 1e-3), slot
     buffer.plane.close()
@@ -477,8 +477,8 @@ def test_the_state_of_an_empty_buffer_leaves_no_priorities_behind() -> None:
     used.update_priorities(np.full(8, 100.0), "default_policy")
     used.set_state(ConduitPrioritizedEpisodeReplayBuffer(capacity=40, seed=0).get_state())
     used.add(_ten_step_episodes(1, 10))
-    assert len(used) == 10 and used._sampler.ring_rows == 10
-    pr = used._sampler.inner.priorities(torch.arange(10)).numpy()
+    assert len(used) == 10 and used._replay.sampler.ring_rows == 10
+    pr = used._replay.sampler.inner.priorities(torch.arange(10)).numpy()
     assert pr == pytest.approx(np.ones(10))
 
 
@@ -488,7 +488,7 @@ def test_delivery_lays_windows_over_the_links_it_finds(
     returns after that add; a drawn row that an add overwrote is marked invalid."""
     buffer = _filled(ConduitEpisodeReplayBuffer(capacity=1000, seed=6, schedule="inline"),
                      adds[:1])
-    sampler, plane = buffer._sampler, buffer.plane
+    sampler, plane = buffer._replay.sampler, buffer.plane
     ongoing = adds[0][1]  # its continuation comes in the second add
     end = len(adds[0][0]) + len(ongoing)  # its last row + 1
     positions = [end - 2, end - 1, 0]
@@ -513,12 +513,12 @@ def test_delivery_lays_windows_over_the_links_it_finds(
     full = len(adds[0][0])
     small = _filled(ConduitEpisodeReplayBuffer(capacity=full, seed=6, schedule="inline"),
                     [adds[0][:1]])
-    small._sampler.set_request(WindowRequest(n_step=1))
-    small._sampler.inner.sample = _scripted([0, full - 1], weights=False)
+    small._replay.sampler.set_request(WindowRequest(n_step=1))
+    small._replay.sampler.inner.sample = _scripted([0, full - 1], weights=False)
     info = small.plane.buffer.draw(2)
     rows = small.plane.buffer.gather(info)
     small.add([adds[0][2]])  # overwrites the oldest slots, 0 included
-    out = deliver_windows(small._sampler, rows,
+    out = deliver_windows(small._replay.sampler, rows,
                           lambda slots: small.plane.buffer.gather(torch.from_numpy(slots))["obs"])
     assert out["_valid"].tolist() == [False, True]
 

@@ -82,7 +82,7 @@ def test_a_sample_of_twice_the_capacity_returns_what_rllib_returns_for_the_same_
     assert len(ours) == len(theirs) == 25
     positions = [(7 * k + 3) % 25 for k in range(50)]
     theirs.rng = _Draws(positions, 25)
-    ours._sampler.inner.sample = _scripted(positions, weights=prioritized)
+    ours._replay.sampler.inner.sample = _scripted(positions, weights=prioritized)
     n_step = 1 if prioritized else 2  # (no prioritized redraws: every 1-step window is whole)
     a = ours.sample(num_items=50, n_step=n_step, gamma=0.5)
     b = theirs.sample(num_items=50, n_step=n_step, gamma=0.5, sample_episodes=True)
@@ -103,17 +103,17 @@ def test_priorities_of_a_sample_past_the_capacity_reach_its_slots_and_shape_its_
     buffer.add([_episode("a", 10).to_numpy(), _episode("b", 10, start=100.0).to_numpy()])
     sampled = buffer.sample(num_items=47, n_step=1)
     assert len(sampled) == 47
-    slots = buffer._last_index.copy()
+    slots = buffer._priorities.index.copy()
     priorities = np.random.default_rng(0).uniform(1.0, 9.0, 47)
     buffer.update_priorities(priorities)
-    leaves = buffer._sampler.inner.priorities(torch.arange(20)).numpy()
+    leaves = buffer._replay.sampler.inner.priorities(torch.arange(20)).numpy()
     last = dict(zip(slots.tolist(), priorities.tolist()))  # a slot drawn twice: its last
     for slot, p in last.items():
         assert leaves[slot] == pytest.approx(p + 1e-9)
     p_of = leaves / leaves.sum()
     again = buffer.sample(num_items=47, n_step=1, beta=0.5)
     assert len(again) == 47
-    for eps, slot in zip(again, buffer._last_index.tolist()):
+    for eps, slot in zip(again, buffer._priorities.index.tolist()):
         weight = float(eps.get_extra_model_outputs("weights")[0])
         assert weight == pytest.approx((p_of.min() / p_of[slot]) ** 0.5, rel=1e-5)
     buffer.update_priorities(np.ones(47))

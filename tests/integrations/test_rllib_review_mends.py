@@ -50,7 +50,7 @@ def _continued(eps: SingleAgentEpisode, steps: int) -> SingleAgentEpisode:
 
 
 def _in_step(buffer: ConduitEpisodeReplayBuffer) -> bool:
-    return buffer._sampler.ring_rows == buffer._rows.written == len(buffer.plane.buffer)
+    return buffer._replay.sampler.ring_rows == buffer._rows.written == len(buffer.plane.buffer)
 
 
 # -- D1: a failed draw made ahead never costs an add its rows -----------------------------------
@@ -135,9 +135,9 @@ def test_rows_drawn_among_complete_windows_keep_their_priorities_and_weights() -
     buffer.add([_episode("a", 3, start=0.0), _episode("b", 3, start=100.0),
                 *(_episode(f"e{i}", 1, start=1000.0 + 10 * i) for i in range(50))])
     buffer.sample(num_items=56, n_step=1)
-    index = buffer._last_index
+    index = buffer._priorities.index
     buffer.update_priorities(np.where(index == 0, 1.0, np.where(index == 3, 9.0, 0.5)))
-    buffer._sampler.max_rounds = 0  # every row is drawn among the complete ones
+    buffer._replay.sampler.max_rounds = 0  # every row is drawn among the complete ones
     got = buffer.sample(num_items=1000, n_step=3, beta=0.5)
     starts = np.array([float(e.get_observations(0)[0]) for e in got])
     assert set(starts.tolist()) == {0.0, 100.0}

@@ -92,7 +92,7 @@ def test_rows_an_add_acknowledged_before_its_flush_raised_are_linked_when_stored
         buf.add([_episode(f"b{k}", 10, start=1000.0 * (k + 1)) for k in range(20)])
     plane.flush = real_flush
     buf.add(_episode("c", 10, start=90_000.0))
-    assert buf._rows.written == buf._sampler.ring_rows == 220 and len(buf) == 220
+    assert buf._rows.written == buf._replay.sampler.ring_rows == 220 and len(buf) == 220
     for _ in range(20):
         _check_transitions(buf.sample(batch_size_B=32, n_step=3))
 
@@ -120,14 +120,14 @@ def test_a_reward_of_shape_1_is_one_number_and_other_shapes_are_refused_before_s
     buf.add(_episode("b", 10, start=100.0, reward=np.array([2.0], np.float32)))
     rllib = PrioritizedEpisodeReplayBuffer(capacity=1000)
     rllib.add(_episode("b", 10, start=100.0, reward=np.array([2.0], np.float32)))
-    assert len(buf) == 20 and buf._rows.written == buf._sampler.ring_rows == 20
+    assert len(buf) == 20 and buf._rows.written == buf._replay.sampler.ring_rows == 20
     got = {float(e.get_rewards()[0]) for e in buf.sample(batch_size_B=64, n_step=1)}
     assert got <= {1.0, 2.0} and 2.0 in got
     for bad in (np.array([1.0, 2.0]), "1.0", None):
         with pytest.raises(SpecError) as err:
             buf.add(_episode(f"bad{bad!s:.3}", 3, start=500.0, reward=bad))
         assert err.value.field == "reward"
-        assert buf._rows.written == buf._sampler.ring_rows == 20
+        assert buf._rows.written == buf._replay.sampler.ring_rows == 20
 
 
 def test_a_refused_state_leaves_no_plane_or_thread_behind() -> None:

@@ -38,7 +38,7 @@ from conduit.integrations.rllib.replay_plane import ReplayPlane
 from conduit.integrations.rllib.replay_sampling import PriorityRouter, SampleAssembler
 from conduit.integrations.rllib.replay_state import checked_spec, restore
 from conduit.integrations.rllib.schedule import ReplaySchedule, ScheduleName
-from conduit.integrations.rllib.windows import WindowRequest, WindowSampler
+from conduit.integrations.rllib.windows import WindowRequest
 from conduit.storage import Placement, PrioritizedSampler, Sampler, UniformSampler
 
 
@@ -163,16 +163,6 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
     def discarded_batches(self, value: int) -> None:
         self._assembler.discarded_batches = value
 
-    @property
-    def _sampler(self) -> WindowSampler:
-        """The sampler of windows the plane draws with."""
-        return self._replay.sampler
-
-    @property
-    def _last_index(self) -> np.ndarray | None:
-        """The slots of the most recent sample (None: none since the last priority update)."""
-        return self._priorities.index
-
     def _inner_sampler(self) -> Sampler:
         """A sampler of rows, for a sampler of windows that has drawn nothing yet."""
         return (PrioritizedSampler(alpha=self._alpha, beta=self.beta, eps=self._eps,
@@ -279,13 +269,14 @@ class ConduitEpisodeReplayBuffer(EpisodeReplayBuffer):
                                 complete=self.prioritized,
                                 beta=float(beta) if self.prioritized else None)
         self._replay.settle(self._added)
-        self._sampler.set_request(request)
-        resamples = self._sampler.resamples
+        self._replay.sampler.set_request(request)
+        resamples = self._replay.sampler.resamples
         batch, rows = self._assembler.assemble(size, self.sampled_timesteps)
         self._priorities.remember(batch.index, rows)
         self.sampled_timesteps += size
         episodes = self._build.episodes(batch, self._rows.table, to_numpy=to_numpy)
-        self._update_sample_metrics(**sample_metrics(batch, self._sampler.resamples - resamples))
+        self._update_sample_metrics(**sample_metrics(batch, self._replay.sampler.resamples
+                                                            - resamples))
         self.schedule.sampled()
         return episodes
 
