@@ -171,9 +171,9 @@ def test_small_gathers_never_leave_the_callers_thread(clock):
 def test_a_two_thread_prioritized_buffer_gathers_the_same_rows_in_every_mode(small_spec):
     one, two = one_and_two_threads(small_spec, lambda: PrioritizedSampler(seed=3))
     for mode in GATHER_MODES:
-        two._workers = GatherWorkers(threads=2, min_bytes=0, trials=1)
-        two._workers.mode = mode  # as if its trials had chosen it
-        two._workers._baseline = float("inf")  # never falls back here
+        two._reader.workers = GatherWorkers(threads=2, min_bytes=0, trials=1)
+        two._reader.workers.mode = mode  # as if its trials had chosen it
+        two._reader.workers._baseline = float("inf")  # never falls back here
         for _ in range(4):
             a, b = one.sample(33), two.sample(33)
             for k in a:
@@ -181,7 +181,7 @@ def test_a_two_thread_prioritized_buffer_gathers_the_same_rows_in_every_mode(sma
             new = torch.rand(33) + 0.1
             one.update_priorities(a["_index"], new)
             two.update_priorities(b["_index"], new)
-        assert two._workers.mode == mode
+        assert two._reader.workers.mode == mode
 
 
 def _gather_in_child(workers: GatherWorkers, results) -> None:

@@ -180,12 +180,12 @@ def test_data_path_threads_sets_and_restores():
 
 def test_split_gathers_return_the_same_rows(small_spec):
     one, two = one_and_two_threads(small_spec, lambda: UniformSampler(seed=1))
-    two._workers = GatherWorkers(threads=2, min_bytes=0, trials=3)
+    two._reader.workers = GatherWorkers(threads=2, min_bytes=0, trials=3)
     for _ in range(12):  # trials of both kinds, then the chosen one
         a, b = one.sample(33), two.sample(33)
         for k in a:
             assert torch.equal(a[k], b[k]), k
-    assert two._workers.split is not None
+    assert two._reader.workers.split is not None
 
 
 def test_split_gather_runs_every_range_and_reraises():

@@ -31,7 +31,7 @@ from conduit.storage.samplers import SampleInfo, Sampler, UniformSampler
 from conduit.storage.snapshot import Blocks, RowSnapshot
 from conduit.storage.snapshot_tracker import SnapshotTracker, filled_blocks
 from conduit.storage.state import StateDict
-from conduit.storage.threads import GatherWorkers, data_path_threads
+from conduit.storage.threads import data_path_threads
 from conduit.storage.writer import RingWriter
 
 __all__ = ["MAX_BATCH_ROWS", "ExperienceBuffer", "priority_input"]
@@ -180,15 +180,6 @@ class ExperienceBuffer:
     @threads.setter
     def threads(self, threads: int) -> None:
         self._reader.threads = threads
-
-    @property
-    def _workers(self) -> GatherWorkers | None:
-        """The pool large gathers are split over with ``threads > 1``, or None."""
-        return self._reader.workers
-
-    @_workers.setter
-    def _workers(self, workers: GatherWorkers | None) -> None:
-        self._reader.workers = workers
 
     def extend(self, batch: Mapping[str, Any], *, validate: bool = True) -> torch.Tensor:
         """Append rows, overwriting the oldest once full.
