@@ -15,6 +15,8 @@ import torch
 
 import conduit.plane.engine as engine_module
 import conduit.plane.flows as flows_module
+import conduit.plane.onpolicy as onpolicy_module
+import conduit.plane.onpolicy_delivery as onpolicy_delivery_module
 import conduit.plane.runtime as runtime_module
 from conduit import (
     BackpressureTimeout,
@@ -82,7 +84,9 @@ def test_rows_a_failed_ingestion_keeps_stay_counted_against_the_iteration():
 # -- an interrupt in a pull's bookkeeping -------------------------------------------------------
 
 #: The plane's files whose lines a pull runs its bookkeeping in.
-TRACED = frozenset({flows_module.__file__, runtime_module.__file__, engine_module.__file__})
+TRACED = frozenset({flows_module.__file__, onpolicy_module.__file__,
+                    onpolicy_delivery_module.__file__, runtime_module.__file__,
+                    engine_module.__file__})
 
 
 def _interrupt_at(k: int) -> tuple[object, list[int]]:
@@ -187,7 +191,7 @@ def test_an_interrupt_after_the_sampler_moved_does_not_skip_its_mini_batch():
     the source) leaves the mini-batch to the next pull."""
     import inspect
 
-    src, first = inspect.getsourcelines(flows_module.OnPolicyFlow)
+    src, first = inspect.getsourcelines(onpolicy_delivery_module.IterationDelivery)
     lines = [first + i for i, text in enumerate(src) if "self.drawn_in_iter" in text
              and "+ 1" in text and "=" in text and "==" not in text]
     assert lines
@@ -206,7 +210,7 @@ def test_an_interrupt_after_the_sampler_moved_does_not_skip_its_mini_batch():
                 return local
 
             sys.settrace(lambda f, e, a: local if f.f_code.co_filename  # type: ignore[misc]
-                         == flows_module.__file__ else None)
+                         == onpolicy_delivery_module.__file__ else None)
             try:
                 with pytest.raises(KeyboardInterrupt):
                     plane.pull()
@@ -216,6 +220,15 @@ def test_an_interrupt_after_the_sampler_moved_does_not_skip_its_mini_batch():
             _pull_iteration(plane, got, 0)
             assert sorted(r for batch in got for r in batch) == list(range(12))
             assert plane.counters["delivered_batches"] == 3
+
+
+def test_the_flows_module_names_the_on_policy_flow():
+    """``from conduit.plane.flows import OnPolicyFlow`` gives the on-policy flow."""
+    from conduit.plane.flows import OnPolicyFlow
+
+    assert OnPolicyFlow is onpolicy_module.OnPolicyFlow
+    with pytest.raises(AttributeError, match="NoSuchFlow"):
+        _ = flows_module.NoSuchFlow
 
 
 # -- close() and a latched loss ---------------------------------------------------------------

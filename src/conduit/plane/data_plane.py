@@ -4,8 +4,8 @@ Actors push rollouts through the actor port; ingestion turns them into buffer ro
 turns buffer rows into training batches; learners pull them through the learner port. The
 front wires three parts together (docs/design.md §2):
 
-* a flow (:mod:`conduit.plane.flows`), off-policy or on-policy, which owns the queue, the
-  stage, backpressure and the delivery rules;
+* a flow (:mod:`conduit.plane.flows`, :mod:`conduit.plane.onpolicy`), off-policy or
+  on-policy, which owns the queue, the stage, backpressure and the delivery rules;
 * the operator runtime (:mod:`conduit.plane.runtime`), which runs the registered operators;
 * one runner per operator (:mod:`conduit.plane.runners`): inline on the caller's thread
   (``overlap = 0``) or on a background worker (``overlap = 1``), as the

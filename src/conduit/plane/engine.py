@@ -25,8 +25,9 @@ from conduit.errors import (
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.drain import close_and_drain
-from conduit.plane.flows import DeliveryJob, Flow, OffPolicyFlow, OnPolicyFlow, Signals, Unit
+from conduit.plane.flows import DeliveryJob, Flow, OffPolicyFlow, Signals, Unit
 from conduit.plane.holds import OperatorHolds
+from conduit.plane.onpolicy import OnPolicyFlow
 from conduit.plane.runners import delivery_runner, ingestion_runner
 from conduit.plane.runtime import OperatorRuntime
 from conduit.scheduling.space import Schedule

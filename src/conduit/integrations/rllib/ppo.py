@@ -39,7 +39,7 @@ from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit._checks import check_int
 from conduit.errors import ConfigError, EmptyBufferError, SpecError
-from conduit.plane.flows import OnPolicyFlow
+from conduit.plane.onpolicy import OnPolicyFlow
 from conduit.scheduling import MAX_MINIBATCHES, spare_core
 from conduit.storage import ColumnStore, GatherOutputs, Placement, SampleInfo, Sampler
 
