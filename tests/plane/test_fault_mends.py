@@ -367,7 +367,7 @@ def test_a_push_whose_rows_were_stored_returns_though_a_worker_failed_meanwhile(
     def ingest(actor_in, exp_out) -> None:  # type: ignore[no-untyped-def]
         exp_out.write(actor_in.read())  # the rows land; the delivery worker wakes and fails
         for _ in range(300):
-            if plane._engine.runtime.error is not None:
+            if plane._engine.runtime.errors.error is not None:
                 break
             failed.wait(0.01)
 
@@ -431,7 +431,7 @@ def test_a_push_whose_unit_waits_when_a_worker_fails_raises_and_stores_nothing(s
                 tick.wait(0.01)
             exp_out.write(data)  # the delivery worker wakes and fails
             for _ in range(500):
-                if engine.runtime.error is not None:
+                if engine.runtime.errors.error is not None:
                     break
                 tick.wait(0.01)
             return

@@ -17,6 +17,7 @@ import conduit.plane.engine as engine_module
 import conduit.plane.flows as flows_module
 import conduit.plane.onpolicy as onpolicy_module
 import conduit.plane.onpolicy_delivery as onpolicy_delivery_module
+import conduit.plane.operator_errors as operator_errors_module
 import conduit.plane.runtime as runtime_module
 from conduit import (
     BackpressureTimeout,
@@ -86,13 +87,13 @@ def test_rows_a_failed_ingestion_keeps_stay_counted_against_the_iteration():
 #: The plane's files whose lines a pull runs its bookkeeping in.
 TRACED = frozenset({flows_module.__file__, onpolicy_module.__file__,
                     onpolicy_delivery_module.__file__, runtime_module.__file__,
-                    engine_module.__file__})
+                    engine_module.__file__, operator_errors_module.__file__})
 
 
 def _interrupt_at(k: int) -> tuple[object, list[int]]:
     """A tracer (for ``sys.settrace``: this thread only) raising ``KeyboardInterrupt`` at the
-    ``k``-th line the calling thread runs in the plane's flow, runtime and engine, and the
-    count of those lines seen so far."""
+    ``k``-th line the calling thread runs in the plane's flow, runtime (with its operator
+    errors) and engine, and the count of those lines seen so far."""
     seen = [0]
 
     def local(frame, event, arg):  # type: ignore[no-untyped-def]
@@ -220,15 +221,6 @@ def test_an_interrupt_after_the_sampler_moved_does_not_skip_its_mini_batch():
             _pull_iteration(plane, got, 0)
             assert sorted(r for batch in got for r in batch) == list(range(12))
             assert plane.counters["delivered_batches"] == 3
-
-
-def test_the_flows_module_names_the_on_policy_flow():
-    """``from conduit.plane.flows import OnPolicyFlow`` gives the on-policy flow."""
-    from conduit.plane.flows import OnPolicyFlow
-
-    assert OnPolicyFlow is onpolicy_module.OnPolicyFlow
-    with pytest.raises(AttributeError, match="NoSuchFlow"):
-        _ = flows_module.NoSuchFlow
 
 
 # -- close() and a latched loss ---------------------------------------------------------------

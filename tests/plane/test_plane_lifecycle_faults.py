@@ -20,6 +20,7 @@ from conduit import (
 )
 from conduit._checks import check_device
 from conduit.plane.config import PlaneConfig
+from conduit.plane.operator_errors import OperatorErrors
 from conduit.plane.runtime import OperatorRuntime
 from conduit.storage import UniformSampler
 from tests.conftest import make_rows
@@ -29,16 +30,16 @@ from tests.plane.helpers import frozen_elsewhere, refusing_ingestion, stored_ids
 def slow_raise_own(monkeypatch: pytest.MonkeyPatch, during=None) -> None:  # type: ignore[no-untyped-def]
     """Widen the window between an inline invocation's failure and its caller raising it,
     and run ``during`` (if given) inside it."""
-    original = OperatorRuntime.raise_own
+    original = OperatorErrors.raise_own
 
-    def raise_own(self: OperatorRuntime, err: OperatorError | None) -> None:
+    def raise_own(self: OperatorErrors, err: OperatorError | None) -> None:
         if err is not None:
             if during is not None:
                 during()
             time.sleep(0.1)  # a worker that sees a latched error exits well within this
         original(self, err)
 
-    monkeypatch.setattr(OperatorRuntime, "raise_own", raise_own)
+    monkeypatch.setattr(OperatorErrors, "raise_own", raise_own)
 
 
 # -- an inline invocation's error goes to its caller only -----------------------------------------
@@ -352,13 +353,13 @@ def test_the_first_real_error_still_wins_over_later_ones(small_spec):
     rt = OperatorRuntime(flow=_NoFlow(), signals=Signals(), timings=Timings(),  # type: ignore[arg-type]
                          learner_device=torch.device("cpu"))
     stuck = OperatorError("runtime", TimeoutError("stuck"))
-    rt.latch(stuck, provisional=True)
-    rt.latch(OperatorError("runtime", TimeoutError("stuck again")), provisional=True)
-    assert rt.error is stuck
-    first = rt.fail("ingestion", ValueError("first"))
-    rt.fail("delivery", ValueError("second"))
-    assert rt.error is first
-    assert rt.recover() is first and rt.error is None
+    rt.errors.latch(stuck, provisional=True)
+    rt.errors.latch(OperatorError("runtime", TimeoutError("stuck again")), provisional=True)
+    assert rt.errors.error is stuck
+    first = rt.errors.fail("ingestion", ValueError("first"))
+    rt.errors.fail("delivery", ValueError("second"))
+    assert rt.errors.error is first
+    assert rt.errors.recover() is first and rt.errors.error is None
 
 
 class _NoFlow:

@@ -22,7 +22,8 @@ from conduit.errors import (
     PlaneClosedError,
     raised_again,
 )
-from conduit.plane.runtime import take_turn, turn_timeout, untold_part, untold_share
+from conduit.plane.operator_errors import untold_part, untold_share
+from conduit.plane.runtime import take_turn, turn_timeout
 
 if TYPE_CHECKING:
     from conduit.distributed.operators import QueuedUnit
@@ -195,10 +196,11 @@ class IngestionQueue:
 
 
 class IngestionLatch:
-    """The failures of the front's ingestion, as :class:`conduit.plane.runtime.OperatorRuntime`
-    latches them: the latched error of the ingestion thread (raised by every call until
-    :meth:`recover`), the invocations' counters, and the losses kept for ``close()`` (of
-    interrupted invocations, and of failed inline invocations no caller was told of).
+    """The failures of the front's ingestion, as a local plane's
+    :class:`~conduit.plane.operator_errors.OperatorErrors` latches them: the latched error of
+    the ingestion thread (raised by every call until :meth:`recover`), the invocations'
+    counters, and the losses kept for ``close()`` (of interrupted invocations, and of failed
+    inline invocations no caller was told of).
 
     Args:
         cond: The front's condition.

@@ -16,7 +16,7 @@ Delivery runs on the learner rank's thread over the rows one draw fetched from t
 (:mod:`conduit.distributed.delivery`).
 
 A failure of an operator on the ingestion thread is latched as on a local plane
-(:mod:`conduit.plane.runtime`): ``push``, ``flush`` and ``pull`` raise its
+(:mod:`conduit.plane.operator_errors`): ``push``, ``flush`` and ``pull`` raise its
 :class:`~conduit.errors.OperatorError` until ``recover()``; ``close()`` reports every
 acknowledged unit that was not stored with :class:`~conduit.errors.DataLossError`.
 """

@@ -645,7 +645,7 @@ class ExperienceDataPlane:
     def failed(self) -> OperatorError | None:
         """The operator error that calls now raise (until :meth:`recover`), if any: each
         raises a copy of it (same type, attributes, cause and traceback)."""
-        return self._engine.runtime.error
+        return self._engine.runtime.errors.error
 
     def state_dict(self, *, rows: bool = True) -> dict[str, Any]:
         """An in-memory checkpoint: rows (``rows``: a copy), sampler state, row ids, the

@@ -65,14 +65,14 @@ def close_and_drain(engine: PlaneEngine) -> None:
         engine.closed = True  # pushes after this point raise PlaneClosedError
         engine.signals.wake(callers=True, ingestion=True, delivery=True)
         loss = Loss()
-        loss.add(rt.untold_loss())  # the acked units of threads never told
-        rt.closing_errors = []  # failures from here on, on any thread, are counted below
+        loss.add(rt.errors.untold_loss())  # the acked units of threads never told
+        rt.errors.closing_errors = []  # failures from here on, on any thread, are counted below
     try:
         engine.stop()
     except OperatorError as stuck:
         with lock:
             # failed before the stuck worker was found; what is in flight is counted lost here
-            loss.add_all(rt.take_unreported_locked())
+            loss.add_all(rt.errors.take_unreported_locked())
             loss.cause = loss.cause or stuck
             loss.add_queue(flow, inflight=True, own=rt.running_own)
     deadline = time.perf_counter() + engine.timeout
@@ -80,8 +80,8 @@ def close_and_drain(engine: PlaneEngine) -> None:
     ordered = rt.inline_ordered(engine.timeout)
     try:
         with lock:
-            if not ordered and rt.closing_errors is not None:
-                loss.add_all(rt.take_unreported_locked())
+            if not ordered and rt.errors.closing_errors is not None:
+                loss.add_all(rt.errors.take_unreported_locked())
                 loss.cause = loss.cause or OperatorError("runtime", TimeoutError(
                     f"an inline ingestion on another thread did not finish within "
                     f"{engine.timeout}s"))
@@ -114,8 +114,8 @@ def close_and_drain(engine: PlaneEngine) -> None:
         if ordered:
             rt.end_inline_ordered()
     with lock:
-        rt.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
-        loss.add_all(rt.take_unreported_locked())
+        rt.errors.error = None  # counted above (``loss.cause``) or here (``closing_errors``)
+        loss.add_all(rt.errors.take_unreported_locked())
     cause = loss.cause
     if loss.units:
         lost = DataLossError(

@@ -158,7 +158,7 @@ class PlaneEngine:
                 # worker started beside it would run invocations out of order, so recover()
                 # restarts.
                 restart = False
-                self.runtime.latch(stuck, provisional=True)
+                self.runtime.errors.latch(stuck, provisional=True)
                 raise
             with self.quiesced():
                 with self.signals.lock:
@@ -185,7 +185,7 @@ class PlaneEngine:
             self.ingestion.join(self.timeout)
             self.delivery.join(self.timeout)
         except OperatorError as stuck:
-            self.runtime.latch(stuck, provisional=True)
+            self.runtime.errors.latch(stuck, provisional=True)
             return
         with self.signals.lock:  # one step with close()'s check: no worker starts after it
             if not self.closed and self.runtime.stop:
@@ -287,7 +287,7 @@ class PlaneEngine:
         with lock:
             while True:
                 self.check_open()  # under the lock: close() then drains whatever was queued
-                rt.raise_if_failed()
+                rt.errors.raise_if_failed()
                 if flow.admit_locked(unit.rows, unit.version):
                     break
                 if flow.room_by_ingesting and not (rt.paused or rt.writes_held):
@@ -352,14 +352,14 @@ class PlaneEngine:
             job = None
             with self.signals.lock:
                 self.check_open()
-                rt.raise_if_failed()
+                rt.errors.raise_if_failed()
                 staged = flow.pop_staged_locked()
                 if staged is not None:
                     return staged.batch
                 try:
                     job = drawn[0] = self.delivery.take_locked()
                 except Exception as exc:  # e.g. a custom sampler raising, as on the worker
-                    raise rt.fail("delivery", exc, latch=False) from exc
+                    raise rt.errors.fail("delivery", exc, latch=False) from exc
                 # Data already pushed never waits for a granularity batch to fill.
                 hurry = (job is None and bool(flow.pending) and not (rt.paused or rt.writes_held)
                          and flow.starved_locked())
@@ -381,7 +381,7 @@ class PlaneEngine:
             busy = False
             with data_path_threads(1):
                 err, batch = rt.run_delivery(job, caller_records=records)
-            rt.raise_own(err)
+            rt.errors.raise_own(err)
             if batch is not None:
                 return batch
 
@@ -394,7 +394,7 @@ class PlaneEngine:
                 error is latched again; call again once the invocation has returned).
         """
         self.refuse_inside_operator("recover")
-        err = self.runtime.recover()
+        err = self.runtime.errors.recover()
         if err is not None and not self.closed:
             with self.paused():
                 pass  # the workers exited on the error; paused() restarts them

@@ -8,7 +8,7 @@ version (docs/design.md §2, §3). Flows decide; they never start threads or run
 
 This module holds what both flows share (:class:`Flow`, the units, jobs and staged batches
 they pass around, the plane's lock and conditions) and :class:`OffPolicyFlow`; the on-policy
-flow is :class:`~conduit.plane.onpolicy.OnPolicyFlow`, importable from here too.
+flow is :class:`~conduit.plane.onpolicy.OnPolicyFlow`.
 
 Methods whose name ends in ``_locked`` are called with the plane's lock
 (:attr:`Signals.lock`) held.
@@ -109,7 +109,7 @@ class Unit:
             widened the spec before the unit was queued widens it when it is queued.
         pusher: The thread whose ``push`` acknowledged it: an inline ingestion that fails on
             another thread reports the loss to that thread's caller only, so ``close()``
-            reports it (:attr:`~conduit.plane.runtime.OperatorRuntime.untold`).
+            reports it (:attr:`~conduit.plane.operator_errors.OperatorErrors.untold`).
     """
 
     data: Batch
@@ -621,17 +621,3 @@ class OffPolicyFlow(Flow):
         return (f"no batch within {waited:.1f}s: the buffer holds {len(self.buffer)} rows, "
                 f"min_size is {self.config.first_batch_rows} ({len(self.pending)} rollout "
                 f"units pending)")
-
-
-def __getattr__(name: str) -> Any:
-    """``OnPolicyFlow``, from :mod:`conduit.plane.onpolicy` (which imports this module, so it
-    is looked up on first use rather than imported here).
-
-    Raises:
-        AttributeError: ``name`` is no attribute of this module.
-    """
-    if name == "OnPolicyFlow":
-        from conduit.plane.onpolicy import OnPolicyFlow
-
-        return OnPolicyFlow
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

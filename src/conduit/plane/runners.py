@@ -72,12 +72,12 @@ class Runner(Generic[W]):
         while True:
             with self.rt.signals.lock:
                 while True:
-                    if self.rt.stop or self.rt.error is not None:
+                    if self.rt.stop or self.rt.errors.error is not None:
                         return
                     try:
                         work = self._take_locked()
                     except BaseException as exc:  # e.g. a custom sampler raising
-                        self.rt.fail(self.operator, exc)
+                        self.rt.errors.fail(self.operator, exc)
                         return
                     if work is not None:
                         break
@@ -170,7 +170,7 @@ class ThreadedIngestion(InlineIngestion):
             rt.signals.wake(ingestion=True)
             try:
                 while flow.pending or flow.inflight_units:
-                    rt.raise_if_failed()
+                    rt.errors.raise_if_failed()
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0:
                         raise BackpressureTimeout(
@@ -178,7 +178,7 @@ class ThreadedIngestion(InlineIngestion):
                             f"{flow.inflight_units} being ingested when the timeout ran out; "
                             f"pass a longer timeout or check the ingestion operator")
                     rt.signals.callers.wait(remaining)
-                rt.raise_if_failed()
+                rt.errors.raise_if_failed()
             finally:
                 self.flush_requested -= 1
 

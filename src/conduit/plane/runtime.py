@@ -1,21 +1,24 @@
 """The operator runtime: runs the registered Fig. 8 operators on the units and draws a flow
-hands out, records their timings, and latches the first operator error.
+hands out, and records their timings.
 
 Which thread runs an invocation is the runners' business (:mod:`conduit.plane.runners`); what
-an invocation may take is the flow's (:mod:`conduit.plane.flows`).
+an invocation may take is the flow's (:mod:`conduit.plane.flows`); the first operator error
+is latched, and the losses kept for ``close()`` are counted, in
+:mod:`conduit.plane.operator_errors`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from conduit.errors import BackpressureTimeout, OperatorError, raised_again
+from conduit.errors import BackpressureTimeout, OperatorError
 from conduit.plane.flows import DeliveryJob, Flow, Signals, Unit
+from conduit.plane.operator_errors import OperatorErrors, raised_to_caller
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.spec import Batch
 from conduit.storage import data_path_threads
@@ -43,13 +46,6 @@ def _on_host(rows: Batch) -> bool:
     return True
 
 
-class _Pushed(Protocol):
-    """A queued unit, as :func:`untold_share` reads it (a local or a sharded plane's)."""
-
-    rows: int
-    pusher: threading.Thread | None
-
-
 def take_turn(order: threading.RLock, deadline: float | None,
               now: Callable[[], float]) -> bool:
     """Acquire ``order``, the lock inline invocations on different threads take turns under:
@@ -68,56 +64,6 @@ def turn_timeout(caller: str) -> BackpressureTimeout:
         f"or check the ingestion operator")
 
 
-def untold_share(err: OperatorError, units: Sequence[_Pushed], *,
-                 told: bool) -> OperatorError | None:
-    """The share of ``err`` (an inline ingestion invocation over ``units`` that failed on the
-    calling thread) that no caller answers for, or None: the units other threads pushed
-    (their pushes returned) when ``err`` is raised to the calling thread (``told``), else
-    every unit."""
-    me = threading.current_thread()
-    others = [u for u in units if not told or (u.pusher is not None and u.pusher is not me)]
-    if not others:
-        return None
-    return _part_of(err, others)
-
-
-def untold_part(err: OperatorError | None, units: Sequence[Any] | None,
-                told: set[int]) -> OperatorError | None:
-    """What of the latched ``err`` a ``close()`` reports: the lost ``units`` (each with its
-    ``pusher`` thread) whose pushing thread is not among the ``told`` thread idents, as an
-    error of their own; ``err`` itself when none was told or its units are not known, None
-    when all were told."""
-    if err is None or not units:
-        return err
-    untold = [u for u in units if u.pusher is None or u.pusher.ident not in told]
-    if len(untold) == len(units):
-        return err
-    if not untold:
-        return None
-    return _part_of(err, untold)
-
-
-def _part_of(err: OperatorError, units: Sequence[Any]) -> OperatorError:
-    """``err`` for only ``units`` of the units it lost: same operator and cause."""
-    part = OperatorError(err.operator, err.__cause__ or err, lost_units=len(units),
-                         lost_rows=sum(u.rows for u in units))
-    part.__cause__ = err.__cause__
-    return part
-
-
-def raised_to_caller(err: OperatorError) -> BaseException:
-    """What the failure ``err`` of an invocation the calling thread ran raises there: ``err``
-    itself, or, when the operator was interrupted (it raised ``KeyboardInterrupt``,
-    ``SystemExit`` or another exception that is not an ``Exception``), that interrupt, with
-    ``err``'s message (what was lost, what stays stored) added as a note, so an
-    ``except Exception`` around the call does not swallow a Ctrl-C."""
-    cause = err.__cause__
-    if cause is None or isinstance(cause, Exception):
-        return err
-    cause.add_note(f"conduit: the {err}")
-    return cause
-
-
 class OperatorRuntime:
     """Runs ingestion and delivery invocations for a flow.
 
@@ -127,6 +73,10 @@ class OperatorRuntime:
         timings: Where invocations are recorded (``"ingestion"``, ``"delivery"``).
         learner_device: Where delivered batches end up; a CUDA device gets its own copy
             stream.
+
+    Attributes:
+        errors: The latched operator error and the losses kept for ``close()``; a worker's
+            failed invocation is latched there, an inline one's is returned to its caller.
     """
 
     def __init__(self, *, flow: Flow, signals: Signals, timings: Timings,
@@ -139,29 +89,11 @@ class OperatorRuntime:
                        if learner_device.type == "cuda" else None)
         self.ingest_fn: IngestionFn = identity_ingestion
         self.deliver_fn: DeliveryFn = identity_delivery
-        self.error: OperatorError | None = None
-        #: Whether the latched error only stands in for a stuck invocation's outcome (a
-        #: worker that did not stop): that invocation's own error replaces it.
-        self.error_provisional = False
-        #: The latched error's lost units (None: not known, all are counted) and the threads
-        #: a dependent call told of it: ``close()`` reports the units whose pushing thread
-        #: was never told.
-        self.error_units: tuple[Unit, ...] | None = None
-        self.error_told: set[int] = set()
+        self.errors = OperatorErrors(signals)
         self.paused = 0
         self.ingesting = 0  # ingestion invocations in flight (also counted in busy)
         self.writes_held = 0  # > 0: no ingestion invocation may start
         self.stop = False
-        #: While ``close()`` runs: every failed worker ingestion invocation (its units were
-        #: acknowledged by their pushes), so that close counts each loss once (None: not
-        #: recording). An inline invocation's error is raised to the caller that ran it,
-        #: which is told of the loss, and is not recorded here.
-        self.closing_errors: list[OperatorError] | None = None
-        #: The shares of failed inline invocations that no caller was told of: units pushed
-        #: (and acknowledged) on other threads than the one that ran the invocation and got
-        #: its error, and every unit of a failure raised to no caller (a push's invocation
-        #: over units queued before its own); ``close()`` counts them (None once it has).
-        self.untold: list[OperatorError] | None = []
         self._inline_order = threading.RLock()  # see drain_inline
         #: ``id``s of the units of pushes whose inline invocation over them runs (not
         #: acknowledged yet: the push reports what becomes of them).
@@ -176,96 +108,10 @@ class OperatorRuntime:
         in flight)."""
         return self.ingesting + self.flow.delivering
 
-    def take_unreported_locked(self) -> list[OperatorError]:
-        """The losses kept for ``close()`` (:attr:`closing_errors`, :attr:`untold`); both stop
-        recording (None) from here on."""
-        kept = [*(self.closing_errors or ()), *(self.untold or ())]
-        self.closing_errors = self.untold = None
-        return kept
-
     def inside_operator(self) -> str | None:
         """The operator (``"ingestion"`` or ``"delivery"``) the calling thread is running
         an invocation of, innermost first; None outside every invocation."""
         return getattr(self._inside, "name", None)
-
-    # -- errors ------------------------------------------------------------------------------
-
-    def fail(self, operator: str, exc: BaseException, *, units: Sequence[Unit] = (),
-             stored_rows: int = 0, latch: bool = True) -> OperatorError:
-        """The plane's operator error for ``exc``; latched (see :meth:`latch`) unless
-        ``latch`` is False.
-
-        Args:
-            operator: Which operator raised.
-            exc: What it raised.
-            units: The rollout units whose ingestion failed (their rows are lost).
-            stored_rows: Rows the failed invocation wrote that stay in the buffer.
-            latch: False for an invocation the caller's own thread ran (inline): its error
-                goes to that call only, and neither workers nor other callers see it.
-
-        Returns:
-            The error made for ``exc``.
-        """
-        err = OperatorError(operator, exc, lost_units=len(units),
-                            lost_rows=sum(u.rows for u in units), stored_rows=stored_rows)
-        err.__cause__ = exc
-        if latch:
-            self.latch(err, units=units)
-        return err
-
-    def latch(self, err: OperatorError, *, provisional: bool = False,
-              units: Sequence[Unit] | None = None) -> None:
-        """Latch ``err`` as the plane's operator error and wake all: workers stop, and
-        dependent calls raise it until :meth:`recover`.
-
-        The first error wins, except over a provisional one: an invocation's own error
-        replaces it, so the units that invocation lost are reported (by dependent calls,
-        :meth:`recover` and ``close()``).
-
-        Args:
-            err: The error.
-            provisional: ``err`` says only that a worker is stuck in an invocation (it
-                reports no loss); the invocation's own error, if it raises, replaces it.
-            units: The units ``err`` lost, when known (their pushing threads decide what
-                ``close()`` reports, see :meth:`untold_loss`).
-        """
-        with self.signals.lock:
-            if self.error is None or (self.error_provisional and not provisional):
-                self.error, self.error_provisional = err, provisional
-                self.error_units = None if units is None else tuple(units)
-                self.error_told = set()
-            self.signals.wake(callers=True, ingestion=True, delivery=True)
-
-    def raise_if_failed(self) -> None:
-        """Raise the latched operator error, if any."""
-        if self.error is not None:
-            self.error_told.add(threading.get_ident())
-            raise raised_again(self.error)
-
-    def untold_loss(self) -> OperatorError | None:
-        """The latched error as ``close()`` reports it (call with the lock held): only the
-        lost units whose pushing thread no call told of it (a thread told knows its pushes
-        may be lost; an actor thread whose units a learner's call was told of does not).
-        None when every one was told."""
-        return untold_part(self.error, self.error_units, self.error_told)
-
-    def raise_own(self, err: OperatorError | None) -> None:
-        """Raise ``err``, the (unlatched) error of an invocation the calling thread ran (as
-        :func:`raised_to_caller` makes it): the caller that brought the input is told, and
-        the plane stays usable."""
-        if err is not None:
-            raise raised_to_caller(err)
-
-    def recover(self) -> OperatorError | None:
-        """Unlatch the operator error (the caller handled it), and forget the :attr:`untold`
-        inline losses (handled as well); returns the latched error."""
-        with self.signals.lock:
-            err, self.error = self.error, None
-            self.error_provisional = False
-            if self.untold is not None:
-                self.untold = []
-            self.signals.wake(callers=True, ingestion=True, delivery=True)
-        return err
 
     # -- ingestion -----------------------------------------------------------------------------
 
@@ -320,8 +166,9 @@ class OperatorRuntime:
         Raises:
             OperatorError: An invocation raised here failed (its units are lost; the error is
                 not latched, and the units that other threads pushed are kept in
-                :attr:`untold` for ``close()``, as are all the units of a failure not raised),
-                or an operator failed earlier on a worker (the error stays latched).
+                :attr:`~conduit.plane.operator_errors.OperatorErrors.untold` for ``close()``,
+                as are all the units of a failure not raised), or an operator failed earlier
+                on a worker (the error stays latched).
             BackpressureTimeout: ``deadline`` passed while another thread's inline
                 invocations ran (a push's unit, if still queued, is withdrawn; one taken by
                 an earlier drain meanwhile stays with it, and the push returns).
@@ -355,7 +202,7 @@ class OperatorRuntime:
                 with self.signals.lock:
                     if current is not None and all(u is not current for u in self.flow.pending):
                         return True  # taken (ingested, or failed where its caller was running)
-                    self.raise_if_failed()
+                    self.errors.raise_if_failed()
                     units = self.take_ingestion_locked(force=force)
                     own = units is not None and any(u is current for u in units)
                     if own:
@@ -367,7 +214,7 @@ class OperatorRuntime:
                 if err is not None:
                     interrupted = not isinstance(err.__cause__, Exception)
                     told = current is None or interrupted or any(u is current for u in units)
-                    self._keep_untold(err, units, told=told)
+                    self.errors.keep_untold(err, units, told=told)
                     if told:  # (an interrupted push withdraws its unit just below)
                         raise raised_to_caller(err)
             except BaseException:
@@ -380,15 +227,6 @@ class OperatorRuntime:
                     with self.signals.lock:
                         self.running_own.discard(id(current))
                 order.release()
-
-    def _keep_untold(self, err: OperatorError, units: Sequence[Unit], *, told: bool) -> None:
-        """Keep :func:`untold_share` of ``err`` for ``close()``."""
-        share = untold_share(err, units, told=told)
-        if share is None:
-            return
-        with self.signals.lock:
-            if self.untold is not None:
-                self.untold.append(share)
 
     def run_ingestion(self, units: list[Unit], *, latch: bool = True) -> OperatorError | None:
         """One ingestion invocation over ``units`` (taken with :meth:`take_ingestion_locked`).
@@ -437,15 +275,15 @@ class OperatorRuntime:
                 kept = self.flow.ingested_locked(units, failed=raised is not None,
                                                  written=written, rows=rows[0])
                 if raised is not None:  # with the rows the invocation left
-                    err = self.fail("ingestion", raised, units=units, stored_rows=kept,
-                                    latch=False)
+                    err = self.errors.fail("ingestion", raised, units=units,
+                                           stored_rows=kept, latch=False)
                     note = self.flow.kept_rows_note(units, kept)
                     if note is not None:
                         err.add_note(note)
                     if latch:
-                        self.latch(err, units=units)
-                    if latch and self.closing_errors is not None:
-                        self.closing_errors.append(err)
+                        self.errors.latch(err, units=units)
+                    if latch and self.errors.closing_errors is not None:
+                        self.errors.closing_errors.append(err)
                 self.ingesting -= 1
                 self.signals.wake(callers=True)
         return err
@@ -532,7 +370,7 @@ class OperatorRuntime:
                     raise RuntimeError("the delivery operator did not call learn_out.write()")
         except BaseException as exc:
             self._inside.name = outer  # (an interrupt may have skipped the line above)
-            err = self.fail("delivery", exc, latch=caller_records is None)
+            err = self.errors.fail("delivery", exc, latch=caller_records is None)
             staged, direct = [], None
         finally:
             event = None
@@ -547,7 +385,7 @@ class OperatorRuntime:
                 caller_records.append(rec)
             with self.signals.lock:
                 self.flow.counters["invocations_del"] += 1
-                if err is not None or self.error is not None:
+                if err is not None or self.errors.error is not None:
                     direct = None  # a failure, or a latched error, drops what it made
                     self.flow.undo_delivery_locked(job)
                 else:
