@@ -1,8 +1,9 @@
-"""``conduit train`` and ``conduit demo`` guard their runs: a diverging run stops with its
-summary and JSON; flags, environments and missing extras that cannot run are refused before
-the run, naming the flag or the extra; GRPO prints progress, checks its output path first and
-writes its steps so far when interrupted; epsilon goes linearly from --start-e to --end-e.
-Tiny in-process runs; behaviour only, never timings."""
+"""``conduit train`` and ``conduit demo`` guard their runs: a diverging run (a loss, or the
+policy's output in a rollout, not finite) stops with its summary and JSON, and a rollout of a
+diverged policy takes stand-in actions instead of failing; flags, environments and missing
+extras that cannot run are refused before the run, naming the flag or the extra; GRPO prints
+progress, checks its output path first and writes its steps so far when interrupted; epsilon
+goes linearly from --start-e to --end-e. Tiny in-process runs; behaviour only, never timings."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from conduit.cli import main
 from conduit.workloads import dqn
+from conduit.workloads.actors import RolloutWorker
+from conduit.workloads.envs import env_info
 from tests.conftest import usage_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames
@@ -35,7 +40,8 @@ def _tiny(tmp_path: Path, *flags: str) -> list[str]:
     ["--algo", "ppo", "--vf-coef", "1e38", "--gamma", "1", "--gae-lambda", "1",
      "--steps-per-rollout", "16", "--rollout-fragments", "1", "--num-minibatches", "2",
      "--update-epochs", "2"],  # returns up to 16: a value loss over 3.4e38 / 1e38
-], ids=["sac", "ppo"])
+    ["--algo", "ppo", "--learning-rate", "3.4e37"],  # the largest rate Adam can step with
+], ids=["sac", "ppo", "ppo-largest-learning-rate"])
 def test_a_diverging_run_stops_with_its_summary_and_json(flags: list[str], tmp_path: Path,
                                                          capsys) -> None:
     assert main(_tiny(tmp_path, *flags)) == 1
@@ -43,7 +49,57 @@ def test_a_diverging_run_stops_with_its_summary_and_json(flags: list[str], tmp_p
     assert "losses finite: False" in out and "a loss was not finite" in out
     log = json.loads((tmp_path / "t.json").read_text())
     assert log["losses_finite"] is False and len(log["iterations"]) < 3
+    assert log["diverged"] == "a loss was not finite"
     assert (tmp_path / "t.png").exists()
+
+
+_OFF_POLICY = ["--learning-starts", "0", "--batch-size", "4", "--buffer-size", "100",
+               "--updates-per-iter", "1"]
+_ONE_UPDATE = ["--num-minibatches", "1", "--update-epochs", "1"]
+
+
+# One update an iteration, at a rate that leaves finite weights whose outputs overflow: the
+# next rollout's policy output is not finite before any loss is.
+@pytest.mark.parametrize("flags, fix", [
+    (["--algo", "ppo", "--image-size", "16", *_ONE_UPDATE, "--learning-rate", "1e30"],
+     "lower --learning-rate"),
+    (["--algo", "ppo", "--env", "Pendulum-v1", "--image-size", "16", *_ONE_UPDATE,
+      "--learning-rate", "1e30"], "lower --learning-rate"),
+    (["--algo", "sac", "--policy-lr", "3.4e37", *_OFF_POLICY], "lower --q-lr and --policy-lr"),
+    (["--algo", "dqn", "--learning-rate", "1e30", *_OFF_POLICY], "lower --learning-rate"),
+], ids=["ppo-discrete", "ppo-continuous", "sac", "dqn"])
+def test_a_diverged_policy_stops_the_run_with_its_summary_and_json(
+        flags: list[str], fix: str, tmp_path: Path, capsys) -> None:
+    assert main(_tiny(tmp_path, *flags)) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    stop = next(ln for ln in out.splitlines() if "stopped after iteration" in ln)
+    assert "the policy's output was not finite for" in stop and "the run diverged" in stop
+    assert fix in stop
+    log = json.loads((tmp_path / "t.json").read_text())
+    assert log["diverged"].startswith("the policy's output was not finite for")
+    assert len(log["iterations"]) < 3 and not log["iterations"][-1]["learning"]
+    assert (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize("algo, env", [("ppo", "CartPole-v1"), ("ppo", "Pendulum-v1"),
+                                       ("sac", "Pendulum-v1"), ("dqn", "CartPole-v1")])
+def test_a_rollout_of_a_nan_policy_takes_stand_in_actions(algo: str, env: str) -> None:
+    info = env_info(env)
+    worker = RolloutWorker(algo=algo, env_id=env, info=info, num_envs=2, seed=0,
+                           single_thread=False)
+    try:
+        nan = {k: torch.full_like(v, float("nan"))
+               for k, v in worker.policy.state_dict().items()}
+        out = worker.rollout(3, nan)
+    finally:
+        worker.close()
+    assert out["stats"]["nonfinite"] == 6  # every action: 3 steps of 2 envs
+    action = out["rollout"]["action"]
+    assert np.isfinite(action).all()
+    if not info.discrete:
+        assert ((info.action_low <= action) & (action <= info.action_high)).all()
+    assert np.isfinite(out["rollout"]["obs"]).all()  # the environments took them
 
 
 # Values refused as usage errors naming the flag, before the run.
@@ -68,6 +124,12 @@ def test_ppo_refuses_mini_batches_of_one_row_with_norm_adv(tmp_path: Path, capsy
     (["--algo", "sac", "--alpha", "-1", "--no-autotune"], "--alpha", "must be >= 0"),
     (["--algo", "dqn", "--prioritized", "--per-alpha", "-1"], "--per-alpha", "must be >= 0"),
     (["--algo", "dqn", "--prioritized", "--per-beta", "inf"], "--per-beta", "finite"),
+    (["--algo", "ppo", "--learning-rate", "1e38"], "--learning-rate",
+     "must be at most 3.4e+37, got 1e+38: Adam's first step"),
+    (["--algo", "dqn", "--learning-rate", "1e38"], "--learning-rate", "must be at most 3.4e+37"),
+    (["--algo", "sac", "--q-lr", "1e38"], "--q-lr", "must be at most 3.4e+37"),
+    (["--algo", "sac", "--policy-lr", "3.5e37"], "--policy-lr",
+     "beyond float32's largest value"),
 ])
 def test_flags_and_environments_that_cannot_run_are_usage_errors(
         flags: list[str], flag: str, says: str, tmp_path: Path, capsys, no_ray) -> None:

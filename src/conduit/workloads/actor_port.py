@@ -52,7 +52,9 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
         fragments: Rollout units per actor.
 
     Returns:
-        ``rows`` pushed and the finished ``episode_returns``.
+        ``rows`` pushed, the finished ``episode_returns``, and ``nonfinite``: the actions for
+        which the policy's output was not finite (each given a stand-in, see
+        :meth:`~conduit.workloads.actors.RolloutWorker.rollout`).
 
     Raises:
         Whatever a push raised, also when the port thread pushed.
@@ -62,7 +64,8 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
     # travel with the first.
     handles = [h for k in range(fragments)
                for h in actors.submit(num_steps, weights if k == 0 else None, params)]
-    got: dict[str, Any] = {"rows": 0, "episode_returns": [], "waited": time.perf_counter() - t0}
+    got: dict[str, Any] = {"rows": 0, "episode_returns": [], "nonfinite": 0,
+                           "waited": time.perf_counter() - t0}
 
     def receive(call: Any, offthread: bool) -> None:
         """Collect one unit and push it."""
@@ -79,6 +82,7 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
             plane.timings.record("push_offthread", time.perf_counter() - t2, start=t2)
         got["rows"] += out["stats"]["rows"]
         got["episode_returns"] += out["stats"]["episode_returns"]
+        got["nonfinite"] += out["stats"].get("nonfinite", 0)
 
     if plane.schedule.overlap_ing and len(handles) > 1:
         *ahead, last = handles
@@ -114,7 +118,8 @@ def rollout_and_push(plane: ExperienceDataPlane, actors: ActorGroup, num_steps: 
         waited = got["waited"]
     for _ in handles:
         plane.timings.record("rollout", waited / len(handles), start=t0)
-    return {"rows": got["rows"], "episode_returns": got["episode_returns"]}
+    return {"rows": got["rows"], "episode_returns": got["episode_returns"],
+            "nonfinite": got["nonfinite"]}
 
 
 class _PortThread:

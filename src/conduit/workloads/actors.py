@@ -38,11 +38,17 @@ Params = dict[str, float | bool]
 
 
 class RolloutStats(TypedDict):
-    """What a worker reports with a rollout unit."""
+    """What a worker reports with a rollout unit.
+
+    ``nonfinite`` counts the actions for which the policy's output (logits, Q-values or the
+    action itself) was not finite, as a diverged policy's is; each was replaced by a stand-in
+    (see :meth:`RolloutWorker.rollout`).
+    """
 
     episode_returns: list[float]
     episode_lengths: list[int]
     rows: int
+    nonfinite: NotRequired[int]
     actor_s: NotRequired[float]
     pid: NotRequired[int]
 
@@ -92,6 +98,7 @@ class RolloutWorker:
         else:
             self.policy = nets.PPOAgent(info)
         self.policy.eval()
+        self._nonfinite = 0  # actions of the current rollout given a stand-in
 
     def rollout(self, num_steps: int, weights: dict[str, torch.Tensor] | None = None,
                 params: Params | None = None) -> Rollout:
@@ -103,17 +110,23 @@ class RolloutWorker:
             params: Exploration parameters: ``epsilon`` (DQN), ``random`` (SAC warm-up).
 
         Returns:
-            The rollout unit and its statistics.
+            The rollout unit and its statistics. An action for which the policy's output is
+            not finite (a diverged policy: NaN or infinite weights, or outputs that overflow)
+            is replaced by a stand-in that the environment takes (uniform over the discrete
+            actions; 0 clipped to the bounds of continuous ones), and counted in
+            ``stats["nonfinite"]``, so the rollout completes and the learner can stop the run.
         """
         t0 = time.perf_counter()
         if weights is not None:
             self.policy.load_state_dict(weights)
         params = params or {}
+        self._nonfinite = 0
         with torch.no_grad():
             if self.algo == "ppo":
                 out = self._rollout_ppo(num_steps)
             else:
                 out = self._rollout_transitions(num_steps, params)
+        out["stats"]["nonfinite"] = self._nonfinite
         out["stats"]["actor_s"] = time.perf_counter() - t0
         out["stats"]["pid"] = os.getpid()
         return out
@@ -121,10 +134,38 @@ class RolloutWorker:
     def _obs_tensors(self, obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(v) for k, v in obs.items()}
 
+    def _nonfinite_rows(self, out: torch.Tensor) -> torch.Tensor | None:
+        """Which rows of the policy's output ``out`` hold a value that is not finite (None
+        when none does); counts them in this rollout's ``nonfinite``."""
+        bad = ~torch.isfinite(out).reshape(out.shape[0], -1).all(-1)
+        count = int(bad.sum())
+        if not count:
+            return None
+        self._nonfinite += count
+        return bad
+
+    def _finite_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs`` with each row that is not finite made uniform (the stand-in draw)."""
+        bad = self._nonfinite_rows(probs)
+        if bad is None:
+            return probs
+        return torch.where(bad.unsqueeze(-1), torch.ones_like(probs), probs)
+
+    def _finite_actions(self, action: torch.Tensor) -> torch.Tensor:
+        """``action`` with each row that is not finite replaced by 0 clipped to the action
+        bounds (the stand-in)."""
+        bad = self._nonfinite_rows(action)
+        if bad is None:
+            return action
+        stand_in = min(max(0.0, self.info.action_low), self.info.action_high)
+        return torch.where(bad.unsqueeze(-1), torch.full_like(action, stand_in), action)
+
     def _act(self, obs: dict[str, np.ndarray], params: Params) -> np.ndarray:
         n = self.pool.num_rows
         if self.algo == "dqn":
-            greedy = self.policy(**self._obs_tensors(obs)).argmax(-1).numpy()
+            q = self.policy(**self._obs_tensors(obs))
+            self._nonfinite_rows(q)  # argmax still names an action: no stand-in needed
+            greedy = q.argmax(-1).numpy()
             explore = self.rng.random(n) < float(params.get("epsilon", 0.0))
             return np.where(explore, self.rng.integers(0, self.info.num_actions, n),
                             greedy).astype(np.int64)
@@ -132,7 +173,7 @@ class RolloutWorker:
             return self.rng.uniform(self.info.action_low, self.info.action_high,
                                     (n, self.info.action_dim)).astype(np.float32)
         action, _ = self.policy(**self._obs_tensors(obs), generator=self.gen)
-        return action.numpy().astype(np.float32)
+        return self._finite_actions(action).numpy().astype(np.float32)
 
     def _rollout_transitions(self, num_steps: int, params: Params) -> Rollout:
         cols: dict[str, list[np.ndarray]] = {}
@@ -166,9 +207,10 @@ class RolloutWorker:
             h = agent.enc(**t)
             dist = agent.dist(h)
             if self.info.discrete:
-                action = torch.multinomial(dist.probs, 1, generator=self.gen).squeeze(-1)
+                action = torch.multinomial(self._finite_probs(dist.probs), 1,
+                                           generator=self.gen).squeeze(-1)
             else:
-                action = _normal_sample(dist, self.gen)
+                action = self._finite_actions(_normal_sample(dist, self.gen))
             logp = dist.log_prob(action)
             if not self.info.discrete:
                 logp = logp.sum(-1)

@@ -31,6 +31,15 @@ ADDRESS_TIMEOUT_S = 3.0
 """Seconds ``--address`` is given to answer before a run is refused (``ray.init`` would retry
 an address nothing listens on for minutes)."""
 
+ADAM_BETA1 = 0.9
+"""The first-moment decay of the DQN, SAC and PPO learners' Adam optimizers (torch's
+default)."""
+
+MAX_LEARNING_RATE = torch.finfo(torch.float32).max * (1 - ADAM_BETA1)
+"""Largest learning rate torch's Adam can step float32 weights with (about 3.4e37): its first
+step scales the update by ``lr / (1 - beta1)``, a float32 scalar (see
+:func:`check_learning_rate`)."""
+
 
 @dataclass(frozen=True)
 class TrainerArgs:
@@ -122,6 +131,29 @@ def check_image_size(size: int) -> None:
     if 0 < size < MIN_IMAGE_SIZE:
         raise ConfigError("image_size", f"must be 0 (no image) or at least {MIN_IMAGE_SIZE} "
                                         f"(the image encoder's smallest input), got {size}")
+
+
+def check_learning_rate(field: str, lr: float) -> None:
+    """Refuse a learning rate that no Adam step can take on float32 weights.
+
+    Adam's first step scales the update by ``lr / (1 - beta1)`` (ten times ``lr``), a
+    float32 scalar in torch's default kernels (for-loop and foreach, on CPU and CUDA); above
+    :data:`MAX_LEARNING_RATE` it overflows and the first optimizer step fails. A smaller
+    rate, however large, is left to the run: when it diverges, the trainer's divergence stop
+    reports it.
+
+    Args:
+        field: The ``Args`` field that gave ``lr`` (the error names its flag).
+        lr: The learning rate.
+
+    Raises:
+        ConfigError: ``lr`` is above :data:`MAX_LEARNING_RATE` (field ``field``).
+    """
+    if lr / (1 - ADAM_BETA1) > torch.finfo(torch.float32).max:
+        raise ConfigError(field, f"must be at most {MAX_LEARNING_RATE:.3g}, got {lr:g}: "
+                                 "Adam's first step scales the update by lr / (1 - beta1) = "
+                                 f"{lr / (1 - ADAM_BETA1):.3g}, beyond float32's largest "
+                                 "value (3.4e+38)")
 
 
 def check_trainer_args(args: TrainerArgs) -> None:

@@ -179,7 +179,10 @@ class RunResult:
     again from the actor re-created in its place), ``actors_restarted`` the re-created actors.
     ``updates`` counts the learner's gradient steps and ``learning_iterations`` the iterations
     in which it trained; with no update, ``losses_finite`` holds vacuously and the JSON log
-    writes it as null.
+    writes it as null. ``diverged`` says why a diverging run stopped early (a loss or the
+    policy's output in a rollout was not finite, see
+    :data:`~conduit.workloads.learner.LOSS_NOT_FINITE` and
+    :func:`~conduit.workloads.learner.policy_not_finite`), and is empty when it did not.
     """
 
     algo: str
@@ -195,26 +198,29 @@ class RunResult:
     actors_restarted: int = 0
     updates: int = 0
     learning_iterations: int = 0
+    diverged: str = ""
 
     @classmethod
     def of(cls, algo: str, args: TrainerArgs, plan: dict[str, object],
            recorder: BreakdownRecorder, losses: Sequence[float], actors: ActorGroup, *,
-           updates: int | None = None) -> RunResult:
+           updates: int | None = None, diverged: str = "") -> RunResult:
         """The result of a finished run: the recorder's breakdown, whether every loss was
-        finite, the learner's gradient steps (``updates``, one per loss by default), and the
-        rollouts the actors lost."""
+        finite, the learner's gradient steps (``updates``, one per loss by default), the
+        rollouts the actors lost, and why the run stopped early if it diverged
+        (``diverged``)."""
         updates = len(losses) if updates is None else updates
         learning = sum(r.learning for r in recorder.records) if updates else 0
         return cls(algo, args.env, args.buffer, plan, recorder.summary(), recorder.records,
                    recorder.returns, dataclasses.asdict(args),
                    all(math.isfinite(v) for v in losses), actors.rollouts_lost,
-                   actors.actors_restarted, updates, learning)
+                   actors.actors_restarted, updates, learning, diverged)
 
     def to_json(self) -> dict[str, object]:
         """JSON-friendly form (non-finite floats become None)."""
         return {"algo": self.algo, "env": self.env, "buffer": self.buffer, "plan": self.plan,
                 "summary": finite(self.summary), "config": finite(self.config),
                 "losses_finite": self.losses_finite if self.updates else None,
+                "diverged": self.diverged or None,
                 "updates": self.updates, "learning_iterations": self.learning_iterations,
                 "rollouts_lost": self.rollouts_lost,
                 "actors_restarted": self.actors_restarted,

@@ -42,6 +42,11 @@ from conduit.workloads.learner import resolve_device
 TRAINERS: dict[str, ModuleType] = {"dqn": dqn, "sac": sac, "ppo": ppo, "grpo": grpo}
 ALGOS = tuple(TRAINERS)
 
+_DIVERGENCE_FIX = {"dqn": "lower --learning-rate",
+                   "sac": "lower --q-lr and --policy-lr, or --reward-scale",
+                   "ppo": "lower --learning-rate, or --vf-coef and --ent-coef"}
+"""What the stop line of a diverged run tells the user to change, per algorithm."""
+
 _TRAIN_HELP = """\
 Train DQN, SAC or PPO with Ray rollout actors, or GRPO on a tiny causal LM with TRL
 ([trl] extra); the experience path runs inline (the sequential baseline) or through Conduit.
@@ -87,10 +92,9 @@ def _print_summary(result: RunResult) -> None:
     print(f"  plan: {result.plan.get('placement')} | {result.plan.get('schedule')}")
     finite = result.losses_finite if result.updates else "n/a (no update ran)"
     print(f"  final mean return: {s['final_return']:.1f}   losses finite: {finite}")
-    if result.updates and not result.losses_finite:
+    if result.diverged:
         print(f"  stopped after iteration {len(result.records)} of {result.config['iters']}: "
-              "a loss was not finite (the run diverged; lower the learning rates or the "
-              "reward and loss scales)")
+              f"{result.diverged} (the run diverged; {_DIVERGENCE_FIX[result.algo]})")
 
 
 def _check_trainer(mod: ModuleType, args: TrainerArgs) -> None:
@@ -179,7 +183,7 @@ def _train(argv: list[str] | None) -> int:
         title=f"{known.algo.upper()} on {args.env}"
               + (f" + {args.image_size}px image payload" if args.image_size else ""))
     print(f"wrote {out}" + (f" and {png}" if png else ""))
-    return 0 if result.losses_finite else 1
+    return 1 if result.diverged or not result.losses_finite else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,16 @@ from conduit.errors import ConfigError
 from conduit.storage import PrioritizedSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs, check_replay, check_trainer_args, probe_env
+from conduit.workloads.args import (
+    TrainerArgs,
+    check_learning_rate,
+    check_replay,
+    check_trainer_args,
+    probe_env,
+)
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import env_info
-from conduit.workloads.learner import setup_learner
+from conduit.workloads.learner import LOSS_NOT_FINITE, policy_not_finite, setup_learner
 from conduit.workloads.nets import QNetwork
 from conduit.workloads.planes import make_plane, transition_spec
 
@@ -63,10 +69,12 @@ def check(args: Args) -> None:
         ConfigError: The environment has continuous actions (field ``env``), or an
             observation the workloads cannot take, alone or with the image payload (see
             :func:`~conduit.workloads.envs.env_info`), the replay flags conflict (see
-            :func:`~conduit.workloads.args.check_replay`), or a shared flag is refused (see
-            :func:`~conduit.workloads.args.check_trainer_args`).
+            :func:`~conduit.workloads.args.check_replay`), ``--learning-rate`` overflows
+            Adam's first step (see :func:`~conduit.workloads.args.check_learning_rate`), or a
+            shared flag is refused (see :func:`~conduit.workloads.args.check_trainer_args`).
     """
     check_trainer_args(args)
+    check_learning_rate("learning_rate", args.learning_rate)
     check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
                  learning_starts=args.learning_starts)
     info = probe_env(args.env, image_size=args.image_size, num_agents=args.num_agents)
@@ -78,8 +86,12 @@ def check(args: Args) -> None:
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
     """Train DQN and return the per-iteration breakdown; ``on_batch`` sees each training
-    batch (for tests). A loss that is not finite stops the run after its iteration; the result
-    says so (``losses_finite`` False)."""
+    batch (for tests).
+
+    A diverging run stops after the iteration in which a loss, or the policy's output (its
+    Q-values) in the rollout, was not finite (an iteration whose rollout met a non-finite
+    policy output runs no update); the result says which (``diverged``).
+    """
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size, num_agents=args.num_agents)
@@ -100,7 +112,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     transitions, updates = 0, 0
-    diverged = False  # a loss was not finite: the run stops and its result says so
+    diverged = ""  # why the run diverged: it stops after this iteration and its result says so
     with rollout_actors(args, algo="dqn", info=info, num_agents=args.num_agents) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="dqn")
         for it in range(args.iters):
@@ -114,9 +126,11 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                 transitions += got["rows"]
                 log.update(env_steps=transitions, returns=got["episode_returns"],
                            epsilon=epsilon)
+                if got["nonfinite"]:  # a diverged policy: no update, the run stops here
+                    diverged = policy_not_finite(got["nonfinite"])
 
                 # Learner update: sample, TD target, gradient step.
-                learning = transitions >= args.learning_starts
+                learning = transitions >= args.learning_starts and not diverged
                 log["learning"] = learning
                 for _ in range(args.updates_per_iter if learning else 0):
                     batch = plane.pull()  # delivery: inline or prefetched
@@ -132,7 +146,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                             target_network.load_state_dict(q_network.state_dict())
                         losses.append(loss.item())
                     if not math.isfinite(losses[-1]):
-                        diverged = True
+                        diverged = LOSS_NOT_FINITE
                         break
                     if args.prioritized:
                         plane.update_priorities(batch["_index"], td.abs() + 1e-3)
@@ -143,7 +157,8 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if diverged:
                 break
         plane.flush()
-    return RunResult.of("dqn", args, plan, rec, losses, actors, updates=updates)
+    return RunResult.of("dqn", args, plan, rec, losses, actors, updates=updates,
+                        diverged=diverged)
 
 
 def _dqn_loss(q_network: QNetwork, target_network: QNetwork, b: dict[str, torch.Tensor],

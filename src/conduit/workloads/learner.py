@@ -1,4 +1,5 @@
-"""Where the learner runs: its seeds, its device and its torch threads."""
+"""Where the learner runs (its seeds, its device and its torch threads), and what stops a
+diverging run."""
 
 from __future__ import annotations
 
@@ -64,3 +65,14 @@ def setup_learner(args: TrainerArgs) -> torch.device:
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     set_learner_threads(args.learner_threads, actors=args.actors, use_ray=args.use_ray)
     return resolve_device(args.device)
+
+
+LOSS_NOT_FINITE = "a loss was not finite"
+"""Why a run stopped when one of its losses was not finite."""
+
+
+def policy_not_finite(actions: int) -> str:
+    """Why a run stopped when the policy's output was not finite for ``actions`` actions of a
+    rollout (each given a stand-in, see
+    :meth:`~conduit.workloads.actors.RolloutWorker.rollout`)."""
+    return f"the policy's output was not finite for {actions} action(s) of the rollout"

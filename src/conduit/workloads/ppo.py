@@ -27,10 +27,15 @@ from conduit.scheduling.space import MAX_MINIBATCHES, ScheduleSpace, feasible_sp
 from conduit.storage import FifoSampler
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs, check_trainer_args, probe_env
+from conduit.workloads.args import (
+    TrainerArgs,
+    check_learning_rate,
+    check_trainer_args,
+    probe_env,
+)
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import MULTI_AGENT_CARTPOLE, EnvInfo, env_info
-from conduit.workloads.learner import setup_learner
+from conduit.workloads.learner import LOSS_NOT_FINITE, policy_not_finite, setup_learner
 from conduit.workloads.nets import PPOAgent
 from conduit.workloads.planes import make_plane
 
@@ -173,13 +178,15 @@ def check(args: Args) -> None:
             ``--num-minibatches`` does not divide an iteration's samples, or leaves one
             sample per mini-batch with ``--norm-adv`` (field ``num_minibatches``); the
             environment's observation cannot be taken (see
-            :func:`~conduit.workloads.envs.env_info`); or a shared flag is refused (see
-            :func:`~conduit.workloads.args.check_trainer_args`).
+            :func:`~conduit.workloads.envs.env_info`); ``--learning-rate`` overflows Adam's
+            first step (see :func:`~conduit.workloads.args.check_learning_rate`); or a shared
+            flag is refused (see :func:`~conduit.workloads.args.check_trainer_args`).
     """
     if args.env == MULTI_AGENT_CARTPOLE:
         raise ConfigError("env", f"PPO here supports single-agent envs; {args.env} has "
                                  "several agents per env (train it with --algo dqn)")
     check_trainer_args(args)
+    check_learning_rate("learning_rate", args.learning_rate)
     rows = rows_per_iteration(args)
     if rows % args.num_minibatches:
         raise ConfigError("num_minibatches", f"{args.num_minibatches} does not divide the "
@@ -198,9 +205,12 @@ def check(args: Args) -> None:
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
-    """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch. A
-    loss that is not finite stops the run after its iteration; the result says so
-    (``losses_finite`` False)."""
+    """Train PPO and return the per-iteration breakdown; ``on_batch`` sees each mini-batch.
+
+    A diverging run stops after the iteration in which a loss, or the policy's output in the
+    rollout, was not finite (an iteration whose rollout met a non-finite policy output runs no
+    update); the result says which (``diverged``).
+    """
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
@@ -236,7 +246,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     env_steps = 0
-    diverged = False  # a loss was not finite: the run stops and its result says so
+    diverged = ""  # why the run diverged: it stops after this iteration and its result says so
     with rollout_actors(args, algo="ppo", info=info) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="ppo")
         for it in range(args.iters):
@@ -250,6 +260,10 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                                        fragments=args.rollout_fragments)
                 env_steps += rows_per_iter
                 log.update(env_steps=env_steps, returns=got["episode_returns"])
+                if got["nonfinite"]:  # a diverged policy: no update, the run stops here
+                    diverged = policy_not_finite(got["nonfinite"])
+                    log["learning"] = False
+                    break
 
                 for _ in range(args.num_minibatches * args.update_epochs):
                     mb = plane.pull()
@@ -263,7 +277,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                         optimizer.step()
                         losses.append(loss.item())
                     if not math.isfinite(losses[-1]):
-                        diverged = True
+                        diverged = LOSS_NOT_FINITE
                         break
                 log.update(loss=losses[-1], **stats)
             if tuner is not None:  # auto schedule: the cost model's pick, then a trial
@@ -271,7 +285,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
             if diverged:
                 break
         plane.flush()
-    return RunResult.of("ppo", args, plan, rec, losses, actors)
+    return RunResult.of("ppo", args, plan, rec, losses, actors, diverged=diverged)
 
 
 def _ppo_loss(agent: PPOAgent, mb: dict[str, torch.Tensor], args: Args

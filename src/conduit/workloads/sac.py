@@ -21,10 +21,16 @@ from conduit.cli_args import arg
 from conduit.errors import ConfigError
 from conduit.workloads.actor_port import rollout_and_push
 from conduit.workloads.actors import cpu_weights, rollout_actors
-from conduit.workloads.args import TrainerArgs, check_replay, check_trainer_args, probe_env
+from conduit.workloads.args import (
+    TrainerArgs,
+    check_learning_rate,
+    check_replay,
+    check_trainer_args,
+    probe_env,
+)
 from conduit.workloads.breakdown import BreakdownRecorder, RunResult
 from conduit.workloads.envs import env_info
-from conduit.workloads.learner import setup_learner
+from conduit.workloads.learner import LOSS_NOT_FINITE, policy_not_finite, setup_learner
 from conduit.workloads.nets import SACActor, SoftQNetwork
 from conduit.workloads.planes import make_plane, transition_spec
 
@@ -61,10 +67,14 @@ def check(args: Args) -> None:
             installed (field ``env``), or has an observation the workloads cannot take, alone
             or with the image payload (see :func:`~conduit.workloads.envs.env_info`), the
             replay flags conflict (see
-            :func:`~conduit.workloads.args.check_replay`), or a shared flag is refused (see
-            :func:`~conduit.workloads.args.check_trainer_args`).
+            :func:`~conduit.workloads.args.check_replay`), ``--q-lr`` or ``--policy-lr``
+            overflows Adam's first step (see
+            :func:`~conduit.workloads.args.check_learning_rate`), or a shared flag is refused
+            (see :func:`~conduit.workloads.args.check_trainer_args`).
     """
     check_trainer_args(args)
+    check_learning_rate("q_lr", args.q_lr)
+    check_learning_rate("policy_lr", args.policy_lr)
     check_replay(buffer_size=args.buffer_size, batch_size=args.batch_size,
                  learning_starts=args.learning_starts)
     info = probe_env(args.env, image_size=args.image_size)
@@ -75,9 +85,12 @@ def check(args: Args) -> None:
 
 def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None
           ) -> RunResult:
-    """Train SAC and return the per-iteration breakdown; ``on_batch`` sees each batch. A loss
-    that is not finite stops the run after its iteration; the result says so
-    (``losses_finite`` False)."""
+    """Train SAC and return the per-iteration breakdown; ``on_batch`` sees each batch.
+
+    A diverging run stops after the iteration in which a loss, or the policy's output (its
+    action) in the rollout, was not finite (an iteration whose rollout met a non-finite policy
+    output runs no update); the result says which (``diverged``).
+    """
     check(args)
     device = setup_learner(args)
     info = env_info(args.env, image_size=args.image_size)
@@ -108,7 +121,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
 
     losses: list[float] = []
     transitions = 0
-    diverged = False  # a loss was not finite: the run stops and its result says so
+    diverged = ""  # why the run diverged: it stops after this iteration and its result says so
     with rollout_actors(args, algo="sac", info=info) as actors, plane:
         rec = BreakdownRecorder.for_run(plane, args, algo="sac")
         for it in range(args.iters):
@@ -119,8 +132,10 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                                        {"random": transitions < args.learning_starts})
                 transitions += got["rows"]
                 log.update(env_steps=transitions, returns=got["episode_returns"])
+                if got["nonfinite"]:  # a diverged policy: no update, the run stops here
+                    diverged = policy_not_finite(got["nonfinite"])
 
-                learning = transitions >= args.learning_starts
+                learning = transitions >= args.learning_starts and not diverged
                 log["learning"] = learning
                 for _ in range(args.updates_per_iter if learning else 0):
                     b = plane.pull()
@@ -160,7 +175,7 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                                     tp.lerp_(p, args.tau)
                         losses += [qf_loss.item(), actor_loss.item()]
                     if not (math.isfinite(losses[-2]) and math.isfinite(losses[-1])):
-                        diverged = True
+                        diverged = LOSS_NOT_FINITE
                         break
                 if learning and losses:
                     log.update(qf_loss=losses[-2], actor_loss=losses[-1], alpha=alpha)
@@ -170,4 +185,5 @@ def train(args: Args, *, on_batch: Callable[[dict[str, torch.Tensor]], None] | N
                 break
         plane.flush()
     # Two losses (critic, actor) per gradient step.
-    return RunResult.of("sac", args, plan, rec, losses, actors, updates=len(losses) // 2)
+    return RunResult.of("sac", args, plan, rec, losses, actors, updates=len(losses) // 2,
+                        diverged=diverged)
