@@ -35,9 +35,13 @@ def _records(n: int = 3) -> list[IterationRecord]:
                             learning=True, wall_time=0.01 * (k + 1)) for k in range(n)]
 
 
+DIVERGED = "the policy's output was not finite for 2 action(s) of the rollout"
+
+
 def _train_result() -> SimpleNamespace:
+    """A run that stopped early because its policy diverged (its losses were finite)."""
     return SimpleNamespace(records=_records(), returns=[(0, 0.0, 10.0), (2, 0.0, 12.0)],
-                           plan={"schedule": "s"}, losses_finite=True,
+                           plan={"schedule": "s"}, losses_finite=True, diverged=DIVERGED,
                            summary={"exposed": 0.002, "end_to_end": 0.01})
 
 
@@ -67,6 +71,7 @@ def test_workloads_keeps_the_workloads_it_finished(
     row = data["workloads"]["DQN-MC"]
     assert [r["buffer"] for r in row["runs"]] == ["inline", "conduit"]
     assert row["inline"]["iterations_measured"] > 0 and "end_to_end_reduction" in row
+    assert row["inline_diverged"] == row["conduit_diverged"] == DIVERGED
 
 
 def test_convergence_keeps_the_seeds_it_finished(
@@ -79,6 +84,7 @@ def test_convergence_keeps_the_seeds_it_finished(
                          "--ppo-iters", "1", "--no-use-ray", "--device", "cpu",
                          "--out", str(tmp_path)], tmp_path / "convergence.json", capsys)
     assert [(r["seed"], r["buffer"]) for r in data["runs"]] == [(1, "inline"), (1, "conduit")]
+    assert [r["diverged"] for r in data["runs"]] == [DIVERGED, DIVERGED]
 
 
 def test_persist_keeps_the_throughput_phase(

@@ -124,7 +124,8 @@ def run(a: ConvergenceArgs) -> dict[str, Any]:
                     runs.append({"algo": algo, "seed": seed, "buffer": buffer, "curve": pts,
                                  "reached": hit, "final_return": pts[-1]["return"],
                                  "median_iteration_s": res.summary["end_to_end"],
-                                 "losses_finite": res.losses_finite, "plan": res.plan})
+                                 "losses_finite": res.losses_finite,
+                                 "diverged": res.diverged or None, "plan": res.plan})
                     where = (f"reached {TARGETS[algo]:.0f} at iteration {hit['iteration']} "
                              f"({hit['wall_s']:.0f}s)" if hit else "did not reach the target")
                     progress(f"{algo} seed {seed} {buffer:<8} "

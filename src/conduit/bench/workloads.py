@@ -216,6 +216,8 @@ def run(a: WorkloadBenchArgs) -> dict[str, Any]:
                     rows[w.name][f"{buffer}_losses_finite"] = (
                         rows[w.name].get(f"{buffer}_losses_finite", True)
                         and res.losses_finite)
+                    if res.diverged:
+                        rows[w.name][f"{buffer}_diverged"] = res.diverged
                     progress(f"{w.name:<13} {buffer:<8} {time.perf_counter() - t0:5.0f}s  "
                              f"exposed {1000 * res.summary['exposed']:7.2f} ms  e2e "
                              f"{1000 * res.summary['end_to_end']:8.2f} ms"
