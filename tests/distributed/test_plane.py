@@ -294,3 +294,27 @@ def test_two_off_policy_ranks_pull_independently_while_actors_push(cluster):
             plane.learner(2)
     finally:
         plane.close()
+
+
+def test_a_timeout_shorter_than_a_shards_start_still_starts_the_plane(cluster, monkeypatch):
+    """The shards' start (a Ray worker process each, torch imported) is given
+    SHARD_START_S whatever the plane's timeout; the calls after it keep the timeout."""
+    from conduit.distributed.cluster import SHARD_START_S, ShardSet
+
+    given: list[float] = []
+    real_get = ShardSet.get
+
+    def get(self, refs, deadline, *, shard):
+        given.append(deadline - time.monotonic())
+        return real_get(self, refs, deadline, shard=shard)
+
+    monkeypatch.setattr(ShardSet, "get", get)
+    plane = make_plane(cluster, capacity=30, batch_size=4, timeout=0.5)
+    try:
+        assert SHARD_START_S - 5 < given[0] <= SHARD_START_S  # the start's ping
+        assert plane.timeout == 0.5
+        started = len(given)
+        plane.push(rows(8))
+        assert given[started:] and all(left <= 0.5 for left in given[started:])
+    finally:
+        plane.close()

@@ -119,6 +119,18 @@ class ShardRecovery:
     seconds: float
 
 
+SHARD_START_S = 30.0
+"""The least time the shards of a new plane are given to start, whatever the plane's
+``timeout``: a shard's start includes a Ray worker process's (its interpreter, torch and
+Conduit imported), which takes seconds more on a loaded node than any call does."""
+
+
+def start_deadline(timeout: float, now: float) -> float:
+    """When the shards of a plane whose calls may take ``timeout`` seconds must have started,
+    from ``now``: ``timeout`` or :data:`SHARD_START_S`, whichever is longer."""
+    return now + max(timeout, SHARD_START_S)
+
+
 def replica_sets(nodes: list[str], replication: int) -> list[list[int]]:
     """For each shard (running on ``nodes[k]``), the shards holding its replicas: the next
     shards in ring order on other nodes first, then the next on any node."""
@@ -141,7 +153,8 @@ class ShardSet:
         replication: Copies of every row (1: no replica).
         config: What each shard is built from.
         resources: What each shard reserves.
-        timeout: Seconds any remote call may take before :class:`ShardUnavailableError`.
+        timeout: Seconds any remote call may take before :class:`ShardUnavailableError`;
+            the shards' start may take :data:`SHARD_START_S` if that is longer.
     """
 
     def __init__(self, ray: Any, *, num_shards: int, replication: int, config: ShardSpec,
@@ -173,8 +186,8 @@ class ShardSet:
         self._lost: dict[int, int] = {}  # re-created without a replica: rows lost with it
         self.actors = [self._spawn(k, self.nodes[k]) for k in range(num_shards)]
         try:
-            self.get([a.ping.remote() for a in self.actors], time.monotonic() + timeout,
-                     shard=None)
+            self.get([a.ping.remote() for a in self.actors],
+                     start_deadline(timeout, time.monotonic()), shard=None)
         except BaseException:  # (a shard Ray cannot place) no actor is left behind
             self.kill_all()
             raise

@@ -171,7 +171,9 @@ class RayExperienceDataPlane(ScheduledOperators):
         ScheduleError: The schedule is outside the feasible space or not available sharded.
         RayUnavailableError: Ray is not installed (``pip install 'conduit-rl[ray]'``).
         ClusterConnectionError: ``address`` names no reachable cluster.
-        ShardUnavailableError: The shards did not start within ``timeout``.
+        ShardUnavailableError: The shards did not start within ``timeout``, or within
+            :data:`~conduit.distributed.cluster.SHARD_START_S` (30 s) if that is longer: a
+            shard's start includes its Ray worker process's.
     """
 
     def __init__(self, *, spec: ExperienceSpec, capacity: int, mode: Mode = "off_policy",
