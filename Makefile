@@ -31,10 +31,13 @@ $(VERL_VENV)/.installed: pyproject.toml
 ## test: install into .venv-test, lint, and run the whole test suite; then tests/verl in
 ## .venv-verl (verl pins transformers < 5.11, which TRL's environment cannot share). The two
 ## environments install side by side (each pip is mostly one core waiting on unpacking).
+## The suite runs on two pytest-xdist workers, a module at a time each, in collection order
+## (tests/distributed first: each worker starts its three-node Ray cluster once); the Ray
+## tests leave a core idle while their nodes answer, which the other worker uses.
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(TEST_VENV)/.installed $(VERL_VENV)/.installed
 	$(TEST_VENV)/bin/ruff check src tests
-	$(TEST_VENV)/bin/python -m pytest -q
+	$(TEST_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 	$(VERL_VENV)/bin/python -m pytest -q tests/verl
 
 lint: $(TEST_VENV)/.installed

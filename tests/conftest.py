@@ -49,6 +49,18 @@ def one_and_two_threads(spec: ExperienceSpec, sampler: Callable[[], Any], rows: 
     return one, two
 
 
+CLUSTER_PACKAGE = "tests/distributed/"
+"""The tests that share one package-scoped three-node Ray cluster (its ``conftest.py``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cluster package first (a stable sort: the order within each part is kept). Under
+    ``make test``'s two workers (``--dist loadfile --no-loadscope-reorder``) each worker
+    then runs its share of the package's modules back to back, so its package-scoped
+    cluster starts once, and the longest modules start first."""
+    items.sort(key=lambda item: not item.nodeid.startswith(CLUSTER_PACKAGE))
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_determinism():
     """RLlib's seeding turns on torch's deterministic algorithms for the whole process; each
