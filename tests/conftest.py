@@ -54,24 +54,11 @@ CLUSTER_PACKAGE = "tests/distributed/"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The cluster package first, then the other modules with a test marked ``ray`` or
-    ``slow`` (the long ones), then the rest; a stable sort, so the order within each part is
-    kept. Under ``make test``'s two workers (``--dist loadfile --no-loadscope-reorder``) each
-    worker runs its share of the cluster package's modules back to back, so its
-    package-scoped cluster starts once, and the short modules come last, where they even out
-    when the two workers finish."""
-    long = {_module(item) for item in items
-            if item.get_closest_marker("ray") or item.get_closest_marker("slow")}
-
-    def rank(item: pytest.Item) -> int:
-        module = _module(item)
-        return 0 if module.startswith(CLUSTER_PACKAGE) else 1 if module in long else 2
-
-    items.sort(key=rank)
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+    """The cluster package first (a stable sort: the order within each part is kept). Under
+    ``make test``'s two workers (``--dist loadfile --no-loadscope-reorder``) each worker
+    then runs its share of the package's modules back to back, so its package-scoped
+    cluster starts once, and the longest modules start first."""
+    items.sort(key=lambda item: not item.nodeid.startswith(CLUSTER_PACKAGE))
 
 
 @pytest.fixture(autouse=True)
