@@ -223,9 +223,17 @@ def test_pushing_an_object_ref_whose_object_is_gone_names_the_rollout(cluster):
         def make(self, start: int) -> list:
             return [ray.put({k: v.numpy() for k, v in rows(5, start).items()})]
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     plane = make_plane(cluster, capacity=300, batch_size=8, min_size=1, timeout=20.0)
     try:
-        producer = Producer.remote()
+        shards = plane._shards
+        # The producer's node holds no copy of shard 0: Ray frees a dead owner's objects
+        # asynchronously, so a holder on the producer's node could still read the object
+        # from its own node's store. Elsewhere, a read asks the dead owner and fails.
+        [elsewhere] = set(shards.nodes) - {shards.nodes[h] for h in shards.holders(0)}
+        producer = Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node_id=elsewhere, soft=False)).remote()
         [gone] = ray.get(producer.make.remote(100))  # owned by the producer
         [kept] = ray.get(producer.make.remote(200))
         ray.kill(producer, no_restart=True)
