@@ -32,7 +32,37 @@ def test_mean_reward_rises_through_conduit(tmp_path):
     log = json.loads(out.read_text())
     rewards = log["rewards"]
     assert len(rewards) == 5  # 20 steps, 4 mini-batches per generation batch
-    assert len(log["losses"]) == 20
+    assert len(log["losses"]) == 20 and log["diverged"] is None
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
     if pyplot() is not None:
         assert (tmp_path / "grpo.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("buffer", ["conduit", "trl"])
+def test_a_diverged_policy_stops_the_run_with_its_steps_written(tmp_path, capsys, buffer):
+    # lr 1e30: the first update leaves finite but huge weights, whose logits overflow when
+    # the next generation batch samples completions (after step 4)
+    out = tmp_path / "grpo.json"
+    rc = train_main(["--algo", "grpo", "--buffer", buffer, "--steps", "12", "--lr", "1e30",
+                     "--log-every", "0", "--out", str(out)])
+    assert rc == 1
+    printed = capsys.readouterr().out
+    assert "stopped after step 4 of 12: the policy's next-token probabilities" in printed
+    assert "(the run diverged; lower --lr)" in printed
+    log = json.loads(out.read_text())
+    assert len(log["losses"]) == 4 and len(log["rewards"]) == 1
+    assert "not a distribution" in log["diverged"]
+    if pyplot() is not None:
+        assert (tmp_path / "grpo.png").stat().st_size > 0
+
+
+def test_an_error_that_is_not_a_divergence_still_raises(tmp_path):
+    from conduit.workloads import grpo
+
+    def break_generation(trainer):
+        def fail(*_a, **_k):
+            raise RuntimeError("some other failure")
+        trainer.train = fail
+    with pytest.raises(RuntimeError, match="some other failure"):
+        grpo.train(grpo.Args(steps=1, log_every=0, out=str(tmp_path / "g.json")),
+                   hook=break_generation)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,17 @@ class Args:
     plot: str = arg("", "PNG path (default next to the JSON)", output="file")
 
 
+DIVERGED_GENERATION = ("probability tensor contains either", "invalid multinomial distribution")
+"""Messages of ``torch.multinomial``'s errors on probabilities that are not a distribution
+(non-finite or negative, or summing to 0): what sampling a completion from a diverged
+policy's logits raises inside generation."""
+
+
 @dataclass
 class GRPOResult:
     """A finished run: per-step losses, the reward curve (one point per generation batch) and
-    the final parameters."""
+    the final parameters. ``diverged`` says why a run stopped early because its policy
+    diverged (empty when it ran every step)."""
 
     args: Args
     losses: list[float]
@@ -68,13 +76,15 @@ class GRPOResult:
     wall_s: float
     params: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
     trainer: Any = field(repr=False, default=None)
+    diverged: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-friendly summary (no tensors)."""
         return {"args": dataclasses.asdict(self.args), "losses": self.losses,
                 "rewards": self.rewards, "wall_s": self.wall_s,
                 "reward_first": self.rewards[0] if self.rewards else None,
-                "reward_last": self.rewards[-1] if self.rewards else None}
+                "reward_last": self.rewards[-1] if self.rewards else None,
+                "diverged": self.diverged or None}
 
 
 def check(args: Args) -> None:
@@ -204,7 +214,10 @@ def progress_printer(args: Args) -> Any:
 
 def train(args: Args, *, trainer_kwargs: dict[str, Any] | None = None, hook: Any = None,
           on_interrupt: Callable[[GRPOResult], None] | None = None) -> GRPOResult:
-    """Run GRPO for ``args.steps`` optimizer steps.
+    """Run GRPO for ``args.steps`` optimizer steps, or until the policy diverges: when
+    sampling a completion finds the next-token probabilities are not a distribution (the
+    logits overflowed or are NaN), the run stops there and its result says so
+    (``diverged``), with the steps so far.
 
     Args:
         args: The run.
@@ -219,11 +232,21 @@ def train(args: Args, *, trainer_kwargs: dict[str, Any] | None = None, hook: Any
             hook(trainer)
         t0 = time.perf_counter()
         try:
-            trainer.train()
+            with warnings.catch_warnings():  # TRL's calls of names transformers deprecated
+                warnings.filterwarnings("ignore", message=".*gradient_checkpointing",
+                                        category=FutureWarning)
+                trainer.train()
         except (KeyboardInterrupt, ConduitError) as exc:
             if on_interrupt is not None and interrupt_of(exc) is not None:
                 on_interrupt(_result(args, trainer, time.perf_counter() - t0))
             raise
+        except RuntimeError as exc:
+            if not any(m in str(exc) for m in DIVERGED_GENERATION):
+                raise
+            result = _result(args, trainer, time.perf_counter() - t0)
+            result.diverged = ("the policy's next-token probabilities were not a "
+                               f"distribution when sampling completions (torch: {exc})")
+            return result
         wall = time.perf_counter() - t0
     return _result(args, trainer, wall)
 
@@ -258,15 +281,20 @@ def report(result: GRPOResult, args: Args) -> int:
     """Print and save a finished run (``conduit train --algo grpo``) to
     :func:`output_paths`; the exit status."""
     r = result.rewards
-    print(f"GRPO ({args.task}, {args.buffer}): {args.steps} steps in {result.wall_s:.1f}s; mean "
-          f"reward {r[0]:.3f} -> {r[-1]:.3f} over {len(r)} generation batches")
+    curve = (f"mean reward {r[0]:.3f} -> {r[-1]:.3f} over {len(r)} generation batches" if r
+             else "no generation batch scored")
+    print(f"GRPO ({args.task}, {args.buffer}): {len(result.losses)} steps in "
+          f"{result.wall_s:.1f}s; {curve}")
+    if result.diverged:
+        print(f"stopped after step {len(result.losses)} of {args.steps}: {result.diverged} "
+              f"(the run diverged; lower --lr)")
     out_path, png_path = output_paths(args)
     out = write_json(out_path, result.to_json(), field="out")
     png = plot_rewards({args.buffer: r}, png_path,
                        title=f"GRPO on the digit task '{args.task}'")
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     finite = all(x == x and abs(x) != float("inf") for x in result.losses)
-    return 0 if finite else 1
+    return 0 if finite and not result.diverged else 1
 
 
 def write_interrupted(result: GRPOResult, args: Args) -> None:
