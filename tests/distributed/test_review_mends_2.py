@@ -293,7 +293,13 @@ def test_an_object_ref_push_stored_before_its_owner_died_is_acknowledged(cluster
         thread = threading.Thread(target=push)
         try:
             thread.start()
-            time.sleep(3.0)
+            replica = plane._shards.actors[plane._shards.replicas[owner][0]]
+            for _ in range(600):  # until the replica applied the write (not a fixed sleep)
+                if ray.get(replica.rows.remote(owner), timeout=30).size == 10:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the replica did not apply the push within 60 s")
             ray.kill(roller)  # the rollout's owner dies
             time.sleep(1.0)
         finally:
