@@ -66,3 +66,15 @@ def test_an_error_that_is_not_a_divergence_still_raises(tmp_path):
     with pytest.raises(RuntimeError, match="some other failure"):
         grpo.train(grpo.Args(steps=1, log_every=0, out=str(tmp_path / "g.json")),
                    hook=break_generation)
+
+
+def test_a_loss_that_is_not_finite_is_named_and_fails_the_run(tmp_path, capsys):
+    from conduit.workloads import grpo
+    args = grpo.Args(steps=3, out=str(tmp_path / "g.json"))
+    result = grpo.GRPOResult(args, losses=[0.5, float("nan"), 0.1], rewards=[0.1], wall_s=1.0)
+    assert grpo.report(result, args) == 1
+    assert "the loss was not finite at step 2 (the run diverged; lower --lr)" in \
+        capsys.readouterr().out
+    fine = grpo.GRPOResult(args, losses=[0.5, 0.2, 0.1], rewards=[0.1], wall_s=1.0)
+    assert grpo.report(fine, args) == 0
+    assert "not finite" not in capsys.readouterr().out

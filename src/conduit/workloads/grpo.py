@@ -10,6 +10,7 @@ far. Needs the ``conduit-rl[trl]`` extra; TRL is imported when a run starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 import warnings
@@ -293,8 +294,10 @@ def report(result: GRPOResult, args: Args) -> int:
     png = plot_rewards({args.buffer: r}, png_path,
                        title=f"GRPO on the digit task '{args.task}'")
     print(f"wrote {out}" + (f" and {png}" if png else ""))
-    finite = all(x == x and abs(x) != float("inf") for x in result.losses)
-    return 0 if finite and not result.diverged else 1
+    bad = next((i for i, x in enumerate(result.losses, 1) if not math.isfinite(x)), None)
+    if bad is not None:
+        print(f"the loss was not finite at step {bad} (the run diverged; lower --lr)")
+    return 0 if bad is None and not result.diverged else 1
 
 
 def write_interrupted(result: GRPOResult, args: Args) -> None:
