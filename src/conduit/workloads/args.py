@@ -149,7 +149,7 @@ def check_learning_rate(field: str, lr: float) -> None:
     Raises:
         ConfigError: ``lr`` is above :data:`MAX_LEARNING_RATE` (field ``field``).
     """
-    if lr / (1 - ADAM_BETA1) > torch.finfo(torch.float32).max:
+    if lr > MAX_LEARNING_RATE:
         raise ConfigError(field, f"must be at most {MAX_LEARNING_RATE:.3g}, got {lr:g}: "
                                  "Adam's first step scales the update by lr / (1 - beta1) = "
                                  f"{lr / (1 - ADAM_BETA1):.3g}, beyond float32's largest "
