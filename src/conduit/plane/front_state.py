@@ -42,8 +42,8 @@ def _check_spec(spec: Any) -> ExperienceSpec:
 
 
 class MigrationCalls:
-    """:meth:`migrate` and :meth:`grow` of :class:`~conduit.plane.data_plane.ExperienceDataPlane`.
-    """
+    """:meth:`migrate` and :meth:`grow` of
+    :class:`~conduit.plane.data_plane.ExperienceDataPlane`."""
 
     config: PlaneConfig
     timings: Timings
