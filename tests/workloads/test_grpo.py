@@ -75,6 +75,10 @@ def test_a_loss_that_is_not_finite_is_named_and_fails_the_run(tmp_path, capsys):
     assert grpo.report(result, args) == 1
     assert "the loss was not finite at step 2 (the run diverged; lower --lr)" in \
         capsys.readouterr().out
+    log = json.loads((tmp_path / "g.json").read_text())
+    assert log["losses"] == [0.5, None, 0.1]
+    assert log["diverged"] == "the loss was not finite at step 2"
     fine = grpo.GRPOResult(args, losses=[0.5, 0.2, 0.1], rewards=[0.1], wall_s=1.0)
     assert grpo.report(fine, args) == 0
     assert "not finite" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "g.json").read_text())["diverged"] is None

@@ -79,13 +79,25 @@ class GRPOResult:
     trainer: Any = field(repr=False, default=None)
     diverged: str = ""
 
+    def nonfinite_step(self) -> int | None:
+        """The first step (from 1) whose loss was not finite, or None."""
+        return next((i for i, x in enumerate(self.losses, 1) if not math.isfinite(x)), None)
+
+    def divergence(self) -> str | None:
+        """Why the run diverged: what stopped it (``diverged``) or, for a run that went on,
+        the first step whose loss was not finite; None for a run that did not diverge."""
+        if self.diverged:
+            return self.diverged
+        bad = self.nonfinite_step()
+        return None if bad is None else f"the loss was not finite at step {bad}"
+
     def to_json(self) -> dict[str, Any]:
-        """JSON-friendly summary (no tensors)."""
+        """JSON-friendly summary (no tensors); ``"diverged"`` is :meth:`divergence`."""
         return {"args": dataclasses.asdict(self.args), "losses": self.losses,
                 "rewards": self.rewards, "wall_s": self.wall_s,
                 "reward_first": self.rewards[0] if self.rewards else None,
                 "reward_last": self.rewards[-1] if self.rewards else None,
-                "diverged": self.diverged or None}
+                "diverged": self.divergence()}
 
 
 def check(args: Args) -> None:
@@ -294,10 +306,10 @@ def report(result: GRPOResult, args: Args) -> int:
     png = plot_rewards({args.buffer: r}, png_path,
                        title=f"GRPO on the digit task '{args.task}'")
     print(f"wrote {out}" + (f" and {png}" if png else ""))
-    bad = next((i for i, x in enumerate(result.losses, 1) if not math.isfinite(x)), None)
+    bad = result.nonfinite_step()
     if bad is not None:
         print(f"the loss was not finite at step {bad} (the run diverged; lower --lr)")
-    return 0 if bad is None and not result.diverged else 1
+    return 0 if result.divergence() is None else 1
 
 
 def write_interrupted(result: GRPOResult, args: Args) -> None:
