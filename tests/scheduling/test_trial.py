@@ -34,7 +34,9 @@ def _profile(op_s: float, **kw: float) -> Profile:
 def test_policy_order_interleaves_and_validates():
     assert TrialPolicy(trial=4).order() == (0, 1, 1, 0, 0, 1, 1, 0)
     assert TrialPolicy(trial=0).order() == ()
+    assert TrialPolicy(trial=4).order(2) == (0, 1, 1, 0)
     for bad in ({"warmup": 0}, {"trial": -1}, {"margin": 1.0}, {"inversions": 1.5},
+                {"extend": -1}, {"extend": 2.0},
                 {"min_gain": -0.1}, {"min_copy": "x"}, {"min_copy": None},
                 {"min_gain": float("nan")}, {"margin": "0.1"}, {"min_copy": True}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
@@ -94,16 +96,31 @@ def test_a_threadless_model_pick_is_kept_without_a_trial():
     assert "starts no thread" in got.reason
 
 
-@pytest.mark.parametrize("threadless,keep", [
-    ([0.070, 0.075, 0.080, 0.085], True),  # clearly faster
-    ([0.098, 0.097, 0.099, 0.096], False),  # within the 5 % margin
-    ([0.070, 0.080, 0.0905, 0.110], False),  # 11 % faster by median, 4 inversions
+@pytest.mark.parametrize("threadless,keep,open_", [
+    ([0.070, 0.075, 0.080, 0.085], True, False),  # clearly faster
+    ([0.098, 0.097, 0.099, 0.096], False, False),  # within the 5 % margin
+    ([0.070, 0.080, 0.0905, 0.110], False, True),  # 11 % faster by median, 4 inversions
+    ([0.120, 0.110, 0.130, 0.070], False, False),  # slower by median
 ])
-def test_judge_trial_needs_margin_and_few_inversions(threadless, keep):
+def test_judge_trial_needs_margin_and_few_inversions(threadless, keep, open_):
     model = [0.100, 0.100, 0.091, 0.090]
     out = judge_trial(model, threadless, policy=TrialPolicy())
     assert out.keep_threadless == keep
+    assert out.open == open_
     assert out.inverted == sum(b >= a for b in threadless for a in model)
+    assert out.allowed == 3
+
+
+def test_the_inversion_allowance_grows_with_the_pairs():
+    """Over 8 iterations each (64 pairs) the default allows 12 inversions, 3 per 16 pairs:
+    the same share as over the first 4 each."""
+    model = [0.100, 0.100, 0.091, 0.090] * 2
+    four = [0.070, 0.080, 0.0905, 0.110]  # 4 of 16 pairs inverted: open
+    eight = [*four, 0.070, 0.075, 0.080, 0.085]  # 10 of 64: clear
+    assert judge_trial(model[:4], four, policy=TrialPolicy()).open
+    out = judge_trial(model, eight, policy=TrialPolicy())
+    assert (out.inverted, out.allowed, out.keep_threadless, out.open) == (10, 12, True, False)
+    assert judge_trial(model, eight, policy=TrialPolicy(inversions=1)).open  # allows 4
 
 
 def test_judge_trial_needs_scores():

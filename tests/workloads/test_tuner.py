@@ -110,12 +110,13 @@ def test_no_trial_when_the_model_predicts_overlap_saves_less_than_min_gain(small
 def test_a_noisy_trial_does_not_switch(small_spec):
     """Inline's median is 13 % lower, but two of the model pick's iterations were faster
     than some of inline's (5 of 16 pairs inverted, more than the 3 allowed): not a clear
-    win, so the model's pick stays."""
+    win. Both run 4 more iterations alike (20 of 64 inverted, more than the 12 allowed), so
+    the model's pick stays."""
     with _plane(small_spec) as plane:
         plan = {}
         tuner = WarmupScheduleTuner(plane, plan, warmup=2, margin=0.05)
-        costs = {True: iter([0.070, 0.075, 0.080, 0.085]),  # inline
-                 False: iter([0.100, 0.100, 0.072, 0.078])}  # the model's pick; two lucky
+        costs = {True: iter([0.070, 0.075, 0.080, 0.085] * 2),  # inline
+                 False: iter([0.100, 0.100, 0.072, 0.078] * 2)}  # the model's pick; lucky
 
         def cost_of(s):
             if not tuner._candidates:
@@ -123,6 +124,7 @@ def test_a_noisy_trial_does_not_switch(small_spec):
             return next(costs[not (s.overlap_ing or s.overlap_del)])
 
         ran = _run(tuner, plane, cost_of)
+        assert len(ran) == 2 + 16  # warm-up, the trial and its extension
         assert plane.schedule == ran[2]  # the model's pick
         inline = Schedule(0, ran[2].g_ing, 0, ran[2].g_del).label()
         assert plan["schedule_trial_ms"][inline] == pytest.approx(77.5)
@@ -178,10 +180,11 @@ def test_on_policy_warmup_does_not_probe(small_spec):
 @pytest.mark.parametrize("inversions,switches", [(0, False), (2, False), (3, True)])
 def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions, switches):
     """The threadless schedule is 11 % faster by median; three of the 16 (threadless, model)
-    pairs are inverted. The default allowance (3) tolerates that; a stricter one does not."""
+    pairs are inverted. The default allowance (3) tolerates that; a stricter one does not
+    (with no extension, the model's pick is then kept)."""
     with _plane(small_spec) as plane:
         plan = {}
-        tuner = WarmupScheduleTuner(plane, plan, warmup=2, inversions=inversions)
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2, inversions=inversions, extend=0)
         # threadless 0.095 > 0.091 and 0.090, 0.0905 > 0.090: three inversions
         costs = {True: iter([0.070, 0.080, 0.0905, 0.095]),
                  False: iter([0.100, 0.100, 0.091, 0.090])}  # the model's pick
@@ -196,6 +199,35 @@ def test_inverted_pairs_up_to_the_allowance_are_tolerated(small_spec, inversions
         assert threadless == switches
         assert plane.schedule == (ran[3] if switches else ran[2])
         assert tuner.policy.inversions == inversions
+
+
+@pytest.mark.parametrize("more,switches", [
+    ([0.070, 0.075, 0.080, 0.085], True),  # the extension settles it: B is clearly faster
+    ([0.080, 0.095, 0.093, 0.120], False),  # still open after it: the model's pick stays
+])
+def test_a_trial_left_open_runs_both_again_before_keeping_the_model_pick(small_spec, more,
+                                                                         switches):
+    """The first trial has the threadless schedule 11 % faster by median but four of the 16
+    pairs inverted (one over the allowance): open. Both run 4 more iterations, interleaved,
+    and the decision is made over all 8 each (12 inversions allowed of 64)."""
+    with _plane(small_spec) as plane:
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=2)
+        costs = {True: iter([0.070, 0.080, 0.0905, 0.110, *more]),
+                 False: iter([0.100, 0.100, 0.091, 0.090] * 2)}  # the model's pick
+
+        def cost_of(s):
+            if not tuner._candidates:
+                return 0.100  # warm-up
+            return next(costs[not (s.overlap_ing or s.overlap_del)])
+
+        ran = _run(tuner, plane, cost_of)
+        a, b = ran[2], ran[3]
+        assert ran[2:] == [a, b, b, a, a, b, b, a] * 2  # the trial, then its extension
+        assert plane.schedule == (b if switches else a)
+        assert plan["schedule"] == plane.schedule.label()
+        assert "8 iterations each" in plan["schedule_explain"]
+        assert "of 64 pairs of iterations (a clear win allows 12)" in plan["schedule_explain"]
 
 
 @pytest.mark.parametrize("bytes_per_sample,threads", [(64, False), (2_000_000, True)])

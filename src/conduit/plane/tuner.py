@@ -66,7 +66,9 @@ class WarmupScheduleTuner:
        it, A and the best threadless schedule B (priced with the probe) run ``policy.trial``
        iterations each, interleaved, each scored by its learner time outside the rollout
        wait (end to end minus rollout); B replaces A only on a clear win
-       (:func:`~conduit.scheduling.judge_trial`).
+       (:func:`~conduit.scheduling.judge_trial`). A trial that leaves it open (B faster by
+       median, not clearly) runs ``policy.extend`` more iterations each, once, and decides
+       over all of them.
 
     Call :meth:`step` once per iteration, at its end.
 
@@ -182,11 +184,16 @@ class WarmupScheduleTuner:
     def _choose(self) -> None:
         assert self._pair is not None
         outcome = judge_trial(self._scores[MODEL], self._scores[THREADLESS], policy=self.policy)
+        ran = len(self._scores[MODEL])
+        if outcome.open and ran == self.policy.trial and self.policy.extend:
+            # B looked faster, but not clearly: run both again before keeping A.
+            self._order = list(self.policy.order(self.policy.extend))
+            self.plane.set_schedule(self._candidates[self._order[0]])
+            return
         a, b = self._candidates
         self.report["schedule_trial_ms"] = {a.label(): 1000 * outcome.model_median,
                                             b.label(): 1000 * outcome.threadless_median}
-        self._finish(b if outcome.keep_threadless else a,
-                     outcome.explain(self._pair, self.policy.trial))
+        self._finish(b if outcome.keep_threadless else a, outcome.explain(self._pair, ran))
 
     def _finish(self, schedule: Schedule, reason: str) -> None:
         self.plane.set_schedule(schedule)

@@ -36,7 +36,11 @@ class TrialPolicy:
             untried).
         margin: B's median must be lower than A's by more than this fraction.
         inversions: At most this many of the ``trial²`` (B, A) pairs of iterations may have
-            B not faster (a one-sided Mann–Whitney count).
+            B not faster (a one-sided Mann–Whitney count); over more iterations the
+            allowance grows with the pairs (:func:`inversion_allowance`).
+        extend: Iterations each candidate runs again, once, when the trial leaves it open
+            (B faster by median beyond ``margin``, with more inversions than allowed); the
+            decision is then made over all of them (``0``: decide on ``trial`` alone).
         min_gain: When the model predicts that A saves less than this fraction of B's
             iteration, no trial runs and B is kept.
         min_copy: Per-unit data movement (seconds) under which an operator is
@@ -50,11 +54,12 @@ class TrialPolicy:
     trial: int = 4
     margin: float = 0.05
     inversions: int = 3
+    extend: int = 4
     min_gain: float = 0.02
     min_copy: float = MIN_COPY
 
     def __post_init__(self) -> None:
-        for name, least in (("warmup", 1), ("trial", 0), ("inversions", 0)):
+        for name, least in (("warmup", 1), ("trial", 0), ("inversions", 0), ("extend", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(name, f"must be an integer >= {least}, got {v!r}")
@@ -64,11 +69,13 @@ class TrialPolicy:
         for name in ("min_gain", "min_copy"):
             check_real(name, getattr(self, name), positive=False)
 
-    def order(self) -> tuple[int, ...]:
-        """Which candidate each trial iteration runs: A B B A A B B A ..., so that drift of a
-        shared machine lands on both alike."""
+    def order(self, iterations: int | None = None) -> tuple[int, ...]:
+        """Which candidate each trial iteration runs, for ``iterations`` each (default
+        ``trial``): A B B A A B B A ..., so that drift of a shared machine lands on both
+        alike."""
+        n = self.trial if iterations is None else iterations
         pair = (MODEL, THREADLESS)
-        return tuple(i for k in range(self.trial) for i in (pair if k % 2 == 0 else pair[::-1]))
+        return tuple(i for k in range(n) for i in (pair if k % 2 == 0 else pair[::-1]))
 
 
 def spare_core(*, cores: int, compute_threads: int, accelerator: bool) -> bool:
@@ -214,14 +221,19 @@ class TrialOutcome:
         model_median: A's median score (seconds).
         threadless_median: B's median score.
         inverted: (B, A) pairs of iterations with B not faster.
+        allowed: The inversions a clear win may have over these pairs.
         keep_threadless: B won clearly: median lower by more than the margin, and at most
             the allowed inversions.
+        open: B's median is lower by more than the margin, with more inversions than
+            allowed: more iterations may settle it (A is kept if none run).
     """
 
     model_median: float
     threadless_median: float
     inverted: int
     keep_threadless: bool
+    allowed: int = 0
+    open: bool = False
 
     def explain(self, pair: TrialPair, trial: int) -> str:
         """The measured medians, marking the model's pick and the kept schedule."""
@@ -230,8 +242,16 @@ class TrialOutcome:
                  + ("  <- kept" if i == kept else "")
                  for i, (s, m) in enumerate(zip(pair.schedules(),
                                                 (self.model_median, self.threadless_median)))]
+        verdict = (f"  the schedule without threads was not faster in {self.inverted} of "
+                   f"{trial * trial} pairs of iterations (a clear win allows {self.allowed})")
         return (f"measured (median learner ms per iteration outside the rollout wait, "
-                f"{trial} iterations each):\n" + "\n".join(lines))
+                f"{trial} iterations each):\n" + "\n".join([*lines, verdict]))
+
+
+def inversion_allowance(policy: TrialPolicy, pairs: int) -> int:
+    """The inversions a clear win may have over ``pairs`` (B, A) pairs: ``inversions`` per
+    ``trial²`` pairs, rounded down (for ``trial`` 0, per pair)."""
+    return policy.inversions * pairs // max(policy.trial, 1) ** 2
 
 
 def judge_trial(model: Sequence[float], threadless: Sequence[float], *,
@@ -241,7 +261,8 @@ def judge_trial(model: Sequence[float], threadless: Sequence[float], *,
     Args:
         model: A's scores.
         threadless: B's scores.
-        policy: Supplies ``margin`` and ``inversions``.
+        policy: Supplies ``margin``, ``inversions`` and ``trial`` (the iterations the
+            allowance is given for).
 
     Raises:
         ValueError: Either candidate has no score.
@@ -250,6 +271,8 @@ def judge_trial(model: Sequence[float], threadless: Sequence[float], *,
         raise ValueError("judge_trial: both candidates need at least one score")
     med_a, med_b = statistics.median(model), statistics.median(threadless)
     inverted = sum(b >= a for b in threadless for a in model)
-    clear = med_b < med_a * (1 - policy.margin) and inverted <= policy.inversions
+    allowed = inversion_allowance(policy, len(model) * len(threadless))
+    faster = med_b < med_a * (1 - policy.margin)
     return TrialOutcome(model_median=med_a, threadless_median=med_b, inverted=inverted,
-                        keep_threadless=clear)
+                        keep_threadless=faster and inverted <= allowed, allowed=allowed,
+                        open=faster and inverted > allowed)
