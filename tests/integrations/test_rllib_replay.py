@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from ray.rllib.utils.replay_buffers import (  # noqa: E402
     PrioritizedEpisodeReplayBuffer,
 )
 
+from conduit import Schedule  # noqa: E402
 from conduit.errors import (  # noqa: E402
     ConfigError,
     EmptyBufferError,
@@ -393,6 +395,36 @@ def test_prefetched_samples_return_what_rllib_returns(adds: list[list[SingleAgen
     assert ours.discarded_batches >= 1
     assert ours.plane.counters["delivered_batches"] >= 4
     ours.plane.close()
+
+
+@pytest.mark.parametrize(("threads", "cuda", "tried"), [
+    (4, False, False), (3, False, True), (4, True, True)])
+def test_auto_tries_overlap_only_where_a_worker_has_a_core(
+        adds: list[list[SingleAgentEpisode]], monkeypatch: pytest.MonkeyPatch, threads: int,
+        cuda: bool, tried: bool) -> None:
+    """On 4 cores: a CPU learner on 4 torch threads leaves a worker no core, so ``"auto"``
+    delivers inline, untried, and says why; on 3 threads, or with a CUDA device (where the
+    learner is taken to compute), it starts overlapped and tunes."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        buffer = _filled(ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, seed=0), adds)
+    finally:
+        torch.set_num_threads(before)
+    assert buffer.schedule.deciding == tried
+    if tried:
+        assert buffer.plane.schedule.overlap_ing and "note" not in buffer.schedule.report
+    else:
+        assert buffer.plane.schedule == Schedule(0, 1, 0, 1)
+        assert buffer.schedule.report["schedule"] == Schedule(0, 1, 0, 1).label()
+        assert "no core of its own" in buffer.schedule.report["note"]
+        for _ in range(3):
+            buffer.sample(num_items=8, n_step=1, beta=0.4)
+        assert buffer.plane.stats()["staged_batches"] == 0  # nothing drawn ahead
+        assert not buffer.schedule.deciding
+    buffer.plane.close()
 
 
 def test_priorities_after_a_prefetched_sample_reach_its_rows(

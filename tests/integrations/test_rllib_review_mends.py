@@ -23,6 +23,7 @@ from conduit.integrations.rllib import (  # noqa: E402
     ConduitPrioritizedEpisodeReplayBuffer,
     ConduitSACConfig,
 )
+from conduit.integrations.rllib import schedule as rllib_schedule  # noqa: E402
 from conduit.integrations.rllib.episode_rows import _numeric  # noqa: E402
 
 BOX = gym.spaces.Box(-1e6, 1e6, (1,), np.float32)
@@ -57,10 +58,13 @@ def _in_step(buffer: ConduitEpisodeReplayBuffer) -> bool:
 
 
 @pytest.mark.parametrize("schedule", ["prefetch", "auto"])
-def test_a_failed_draw_ahead_does_not_cost_the_next_add_its_rows(schedule: str) -> None:
+def test_a_failed_draw_ahead_does_not_cost_the_next_add_its_rows(
+        schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Defect: after a sample found no complete 3-step window, the worker drew again, failed
     and latched the failure; the next add linked its episodes, then its push raised that
-    failure, so links and ring disagreed and later samples were corrupt."""
+    failure, so links and ring disagreed and later samples were corrupt. (``"auto"`` on a
+    machine where a worker has a core: it starts overlapped.)"""
+    monkeypatch.setattr(rllib_schedule, "worker_has_core", lambda: True)
     buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, seed=0, schedule=schedule)
     chunks = [_episode(f"e{i}", 2, terminated=False) for i in range(4)]
     buffer.add(chunks)

@@ -9,14 +9,17 @@ interval from one ``sample`` call to the next is one training iteration.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import torch
+
 from conduit import ExperienceDataPlane, Schedule
 from conduit.errors import ConfigError
 from conduit.plane import WarmupScheduleTuner
-from conduit.scheduling import start_schedule
+from conduit.scheduling import spare_core, start_schedule
 
 ScheduleName = Literal["auto", "inline", "prefetch"]
 """The ``"schedule"`` key of ``replay_buffer_config``."""
@@ -42,10 +45,14 @@ class ReplaySchedule:
 
     * ``"inline"``: every draw on the caller's thread, inside ``sample``.
     * ``"prefetch"``: the next batch is drawn on the delivery worker, one batch ahead.
-    * ``"auto"``: starts on :func:`~conduit.scheduling.start_schedule` (ingestion and
-      delivery overlapped) and keeps or drops overlap over the first iterations, by their
-      measured time. Prioritized buffers are tuned alike: the batch that a priority update
-      discards is drawn again while RLlib's env runners sample, and the trial measures that.
+    * ``"auto"``: where a worker thread would have a core of its own
+      (:func:`worker_has_core`), starts on :func:`~conduit.scheduling.start_schedule`
+      (ingestion and delivery overlapped) and keeps or drops overlap over the first
+      iterations, by their measured time. Prioritized buffers are tuned alike: the batch that
+      a priority update discards is drawn again while RLlib's env runners sample, and the
+      trial measures that. Where it would not, ``"inline"``, untried (``report["note"]``
+      says so): a worker only takes CPU time from the update there, and a few noisy
+      training steps do not show what that costs.
 
     Args:
         name: One of :data:`ScheduleName`.
@@ -75,7 +82,13 @@ class ReplaySchedule:
         """Put a new ``plane`` on ``decided`` (a schedule ``"auto"`` chose for the plane it
         replaces) or on the schedule :attr:`name` starts with."""
         self._tuner = None
-        if decided is None and self.name == "auto":
+        if decided is None and self.name == "auto" and not worker_has_core():
+            decided = Schedule(0, 1, 0, 1)
+            self.report.update(schedule=decided.label(), note=(
+                f"inline, untried: the learner computes on all {os.cpu_count() or 1} cores "
+                f"({torch.get_num_threads()} torch threads, no CUDA device), so a worker "
+                "thread would have no core of its own"))
+        elif decided is None and self.name == "auto":
             decided = start_schedule(plane.space)
             self._tuner = WarmupScheduleTuner(plane, self.report)
         elif decided is None:
@@ -109,3 +122,13 @@ class ReplaySchedule:
     def sampled(self) -> None:
         """A ``sample`` returned."""
         self._done = time.perf_counter()
+
+
+def worker_has_core() -> bool:
+    """Whether a plane worker thread beside RLlib's learner has a core of its own
+    (:func:`~conduit.scheduling.spare_core`): a machine with a CUDA device is taken as one
+    whose learner computes there; otherwise the learner computes on the CPU with this
+    process's torch threads (the buffer lives in the Algorithm's process, where a local
+    learner runs)."""
+    return spare_core(cores=os.cpu_count() or 1, compute_threads=torch.get_num_threads(),
+                      accelerator=torch.cuda.is_available())
