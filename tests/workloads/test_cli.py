@@ -53,6 +53,13 @@ def test_demo_runs_both_modes(tmp_path: Path, capsys) -> None:
     # iteration per run (the first of each is skipped), so two per mode.
     assert res["rounds"] == 2
     assert "[conduit, round 2/2]" in text
+    # Each Conduit round names the schedule it kept; the JSON lists them in round order.
+    kept = [line.rsplit("; schedule ", 1)[1] for line in text.splitlines()
+            if line.startswith("[conduit, round") and "done in" in line]
+    assert kept == res["conduit_schedules"] and len(kept) == 2
+    assert all(k.startswith("ing(") for k in kept)
+    assert f"plan Conduit chose (round 2): placement {res['conduit']['plan']['placement']}, " \
+           f"schedule {kept[-1]}" in text
     assert res["pooled"]["inline"]["iterations_measured"] == 2
     assert res["pooled"]["conduit"]["iterations_measured"] == 2
 

@@ -292,9 +292,12 @@ def _demo(argv: list[str] | None) -> int:
                 print(f"\n{tag} {args.iters} iterations ...", flush=True)
                 res = TRAINERS[d.algo].train(args)
                 runs[buffer].append(res)
+                kept = (f"; schedule {res.plan.get('schedule')}" if buffer == "conduit"
+                        else "")
                 print(f"{tag} done in {time.perf_counter() - t0:.0f}s: exposed "
                       f"{1000 * res.summary['exposed']:.1f} ms, end to end "
-                      f"{1000 * res.summary['end_to_end']:.1f} ms per iteration", flush=True)
+                      f"{1000 * res.summary['end_to_end']:.1f} ms per iteration{kept}",
+                      flush=True)
     results = {b: rs[-1] for b, rs in runs.items()}
     inline, conduit = (summarize_records([res.records for res in runs[b]])
                        for b in ("inline", "conduit"))
@@ -306,8 +309,8 @@ def _demo(argv: list[str] | None) -> int:
     print(f"\nexposed experience-path latency: {_change(red_exp)} with Conduit")
     print(f"end-to-end iteration latency:    {_change(red_e2e)} with Conduit")
     plan = results["conduit"].plan
-    print(f"\nplan Conduit chose: placement {plan.get('placement')}, schedule "
-          f"{plan.get('schedule')}")
+    print(f"\nplan Conduit chose (round {d.rounds}): placement {plan.get('placement')}, "
+          f"schedule {plan.get('schedule')}")
     for key in ("placement_plan", "schedule_explain"):
         if isinstance(plan.get(key), str):
             print(plan[key])
@@ -320,6 +323,7 @@ def _demo(argv: list[str] | None) -> int:
         "workload": label, "device": str(device), "exposed_reduction": red_exp,
         "end_to_end_reduction": red_e2e, "wall_s": time.perf_counter() - t_start,
         "rounds": d.rounds, "pooled": {"inline": inline, "conduit": conduit},
+        "conduit_schedules": [res.plan.get("schedule") for res in runs["conduit"]],
         "inline": results["inline"].to_json(), "conduit": results["conduit"].to_json()})
     print(f"wrote {out / 'demo.json'}" + (f" and {png}" if png else "")
           + f"  ({time.perf_counter() - t_start:.0f}s)")
