@@ -64,6 +64,22 @@ def test_demo_runs_both_modes(tmp_path: Path, capsys) -> None:
     assert res["pooled"]["conduit"]["iterations_measured"] == 2
 
 
+@pytest.mark.parametrize(("conduit", "said"), [
+    ({"exposed": 0.001, "update": 0.140, "end_to_end": 0.180}, "37.0 ms longer"),  # the cost
+    ({"exposed": 0.001, "update": 0.110, "end_to_end": 0.180}, None),  # grew less than hidden
+    ({"exposed": 0.001, "update": 0.140, "end_to_end": 0.150}, None),  # end to end did not grow
+    ({"exposed": 0.013, "update": 0.140, "end_to_end": 0.180}, None),  # nothing was hidden
+])
+def test_the_demo_names_an_update_slowed_by_more_than_was_hidden(conduit, said) -> None:
+    from conduit.workloads.cli import slower_update
+    inline = {"exposed": 0.013, "update": 0.103, "end_to_end": 0.155}
+    got = slower_update(inline, conduit)
+    if said is None:
+        assert got is None
+    else:
+        assert got is not None and said in got and "12.0 ms of experience path" in got
+
+
 def test_bench_workloads_plumbing(tmp_path: Path) -> None:
     from conduit.bench.workloads import main
 
