@@ -64,7 +64,7 @@ def test_a_failed_draw_ahead_does_not_cost_the_next_add_its_rows(
     and latched the failure; the next add linked its episodes, then its push raised that
     failure, so links and ring disagreed and later samples were corrupt. (``"auto"`` on a
     machine where a worker has a core: it starts overlapped.)"""
-    monkeypatch.setattr(rllib_schedule, "worker_has_core", lambda: True)
+    monkeypatch.setattr(rllib_schedule, "worker_has_core", lambda **_: True)
     buffer = ConduitPrioritizedEpisodeReplayBuffer(capacity=1000, seed=0, schedule=schedule)
     chunks = [_episode(f"e{i}", 2, terminated=False) for i in range(4)]
     buffer.add(chunks)

@@ -231,9 +231,9 @@ class TrialOutcome:
     model_median: float
     threadless_median: float
     inverted: int
+    allowed: int
     keep_threadless: bool
-    allowed: int = 0
-    open: bool = False
+    open: bool
 
     def explain(self, pair: TrialPair, trial: int) -> str:
         """The measured medians, marking the model's pick and the kept schedule."""

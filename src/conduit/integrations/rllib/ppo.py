@@ -22,7 +22,6 @@ through RLlib's own iterator instead.
 from __future__ import annotations
 
 import keyword
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -39,8 +38,9 @@ from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 from conduit import ExperienceDataPlane, ExperienceSpec, FieldSpec, Schedule
 from conduit._checks import check_int
 from conduit.errors import ConfigError, EmptyBufferError, SpecError
+from conduit.integrations.rllib.schedule import worker_has_core
 from conduit.plane.onpolicy import OnPolicyFlow
-from conduit.scheduling import MAX_MINIBATCHES, spare_core
+from conduit.scheduling import MAX_MINIBATCHES
 from conduit.storage import ColumnStore, GatherOutputs, Placement, SampleInfo, Sampler
 
 
@@ -534,12 +534,11 @@ def _take(column: object, rows: np.ndarray, index: dict[torch.device, torch.Tens
 def delivery_overlaps(setting: bool | None, device: torch.device) -> bool:
     """Whether the plane delivers mini-batches on a background worker: ``setting``, or for
     None, where the worker has a core the update does not compute on
-    (:func:`~conduit.scheduling.spare_core`: an update on an accelerator, or fewer torch
-    threads than cores)."""
+    (:func:`~conduit.integrations.rllib.schedule.worker_has_core`: an update on an
+    accelerator, or fewer torch threads than cores)."""
     if setting is not None:
         return bool(setting)
-    return spare_core(cores=os.cpu_count() or 1, compute_threads=torch.get_num_threads(),
-                      accelerator=device.type != "cpu")
+    return worker_has_core(accelerator=device.type != "cpu")
 
 
 class ConduitPPOTorchLearner(PPOTorchLearner):

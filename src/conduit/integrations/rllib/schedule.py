@@ -46,13 +46,14 @@ class ReplaySchedule:
     * ``"inline"``: every draw on the caller's thread, inside ``sample``.
     * ``"prefetch"``: the next batch is drawn on the delivery worker, one batch ahead.
     * ``"auto"``: where a worker thread would have a core of its own
-      (:func:`worker_has_core`), starts on :func:`~conduit.scheduling.start_schedule`
-      (ingestion and delivery overlapped) and keeps or drops overlap over the first
-      iterations, by their measured time. Prioritized buffers are tuned alike: the batch that
-      a priority update discards is drawn again while RLlib's env runners sample, and the
-      trial measures that. Where it would not, ``"inline"``, untried (``report["note"]``
-      says so): a worker only takes CPU time from the update there, and a few noisy
-      training steps do not show what that costs.
+      (:func:`worker_has_core`, with a CUDA device taken as the learner's), starts on
+      :func:`~conduit.scheduling.start_schedule` (ingestion and delivery overlapped) and
+      keeps or drops overlap over the first iterations, by their measured time.
+      Prioritized buffers are tuned alike: the batch that a priority update discards is
+      drawn again while RLlib's env runners sample, and the trial measures that. Where it
+      would not, ``"inline"``, untried (``report["note"]`` says so): a worker only takes CPU
+      time from the update there, and a few noisy training steps do not show what that
+      costs.
 
     Args:
         name: One of :data:`ScheduleName`.
@@ -82,7 +83,8 @@ class ReplaySchedule:
         """Put a new ``plane`` on ``decided`` (a schedule ``"auto"`` chose for the plane it
         replaces) or on the schedule :attr:`name` starts with."""
         self._tuner = None
-        if decided is None and self.name == "auto" and not worker_has_core():
+        if (decided is None and self.name == "auto"
+                and not worker_has_core(accelerator=torch.cuda.is_available())):
             decided = Schedule(0, 1, 0, 1)
             self.report.update(schedule=decided.label(), note=(
                 f"inline, untried: the learner computes on all {os.cpu_count() or 1} cores "
@@ -124,11 +126,16 @@ class ReplaySchedule:
         self._done = time.perf_counter()
 
 
-def worker_has_core() -> bool:
-    """Whether a plane worker thread beside RLlib's learner has a core of its own
-    (:func:`~conduit.scheduling.spare_core`): a machine with a CUDA device is taken as one
-    whose learner computes there; otherwise the learner computes on the CPU with this
-    process's torch threads (the buffer lives in the Algorithm's process, where a local
-    learner runs)."""
+def worker_has_core(*, accelerator: bool) -> bool:
+    """Whether a plane worker thread in this process has a core of its own beside RLlib's
+    learner (:func:`~conduit.scheduling.spare_core`): the learner computes on an
+    accelerator, or on the CPU with fewer of this process's torch threads than cores.
+
+    Args:
+        accelerator: Whether the learner computes on an accelerator. PPO's learner knows its
+            device; the replay buffers, which live in the Algorithm's process but cannot see
+            the learner's device, take a machine with a CUDA device as one whose learner
+            computes there.
+    """
     return spare_core(cores=os.cpu_count() or 1, compute_threads=torch.get_num_threads(),
-                      accelerator=torch.cuda.is_available())
+                      accelerator=accelerator)
