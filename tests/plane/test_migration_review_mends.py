@@ -7,7 +7,6 @@ Every test checks behaviour (contents, errors, what the plane does next), never 
 
 from __future__ import annotations
 
-import _thread
 import threading
 import time
 
@@ -252,31 +251,46 @@ def test_batches_staged_before_a_growth_get_the_fields_it_adds_under_every_sched
 
 
 def test_workers_run_again_after_an_interrupt_while_a_migration_stops_them():
+    """An interrupt (``KeyboardInterrupt``) while the migration waits for the ingestion
+    worker's invocation to end: the migration raises it, the workers run again once that
+    invocation returned, and nothing pushed is lost. The interrupt is raised from the wait
+    itself, so it lands there on every run (a signal lands wherever the main thread next
+    runs Python code)."""
     with ExperienceDataPlane(spec=IDS, capacity=100, batch_size=4, timeout=5,
                              schedule=Schedule(1, 1, 1, 1)) as plane:
-        engine, started = plane._engine, threading.Event()
+        engine = plane._engine
+        entered, release = threading.Event(), threading.Event()
         armed = [True]
 
         @plane.register_ingestion()
         def ingest(actor_in, exp_out):  # type: ignore[no-untyped-def]
             data = actor_in.read()
             if armed and armed.pop():
-                started.set()
-                # interrupt the main thread once it waits for this worker to stop
-                wait_for(lambda: engine.runtime.stop, "stopped the workers")
-                _thread.interrupt_main()
-                time.sleep(0.2)
+                entered.set()
+                assert release.wait(10)  # in flight until the interrupted wait is over
             exp_out.write(data)
 
         plane.push({"rid": torch.arange(8)})
-        assert started.wait(5)
+        assert entered.wait(5)
+        runner = engine.ingestion
+        waits: list[bool] = []
+
+        def interrupted_join(timeout: float) -> None:
+            waits.append(engine.runtime.stop)
+            del runner.join  # the wait after this one is the runner's own
+            threading.Timer(0.2, release.set).start()
+            raise KeyboardInterrupt
+
+        runner.join = interrupted_join  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
             plane.migrate(Placement.sharded(["cpu", "cpu"]))
-            time.sleep(5)  # (the interrupt lands here at the latest)
+        assert waits == [True]  # interrupted while the workers were told to stop
+        assert engine.ingestion is not runner and engine.ingestion.thread.is_alive()
         plane.push({"rid": torch.arange(8, 16)})
         plane.flush(timeout=5)
         assert sorted(contents(plane)["rid"].tolist()) == list(range(16))
         assert plane.failed is None
+        assert plane.buffer.placement == Placement.pageable()  # the migration did not run
 
 
 # -- bad spec arguments ---------------------------------------------------------------------
