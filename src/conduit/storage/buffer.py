@@ -259,7 +259,10 @@ class ExperienceBuffer:
             return self._reader.read(info, self.store, self.sampler, device)
 
     def sample(self, batch_size: int, *, device: torch.device | None = None) -> Batch:
-        """Draw and gather one batch.
+        """Draw and gather one batch, with ``_index`` and, when weighted, ``_weight``.
+
+        The returned tensors, ``_index`` included, are the caller's, as :meth:`gather`'s: later
+        samples never write into them while anything refers to them.
 
         Raises:
             ConfigError: ``batch_size`` is not a positive integer, or ``device`` is not a
@@ -269,8 +272,8 @@ class ExperienceBuffer:
         batch_size = batch_rows(batch_size)
         device = None if device is None else check_device("device", device)
         with self._lock:
-            info = self.sampler.sample(self.writer.size, batch_size)
-            return self._reader.read(info, self.store, self.sampler, device)
+            return self._reader.sample(self.sampler, self.writer, self.store, batch_size,
+                                       device)
 
     @property
     def gather_mode(self) -> str | None:

@@ -6,7 +6,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import psutil
@@ -188,6 +188,9 @@ class GatherOutputs:
     ``t.storage()``) does not count as a reference: keep a tensor or view of the field to
     hold its memory.
 
+    Each set also holds an int64 ``[rows]`` slot column after the fields, handed out only by
+    :meth:`take_indexed` (as the batch's ``_index``), under the same rule.
+
     A set whose memory was moved to shared memory (``share_memory_()``, as
     :mod:`torch.multiprocessing` does to a tensor it sends to another process) is never
     handed out again: the pool drops it, since another process may still read it while no
@@ -211,9 +214,9 @@ class GatherOutputs:
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
         # (rows, the pool's views per field, numpy arrays over them, their block, its memory
-        # handle, its use count while only the pool holds the set), in hand-out order.
-        self._sets: list[tuple[int, dict[str, torch.Tensor], dict[str, np.ndarray],
-                               torch.Tensor, int, int]] = []
+        # handle, its use count while only the pool holds the set, the slot column's view and
+        # its numpy array), in hand-out order.
+        self._sets: list[_Set] = []
         self._lock = threading.Lock()
 
     @property
@@ -222,22 +225,27 @@ class GatherOutputs:
         return dict(self._fields)
 
     def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor],
-                                            dict[str, np.ndarray]]:
-        """One block for every field of a ``rows``-row set, the fields' views of it, and
-        numpy views of the fields whose dtype numpy has."""
+                                            dict[str, np.ndarray], torch.Tensor]:
+        """One block for every field of a ``rows``-row set and its slot column, the fields'
+        views of it, numpy views of the fields whose dtype numpy has, and the slot column's
+        view."""
+        specs = [*((name, fs.dtype, rows * fs.dtype.itemsize * math.prod(fs.shape))
+                   for name, fs in self._fields.items()),
+                 ("", torch.int64, rows * 8)]
         spans, total = [], 0
-        for fs in self._fields.values():
-            nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
+        for _, _, nbytes in specs:
             spans.append((total, nbytes))
             total += -(-nbytes // SET_ALIGN) * SET_ALIGN
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
-        views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
-                 for (name, fs), (a, n) in zip(self._fields.items(), spans)}
+        views = {name: block[a:a + n].view(dtype).view(rows, *fs.shape)
+                 for (name, dtype, _), (a, n), fs in zip(specs, spans, self._fields.values())}
+        a, n = spans[-1]
+        slots = block[a:a + n].view(torch.int64)
         arrays: dict[str, np.ndarray] = {}
         for name, view in views.items():
             with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
                 arrays[name] = view.numpy()  # (which makes the block's memory fixed in size)
-        return block, views, arrays
+        return block, views, arrays, slots
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
         """New ``[rows, *shape]`` tensors per field, over memory that nothing else refers to
@@ -248,37 +256,68 @@ class GatherOutputs:
         """As :meth:`take`, with numpy arrays over the same memory for the fields whose dtype
         numpy has, for the taker to write through before it hands the tensors out (they are
         the pool's: do not hand them out)."""
+        views, arrays, _, _ = self._take_set(rows)
+        return {name: t.data for name, t in views.items()}, arrays
+
+    def take_indexed(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
+                                               np.ndarray]:
+        """As :meth:`take_arrays`, with the set's slot column as ``_index`` among the tensors
+        (int64 ``[rows]``, its values left as they were) and a numpy array over it, for the
+        taker to draw the slots into before it gathers them."""
+        views, arrays, slots, host = self._take_set(rows)
+        outs = {name: t.data for name, t in views.items()}
+        outs["_index"] = slots.data
+        return outs, arrays, host
+
+    def _take_set(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
+                                            torch.Tensor, np.ndarray]:
+        """A ``rows``-row set that nothing but the pool refers to (a new one if none is)."""
         count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
             if sets:  # the usual case: the set handed out last is free again
-                n, views, arrays, block, key, idle = sets[-1]
+                n, views, arrays, block, key, idle, slots, slot_array = sets[-1]
                 if n == rows and count(key) == idle:
                     if not block.untyped_storage().is_shared():
-                        return {name: t.data for name, t in views.items()}, arrays
+                        return views, arrays, slots, slot_array
                     del sets[-1]  # shared with another process, which may still read it
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
-                n, views, arrays, block, key, idle = sets[k]
-                if count(key) == idle:
-                    if block.untyped_storage().is_shared():  # another process may read it
+                got = sets[k]
+                if count(got.key) == got.idle:
+                    if got.block.untyped_storage().is_shared():  # another process may read it
                         del sets[k]
                         if free is not None:
                             free -= 1
                         continue
-                    if n == rows:
+                    if got.rows == rows:
                         if k != len(sets) - 1:
                             sets.append(sets.pop(k))
-                        return {name: t.data for name, t in views.items()}, arrays
+                        return got.views, got.arrays, got.slots, got.slot_array
                     free = k
-            block, views, arrays = self._allocate(rows)
+            block, views, arrays, slots = self._allocate(rows)
+            slot_array = slots.numpy()
             if len(sets) >= self._keep and free is not None:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
                 key = _memory_key(block)
-                sets.append((rows, views, arrays, block, key, count(key)))
-            return {name: t.data for name, t in views.items()}, arrays
+                sets.append(_Set(rows, views, arrays, block, key, count(key), slots,
+                                 slot_array))
+            return views, arrays, slots, slot_array
+
+
+class _Set(NamedTuple):
+    """One set of :class:`GatherOutputs`."""
+
+    rows: int
+    views: dict[str, torch.Tensor]
+    arrays: dict[str, np.ndarray]
+    block: torch.Tensor
+    key: int
+    idle: int
+    slots: torch.Tensor
+    slot_array: np.ndarray
 
 
 def _check_capacity(capacity: int) -> int:
@@ -509,9 +548,7 @@ class ColumnStore:
         """
         if self.device.type != "cpu" or (device is not None and device != self.device):
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
-        outputs = self._outputs
-        if outputs is None:  # made here, so subclasses with their own columns get one
-            outputs = self._outputs = GatherOutputs(self.spec.fields, pinned=self.pinned)
+        outputs = self._gather_outputs()
         kernels = _row_kernels()
         if indices.dim() == 1 and indices.dtype == torch.int64 and workers is None \
                 and kernels is not None:
@@ -521,17 +558,7 @@ class ColumnStore:
             idx = indices.numpy()
             _check_host_slots(kernels, idx, self.capacity)
             outs, arrays = outputs.take_arrays(idx.shape[0])
-            host, ptrs = self._host
-            for name, col in self._cols.items():
-                src, dst = host.get(name), arrays.get(name)
-                if src is None or dst is None:  # (no numpy dtype: bfloat16 and the like)
-                    torch.index_select(col, 0, indices, out=outs[name])
-                    continue
-                if col.data_ptr() != ptrs[name]:  # the column moved: view it again
-                    host = self._views()
-                    ptrs = self._host[1]
-                    src = host[name]
-                src.take(idx, axis=0, out=dst, mode="wrap")
+            self._take_rows(indices, idx, outs, arrays)
             return outs
         check_slots(indices, self.capacity)
         if workers is not None and indices.dim() == 1:
@@ -546,6 +573,54 @@ class ColumnStore:
             if indices.dim() != 1:
                 outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
         return outs
+
+    @property
+    def gathers_drawn(self) -> bool:
+        """Whether :meth:`gather_drawn` runs here: a host store, with the compiled slot
+        check."""
+        return self.device.type == "cpu" and _row_kernels() is not None
+
+    def gather_drawn(self, rows: int, draw: Callable[[torch.Tensor], None]) -> Batch:
+        """Draw ``rows`` slots and gather them, into one reused output set: ``draw`` fills the
+        set's slot column (an int64 ``[rows]`` tensor) in place, and the rows of those slots
+        are taken into the set's fields. The slot column is the batch's ``_index``
+        (``docs/design.md §7``). The batch is the caller's, as :meth:`get`'s.
+
+        Only where :attr:`gathers_drawn`.
+
+        Raises:
+            IndexError: ``draw`` wrote a slot outside ``[0, capacity)``.
+            Exception: Whatever ``draw`` raises (nothing is gathered).
+        """
+        outs, arrays, idx = self._gather_outputs().take_indexed(rows)
+        indices = outs["_index"]
+        draw(indices)
+        _check_host_slots(_row_kernels(), idx, self.capacity)
+        self._take_rows(indices, idx, outs, arrays)
+        return outs
+
+    def _gather_outputs(self) -> GatherOutputs:
+        outputs = self._outputs
+        if outputs is None:  # made here, so subclasses with their own columns get one
+            outputs = self._outputs = GatherOutputs(self.spec.fields, pinned=self.pinned)
+        return outputs
+
+    def _take_rows(self, indices: torch.Tensor, idx: np.ndarray, outs: Batch,
+                   arrays: dict[str, np.ndarray]) -> None:
+        """Take the host rows at checked slots (``indices``, and ``idx`` over the same
+        memory) into a set's tensors ``outs`` (through its ``arrays``): numpy's take per
+        field, ``index_select`` where numpy has no dtype."""
+        host, ptrs = self._host
+        for name, col in self._cols.items():
+            src, dst = host.get(name), arrays.get(name)
+            if src is None or dst is None:  # (no numpy dtype: bfloat16 and the like)
+                torch.index_select(col, 0, indices, out=outs[name])
+                continue
+            if col.data_ptr() != ptrs[name]:  # the column moved: view it again
+                host = self._views()
+                ptrs = self._host[1]
+                src = host[name]
+            src.take(idx, axis=0, out=dst, mode="wrap")
 
     def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers) -> None:
         """Gather into ``outs`` whole, or as one row range per worker, as ``workers`` chose."""

@@ -155,6 +155,30 @@ class BufferReader:
             weights[keep] = fresh.weights
         return SampleInfo(indices, weights, writer.total_written)
 
+    def sample(self, sampler: Sampler, writer: RingWriter, store: Store, batch_size: int,
+               device: torch.device | None) -> Batch:
+        """Draw ``batch_size`` slots from ``writer``'s filled ones and gather their rows: with
+        one data-path thread, a sampler that :attr:`~Sampler.draws_into` and a host column
+        store gathering for the host, the draw goes straight into the batch's reused
+        ``_index`` (:meth:`ColumnStore.gather_drawn`); otherwise a draw, then :meth:`read`.
+        The slots and rows are the same either way.
+
+        Raises:
+            EmptyBufferError: The sampler has nothing to draw from.
+        """
+        if (device is None and self.threads == 1 and sampler.draws_into
+                and isinstance(store, ColumnStore) and store.gathers_drawn):
+            size = writer.size
+
+            def draw(out: torch.Tensor) -> None:
+                sampler.sample_into(size, out)
+
+            if torch.get_num_threads() == 1:
+                return store.gather_drawn(batch_size, draw)
+            with data_path_threads(1):
+                return store.gather_drawn(batch_size, draw)
+        return self.read(sampler.sample(writer.size, batch_size), store, sampler, device)
+
     def read(self, info: SampleInfo, store: Store, sampler: Sampler,
              device: torch.device | None) -> Batch:
         """The rows of the draw ``info`` from ``store``, with ``_index`` and, when weighted,

@@ -52,7 +52,9 @@ class Sampler(abc.ABC):
     :meth:`update_priorities`; only then does the buffer remember which row each gather
     delivered from a slot (a scattered write per row that other samplers do not pay for).
     The buffer also reads :attr:`draws_slices`: only then does a draw record the rows written
-    before it, for its gather to check.
+    before it, for its gather to check; and :attr:`draws_into`: only then does its synchronous
+    sample draw with :meth:`sample_into`, straight into the memory the rows are gathered next
+    to.
 
     Args:
         seed: Seed of the sampler's own generator.
@@ -71,6 +73,24 @@ class Sampler(abc.ABC):
     draws_slices: ClassVar[bool] = False
     #: The sampler takes priority updates (derived: it overrides :meth:`update_priorities`).
     accepts_priorities: ClassVar[bool] = False
+
+    @property
+    def draws_into(self) -> bool:
+        """Whether :meth:`sample_into` draws what :meth:`sample` would: slots only (no
+        weights, no slices), into a tensor the caller gives."""
+        return False
+
+    def sample_into(self, size: int, out: torch.Tensor) -> None:
+        """Where :attr:`draws_into`: draw ``out.shape[0]`` slots out of the ``size`` filled
+        ones into ``out`` (CPU int64, 1-D), in place, the slots :meth:`sample` would draw
+        (the same generator stream).
+
+        Raises:
+            ConfigError: The sampler does not draw into a tensor (``draws_into`` is False).
+            EmptyBufferError: The sampler has nothing to draw from.
+        """
+        raise ConfigError("sampler", f"{type(self).__name__} does not draw into a tensor; "
+                                     f"call sample()")
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

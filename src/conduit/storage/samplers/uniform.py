@@ -29,6 +29,27 @@ class UniformSampler(Sampler):
         """Constructor arguments."""
         return {**super().config(), "replacement": self.replacement}
 
+    @property
+    def draws_into(self) -> bool:
+        """With replacement, and :meth:`sample` not overridden: :meth:`sample_into` draws
+        what it would."""
+        return self.replacement and type(self).sample is UniformSampler.sample
+
+    def sample_into(self, size: int, out: torch.Tensor) -> None:
+        """Draw ``out.shape[0]`` slots with replacement into ``out`` in place: the slots
+        :meth:`sample` draws from the same generator state (``random_`` on the draws'
+        generator is the draw ``torch.randint`` makes).
+
+        Raises:
+            ConfigError: Sampling without replacement (it draws with :meth:`sample` only).
+            EmptyBufferError: Nothing to draw from.
+        """
+        if not self.replacement:
+            super().sample_into(size, out)
+        if size < 1 or out.shape[0] < 1:
+            need_rows(size, out.shape[0], "a uniform batch")
+        out.random_(0, size, generator=self._draws)
+
     def sample(self, size: int, batch_size: int) -> SampleInfo:
         """Draw ``batch_size`` slots uniformly.
 

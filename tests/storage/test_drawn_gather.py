@@ -1,0 +1,164 @@
+"""The synchronous sample's draw into the batch's own ``_index`` (ColumnStore.gather_drawn):
+the same slots and rows as a draw then a gather, never over a batch someone still holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conduit.errors import ConfigError, EmptyBufferError
+from conduit.spec import ExperienceSpec
+from conduit.storage import ExperienceBuffer, Placement, column_store
+from conduit.storage.samplers import PrioritizedSampler, SampleInfo, UniformSampler
+from tests.conftest import make_rows
+from tests.storage.test_gather_path import wide_spec
+
+needs_use_count = pytest.mark.skipif(column_store._storage_use_count is None,
+                                     reason="this torch exposes no storage use count")
+
+
+def two_buffers(spec: ExperienceSpec, *, rows: int = 50, capacity: int = 64,
+                **kw) -> tuple[ExperienceBuffer, ExperienceBuffer]:
+    out = []
+    for _ in range(2):
+        buf = ExperienceBuffer(spec=spec, capacity=capacity,
+                               sampler=UniformSampler(seed=7), **kw)
+        buf.extend(make_rows(spec, rows, start=100))
+        out.append(buf)
+    return out[0], out[1]
+
+
+def drawn_gathers(buf: ExperienceBuffer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the buffer store's gather_drawn calls."""
+    calls = []
+    real = buf.store.gather_drawn
+
+    def counted(rows, draw):  # type: ignore[no-untyped-def]
+        calls.append(rows)
+        return real(rows, draw)
+
+    monkeypatch.setattr(buf.store, "gather_drawn", counted)
+    return calls
+
+
+def test_sample_draws_the_slots_and_rows_a_draw_then_a_gather_would(monkeypatch):
+    """Every dtype and row shape (bfloat16 through index_select), batch sizes that reuse and
+    that outgrow the output sets: sample() through the drawn gather returns what draw() and
+    gather() return on a twin buffer with the same seed."""
+    spec = wide_spec()
+    fast, slow = two_buffers(spec)
+    calls = drawn_gathers(fast, monkeypatch)
+    for n in (9, 9, 1, 33, 9, 200):
+        got = fast.sample(n)
+        want = slow.gather(slow.draw(n))
+        assert set(got) == set(want) == {*spec.fields, "_index"}
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        assert got["_index"].shape == (n,) and int(got["_index"].max()) < 50
+    assert calls == [9, 9, 1, 33, 9, 200]
+    assert torch.equal(fast.sampler.state_dict()["draws"], slow.sampler.state_dict()["draws"])
+
+
+def test_sample_into_draws_what_sample_draws():
+    a, b = UniformSampler(seed=3), UniformSampler(seed=3)
+    for size, n in [(1, 4), (17, 64), (100_000, 256), (2**33, 8)]:
+        out = torch.full((n,), -1, dtype=torch.int64)
+        a.sample_into(size, out)
+        assert torch.equal(out, b.sample(size, n).indices)
+
+
+def test_sample_into_refuses_what_it_cannot_draw():
+    with pytest.raises(EmptyBufferError):
+        UniformSampler().sample_into(0, torch.empty(4, dtype=torch.int64))
+    no_replacement = UniformSampler(replacement=False)
+    assert not no_replacement.draws_into
+    with pytest.raises(ConfigError) as err:
+        no_replacement.sample_into(10, torch.empty(4, dtype=torch.int64))
+    assert err.value.field == "sampler"
+
+
+@needs_use_count
+@pytest.mark.parametrize("hold", ["batch", "_index", "a field", "_index as numpy"])
+def test_a_held_batch_or_its_index_is_never_overwritten(small_spec, hold):
+    buf = ExperienceBuffer(spec=small_spec, capacity=64, sampler=UniformSampler(seed=1))
+    buf.extend(make_rows(small_spec, 64))
+    first = buf.sample(16)
+    keep = {"batch": lambda b: b, "_index": lambda b: b["_index"],
+            "a field": lambda b: b["obs"], "_index as numpy": lambda b: b["_index"].numpy()
+            }[hold](first)
+    index, obs = first["_index"].clone(), first["obs"].clone()
+    del first
+    for _ in range(8):
+        again = buf.sample(16)
+        assert not torch.equal(again["_index"], index)  # (16 of 64 slots: not the same draw)
+    if hold == "batch":
+        assert torch.equal(keep["_index"], index) and torch.equal(keep["obs"], obs)
+    elif hold == "a field":
+        assert torch.equal(keep, obs)
+    else:
+        assert torch.equal(torch.as_tensor(keep), index)
+
+
+@needs_use_count
+def test_a_dropped_batch_is_drawn_into_again(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=64)
+    buf.extend(make_rows(small_spec, 64))
+    first = buf.sample(8)
+    mem = first["_index"].data_ptr()
+    second = buf.sample(8)
+    assert second["_index"].data_ptr() != mem  # the first is still held
+    del first
+    assert buf.sample(8)["_index"].data_ptr() == mem
+
+
+def test_the_drawn_gather_runs_only_where_it_draws_what_sample_would(small_spec, monkeypatch):
+    """Another sampler, a subclass that overrides sample(), without replacement, two data-path
+    threads, a device asked for, or a sharded store: a draw, then a gather, as before."""
+
+    class Odd(UniformSampler):
+        def sample(self, size: int, batch_size: int) -> SampleInfo:
+            return SampleInfo(torch.arange(1, 2 * batch_size, 2) % size)
+
+    cases = {
+        "prioritized": dict(sampler=PrioritizedSampler()),
+        "overridden sample()": dict(sampler=Odd()),
+        "without replacement": dict(sampler=UniformSampler(replacement=False)),
+        "two threads": dict(threads=2),
+        "sharded": dict(placement=Placement.sharded(["cpu", "cpu"])),
+    }
+    for name, kw in cases.items():
+        buf = ExperienceBuffer(spec=small_spec, capacity=64, **kw)
+        buf.extend(make_rows(small_spec, 40))
+        calls = drawn_gathers(buf, monkeypatch) if hasattr(buf.store, "gather_drawn") else []
+        got = buf.sample(6)
+        assert calls == [], name
+        assert got["_index"].shape == (6,) and int(got["_index"].max()) < 40, name
+        if name == "overridden sample()":
+            assert got["_index"].tolist() == [1, 3, 5, 7, 9, 11]
+    buf = ExperienceBuffer(spec=small_spec, capacity=64)
+    buf.extend(make_rows(small_spec, 40))
+    calls = drawn_gathers(buf, monkeypatch)
+    buf.sample(6, device="cpu")
+    assert calls == []
+    buf.sample(6)
+    assert calls == [6]
+
+
+def test_an_empty_buffer_refuses_the_sample(small_spec):
+    buf = ExperienceBuffer(spec=small_spec, capacity=8)
+    with pytest.raises(EmptyBufferError):
+        buf.sample(4)
+    buf.extend(make_rows(small_spec, 3))
+    assert buf.sample(4)["_index"].max() < 3
+
+
+def test_a_slot_drawn_outside_the_store_is_refused_before_the_gather(small_spec):
+    class Wild(UniformSampler):
+        def sample_into(self, size: int, out: torch.Tensor) -> None:
+            out.fill_(size + 5)
+
+    buf = ExperienceBuffer(spec=small_spec, capacity=16, sampler=Wild())
+    buf.extend(make_rows(small_spec, 16))
+    assert buf.sampler.draws_into
+    with pytest.raises(IndexError, match="21 lies outside"):
+        buf.sample(4)
