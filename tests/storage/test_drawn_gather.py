@@ -3,6 +3,8 @@ the same slots and rows as a draw then a gather, never over a batch someone stil
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -162,3 +164,17 @@ def test_a_slot_drawn_outside_the_store_is_refused_before_the_gather(small_spec)
     assert buf.sampler.draws_into
     with pytest.raises(IndexError, match="21 lies outside"):
         buf.sample(4)
+
+
+def test_index_alone_carries_only_its_own_rows():
+    """``_index`` is memory of its own, not a view of the fields' block: sent alone (pickled,
+    as Ray and torch.multiprocessing send tensors), it carries 8 bytes a row, not the batch."""
+    spec = ExperienceSpec.of(obs=((4096,), torch.float32))
+    buf = ExperienceBuffer(spec=spec, capacity=64)
+    buf.extend({"obs": torch.randn(64, 4096)})
+    batch = buf.sample(32)
+    assert len(pickle.dumps(batch["_index"])) < 2048  # the obs rows alone are 512 KiB
+    assert batch["_index"].untyped_storage().data_ptr() != batch["obs"].data_ptr()
+    again = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(again["_index"], batch["_index"]) and torch.equal(again["obs"],
+                                                                          batch["obs"])

@@ -188,8 +188,9 @@ class GatherOutputs:
     ``t.storage()``) does not count as a reference: keep a tensor or view of the field to
     hold its memory.
 
-    Each set also holds an int64 ``[rows]`` slot column after the fields, handed out only by
-    :meth:`take_indexed` (as the batch's ``_index``), under the same rule.
+    Each set also holds an int64 ``[rows]`` slot column in memory of its own (so that
+    ``_index`` alone pickles as its own rows), handed out only by :meth:`take_indexed` (as the
+    batch's ``_index``), under the same rule.
 
     A set whose memory was moved to shared memory (``share_memory_()``, as
     :mod:`torch.multiprocessing` does to a tensor it sends to another process) is never
@@ -214,8 +215,8 @@ class GatherOutputs:
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
         # (rows, the pool's views per field, numpy arrays over them, their block, its memory
-        # handle, its use count while only the pool holds the set, the slot column's view and
-        # its numpy array), in hand-out order.
+        # handle, its use count while only the pool holds the set, the slot column, its numpy
+        # array, its memory handle and idle use count), in hand-out order.
         self._sets: list[_Set] = []
         self._lock = threading.Lock()
 
@@ -226,21 +227,17 @@ class GatherOutputs:
 
     def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor],
                                             dict[str, np.ndarray], torch.Tensor]:
-        """One block for every field of a ``rows``-row set and its slot column, the fields'
-        views of it, numpy views of the fields whose dtype numpy has, and the slot column's
-        view."""
-        specs = [*((name, fs.dtype, rows * fs.dtype.itemsize * math.prod(fs.shape))
-                   for name, fs in self._fields.items()),
-                 ("", torch.int64, rows * 8)]
+        """One block for every field of a ``rows``-row set, the fields' views of it, numpy
+        views of the fields whose dtype numpy has, and the set's slot column."""
         spans, total = [], 0
-        for _, _, nbytes in specs:
+        for fs in self._fields.values():
+            nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
             spans.append((total, nbytes))
             total += -(-nbytes // SET_ALIGN) * SET_ALIGN
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
-        views = {name: block[a:a + n].view(dtype).view(rows, *fs.shape)
-                 for (name, dtype, _), (a, n), fs in zip(specs, spans, self._fields.values())}
-        a, n = spans[-1]
-        slots = block[a:a + n].view(torch.int64)
+        views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
+                 for (name, fs), (a, n) in zip(self._fields.items(), spans)}
+        slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
         arrays: dict[str, np.ndarray] = {}
         for name, view in views.items():
             with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
@@ -276,17 +273,19 @@ class GatherOutputs:
         with self._lock:
             sets, free = self._sets, None
             if sets:  # the usual case: the set handed out last is free again
-                n, views, arrays, block, key, idle, slots, slot_array = sets[-1]
-                if n == rows and count(key) == idle:
-                    if not block.untyped_storage().is_shared():
+                n, views, arrays, block, key, idle, slots, slot_array, skey, sidle = sets[-1]
+                if n == rows and count(key) == idle and count(skey) == sidle:
+                    if not (block.untyped_storage().is_shared()
+                            or slots.untyped_storage().is_shared()):
                         return views, arrays, slots, slot_array
                     del sets[-1]  # shared with another process, which may still read it
             # Most recently handed out first (``sets`` is in hand-out order): a free set that
             # was written last is the one most likely still in the cache.
             for k in range(len(sets) - 1, -1, -1):
                 got = sets[k]
-                if count(got.key) == got.idle:
-                    if got.block.untyped_storage().is_shared():  # another process may read it
+                if count(got.key) == got.idle and count(got.slot_key) == got.slot_idle:
+                    if (got.block.untyped_storage().is_shared()  # another process may read it
+                            or got.slots.untyped_storage().is_shared()):
                         del sets[k]
                         if free is not None:
                             free -= 1
@@ -301,9 +300,9 @@ class GatherOutputs:
             if len(sets) >= self._keep and free is not None:
                 del sets[free]  # a free set of another size makes room
             if len(sets) < self._keep:
-                key = _memory_key(block)
+                key, skey = _memory_key(block), _memory_key(slots)
                 sets.append(_Set(rows, views, arrays, block, key, count(key), slots,
-                                 slot_array))
+                                 slot_array, skey, count(skey)))
             return views, arrays, slots, slot_array
 
 
@@ -318,6 +317,8 @@ class _Set(NamedTuple):
     idle: int
     slots: torch.Tensor
     slot_array: np.ndarray
+    slot_key: int
+    slot_idle: int
 
 
 def _check_capacity(capacity: int) -> int:
