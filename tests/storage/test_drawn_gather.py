@@ -178,3 +178,13 @@ def test_index_alone_carries_only_its_own_rows():
     again = pickle.loads(pickle.dumps(batch))
     assert torch.equal(again["_index"], batch["_index"]) and torch.equal(again["obs"],
                                                                           batch["obs"])
+
+
+def test_a_pool_that_keeps_no_set_makes_a_slot_column_only_when_asked():
+    """Pinned pools keep no set (each gather allocates): a plain take allocates no slot
+    column there; an indexed take gets one of its own each call."""
+    pool = column_store.GatherOutputs(wide_spec().fields, keep=0)
+    assert pool._take_set(4)[2:] == (None, None)
+    a, b = pool.take_indexed(4)[0], pool.take_indexed(4)[0]
+    assert a["_index"].shape == (4,) and a["_index"].dtype == torch.int64
+    assert a["_index"].data_ptr() != b["_index"].data_ptr()

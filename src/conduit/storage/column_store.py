@@ -226,9 +226,9 @@ class GatherOutputs:
         return dict(self._fields)
 
     def _allocate(self, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor],
-                                            dict[str, np.ndarray], torch.Tensor]:
-        """One block for every field of a ``rows``-row set, the fields' views of it, numpy
-        views of the fields whose dtype numpy has, and the set's slot column."""
+                                            dict[str, np.ndarray]]:
+        """One block for every field of a ``rows``-row set, the fields' views of it, and
+        numpy views of the fields whose dtype numpy has."""
         spans, total = [], 0
         for fs in self._fields.values():
             nbytes = rows * fs.dtype.itemsize * math.prod(fs.shape)
@@ -237,12 +237,11 @@ class GatherOutputs:
         block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pinned)
         views = {name: block[a:a + n].view(fs.dtype).view(rows, *fs.shape)
                  for (name, fs), (a, n) in zip(self._fields.items(), spans)}
-        slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
         arrays: dict[str, np.ndarray] = {}
         for name, view in views.items():
             with contextlib.suppress(TypeError):  # (bfloat16 and the like: torch only)
                 arrays[name] = view.numpy()  # (which makes the block's memory fixed in size)
-        return block, views, arrays, slots
+        return block, views, arrays
 
     def take(self, rows: int) -> dict[str, torch.Tensor]:
         """New ``[rows, *shape]`` tensors per field, over memory that nothing else refers to
@@ -261,14 +260,18 @@ class GatherOutputs:
         """As :meth:`take_arrays`, with the set's slot column as ``_index`` among the tensors
         (int64 ``[rows]``, its values left as they were) and a numpy array over it, for the
         taker to draw the slots into before it gathers them."""
-        views, arrays, slots, host = self._take_set(rows)
+        views, arrays, slots, host = self._take_set(rows, indexed=True)
+        assert slots is not None and host is not None  # (indexed: made with the set)
         outs = {name: t.data for name, t in views.items()}
         outs["_index"] = slots.data
         return outs, arrays, host
 
-    def _take_set(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
-                                            torch.Tensor, np.ndarray]:
-        """A ``rows``-row set that nothing but the pool refers to (a new one if none is)."""
+    def _take_set(self, rows: int, *, indexed: bool = False
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
+                             torch.Tensor | None, np.ndarray | None]:
+        """A ``rows``-row set that nothing but the pool refers to (a new one if none is).
+        A kept set has its slot column; a new set the pool does not keep (pinned, or beyond
+        ``keep``) has one only when ``indexed``: a pinned gather allocates per call."""
         count = _storage_use_count
         with self._lock:
             sets, free = self._sets, None
@@ -295,11 +298,15 @@ class GatherOutputs:
                             sets.append(sets.pop(k))
                         return got.views, got.arrays, got.slots, got.slot_array
                     free = k
-            block, views, arrays, slots = self._allocate(rows)
-            slot_array = slots.numpy()
+            block, views, arrays = self._allocate(rows)
             if len(sets) >= self._keep and free is not None:
                 del sets[free]  # a free set of another size makes room
-            if len(sets) < self._keep:
+            kept = len(sets) < self._keep
+            if not (kept or indexed):
+                return views, arrays, None, None
+            slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
+            slot_array = slots.numpy()
+            if kept:
                 key, skey = _memory_key(block), _memory_key(slots)
                 sets.append(_Set(rows, views, arrays, block, key, count(key), slots,
                                  slot_array, skey, count(skey)))
