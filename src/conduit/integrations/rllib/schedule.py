@@ -83,18 +83,17 @@ class ReplaySchedule:
         """Put a new ``plane`` on ``decided`` (a schedule ``"auto"`` chose for the plane it
         replaces) or on the schedule :attr:`name` starts with."""
         self._tuner = None
-        if (decided is None and self.name == "auto"
-                and not worker_has_core(accelerator=torch.cuda.is_available())):
-            decided = Schedule(0, 1, 0, 1)
-            self.report.update(schedule=decided.label(), note=(
-                f"inline, untried: the learner computes on all {os.cpu_count() or 1} cores "
-                f"({torch.get_num_threads()} torch threads, no CUDA device), so a worker "
-                "thread would have no core of its own"))
-        elif decided is None and self.name == "auto":
+        if decided is None and self.name == "auto" and worker_has_core(
+                accelerator=torch.cuda.is_available()):
             decided = start_schedule(plane.space)
             self._tuner = WarmupScheduleTuner(plane, self.report)
-        elif decided is None:
+        elif decided is None:  # "inline", "prefetch", or "auto" where a worker has no core
             decided = Schedule(0, 1, int(self.name == "prefetch"), 1)
+            if self.name == "auto":
+                self.report.update(schedule=decided.label(), note=(
+                    f"inline, untried: the learner computes on all {os.cpu_count() or 1} "
+                    f"cores ({torch.get_num_threads()} torch threads, no CUDA device), so a "
+                    "worker thread would have no core of its own"))
         plane.set_schedule(decided)
 
     def keep(self, plane: ExperienceDataPlane) -> Schedule | None:
