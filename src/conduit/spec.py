@@ -85,7 +85,7 @@ class FieldSpec:
     @property
     def nbytes(self) -> int:
         """Bytes per sample."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

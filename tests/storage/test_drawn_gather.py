@@ -12,6 +12,7 @@ from conduit.errors import ConfigError, EmptyBufferError
 from conduit.spec import ExperienceSpec
 from conduit.storage import ExperienceBuffer, Placement, column_store
 from conduit.storage.samplers import PrioritizedSampler, SampleInfo, UniformSampler
+from conduit.storage.threads import GatherWorkers
 from tests.conftest import make_rows
 from tests.storage.test_gather_path import wide_spec
 
@@ -115,7 +116,8 @@ def test_a_dropped_batch_is_drawn_into_again(small_spec):
 
 def test_the_drawn_gather_runs_only_where_it_draws_what_sample_would(small_spec, monkeypatch):
     """Another sampler, a subclass that overrides sample(), without replacement, two data-path
-    threads, a device asked for, or a sharded store: a draw, then a gather, as before."""
+    threads whose pool may split the gather, a device asked for, or a sharded store: a draw,
+    then a gather, as before."""
 
     class Odd(UniformSampler):
         def sample(self, size: int, batch_size: int) -> SampleInfo:
@@ -131,6 +133,8 @@ def test_the_drawn_gather_runs_only_where_it_draws_what_sample_would(small_spec,
     for name, kw in cases.items():
         buf = ExperienceBuffer(spec=small_spec, capacity=64, **kw)
         buf.extend(make_rows(small_spec, 40))
+        if name == "two threads":  # a pool that may split every gather, however small
+            buf._reader.workers = GatherWorkers(threads=2, min_bytes=0)
         calls = drawn_gathers(buf, monkeypatch) if hasattr(buf.store, "gather_drawn") else []
         got = buf.sample(6)
         assert calls == [], name
@@ -144,6 +148,37 @@ def test_the_drawn_gather_runs_only_where_it_draws_what_sample_would(small_spec,
     assert calls == []
     buf.sample(6)
     assert calls == [6]
+
+
+def test_a_gather_too_small_to_split_is_drawn_as_on_one_thread(small_spec, monkeypatch):
+    """Two data-path threads, a gather under the pool's ``min_bytes``: the one-thread
+    buffer's route (the drawn gather, or numpy's take for a prioritized draw), never the
+    split's, with the same slots and rows as a one-thread twin."""
+    one, two = two_buffers(small_spec)
+    two.threads = 2
+    calls = drawn_gathers(two, monkeypatch)
+    split = []
+    real_split = two.store._split_gather
+    monkeypatch.setattr(two.store, "_split_gather",
+                        lambda *a, **k: split.append(1) or real_split(*a, **k))
+    for _ in range(3):
+        a, b = one.sample(6), two.sample(6)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert calls == [6, 6, 6] and split == []
+    per = [ExperienceBuffer(spec=small_spec, capacity=64, threads=t,
+                            sampler=PrioritizedSampler(seed=3)) for t in (1, 2)]
+    for buf in per:
+        buf.extend(make_rows(small_spec, 40))
+    monkeypatch.setattr(per[1].store, "_split_gather",
+                        lambda *a, **k: split.append(1) or real_split(*a, **k))
+    a, b = per[0].sample(6), per[1].sample(6)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert split == []
+    per[1]._reader.workers = GatherWorkers(threads=2, min_bytes=0)  # now it may split
+    per[1].sample(6)
+    assert split == [1]
 
 
 def test_an_empty_buffer_refuses_the_sample(small_spec):

@@ -221,3 +221,25 @@ def test_a_zero_byte_gather_is_timed_without_dividing_by_zero(clock):
         for _ in range(4):
             workers.gather(0, g.whole, [g.part, g.other_part])
     assert workers.mode in GATHER_MODES
+
+
+def test_the_one_thread_mode_runs_the_gather_a_one_thread_buffer_runs(clock):
+    """``one`` (the caller's route, numpy's take in a column store) runs for the one-thread
+    mode and for a gather under ``min_bytes``; ``whole`` only on torch's intra-op threads."""
+    g = Gather(clock, one=1.0, split=1.0, intra=0.5)
+    ran: list[str] = []
+
+    def one() -> None:
+        ran.append("one")
+        clock.now += 1.0
+
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=2)
+    with data_path_threads(1):
+        for _ in range(6):
+            workers.gather(100, g.whole, [g.part, g.other_part], one=one)
+        assert workers.mode == INTRA_OP
+        assert ran == ["one", "one"] and ONE not in g.calls  # the trials' one-thread runs
+        assert g.calls.count(INTRA_OP) == 2
+        workers.gather(5, g.whole, [g.part, g.other_part], one=one)
+    assert ran == ["one"] * 3 and g.calls.count(INTRA_OP) == 2
+    assert workers.alone(5) and not workers.alone(10)

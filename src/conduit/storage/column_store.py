@@ -558,15 +558,19 @@ class ColumnStore:
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
         outputs = self._gather_outputs()
         kernels = _row_kernels()
-        if indices.dim() == 1 and indices.dtype == torch.int64 and workers is None \
-                and kernels is not None:
+        if indices.dim() == 1 and indices.dtype == torch.int64 and kernels is not None:
             # The common case: the rows checked once, then numpy's take per field, where
             # torch's index_select checks them again per field behind a dispatch that costs
             # more than a small field's copy (docs/design.md §7); the copies are the same.
+            # With ``workers`` too, for a gather that runs on one thread.
             idx = indices.numpy()
             _check_host_slots(kernels, idx, self.capacity)
             outs, arrays = outputs.take_arrays(idx.shape[0])
-            self._take_rows(indices, idx, outs, arrays)
+            if workers is None or workers.alone(idx.shape[0] * self.spec.bytes_per_sample):
+                self._take_rows(indices, idx, outs, arrays)
+            else:
+                self._split_gather(indices, outs, workers,
+                                   one=lambda: self._take_rows(indices, idx, outs, arrays))
             return outs
         check_slots(indices, self.capacity)
         if workers is not None and indices.dim() == 1:
@@ -630,8 +634,10 @@ class ColumnStore:
                 src = host[name]
             src.take(idx, axis=0, out=dst, mode="wrap")
 
-    def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers) -> None:
-        """Gather into ``outs`` whole, or as one row range per worker, as ``workers`` chose."""
+    def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers, *,
+                      one: Callable[[], None] | None = None) -> None:
+        """Gather into ``outs`` whole, or as one row range per worker, as ``workers`` chose
+        (``one``: the gather on the caller's thread alone, as ``workers.gather`` takes it)."""
         cols, n = self._cols, indices.shape[0]
 
         def rows(a: int, b: int) -> Callable[[], None]:
@@ -644,7 +650,7 @@ class ColumnStore:
         k = max(1, min(workers.threads, n))
         bounds = [n * j // k for j in range(k + 1)]
         workers.gather(n * self.spec.bytes_per_sample, rows(0, n),
-                       [rows(bounds[j], bounds[j + 1]) for j in range(k)])
+                       [rows(bounds[j], bounds[j + 1]) for j in range(k)], one=one)
 
     def _get_new(self, flat: torch.Tensor, lead: tuple[int, ...],
                  device: torch.device | None) -> Batch:

@@ -102,6 +102,13 @@ class BufferReader:
         workers = self.workers
         return None if workers is None or self.threads < 2 else workers.mode
 
+    def _pool(self) -> GatherWorkers:
+        """The pool of a buffer with more than one data-path thread (made on first use)."""
+        workers = self.workers
+        if workers is None:
+            workers = self.workers = GatherWorkers(threads=self.threads)
+        return workers
+
     @staticmethod
     def draw(sampler: Sampler, writer: RingWriter, batch_size: int) -> SampleInfo:
         """``batch_size`` slots drawn by ``sampler`` from ``writer``'s filled slots; a draw of
@@ -158,16 +165,18 @@ class BufferReader:
     def sample(self, sampler: Sampler, writer: RingWriter, store: Store, batch_size: int,
                device: torch.device | None) -> Batch:
         """Draw ``batch_size`` slots from ``writer``'s filled ones and gather their rows: with
-        one data-path thread, a sampler that :attr:`~Sampler.draws_into` and a host column
-        store gathering for the host, the draw goes straight into the batch's reused
-        ``_index`` (:meth:`ColumnStore.gather_drawn`); otherwise a draw, then :meth:`read`.
-        The slots and rows are the same either way.
+        a gather on one thread (one data-path thread, or a gather too small to split), a
+        sampler that :attr:`~Sampler.draws_into` and a host column store gathering for the
+        host, the draw goes straight into the batch's reused ``_index``
+        (:meth:`ColumnStore.gather_drawn`); otherwise a draw, then :meth:`read`. The slots
+        and rows are the same either way.
 
         Raises:
             EmptyBufferError: The sampler has nothing to draw from.
         """
-        if (device is None and self.threads == 1 and sampler.draws_into
-                and isinstance(store, ColumnStore) and store.gathers_drawn):
+        if (device is None and sampler.draws_into and isinstance(store, ColumnStore)
+                and store.gathers_drawn and (self.threads == 1 or self._pool().alone(
+                    batch_size * store.spec.bytes_per_sample))):
             size = writer.size
 
             def draw(out: torch.Tensor) -> None:
@@ -187,10 +196,8 @@ class BufferReader:
         if self.threads > 1 and isinstance(store, ColumnStore):
             # Several data-path threads: a large gather may be split over row ranges on the
             # buffer's own pool, each range on one torch thread (see GatherWorkers).
-            if self.workers is None:
-                self.workers = GatherWorkers(threads=self.threads)
             with data_path_threads(1):
-                out = store.get(indices, device=device, workers=self.workers)
+                out = store.get(indices, device=device, workers=self._pool())
         elif torch.get_num_threads() == self.threads:  # usually right already: no switch
             out = store.get(indices, device=device)
         else:

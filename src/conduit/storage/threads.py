@@ -174,6 +174,12 @@ class GatherWorkers:
         """Whether large gathers run on more threads than the caller's (None: trials)."""
         return None if self.mode is None else self.mode != ONE
 
+    def alone(self, nbytes: int) -> bool:
+        """Whether a gather of ``nbytes`` runs on the caller's thread alone whatever the mode:
+        it is under ``min_bytes``, or this is a process forked from the one that made this
+        object."""
+        return nbytes < self.min_bytes or os.getpid() != self._pid
+
     def run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run ``jobs[0]`` here and the others on the pool; return when all are done.
 
@@ -196,7 +202,7 @@ class GatherWorkers:
             raise err
 
     def _timed(self, mode: str, nbytes: int, whole: Callable[[], None],
-               parts: Sequence[Callable[[], None]]) -> float:
+               parts: Sequence[Callable[[], None]], one: Callable[[], None]) -> float:
         """Run the gather in ``mode``; its time per byte."""
         t0 = time.perf_counter()
         if mode == SPLIT:
@@ -205,29 +211,35 @@ class GatherWorkers:
             with data_path_threads(self.threads):
                 whole()
         else:
-            whole()
+            one()
         return (time.perf_counter() - t0) / max(nbytes, 1)
 
     def gather(self, nbytes: int, whole: Callable[[], None],
-               parts: Sequence[Callable[[], None]]) -> None:
-        """Run a gather of ``nbytes``: ``whole`` (all rows), or ``parts`` (one row range each,
-        at most :attr:`threads`) on the pool, as measured (see the class)."""
+               parts: Sequence[Callable[[], None]], *,
+               one: Callable[[], None] | None = None) -> None:
+        """Run a gather of ``nbytes``: ``whole`` (all rows, on torch's intra-op threads), or
+        ``parts`` (one row range each, at most :attr:`threads`) on the pool, or ``one`` (all
+        rows on the caller's thread alone; default ``whole``), as measured (see the class).
+        ``one`` may take another route than ``whole`` (one that torch's threads do not
+        speed up), so that the trials compare the multi-thread modes with the gather a
+        one-thread buffer runs."""
         mode = self.mode
-        if nbytes < self.min_bytes or os.getpid() != self._pid:
-            whole()
+        one = whole if one is None else one
+        if self.alone(nbytes):
+            one()
             return
         if mode is None:
-            self._trial(nbytes, whole, parts)
+            self._trial(nbytes, whole, parts, one)
             return
         self._since += 1
         if self._since > self.recheck:
             self._restart()
-            self._trial(nbytes, whole, parts)
+            self._trial(nbytes, whole, parts, one)
             return
         if mode == ONE:
-            whole()
+            one()
             return
-        if self._timed(mode, nbytes, whole, parts) <= self.fallback * self._baseline:
+        if self._timed(mode, nbytes, whole, parts, one) <= self.fallback * self._baseline:
             self._slow[mode] = 0
             return
         self._slow[mode] += 1
@@ -241,11 +253,11 @@ class GatherWorkers:
         self.mode = None
 
     def _trial(self, nbytes: int, whole: Callable[[], None],
-               parts: Sequence[Callable[[], None]]) -> None:
+               parts: Sequence[Callable[[], None]], one: Callable[[], None]) -> None:
         times = self._times
         live = [m for m in self.modes if m not in self._dropped]
         mode = min(live, key=lambda m: len(times[m]))  # ties: trial order, one thread first
-        spent = self._timed(mode, nbytes, whole, parts)
+        spent = self._timed(mode, nbytes, whole, parts, one)
         times[mode].append(spent)
         if mode != ONE and spent > self.fallback * statistics.median(times[ONE]):
             self._slow[mode] += 1
