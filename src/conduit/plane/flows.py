@@ -179,12 +179,17 @@ class DeliveryJob:
     """One delivery invocation: the rows drawn and how to split them.
 
     Attributes:
+        info: The draw, or None for one batch drawn as it is gathered
+            (:meth:`~conduit.storage.ExperienceBuffer.sample`: the same slots as a draw then
+            a gather, without building the draw; only for a sampler that
+            :attr:`~conduit.storage.samplers.Sampler.draws_into` and whose draws no priority
+            update makes stale).
         done: The invocation is finished: what it made is staged or handed over, or its draw
             was taken back (:meth:`Flow.undo_delivery_locked`); set once, with the flow's
             count of invocations in flight.
     """
 
-    info: SampleInfo
+    info: SampleInfo | None
     batches: int
     batch_size: int
     generation: int
@@ -607,7 +612,11 @@ class OffPolicyFlow(Flow):
 
     def _draw_locked(self) -> DeliveryJob:
         n = int(self.schedule.g_del)
-        info = self.buffer.draw(n * self.config.batch_size)
+        sampler = self.buffer.sampler
+        # One uniform batch is drawn where it is gathered, into the batch's own ``_index``:
+        # the same slots from the same generator state, one index tensor fewer.
+        info = (None if n == 1 and sampler.draws_into and not sampler.invalidates_prefetch
+                else self.buffer.draw(n * self.config.batch_size))
         self.delivering += 1
         return DeliveryJob(info, n, self.config.batch_size, self.priority_generation)
 

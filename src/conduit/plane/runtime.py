@@ -351,8 +351,12 @@ class OperatorRuntime:
         outer = self.inside_operator()
         try:
             early = job.early
-            rows = (dict(early.out) if early is not None and early.out is not None
-                    else self.flow.buffer.gather(job.info))
+            if early is not None and early.out is not None:
+                rows = dict(early.out)
+            elif job.info is None:  # one batch, drawn as it is gathered
+                rows = self.flow.buffer.sample(job.batch_size)
+            else:
+                rows = self.flow.buffer.gather(job.info)
             if (self.deliver_fn is identity_delivery and job.batches == 1
                     and self.learner_device.type == "cpu"
                     and _on_host(rows)):  # (no device objects made)
