@@ -43,6 +43,17 @@ class TimingRecord(NamedTuple):
     start: float = 0.0
 
 
+class _Series:
+    """One name's records: the window, and the total and count of every record ever."""
+
+    __slots__ = ("count", "records", "total")
+
+    def __init__(self, window: int) -> None:
+        self.records: deque[TimingRecord] = deque(maxlen=window)
+        self.total = 0.0
+        self.count = 0
+
+
 class Timings:
     """Thread-safe recorder of :class:`TimingRecord`s, bounded per name.
 
@@ -55,9 +66,7 @@ class Timings:
             raise ValueError("window: must be >= 1")
         self._window = window
         self._lock = threading.Lock()
-        self._records: dict[str, deque[TimingRecord]] = {}
-        self._totals: dict[str, float] = {}
-        self._counts: dict[str, int] = {}
+        self._series: dict[str, _Series] = {}
 
     def record(self, name: str, seconds: float, *, units: float = 1.0,
                start: float | None = None) -> None:
@@ -69,12 +78,12 @@ class Timings:
         """Add existing records (for example another recorder's, filtered)."""
         with self._lock:
             for rec in records:
-                q = self._records.get(rec.name)
-                if q is None:
-                    q = self._records[rec.name] = deque(maxlen=self._window)
-                q.append(rec)
-                self._totals[rec.name] = self._totals.get(rec.name, 0.0) + rec.seconds
-                self._counts[rec.name] = self._counts.get(rec.name, 0) + 1
+                series = self._series.get(rec.name)
+                if series is None:
+                    series = self._series[rec.name] = _Series(self._window)
+                series.records.append(rec)
+                series.total += rec.seconds
+                series.count += 1
 
     @contextmanager
     def time(self, name: str, *, units: float = 1.0) -> Iterator[None]:
@@ -88,22 +97,25 @@ class Timings:
     def records(self, name: str) -> list[TimingRecord]:
         """The retained records for ``name``, oldest first."""
         with self._lock:
-            return list(self._records.get(name, ()))
+            series = self._series.get(name)
+            return [] if series is None else list(series.records)
 
     def names(self) -> list[str]:
         """Names that have at least one record."""
         with self._lock:
-            return sorted(self._records)
+            return sorted(self._series)
 
     def total(self, name: str) -> float:
         """Sum of all durations ever recorded under ``name`` (not only the window)."""
         with self._lock:
-            return self._totals.get(name, 0.0)
+            series = self._series.get(name)
+            return 0.0 if series is None else series.total
 
     def count(self, name: str) -> int:
         """Number of records ever made under ``name``."""
         with self._lock:
-            return self._counts.get(name, 0)
+            series = self._series.get(name)
+            return 0 if series is None else series.count
 
     def median(self, name: str, *, units: float | None = None) -> float | None:
         """Median duration for ``name`` (optionally only records with these ``units``)."""
@@ -123,9 +135,7 @@ class Timings:
     def clear(self) -> None:
         """Forget every record."""
         with self._lock:
-            self._records.clear()
-            self._totals.clear()
-            self._counts.clear()
+            self._series.clear()
 
 
 def repeat_times(fn: Callable[[], object], *, repeats: int, warmup: int = 1,

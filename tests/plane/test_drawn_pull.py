@@ -90,3 +90,62 @@ def test_batches_staged_by_the_delivery_worker_are_never_drawn_into(small_spec, 
         assert len(calls) >= 6  # the worker drew them as it gathered them
     finally:
         plane.close()
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_a_sample_that_raises_in_an_inline_pull_goes_to_that_caller_only(small_spec,
+                                                                         monkeypatch, raised):
+    plane = filled_plane(small_spec, Schedule(0, 1, 0, 1))
+    buf = plane.buffer
+    real = buf.sample
+    calls = []
+
+    def failing(batch_size, **kw):  # type: ignore[no-untyped-def]
+        calls.append(batch_size)
+        if len(calls) == 1:
+            raise raised
+        return real(batch_size, **kw)
+
+    monkeypatch.setattr(buf, "sample", failing)
+    try:
+        if isinstance(raised, KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt) as info:
+                plane.pull()
+            assert any("delivery" in note for note in info.value.__notes__)
+        else:
+            from conduit.errors import OperatorError
+            with pytest.raises(OperatorError) as info:
+                plane.pull()
+            assert info.value.__cause__ is raised
+        stats = plane.stats()
+        assert stats["delivered_batches"] == 0 and stats["invocations_del"] == 1
+        assert plane.failed is None  # not latched: the plane stays usable
+        assert plane._engine.flow.delivering == 0
+        assert plane.timings.count("delivery") == 1
+        batch = plane.pull()
+        assert batch["_index"].shape == (8,) and calls == [8, 8]
+        assert plane.stats()["delivered_batches"] == 1
+    finally:
+        plane.close()
+
+
+def test_a_delivery_operator_takes_the_rows_a_drawn_pull_would_hand_over(small_spec):
+    plane = filled_plane(small_spec, Schedule(0, 1, 0, 1))
+    twin = filled_plane(small_spec, Schedule(0, 1, 0, 1))
+    seen = []
+
+    @plane.register_delivery()
+    def double(exp_in, learn_out):  # type: ignore[no-untyped-def]
+        rows = exp_in.read()
+        seen.append(rows["_index"].clone())
+        learn_out.write({**rows, "obs": rows["obs"] * 2})
+
+    try:
+        for _ in range(3):
+            got, want = plane.pull(), twin.pull()
+            assert torch.equal(got["_index"], want["_index"])
+            assert torch.equal(got["obs"], want["obs"] * 2)
+        assert len(seen) == 3
+    finally:
+        plane.close()
+        twin.close()

@@ -379,9 +379,12 @@ class PlaneEngine:
                 busy = not self.ingestion.hurry()
                 continue
             busy = False
-            with data_path_threads(1):
-                err, batch = rt.run_delivery(job, caller_records=records)
-            rt.errors.raise_own(err)
+            if rt.hands_over_drawn(job):  # the buffer's sample is the batch
+                batch = rt.run_drawn(job, records)
+            else:
+                with data_path_threads(1):
+                    err, batch = rt.run_delivery(job, caller_records=records)
+                rt.errors.raise_own(err)
             if batch is not None:
                 return batch
 

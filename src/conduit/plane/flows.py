@@ -383,6 +383,12 @@ class Flow(abc.ABC):
         return g - 1 if self.schedule.overlap_ing == 0 else 2 * g
 
     @property
+    def draws_as_gathered(self) -> bool:
+        """Whether a delivery invocation draws its rows as it gathers them (see
+        :class:`OffPolicyFlow`); False: each draw comes first."""
+        return False
+
+    @property
     @abc.abstractmethod
     def prefetch_bound(self) -> int:
         """Training batches that may be staged ahead of the learner."""
@@ -610,13 +616,20 @@ class OffPolicyFlow(Flow):
             self.delivering = delivering
             raise
 
+    @property
+    def draws_as_gathered(self) -> bool:
+        """Whether a delivery invocation draws its rows as it gathers them (a job without a
+        draw, :attr:`DeliveryJob.info` None): one batch (``g_del = 1``) from a sampler that
+        draws into a tensor and whose draws no priority update makes stale. The slots are
+        those a draw then a gather would take, from the same generator state, drawn into the
+        batch's own ``_index``."""
+        sampler = self.buffer.sampler
+        return (self.schedule.g_del == 1 and sampler.draws_into
+                and not sampler.invalidates_prefetch)
+
     def _draw_locked(self) -> DeliveryJob:
         n = int(self.schedule.g_del)
-        sampler = self.buffer.sampler
-        # One uniform batch is drawn where it is gathered, into the batch's own ``_index``:
-        # the same slots from the same generator state, one index tensor fewer.
-        info = (None if n == 1 and sampler.draws_into and not sampler.invalidates_prefetch
-                else self.buffer.draw(n * self.config.batch_size))
+        info = None if self.draws_as_gathered else self.buffer.draw(n * self.config.batch_size)
         self.delivering += 1
         return DeliveryJob(info, n, self.config.batch_size, self.priority_generation)
 

@@ -322,6 +322,39 @@ class OperatorRuntime:
         else:
             self.run_delivery(job)
 
+    def hands_over_drawn(self, job: DeliveryJob) -> bool:
+        """Whether ``job`` (taken by a ``pull``) is a batch the buffer's own sample makes as
+        the learner takes it: a job without a draw (:attr:`Flow.draws_as_gathered`), the
+        identity operator, a host learner without a copy stream, and a host column store, so
+        that the sampled rows are the batch where they are (:meth:`run_drawn`)."""
+        return (job.info is None and job.early is None
+                and self.deliver_fn is identity_delivery
+                and self.learner_device.type == "cpu" and self.stream is None
+                and getattr(self.flow.buffer.store, "gathers_drawn", False))
+
+    def run_drawn(self, job: DeliveryJob, records: list[TimingRecord]) -> Batch | None:
+        """Run a job :meth:`hands_over_drawn` accepts on the pulling thread: the buffer's
+        sample is the batch. Its timing record is appended to ``records``. The batch is
+        returned as delivered, as :meth:`run_delivery` hands over an inline invocation's
+        batch; None where it had to be staged (a batch staged before it) or dropped (an
+        error latched meanwhile).
+
+        Raises:
+            OperatorError: The sample raised (raised to this caller only, as an inline
+                invocation's error; its interrupt instead for a ``KeyboardInterrupt``);
+                the job is taken back.
+        """
+        t0 = time.perf_counter()
+        try:
+            rows = self.flow.buffer.sample(job.batch_size)
+        except BaseException as exc:
+            err = self.errors.fail("delivery", exc, latch=False)
+        else:
+            return self._finish(job, t0, records, None, [], rows, None)
+        self._finish(job, t0, records, err, [], None, None)
+        self.errors.raise_own(err)
+        return None
+
     def run_delivery(self, job: DeliveryJob, *,
                      caller_records: list[TimingRecord] | None = None
                      ) -> tuple[OperatorError | None, Batch | None]:
@@ -381,23 +414,34 @@ class OperatorRuntime:
             if self.stream is not None and staged:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            rec = TimingRecord("delivery", time.perf_counter() - t0,
-                               self.flow.delivery_units(job), t0)
-            if caller_records is None or err is not None:
-                self.timings.add((rec,))
-            else:
-                caller_records.append(rec)
-            with self.signals.lock:
-                self.flow.counters["invocations_del"] += 1
-                if err is not None or self.errors.error is not None:
-                    direct = None  # a failure, or a latched error, drops what it made
-                    self.flow.undo_delivery_locked(job)
-                else:
-                    if direct is not None and not (
-                            caller_records is not None
-                            and self.flow.hand_over_locked(job.generation, job)):
-                        staged, direct = [direct], None
-                    if staged:
-                        self.flow.stage_locked(staged, job.generation, event, job)
-                self.signals.wake(callers=True)
+            direct = self._finish(job, t0, caller_records, err, staged, direct, event)
         return err, direct
+
+    def _finish(self, job: DeliveryJob, t0: float, caller_records: list[TimingRecord] | None,
+                err: OperatorError | None, staged: list[Batch], direct: Batch | None,
+                event: Any) -> Batch | None:
+        """Record a delivery invocation that began at ``t0`` and settle what it made: the
+        batch ``direct`` handed to the caller (returned), or ``staged`` (with ``direct``,
+        where it cannot be handed over), or nothing, with the job taken back, after an error
+        (``err``, or one latched meanwhile). The record goes to ``caller_records``, or to
+        the timings at once (a worker's invocation, or a failed one)."""
+        rec = TimingRecord("delivery", time.perf_counter() - t0,
+                           self.flow.delivery_units(job), t0)
+        if caller_records is None or err is not None:
+            self.timings.add((rec,))
+        else:
+            caller_records.append(rec)
+        with self.signals.lock:
+            self.flow.counters["invocations_del"] += 1
+            if err is not None or self.errors.error is not None:
+                direct = None  # a failure, or a latched error, drops what it made
+                self.flow.undo_delivery_locked(job)
+            else:
+                if direct is not None and not (
+                        caller_records is not None
+                        and self.flow.hand_over_locked(job.generation, job)):
+                    staged, direct = [direct], None
+                if staged:
+                    self.flow.stage_locked(staged, job.generation, event, job)
+            self.signals.wake(callers=True)
+        return direct
