@@ -214,10 +214,7 @@ class GatherOutputs:
         self._fields = dict(fields)
         self._keep = keep if _storage_use_count is not None and not pinned else 0
         self.pinned = pinned
-        # (rows, the pool's views per field, numpy arrays over them, their block, its memory
-        # handle, its use count while only the pool holds the set, the slot column, its numpy
-        # array, its memory handle and idle use count), in hand-out order.
-        self._sets: list[_Set] = []
+        self._sets: list[_Set] = []  # in hand-out order
         self._lock = threading.Lock()
 
     @property
@@ -314,7 +311,10 @@ class GatherOutputs:
 
 
 class _Set(NamedTuple):
-    """One set of :class:`GatherOutputs`."""
+    """One set of :class:`GatherOutputs`: its rows, the pool's views per field, numpy arrays
+    over them, their block, the block's memory handle and its use count while only the pool
+    holds the set; then the same for the slot column (tensor, numpy array, handle, idle use
+    count)."""
 
     rows: int
     views: dict[str, torch.Tensor]
