@@ -8,6 +8,7 @@ the per-sample size ``x`` that the placement and cost models read.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import keyword
 from collections.abc import Mapping
@@ -167,9 +168,11 @@ class ExperienceSpec:
         """Field names in order."""
         return tuple(self.fields)
 
-    @property
+    @functools.cached_property
     def bytes_per_sample(self) -> int:
-        """Bytes of one sample over all fields: the ``x`` of the transfer model (Eq. 1)."""
+        """Bytes of one sample over all fields: the ``x`` of the transfer model (Eq. 1).
+        Computed once: the spec and its fields are frozen, and the gathers of a buffer with
+        several data-path threads read it per sample."""
         return sum(fs.nbytes for fs in self.fields.values())
 
     def with_field(self, name: str, spec: FieldSpec) -> ExperienceSpec:
