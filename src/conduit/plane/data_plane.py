@@ -491,6 +491,11 @@ class ExperienceDataPlane(MigrationCalls, CheckpointCalls, LifecycleCalls):
                 ingestion operator.
         """
         t0 = time.perf_counter()
+        drawn = self._engine.drawn_pull
+        if drawn is not None and timeout is None:  # the buffer's sample, taken here
+            batch = drawn.pull(t0)
+            if batch is not None:
+                return batch
         self._check_open()
         inside = self._engine.runtime.inside_operator()
         if inside is not None and (self.mode == "on_policy" or (

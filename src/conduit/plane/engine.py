@@ -25,6 +25,7 @@ from conduit.errors import (
 )
 from conduit.plane.config import PlaneConfig
 from conduit.plane.drain import close_and_drain
+from conduit.plane.drawn_pull import DrawnPull
 from conduit.plane.flows import DeliveryJob, Flow, OffPolicyFlow, Signals, Unit
 from conduit.plane.holds import OperatorHolds
 from conduit.plane.onpolicy import OnPolicyFlow
@@ -64,6 +65,9 @@ class PlaneEngine:
         self._pause_depth = 0  # paused() blocks open on the thread holding _pause_lock
         self.ingestion = ingestion_runner(self.runtime, overlap=0)
         self.delivery = delivery_runner(self.runtime, overlap=0)
+        #: The inline pull whose batch is the buffer's own sample, for the schedule started
+        #: last (None where it does not apply; see :class:`DrawnPull`).
+        self.drawn_pull: DrawnPull | None = None
 
     @classmethod
     def build(cls, config: PlaneConfig, buffer: ExperienceBuffer,
@@ -91,6 +95,7 @@ class PlaneEngine:
         self.runtime.stop = False
         self.ingestion = ingestion_runner(self.runtime, overlap=schedule.overlap_ing)
         self.delivery = delivery_runner(self.runtime, overlap=schedule.overlap_del)
+        self.drawn_pull = DrawnPull.build(self)
         self.ingestion.start()
         self.delivery.start()
 

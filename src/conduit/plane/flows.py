@@ -486,6 +486,11 @@ class Flow(abc.ABC):
         self._refill_if_room_locked()
         return True
 
+    def hand_over_drawn_locked(self, job: DeliveryJob) -> bool:
+        """:meth:`hand_over_locked` for ``job``, whose batch the pull that took it sampled
+        itself (:attr:`DeliveryJob.info` None)."""
+        return self.hand_over_locked(job.generation, job)
+
     def _deliver_locked(self, staged: Staged | None, job: DeliveryJob | None) -> None:
         """Count one batch delivered: ``staged``, the first on the stage, taken off it, or the
         batch of ``job``, handed over (its invocation done). All or nothing with respect to an
@@ -626,6 +631,31 @@ class OffPolicyFlow(Flow):
         sampler = self.buffer.sampler
         return (self.schedule.g_del == 1 and sampler.draws_into
                 and not sampler.invalidates_prefetch)
+
+    def take_drawn_locked(self) -> DeliveryJob | None:
+        """The job of a ``pull`` that samples its one batch itself (where
+        :attr:`draws_as_gathered`, as the caller knows), or None where it cannot now: a batch
+        is staged before it, or the buffer holds too few rows. The job is counted in flight
+        as the method returns it."""
+        if self.staged or len(self.buffer) < self.config.first_batch_rows:
+            return None
+        job = DeliveryJob(None, 1, self.config.batch_size, self.priority_generation)
+        self.delivering += 1
+        return job
+
+    def hand_over_drawn_locked(self, job: DeliveryJob) -> bool:
+        """Count the batch of a job :meth:`take_drawn_locked` gave as delivered to the pull
+        that sampled it, and finish the job, in one statement (an interrupt lands before
+        both or after both). False, with nothing changed, where a batch was staged before
+        it meanwhile: it must be staged after that one. Its draws are never stale (see
+        :attr:`draws_as_gathered`) and an off-policy delivery ends nothing, so this is
+        :meth:`hand_over_locked` for such a job, and there is no worker to wake."""
+        if self.staged:
+            return False
+        counters = self.counters
+        counters["delivered_batches"], job.done, self.delivering = (
+            counters["delivered_batches"] + 1, True, self.delivering - 1)
+        return True
 
     def _draw_locked(self) -> DeliveryJob:
         n = int(self.schedule.g_del)

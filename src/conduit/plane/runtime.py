@@ -350,7 +350,17 @@ class OperatorRuntime:
         except BaseException as exc:
             err = self.errors.fail("delivery", exc, latch=False)
         else:
-            return self._finish(job, t0, records, None, [], rows, None)
+            seconds = time.perf_counter() - t0
+            flow = self.flow
+            with self.signals.lock:  # the usual outcome, in one short section
+                handed = self.errors.error is None and flow.hand_over_drawn_locked(job)
+                if handed:
+                    flow.counters["invocations_del"] += 1
+                    self.signals.wake(callers=True)
+            if handed:
+                records.append(TimingRecord("delivery", seconds, 1.0, t0))
+                return rows
+            return self._finish(job, t0, records, None, [], rows, None)  # staged or dropped
         self._finish(job, t0, records, err, [], None, None)
         self.errors.raise_own(err)
         return None
