@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from conduit import ExperienceDataPlane
+from conduit import ExperienceDataPlane, ExperienceSpec, Schedule
+from tests.conftest import make_rows
 
 
 def stored_ids(plane: ExperienceDataPlane) -> list[int]:
@@ -48,3 +50,13 @@ def frozen_elsewhere(plane: ExperienceDataPlane, *, hold_s: float = 10.0) -> Ite
     finally:
         release.set()
         holder.join(hold_s)
+
+
+def filled_plane(spec: ExperienceSpec, schedule: Schedule, **kw: Any) -> ExperienceDataPlane:
+    """A plane of capacity 64 and batch 8 (seed 5) holding 40 rows of ``make_rows`` (ids 100
+    to 139), ingested."""
+    plane = ExperienceDataPlane(spec=spec, capacity=64, batch_size=8, schedule=schedule,
+                                seed=5, **kw)
+    plane.push(make_rows(spec, 40, start=100))
+    plane.flush()
+    return plane

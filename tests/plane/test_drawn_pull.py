@@ -10,6 +10,7 @@ import torch
 from conduit import ExperienceDataPlane, Schedule
 from conduit.storage import ExperienceBuffer, PrioritizedSampler, UniformSampler
 from tests.conftest import make_rows
+from tests.plane.helpers import filled_plane
 
 
 def counted_drawn_gathers(plane: ExperienceDataPlane,
@@ -24,14 +25,6 @@ def counted_drawn_gathers(plane: ExperienceDataPlane,
 
     monkeypatch.setattr(store, "gather_drawn", counted)
     return calls
-
-
-def filled_plane(spec, schedule: Schedule, **kw) -> ExperienceDataPlane:  # type: ignore[no-untyped-def]
-    plane = ExperienceDataPlane(spec=spec, capacity=64, batch_size=8, schedule=schedule,
-                                seed=5, **kw)
-    plane.push(make_rows(spec, 40, start=100))
-    plane.flush()
-    return plane
 
 
 def test_inline_pulls_draw_into_the_batch_the_slots_a_twin_buffer_samples(small_spec,

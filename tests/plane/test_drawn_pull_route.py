@@ -9,19 +9,12 @@ import threading
 import pytest
 import torch
 
-from conduit import ExperienceDataPlane, Schedule
+from conduit import Schedule
 from conduit.errors import OperatorError
 from conduit.plane.engine import PlaneEngine
 from conduit.storage import ExperienceBuffer, PrioritizedSampler, UniformSampler
 from tests.conftest import make_rows
-
-
-def filled_plane(spec, schedule: Schedule, **kw) -> ExperienceDataPlane:  # type: ignore[no-untyped-def]
-    plane = ExperienceDataPlane(spec=spec, capacity=64, batch_size=8, schedule=schedule,
-                                seed=5, **kw)
-    plane.push(make_rows(spec, 40, start=100))
-    plane.flush()
-    return plane
+from tests.plane.helpers import filled_plane
 
 
 def general_route_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
