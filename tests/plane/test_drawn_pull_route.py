@@ -208,3 +208,37 @@ def test_a_pull_after_close_raises_plane_closed(small_spec):
     plane.close()
     with pytest.raises(PlaneClosedError):
         plane.pull()
+
+
+def test_pulls_from_two_threads_each_get_their_own_batches(small_spec):
+    plane = filled_plane(small_spec, Schedule(0, 1, 0, 1))
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def learner(k: int) -> None:
+        try:
+            for _ in range(200):
+                batch = plane.pull()
+                ids = batch["id"].clone()
+                # each row whole, and its own (obs is a function of id; a torn or shared
+                # batch would mix rows)
+                assert torch.equal(batch["obs"], ids.to(torch.float32)[:, None].expand(8, 4))
+                assert ((ids >= 100) & (ids < 140)).all()
+                got[k].append(ids)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(k,)) for k in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and all(not t.is_alive() for t in threads)
+        assert len(got[0]) == len(got[1]) == 200
+        stats = plane.stats()
+        assert stats["delivered_batches"] == 400 and stats["invocations_del"] == 400
+        assert stats["staged_batches"] == 0 and plane._engine.flow.delivering == 0
+        assert plane.timings.count("pull") == 400
+    finally:
+        plane.close()
