@@ -240,6 +240,26 @@ def test_pushing_an_object_ref_whose_object_is_gone_names_the_rollout(cluster):
         with pytest.raises(ray.exceptions.RayActorError):  # the kill is asynchronous
             for _ in range(200):
                 ray.get(producer.make.remote(0), timeout=30)
+
+        @ray.remote(num_cpus=0)
+        def readable(refs: list) -> bool:
+            """Whether any of ``refs`` can still be read."""
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=10)
+                except Exception:  # gone (or not served in time)
+                    continue
+                return True
+            return False
+
+        # The objects' only copies lie on the producer's node, freed there asynchronously
+        # after the owner's death: until then a read from elsewhere may still be served.
+        # A reader on that node (which copies nothing elsewhere) tells when they are gone.
+        there = NodeAffinitySchedulingStrategy(node_id=elsewhere, soft=False)
+        deadline = time.monotonic() + 60
+        while ray.get(readable.options(scheduling_strategy=there).remote([gone, kept])):
+            assert time.monotonic() < deadline, "Ray kept a dead owner's objects for 60 s"
+            time.sleep(0.2)
         with pytest.raises(ConfigError) as info:  # the shard is fine; the rollout is not
             plane.push(gone, node=plane.nodes[0])
         assert info.value.field == "rollout"
