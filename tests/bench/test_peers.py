@@ -199,12 +199,22 @@ def test_fast_path_targets_read_the_side_by_side_loop() -> None:
     assert "1.2 NOT met" in text and "<= 1.1" in text.splitlines()[0]
 
 
-def test_interleaved_calls_take_turns_and_the_first_moves_on() -> None:
+def test_interleaved_calls_take_turns_in_orders_that_vary_each_round() -> None:
     calls: list[str] = []
     times = harness.interleaved_times({k: (lambda k=k: calls.append(k)) for k in "abc"},
-                                      repeats=3, warmup=1)
-    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
-    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"
+                                      repeats=60, warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 60, "b": 60, "c": 60}
+    assert "".join(calls[:3]) == "abc"  # the warm-up round
+    rounds = ["".join(calls[i:i + 3]) for i in range(3, len(calls), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)  # each once a round
+    # every call comes after each of the others now and then (a rotation of one order
+    # would give each the same predecessor every round)
+    before = {(r[i - 1], r[i]) for r in rounds for i in (1, 2)}
+    assert before == {(x, y) for x in "abc" for y in "abc" if x != y}
+    again = []
+    harness.interleaved_times({k: (lambda k=k: again.append(k)) for k in "abc"}, repeats=60,
+                              warmup=1)
+    assert again == calls  # the orders come from the seed
 
 
 def test_side_by_side_fills_every_buffer_and_skips_peers_that_cannot_run(

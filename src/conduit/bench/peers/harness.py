@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -367,26 +368,27 @@ def thread_times() -> dict[int, float]:
 
 
 def interleaved_times(fns: Mapping[str, Callable[[], object]], *, repeats: int,
-                      warmup: int) -> dict[str, list[float]]:
-    """Wall seconds of ``repeats`` calls of each of ``fns``, called in turn in one loop (the
-    one that goes first moves on by one each round), after ``warmup`` untimed rounds.
+                      warmup: int, seed: int = 0) -> dict[str, list[float]]:
+    """Wall seconds of ``repeats`` calls of each of ``fns``, called in turn in one loop, in a
+    fresh random order each round (from ``seed``), after ``warmup`` untimed rounds.
 
     A shared machine's speed drifts within seconds, so operations timed in phases of their own
     are timed on different machines, in effect; called in turn, all see the same drift, and
-    each evicts the others' data from the caches, as a training step would (docs/design.md
-    §9).
+    each evicts the others' data from the caches, as a training step would. What a call finds
+    in the caches depends on the call before it (one that runs the same code leaves it warm),
+    so no call keeps one predecessor: a rotation of a fixed order would (docs/design.md §9).
 
     Returns:
         Name -> its times, in call order.
     """
     names = list(fns)
+    order = random.Random(seed)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     out: dict[str, list[float]] = {name: [] for name in names}
-    for k in range(repeats):
-        for j in range(len(names)):
-            name = names[(k + j) % len(names)]
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             t0 = time.perf_counter()
             fns[name]()
             out[name].append(time.perf_counter() - t0)
