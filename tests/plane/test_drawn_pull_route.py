@@ -9,12 +9,19 @@ import threading
 import pytest
 import torch
 
-from conduit import Schedule
+from conduit import ExperienceDataPlane, Schedule
 from conduit.errors import OperatorError
 from conduit.plane.engine import PlaneEngine
 from conduit.storage import ExperienceBuffer, PrioritizedSampler, UniformSampler
 from tests.conftest import make_rows
 from tests.plane.helpers import filled_plane
+
+
+def assert_settled(plane: ExperienceDataPlane, *, delivered: int, invocations: int) -> None:
+    """Every job finished, no batch staged, and these counts."""
+    stats = plane.stats()
+    assert stats["delivered_batches"] == delivered and stats["invocations_del"] == invocations
+    assert stats["staged_batches"] == 0 and plane._engine.flow.delivering == 0
 
 
 def general_route_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -51,9 +58,7 @@ def test_inline_uniform_pulls_take_the_drawn_route_and_are_recorded(small_spec, 
         for _ in range(5):
             assert_same(plane.pull(), want.sample(8))
         assert general == []
-        stats = plane.stats()
-        assert stats["delivered_batches"] == 5 and stats["invocations_del"] == 5
-        assert plane._engine.flow.delivering == 0
+        assert_settled(plane, delivered=5, invocations=5)
         assert plane.timings.count("pull") == 5 and plane.timings.count("delivery") == 5
     finally:
         plane.close()
@@ -145,9 +150,7 @@ def test_an_error_latched_during_the_sample_drops_the_batch_and_is_raised(small_
         with pytest.raises(OperatorError) as info:
             plane.pull()
         assert info.value.operator == "ingestion" and "a worker failed" in str(info.value)
-        stats = plane.stats()
-        assert stats["delivered_batches"] == 0 and stats["invocations_del"] == 1
-        assert stats["staged_batches"] == 0 and plane._engine.flow.delivering == 0
+        assert_settled(plane, delivered=0, invocations=1)
         assert plane.timings.count("delivery") == 1
     finally:
         monkeypatch.undo()
@@ -236,9 +239,7 @@ def test_pulls_from_two_threads_each_get_their_own_batches(small_spec):
             t.join(60)
         assert errors == [] and all(not t.is_alive() for t in threads)
         assert len(got[0]) == len(got[1]) == 200
-        stats = plane.stats()
-        assert stats["delivered_batches"] == 400 and stats["invocations_del"] == 400
-        assert stats["staged_batches"] == 0 and plane._engine.flow.delivering == 0
+        assert_settled(plane, delivered=400, invocations=400)
         assert plane.timings.count("pull") == 400
     finally:
         plane.close()
