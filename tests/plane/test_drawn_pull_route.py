@@ -106,8 +106,12 @@ def test_the_route_follows_the_schedule(small_spec, monkeypatch):
         assert general == [1]
         plane.set_schedule(Schedule(0, 1, 0, 1))
         assert plane._engine.drawn_pull is not None
+        while plane.stats()["staged_batches"]:  # what the worker staged goes first
+            plane.pull()
+        taken = len(general)
         plane.pull()
-        assert general == [1]
+        plane.pull()
+        assert len(general) == taken
     finally:
         plane.close()
 
