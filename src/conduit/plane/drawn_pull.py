@@ -51,12 +51,12 @@ class DrawnPull:
         """The route for ``engine`` under its schedule, or None where its pulls' batches are
         not the buffer's sample as it stands: overlapped delivery, an on-policy flow or one
         that draws before it gathers (:attr:`~conduit.plane.flows.Flow.draws_as_gathered`),
-        a learner off the host or with a copy stream, or a store that gathers elsewhere."""
-        flow, rt = engine.flow, engine.runtime
+        or samples that are not batches where they are
+        (:attr:`OperatorRuntime.samples_are_batches`; a delivery operator registered later
+        is checked per pull)."""
+        flow = engine.flow
         if (engine.schedule.overlap_del or not isinstance(flow, OffPolicyFlow)
-                or not flow.draws_as_gathered or rt.learner_device.type != "cpu"
-                or rt.stream is not None
-                or not getattr(flow.buffer.store, "gathers_drawn", False)):
+                or not flow.draws_as_gathered or not engine.runtime.samples_are_batches):
             return None
         return cls(engine=engine, flow=flow)
 

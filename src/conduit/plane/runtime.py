@@ -322,15 +322,20 @@ class OperatorRuntime:
         else:
             self.run_delivery(job)
 
-    def hands_over_drawn(self, job: DeliveryJob) -> bool:
-        """Whether ``job`` (taken by a ``pull``) is a batch the buffer's own sample makes as
-        the learner takes it: a job without a draw (:attr:`Flow.draws_as_gathered`), the
-        identity operator, a host learner without a copy stream, and a host column store, so
-        that the sampled rows are the batch where they are (:meth:`run_drawn`)."""
-        return (job.info is None and job.early is None
-                and self.deliver_fn is identity_delivery
+    @property
+    def samples_are_batches(self) -> bool:
+        """Whether the buffer's sample is a batch as the learner takes it, where it is: the
+        identity operator, a host learner without a copy stream, and a host column store
+        that gathers as it draws."""
+        return (self.deliver_fn is identity_delivery
                 and self.learner_device.type == "cpu" and self.stream is None
                 and getattr(self.flow.buffer.store, "gathers_drawn", False))
+
+    def hands_over_drawn(self, job: DeliveryJob) -> bool:
+        """Whether ``job`` (taken by a ``pull``) is a batch the buffer's own sample makes as
+        the learner takes it: a job without a draw (:attr:`Flow.draws_as_gathered`) where
+        :attr:`samples_are_batches` (:meth:`run_drawn`)."""
+        return job.info is None and job.early is None and self.samples_are_batches
 
     def run_drawn(self, job: DeliveryJob, records: list[TimingRecord]) -> Batch | None:
         """Run a job :meth:`hands_over_drawn` accepts on the pulling thread: the buffer's
