@@ -173,7 +173,7 @@ def test_buffer_refuses_priority_updates_that_are_not_numbers(small_spec, indice
 # -- ExperienceBuffer.sample(batch_size) -------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch_size", [True, 2.5, "3", None, 0, -1, np.int64(0)])
+@pytest.mark.parametrize("batch_size", [True, 2.5, "3", None, 0, -1, np.int64(0), 2**31])
 @pytest.mark.parametrize("rows", [0, 4])
 def test_sample_needs_a_positive_integer_batch_size(small_spec, batch_size, rows):
     buf = ExperienceBuffer(spec=small_spec, capacity=8)

@@ -17,6 +17,7 @@ Standard names used by the plane:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -41,6 +42,13 @@ class TimingRecord(NamedTuple):
     seconds: float
     units: float = 1.0
     start: float = 0.0
+
+
+record_from: Callable[[tuple[str, float, float, float]], TimingRecord] = functools.partial(
+    tuple.__new__, TimingRecord)
+"""``record_from((name, seconds, units, start))`` is ``TimingRecord(name, seconds, units,
+start)``, without the Python frame of a named tuple's constructor (for the records a
+synchronous ``pull`` makes)."""
 
 
 class _Series:

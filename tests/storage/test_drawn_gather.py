@@ -201,6 +201,25 @@ def test_a_slot_drawn_outside_the_store_is_refused_before_the_gather(small_spec)
         buf.sample(4)
 
 
+def test_a_later_column_moved_to_shared_memory_is_read_where_it_lies_now(monkeypatch):
+    """share_memory_() on the last column (as torch.multiprocessing does to a column it sends)
+    moves it after the earlier fields' rows are taken: the drawn gather reads every field
+    from where it lies now, as a twin's draw and gather do."""
+    spec = ExperienceSpec.of(a=((3,), torch.float32), b=((), torch.int64),
+                             c=((2,), torch.float32))
+    fast, slow = two_buffers(spec)
+    calls = drawn_gathers(fast, monkeypatch)
+    fast.sample(5), slow.gather(slow.draw(5))
+    fast.store.column("c").share_memory_()
+    junk = [torch.full((64,), -7.0) for _ in range(8)]  # (in the freed memory, maybe)
+    for _ in range(3):
+        got, want = fast.sample(7), slow.gather(slow.draw(7))
+        for k in ("a", "b", "c", "_index"):
+            assert torch.equal(got[k], want[k]), k
+    assert calls == [5, 7, 7, 7]
+    del junk
+
+
 def test_index_alone_carries_only_its_own_rows():
     """``_index`` is memory of its own, not a view of the fields' block: sent alone (pickled,
     as Ray and torch.multiprocessing send tensors), it carries 8 bytes a row, not the batch."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from conduit.plane.flows import DeliveryJob, OffPolicyFlow
 from conduit.plane.runtime import OperatorRuntime, identity_delivery
 from conduit.spec import Batch
-from conduit.timing import TimingRecord
+from conduit.timing import TimingRecord, record_from
 
 if TYPE_CHECKING:
     from conduit.plane.engine import PlaneEngine
@@ -89,6 +89,6 @@ class DrawnPull:
                 rt.abandon_locked(job)
             raise
         if batch is not None:
-            records.append(TimingRecord("pull", time.perf_counter() - t0, 1.0, t0))
+            records.append(record_from(("pull", time.perf_counter() - t0, 1.0, t0)))
         self._timings.add(records)
         return batch

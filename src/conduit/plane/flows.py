@@ -569,6 +569,10 @@ class OffPolicyFlow(Flow):
     delivery_changes_rows: ClassVar[bool] = False
     state_is_buffer: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        #: ``config.first_batch_rows``, read by every synchronous pull (the config is frozen).
+        self.first_rows = self.config.first_batch_rows
+
     @property
     def max_pending_units(self) -> int:
         return max(1, 2 * int(self.schedule.g_ing))
@@ -637,7 +641,7 @@ class OffPolicyFlow(Flow):
         :attr:`draws_as_gathered`, as the caller knows), or None where it cannot now: a batch
         is staged before it, or the buffer holds too few rows. The job is counted in flight
         as the method returns it."""
-        if self.staged or len(self.buffer) < self.config.first_batch_rows:
+        if self.staged or len(self.buffer) < self.first_rows:
             return None
         job = DeliveryJob(None, 1, self.config.batch_size, self.priority_generation)
         self.delivering += 1

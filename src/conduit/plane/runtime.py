@@ -22,7 +22,7 @@ from conduit.plane.operator_errors import OperatorErrors, raised_to_caller
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
 from conduit.spec import Batch
 from conduit.storage import data_path_threads
-from conduit.timing import TimingRecord, Timings
+from conduit.timing import TimingRecord, Timings, record_from
 
 IngestionFn = Callable[[ActorIn, BufferOut], None]
 DeliveryFn = Callable[[BufferIn, LearnerOut], None]
@@ -361,9 +361,10 @@ class OperatorRuntime:
                 handed = self.errors.error is None and flow.hand_over_drawn_locked(job)
                 if handed:
                     flow.counters["invocations_del"] += 1
-                    self.signals.wake(callers=True)
+                    if self.signals.callers.waiting:  # (Signals.wake's test, inline)
+                        self.signals.callers.notify_all()
             if handed:
-                records.append(TimingRecord("delivery", seconds, 1.0, t0))
+                records.append(record_from(("delivery", seconds, 1.0, t0)))
                 return rows
             return self._finish(job, t0, records, None, [], rows, None)  # staged or dropped
         self._finish(job, t0, records, err, [], None, None)

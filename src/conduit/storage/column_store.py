@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
@@ -50,9 +52,9 @@ SET_ALIGN = 64
 """Bytes each field of a :class:`GatherOutputs` set is aligned to within its block."""
 
 
-def _row_kernels() -> Any:
-    """The compiled row kernels, or None where Numba cannot be imported."""
-    return compiled.load("_row_kernels")
+_row_kernels: Callable[[], Any] = functools.partial(compiled.load, "_row_kernels")
+"""The compiled row kernels, or None where Numba cannot be imported (a cached import, called
+without a Python frame of its own: a synchronous sample asks for it)."""
 
 
 def check_slots(indices: torch.Tensor, capacity: int) -> None:
@@ -169,6 +171,10 @@ def _copy_large_rows(d: np.ndarray, di: np.ndarray, s: np.ndarray, si: np.ndarra
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+_DATA = operator.attrgetter("data")
+"""``t.data``: a new tensor over ``t``'s memory (each batch's own tensor objects)."""
+
+
 def _memory_key(t: torch.Tensor) -> int:
     """The handle of ``t``'s memory that torch's use count reads (valid while ``t`` lives)."""
     return int(t.untyped_storage()._cdata)
@@ -259,7 +265,7 @@ class GatherOutputs:
         taker to draw the slots into before it gathers them."""
         views, arrays, slots, host = self._take_set(rows, indexed=True)
         assert slots is not None and host is not None  # (indexed: made with the set)
-        outs = {name: t.data for name, t in views.items()}
+        outs = dict(zip(views, map(_DATA, views.values())))  # {name: t.data}, in C
         outs["_index"] = slots.data
         return outs, arrays, host
 
@@ -395,15 +401,24 @@ class ColumnStore:
     #: and gathers, and the address of each column they were made at (one attribute, so a
     #: thread reads views and addresses of the same making).
     _host: tuple[dict[str, np.ndarray], dict[str, int]]
+    #: The same, as a host gather reads it: ``(name, column, view, address)`` per field with a
+    #: view, then ``(name, column)`` per field without one (made with :attr:`_host`).
+    _takes: tuple[tuple[tuple[str, torch.Tensor, np.ndarray, int], ...],
+                  tuple[tuple[str, torch.Tensor], ...]]
 
     def _make_views(self) -> None:
-        """Make :attr:`_host` for the columns as they are now."""
+        """Make :attr:`_host` and :attr:`_takes` for the columns as they are now."""
         views: dict[str, np.ndarray] = {}
         if self.device.type == "cpu":
             for name, col in self._cols.items():
                 with contextlib.suppress(TypeError):
                     views[name] = col.numpy()  # (which makes the column fixed in size)
-        self._host = (views, {name: self._cols[name].data_ptr() for name in views})
+        ptrs = {name: self._cols[name].data_ptr() for name in views}
+        self._takes = (tuple((name, self._cols[name], view, ptrs[name])
+                             for name, view in views.items()),
+                       tuple((name, col) for name, col in self._cols.items()
+                             if name not in views))
+        self._host = (views, ptrs)
 
     def _views(self) -> dict[str, np.ndarray]:
         """The host columns' numpy views, made again first if a column's memory moved
@@ -428,6 +443,7 @@ class ColumnStore:
         # this store (and holds a lock): a copy or an unpickled store makes its own.
         state = dict(self.__dict__)
         state.pop("_host", None)
+        state.pop("_takes", None)
         state.pop("_outputs", None)
         return state
 
@@ -604,10 +620,14 @@ class ColumnStore:
             IndexError: ``draw`` wrote a slot outside ``[0, capacity)``.
             Exception: Whatever ``draw`` raises (nothing is gathered).
         """
-        outs, arrays, idx = self._gather_outputs().take_indexed(rows)
+        outputs = self._outputs
+        if outputs is None:
+            outputs = self._gather_outputs()
+        outs, arrays, idx = outputs.take_indexed(rows)
         indices = outs["_index"]
         draw(indices)
-        _check_host_slots(_row_kernels(), idx, self.capacity)
+        if _row_kernels().first_outside(idx, self.capacity) >= 0:
+            _check_host_slots(_row_kernels(), idx, self.capacity)  # (raises, naming the slot)
         self._take_rows(indices, idx, outs, arrays)
         return outs
 
@@ -622,17 +642,15 @@ class ColumnStore:
         """Take the host rows at checked slots (``indices``, and ``idx`` over the same
         memory) into a set's tensors ``outs`` (through its ``arrays``): numpy's take per
         field, ``index_select`` where numpy has no dtype."""
-        host, ptrs = self._host
-        for name, col in self._cols.items():
-            src, dst = host.get(name), arrays.get(name)
-            if src is None or dst is None:  # (no numpy dtype: bfloat16 and the like)
-                torch.index_select(col, 0, indices, out=outs[name])
-                continue
-            if col.data_ptr() != ptrs[name]:  # the column moved: view it again
-                host = self._views()
-                ptrs = self._host[1]
-                src = host[name]
-            src.take(idx, axis=0, out=dst, mode="wrap")
+        takes, torch_only = self._takes
+        for name, col, src, ptr in takes:
+            if col.data_ptr() != ptr:  # a column moved: view them again, then take them all
+                self._views()
+                self._take_rows(indices, idx, outs, arrays)
+                return
+            src.take(idx, axis=0, out=arrays[name], mode="wrap")
+        for name, col in torch_only:  # (no numpy dtype: bfloat16 and the like)
+            torch.index_select(col, 0, indices, out=outs[name])
 
     def _split_gather(self, indices: torch.Tensor, outs: Batch, workers: GatherWorkers, *,
                       one: Callable[[], None] | None = None) -> None:

@@ -3,6 +3,7 @@ data-path threads."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -94,6 +95,7 @@ class BufferReader:
         self.threads = threads
         self.workers: GatherWorkers | None = None
         self._rows = rows
+        self._drawn_store: Store | None = None  # (see _gathers_drawn)
 
     @property
     def mode(self) -> str | None:
@@ -174,19 +176,23 @@ class BufferReader:
         Raises:
             EmptyBufferError: The sampler has nothing to draw from.
         """
-        if (device is None and sampler.draws_into and isinstance(store, ColumnStore)
-                and store.gathers_drawn and (self.threads == 1 or self._pool().alone(
+        if (device is None and (store is self._drawn_store or self._gathers_drawn(store))
+                and sampler.draws_into and (self.threads == 1 or self._pool().alone(
                     batch_size * store.spec.bytes_per_sample))):
-            size = writer.size
-
-            def draw(out: torch.Tensor) -> None:
-                sampler.sample_into(size, out)
-
+            draw = functools.partial(sampler.sample_into, writer.size)  # (draw(out))
             if torch.get_num_threads() == 1:
                 return store.gather_drawn(batch_size, draw)
             with data_path_threads(1):
                 return store.gather_drawn(batch_size, draw)
         return self.read(sampler.sample(writer.size, batch_size), store, sampler, device)
+
+    def _gathers_drawn(self, store: Store) -> bool:
+        """Whether ``store`` is a column store that :attr:`~ColumnStore.gathers_drawn`
+        (remembered as :attr:`_drawn_store`: a store's answer does not change)."""
+        if isinstance(store, ColumnStore) and store.gathers_drawn:
+            self._drawn_store = store
+            return True
+        return False
 
     def read(self, info: SampleInfo, store: Store, sampler: Sampler,
              device: torch.device | None) -> Batch:
