@@ -238,7 +238,8 @@ def test_a_pool_that_keeps_no_set_makes_a_slot_column_only_when_asked():
     """Pinned pools keep no set (each gather allocates): a plain take allocates no slot
     column there; an indexed take gets one of its own each call."""
     pool = column_store.GatherOutputs(wide_spec().fields, keep=0)
-    assert pool._take_set(4)[2:] == (None, None)
+    assert pool._other_set_locked(4, False)[6:8] == (None, None)  # (its slots, slot_array)
+    assert "_index" not in pool.take(4)
     a, b = pool.take_indexed(4)[0], pool.take_indexed(4)[0]
     assert a["_index"].shape == (4,) and a["_index"].dtype == torch.int64
     assert a["_index"].data_ptr() != b["_index"].data_ptr()

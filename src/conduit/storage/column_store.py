@@ -255,72 +255,82 @@ class GatherOutputs:
         """As :meth:`take`, with numpy arrays over the same memory for the fields whose dtype
         numpy has, for the taker to write through before it hands the tensors out (they are
         the pool's: do not hand them out)."""
-        views, arrays, _, _ = self._take_set(rows)
-        return {name: t.data for name, t in views.items()}, arrays
+        outs, arrays, _ = self._take(rows, False)
+        return outs, arrays
 
     def take_indexed(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
                                                np.ndarray]:
         """As :meth:`take_arrays`, with the set's slot column as ``_index`` among the tensors
         (int64 ``[rows]``, its values left as they were) and a numpy array over it, for the
         taker to draw the slots into before it gathers them."""
-        views, arrays, slots, host = self._take_set(rows, indexed=True)
-        assert slots is not None and host is not None  # (indexed: made with the set)
-        outs = dict(zip(views, map(_DATA, views.values())))  # {name: t.data}, in C
-        outs["_index"] = slots.data
+        outs, arrays, host = self._take(rows, True)
+        assert host is not None  # (indexed: made with the set)
         return outs, arrays, host
 
-    def _take_set(self, rows: int, *, indexed: bool = False
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray],
-                             torch.Tensor | None, np.ndarray | None]:
-        """A ``rows``-row set that nothing but the pool refers to (a new one if none is).
-        A kept set has its slot column; a new set the pool does not keep (pinned, or beyond
-        ``keep``) has one only when ``indexed``: a pinned gather allocates per call."""
+    def _take(self, rows: int, indexed: bool
+              ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray], np.ndarray | None]:
+        """:meth:`take_arrays`, or :meth:`take_indexed` where ``indexed`` (the numpy slot
+        array None otherwise). The tensors handed out are made under the pool's lock, so no
+        other taker can find their set free before they count as references to it."""
         count = _storage_use_count
         with self._lock:
-            sets, free = self._sets, None
-            if sets:  # the usual case: the set handed out last is free again
-                n, views, arrays, block, key, idle, slots, slot_array, skey, sidle = sets[-1]
-                if n == rows and count(key) == idle and count(skey) == sidle:
-                    if not (block.untyped_storage().is_shared()
-                            or slots.untyped_storage().is_shared()):
-                        return views, arrays, slots, slot_array
-                    del sets[-1]  # shared with another process, which may still read it
-            # Most recently handed out first (``sets`` is in hand-out order): a free set that
-            # was written last is the one most likely still in the cache.
-            for k in range(len(sets) - 1, -1, -1):
-                got = sets[k]
-                if count(got.key) == got.idle and count(got.slot_key) == got.slot_idle:
-                    if (got.block.untyped_storage().is_shared()  # another process may read it
-                            or got.slots.untyped_storage().is_shared()):
-                        del sets[k]
-                        if free is not None:
-                            free -= 1
-                        continue
-                    if got.rows == rows:
-                        if k != len(sets) - 1:
-                            sets.append(sets.pop(k))
-                        return got.views, got.arrays, got.slots, got.slot_array
-                    free = k
-            block, views, arrays = self._allocate(rows)
-            if len(sets) >= self._keep and free is not None:
-                del sets[free]  # a free set of another size makes room
-            kept = len(sets) < self._keep
-            if not (kept or indexed):
-                return views, arrays, None, None
-            slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
-            slot_array = slots.numpy()
-            if kept:
-                key, skey = _memory_key(block), _memory_key(slots)
-                sets.append(_Set(rows, views, arrays, block, key, count(key), slots,
-                                 slot_array, skey, count(skey)))
-            return views, arrays, slots, slot_array
+            sets = self._sets
+            got = sets[-1] if sets else None  # the usual case: the set handed out last is free
+            if not (got is not None and got.rows == rows and count(got.key) == got.idle
+                    and count(got.slot_key) == got.slot_idle
+                    and not got.block.untyped_storage().is_shared()
+                    and not got.slots.untyped_storage().is_shared()):
+                got = self._other_set_locked(rows, indexed)
+            views = got.views
+            outs = dict(zip(views, map(_DATA, views.values())))  # {name: t.data}, in C
+            if indexed:
+                outs["_index"] = got.slots.data
+            return outs, got.arrays, got.slot_array
+
+    def _other_set_locked(self, rows: int, indexed: bool) -> _Set:
+        """A free ``rows``-row set other than by the usual case, or a new one. A kept set has
+        its slot column; a new set the pool does not keep (pinned, or beyond ``keep``) has
+        one only when ``indexed`` (its slot fields None otherwise): a pinned gather allocates
+        per call. Sets shared with another process are dropped on the way."""
+        count = _storage_use_count
+        sets, free = self._sets, None
+        # Most recently handed out first (``sets`` is in hand-out order): a free set that was
+        # written last is the one most likely still in the cache.
+        for k in range(len(sets) - 1, -1, -1):
+            got = sets[k]
+            if count(got.key) == got.idle and count(got.slot_key) == got.slot_idle:
+                if (got.block.untyped_storage().is_shared()  # another process may read it
+                        or got.slots.untyped_storage().is_shared()):
+                    del sets[k]
+                    if free is not None:
+                        free -= 1
+                    continue
+                if got.rows == rows:
+                    if k != len(sets) - 1:
+                        sets.append(sets.pop(k))
+                    return got
+                free = k
+        block, views, arrays = self._allocate(rows)
+        if len(sets) >= self._keep and free is not None:
+            del sets[free]  # a free set of another size makes room
+        kept = len(sets) < self._keep
+        if not (kept or indexed):
+            return _Set(rows, views, arrays, block, 0, 0, None, None, 0, 0)
+        slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
+        slot_array = slots.numpy()
+        key, skey = _memory_key(block), _memory_key(slots)
+        made = _Set(rows, views, arrays, block, key, count(key), slots, slot_array, skey,
+                    count(skey))
+        if kept:
+            sets.append(made)
+        return made
 
 
 class _Set(NamedTuple):
     """One set of :class:`GatherOutputs`: its rows, the pool's views per field, numpy arrays
     over them, their block, the block's memory handle and its use count while only the pool
     holds the set; then the same for the slot column (tensor, numpy array, handle, idle use
-    count)."""
+    count; the tensor and array None for a set the pool does not keep, made unindexed)."""
 
     rows: int
     views: dict[str, torch.Tensor]
@@ -328,8 +338,8 @@ class _Set(NamedTuple):
     block: torch.Tensor
     key: int
     idle: int
-    slots: torch.Tensor
-    slot_array: np.ndarray
+    slots: torch.Tensor | None
+    slot_array: np.ndarray | None
     slot_key: int
     slot_idle: int
 
@@ -623,7 +633,7 @@ class ColumnStore:
         outputs = self._outputs
         if outputs is None:
             outputs = self._gather_outputs()
-        outs, arrays, idx = outputs.take_indexed(rows)
+        outs, arrays, idx = outputs._take(rows, True)  # (take_indexed, one call fewer)
         indices = outs["_index"]
         draw(indices)
         if _row_kernels().first_outside(idx, self.capacity) >= 0:
