@@ -93,7 +93,8 @@ def test_intra_op_threads_are_kept_where_they_measured_faster_and_used_per_gathe
         for _ in range(3):
             workers.gather(100, g.whole, [g.part, g.part])
             assert torch.get_num_threads() == 1  # the caller's count comes back
-    assert g.calls == [INTRA_OP] * 3 and g.threads_seen == [2] * 3
+    # (the second on one thread: what intra-op must beat in use)
+    assert g.calls == [INTRA_OP, ONE, INTRA_OP] and g.threads_seen == [2, 1, 2]
 
 
 def test_every_mode_gets_its_trials_in_turn_before_the_choice(clock):
@@ -123,6 +124,7 @@ def test_a_mode_that_turns_slow_twice_in_a_row_sends_gathers_back_to_one_thread(
     workers = GatherWorkers(threads=2, min_bytes=10, trials=2, fallback=2.0)
     g.run(workers, 6)
     assert workers.mode == INTRA_OP
+    g.run(workers, 6)  # three in use on one thread among them: the gathers to compare with
     g.cost[INTRA_OP] = 8.0  # another busy thread holds the second core now
     g.run(workers)
     assert workers.mode == INTRA_OP  # one slow gather is not enough
@@ -243,3 +245,81 @@ def test_the_one_thread_mode_runs_the_gather_a_one_thread_buffer_runs(clock):
         workers.gather(5, g.whole, [g.part, g.other_part], one=one)
     assert ran == ["one"] * 3 and g.calls.count(INTRA_OP) == 2
     assert workers.alone(5) and not workers.alone(10)
+
+
+def _choose(g: Gather, workers: GatherWorkers) -> None:
+    """Run the trials (two per mode) to their choice, then forget the calls."""
+    g.run(workers, 6)
+    g.calls.clear()
+
+
+def test_a_mode_that_loses_to_one_thread_in_use_gives_way_to_the_next(clock):
+    """Fast in the trials, slow in use (a pool thread asleep between the caller's gathers):
+    once ``window`` gathers in use are no faster than the one-thread gathers run among them,
+    the mode is dropped and the next one the trials found no slower than one thread is
+    judged in turn; when that one loses too, one thread is left."""
+    g = Gather(clock, one=1.0, split=0.3, intra=0.5)
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=2, window=4, probe=16)
+    _choose(g, workers)
+    assert workers.mode == SPLIT
+    g.cost[SPLIT] = 1.2  # slower than one thread now, not twice as slow: no strike
+    g.run(workers, 7)  # gathers 1..7: one thread at 2, 4 and 6, split at the other four
+    assert g.calls.count(ONE) == 3 and g.calls.count(SPLIT) == 8  # (two ranges a gather)
+    assert workers.mode == INTRA_OP and workers.split is True
+    g.calls.clear()
+    g.run(workers, 4)
+    assert g.calls == [INTRA_OP] * 4 and workers.mode == INTRA_OP  # 0.5 < 1.0: it pays
+    g.cost[INTRA_OP] = 1.0  # no faster than one thread: not enough to keep it
+    g.run(workers, 4)
+    assert workers.mode == ONE and workers.split is False
+    g.calls.clear()
+    g.run(workers, 20)
+    assert g.calls == [ONE] * 20
+
+
+def test_a_mode_that_pays_in_use_is_kept_and_one_thread_is_timed_now_and_then(clock):
+    g = Gather(clock, one=1.0, split=1.0, intra=0.5)
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=2, window=4, probe=8)
+    _choose(g, workers)
+    assert workers.mode == INTRA_OP
+    g.run(workers, 40)
+    # one thread at gathers 2, 4, 6 (three to compare with), then every eighth: 8 .. 40
+    assert [k + 1 for k, c in enumerate(g.calls) if c == ONE] == [2, 4, 6, 8, 16, 24, 32, 40]
+    assert g.calls.count(INTRA_OP) == 32 and workers.mode == INTRA_OP
+
+
+@pytest.mark.parametrize(("intra", "then"), [(1.1, ONE), (0.95, INTRA_OP)])
+def test_only_a_mode_the_trials_found_no_slower_than_one_thread_is_tried_in_use(clock, intra,
+                                                                                 then):
+    """After a drop, the next mode need not beat one thread by ``gain`` in the trials (it is
+    judged in use), but it must not have been slower there."""
+    g = Gather(clock, one=1.0, split=0.3, intra=intra)
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=2, window=4)
+    _choose(g, workers)
+    assert workers.mode == SPLIT
+    g.cost[SPLIT] = 1.5
+    g.run(workers, 7)
+    assert workers.mode == then and INTRA_OP not in g.calls
+
+
+def test_the_watch_weighs_a_slow_gather_against_one_thread_in_use(clock):
+    """Once one-thread gathers in use are timed, a strike is a gather over ``fallback``
+    times their median, not the trials' (which ran back to back, and may be far faster)."""
+    g = Gather(clock, one=0.2, split=1.0, intra=0.1)
+    workers = GatherWorkers(threads=2, min_bytes=10, trials=2, fallback=2.0, window=8)
+    _choose(g, workers)
+    assert workers.mode == INTRA_OP
+    g.cost = {ONE: 1.0, INTRA_OP: 0.5, SPLIT: 1.0}  # in use: both slower than in the trials
+    g.run(workers, 6)  # one thread at 2, 4 and 6; intra-op 0.5 < 2 x 1.0: no strike
+    g.cost[INTRA_OP] = 1.5  # over twice the trials' 0.2, under twice in use's 1.0
+    g.run(workers, 2)
+    assert workers.mode == INTRA_OP
+    g.cost[INTRA_OP] = 2.5
+    g.run(workers, 2)
+    assert workers.mode == ONE
+
+
+@pytest.mark.parametrize("kw", [{"window": 0}, {"probe": 1}])
+def test_the_in_use_check_needs_a_window_and_a_probe_period(kw):
+    with pytest.raises(ValueError, match="window"):
+        GatherWorkers(threads=2, **kw)

@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -109,9 +110,18 @@ class GatherWorkers:
       whose samples took over ``fallback`` times the one-thread median leaves the trials at
       once.
     - **Watch.** While a multi-thread mode is chosen, two gathers in a row that take over
-      ``fallback`` times the one-thread median of the trials (the cores are busy now) send
+      ``fallback`` times the one-thread median (of the one-thread gathers in use below, or of
+      the trials before there is one: the cores are busy now) send
       every later gather back to the caller's thread alone. One slow gather (a page fault, a
       preemption) is not enough.
+    - **Keep only what pays in use.** Trials that run back to back can favour a mode that
+      loses once the caller computes between gathers (a pool thread that has gone to sleep
+      takes time to wake). So every ``probe``-th large gather in a multi-thread mode (every
+      other one until there are three) runs on the caller's thread alone, and once the
+      chosen mode has ``window`` gathers in use, their median must stay under the median of
+      those one-thread gathers: otherwise the mode is dropped, and the next multi-thread mode
+      the trials did not find slower than one thread is judged the same way (one thread when
+      none is left), until the next recheck.
     - **Recheck.** After ``recheck`` large gathers in the chosen mode (or on the caller's
       thread after a fallback) the trials run again, so a machine whose load changed gets
       another choice.
@@ -132,6 +142,10 @@ class GatherWorkers:
             mode may take before the caller's thread takes over.
         recheck: Large gathers after which the trials run again.
         modes: The modes to choose from (:data:`ONE` always included).
+        window: Gathers of the chosen mode in use whose median is weighed against one
+            thread's.
+        probe: Every how many large gathers in a multi-thread mode one runs on the caller's
+            thread alone, for that comparison.
 
     Raises:
         ValueError: An argument is out of range or names an unknown mode.
@@ -139,18 +153,21 @@ class GatherWorkers:
 
     def __init__(self, *, threads: int, min_bytes: int = 1 << 20, trials: int = 8,
                  gain: float = 0.9, fallback: float = 2.0, recheck: int = 1024,
-                 modes: Sequence[str] = GATHER_MODES) -> None:
+                 modes: Sequence[str] = GATHER_MODES, window: int = 8,
+                 probe: int = 16) -> None:
         if threads < 2:
             raise ValueError(f"threads: a multi-thread gather needs at least 2, got {threads}")
         unknown = set(modes) - set(GATHER_MODES)
         if unknown:
             raise ValueError(f"modes: unknown {sorted(unknown)}; choose from {GATHER_MODES}")
-        if trials < 1 or recheck < 1 or not gain > 0 or not fallback > 1:
-            raise ValueError(f"trials and recheck must be >= 1, gain > 0 and fallback > 1, got "
-                             f"trials={trials}, recheck={recheck}, gain={gain}, "
+        if (trials < 1 or recheck < 1 or window < 1 or probe < 2 or not gain > 0
+                or not fallback > 1):
+            raise ValueError(f"trials, recheck and window must be >= 1, probe >= 2, gain > 0 "
+                             f"and fallback > 1, got trials={trials}, recheck={recheck}, "
+                             f"window={window}, probe={probe}, gain={gain}, "
                              f"fallback={fallback}")
         self.threads, self.min_bytes, self.trials, self.gain = threads, min_bytes, trials, gain
-        self.fallback, self.recheck = fallback, recheck
+        self.fallback, self.recheck, self.window, self.probe = fallback, recheck, window, probe
         self._pid = os.getpid()
         self.modes = tuple(m for m in GATHER_MODES if m == ONE or m in modes)
         self._todo: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads - 1)]
@@ -166,6 +183,8 @@ class GatherWorkers:
         self._slow: dict[str, int] = {m: 0 for m in self.modes}  # strikes per mode
         self._baseline = 0.0  # the trials' one-thread median, seconds per byte
         self._since = 0  # large gathers since the last choice
+        #: Times per byte of gathers in use: the chosen mode's, and one thread's probes.
+        self._recent: dict[str, deque[float]] = {m: deque(maxlen=window) for m in self.modes}
         #: The mode large gathers run in; None while the trials run.
         self.mode: str | None = None
 
@@ -239,15 +258,38 @@ class GatherWorkers:
         if mode == ONE:
             one()
             return
-        if self._timed(mode, nbytes, whole, parts, one) <= self.fallback * self._baseline:
-            self._slow[mode] = 0
+        ones = self._recent[ONE]
+        if self._since % self.probe == 0 or (len(ones) < 3 and self._since % 2 == 0):
+            # one thread now and then (every other gather until there are three): what the
+            # mode must beat in use
+            ones.append(self._timed(ONE, nbytes, whole, parts, one))
             return
-        self._slow[mode] += 1
-        if self._slow[mode] >= 2:  # the cores are busy: back to one thread until recheck
-            self.mode, self._since = ONE, 0
+        spent = self._timed(mode, nbytes, whole, parts, one)
+        if spent > self.fallback * (statistics.median(ones) if ones else self._baseline):
+            self._slow[mode] += 1
+            if self._slow[mode] >= 2:  # the cores are busy: back to one thread until recheck
+                self.mode, self._since = ONE, 0
+            return
+        self._slow[mode] = 0
+        recent = self._recent[mode]
+        recent.append(spent)
+        if (len(recent) == self.window and len(ones) >= 3
+                and statistics.median(recent) >= statistics.median(ones)):
+            self._drop_in_use(mode)
+
+    def _drop_in_use(self, mode: str) -> None:
+        """``mode`` did not pay in use: the next multi-thread mode that was not slower than
+        one thread in the trials is judged in use in turn; one thread when none is left."""
+        self._dropped.add(mode)
+        self.mode = pick_gather_mode({m: t for m, t in self._times.items()
+                                      if m not in self._dropped}, gain=1.0)
+        self._recent[self.mode].clear()
+        self._slow = {m: 0 for m in self.modes}
 
     def _restart(self) -> None:
         self._times = {m: [] for m in self.modes}
+        for recent in self._recent.values():
+            recent.clear()
         self._slow = {m: 0 for m in self.modes}
         self._dropped.clear()
         self.mode = None
@@ -269,3 +311,5 @@ class GatherWorkers:
             self._baseline = statistics.median(times[ONE])
             self._slow = {m: 0 for m in self.modes}
             self._since = 0
+            for recent in self._recent.values():
+                recent.clear()
