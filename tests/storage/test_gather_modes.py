@@ -70,6 +70,14 @@ class Gather:
                 workers.gather(100, self.whole, [self.part, self.other_part])
 
 
+def assert_on_one_thread(g: Gather, workers: GatherWorkers, n: int) -> None:
+    """``workers`` chose one thread, and its next ``n`` gathers run there."""
+    assert workers.mode == ONE and workers.split is False
+    g.calls.clear()
+    g.run(workers, n)
+    assert g.calls == [ONE] * n
+
+
 def test_pick_takes_the_fastest_mode_only_when_it_beats_one_thread_by_the_gain():
     assert pick_gather_mode({ONE: [1.0, 1.0], SPLIT: [0.5], INTRA_OP: [0.4]}, gain=0.9) == INTRA_OP
     assert pick_gather_mode({ONE: [1.0], SPLIT: [0.5], INTRA_OP: [0.7]}, gain=0.9) == SPLIT
@@ -134,10 +142,7 @@ def test_a_mode_that_turns_slow_twice_in_a_row_sends_gathers_back_to_one_thread(
     g.run(workers)
     assert workers.mode == INTRA_OP  # the strikes must come in a row
     g.run(workers)
-    assert workers.mode == ONE and workers.split is False
-    g.calls.clear()
-    g.run(workers, 3)
-    assert g.calls == [ONE] * 3
+    assert_on_one_thread(g, workers, 3)
 
 
 def test_a_mode_slow_twice_in_its_trials_leaves_them_early(clock):
@@ -271,10 +276,7 @@ def test_a_mode_that_loses_to_one_thread_in_use_gives_way_to_the_next(clock):
     assert g.calls == [INTRA_OP] * 4 and workers.mode == INTRA_OP  # 0.5 < 1.0: it pays
     g.cost[INTRA_OP] = 1.0  # no faster than one thread: not enough to keep it
     g.run(workers, 4)
-    assert workers.mode == ONE and workers.split is False
-    g.calls.clear()
-    g.run(workers, 20)
-    assert g.calls == [ONE] * 20
+    assert_on_one_thread(g, workers, 20)
 
 
 def test_a_mode_that_pays_in_use_is_kept_and_one_thread_is_timed_now_and_then(clock):
