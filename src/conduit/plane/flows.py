@@ -570,7 +570,7 @@ class OffPolicyFlow(Flow):
     state_is_buffer: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        #: ``config.first_batch_rows``, read by every synchronous pull (the config is frozen).
+        #: ``config.first_batch_rows`` (the config is frozen), read by every pull.
         self.first_rows = self.config.first_batch_rows
 
     @property
@@ -616,7 +616,7 @@ class OffPolicyFlow(Flow):
         return 1
 
     def take_delivery_locked(self) -> DeliveryJob | None:
-        if len(self.staged) >= self.stage_room or len(self.buffer) < self.config.first_batch_rows:
+        if len(self.staged) >= self.stage_room or len(self.buffer) < self.first_rows:
             return None
         delivering = self.delivering
         try:
@@ -641,7 +641,7 @@ class OffPolicyFlow(Flow):
         :attr:`draws_as_gathered`, as the caller knows), or None where it cannot now: a batch
         is staged before it, or the buffer holds too few rows. The job is counted in flight
         as the method returns it."""
-        if self.staged or self.buffer.writer.size < self.first_rows:  # (len(), without a call)
+        if self.staged or len(self.buffer) < self.first_rows:
             return None
         job = DeliveryJob(None, 1, self.config.batch_size, self.priority_generation)
         self.delivering += 1
@@ -668,7 +668,7 @@ class OffPolicyFlow(Flow):
         return DeliveryJob(info, n, self.config.batch_size, self.priority_generation)
 
     def starved_locked(self) -> bool:
-        return len(self.buffer) < self.config.first_batch_rows
+        return len(self.buffer) < self.first_rows
 
     def delivery_units(self, job: DeliveryJob) -> float:
         return float(job.batches)

@@ -361,8 +361,7 @@ class OperatorRuntime:
                 handed = self.errors.error is None and flow.hand_over_drawn_locked(job)
                 if handed:
                     flow.counters["invocations_del"] += 1
-                    if self.signals.callers.waiting:  # (Signals.wake's test, inline)
-                        self.signals.callers.notify_all()
+                    self.signals.wake(callers=True)
             if handed:
                 records.append(record_from(("delivery", seconds, 1.0, t0)))
                 return rows

@@ -269,10 +269,8 @@ class ExperienceBuffer:
                 device this machine has.
             EmptyBufferError: The sampler has nothing to draw from.
         """
-        if type(batch_size) is not int or not 0 < batch_size <= MAX_BATCH_ROWS:
-            batch_size = batch_rows(batch_size)  # (an int in range passes as it is)
-        if device is not None:
-            device = check_device("device", device)
+        batch_size = batch_rows(batch_size)
+        device = None if device is None else check_device("device", device)
         with self._lock:
             return self._reader.sample(self.sampler, self.writer, self.store, batch_size,
                                        device)

@@ -313,16 +313,15 @@ class GatherOutputs:
         block, views, arrays = self._allocate(rows)
         if len(sets) >= self._keep and free is not None:
             del sets[free]  # a free set of another size makes room
-        kept = len(sets) < self._keep
-        if not (kept or indexed):
-            return _Set(rows, views, arrays, block, 0, 0, None, None, 0, 0)
-        slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
-        slot_array = slots.numpy()
+        slots = (torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
+                 if indexed or len(sets) < self._keep else None)
+        slot_array = None if slots is None else slots.numpy()
+        if len(sets) >= self._keep:  # handed out once: no use counts to keep
+            return _Set(rows, views, arrays, block, 0, 0, slots, slot_array, 0, 0)
         key, skey = _memory_key(block), _memory_key(slots)
         made = _Set(rows, views, arrays, block, key, count(key), slots, slot_array, skey,
                     count(skey))
-        if kept:
-            sets.append(made)
+        sets.append(made)
         return made
 
 
@@ -630,14 +629,10 @@ class ColumnStore:
             IndexError: ``draw`` wrote a slot outside ``[0, capacity)``.
             Exception: Whatever ``draw`` raises (nothing is gathered).
         """
-        outputs = self._outputs
-        if outputs is None:
-            outputs = self._gather_outputs()
-        outs, arrays, idx = outputs._take(rows, True)  # (take_indexed, one call fewer)
+        outs, arrays, idx = self._gather_outputs().take_indexed(rows)
         indices = outs["_index"]
         draw(indices)
-        if _row_kernels().first_outside(idx, self.capacity) >= 0:
-            _check_host_slots(_row_kernels(), idx, self.capacity)  # (raises, naming the slot)
+        _check_host_slots(_row_kernels(), idx, self.capacity)
         self._take_rows(indices, idx, outs, arrays)
         return outs
 
