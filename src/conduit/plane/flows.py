@@ -641,7 +641,7 @@ class OffPolicyFlow(Flow):
         :attr:`draws_as_gathered`, as the caller knows), or None where it cannot now: a batch
         is staged before it, or the buffer holds too few rows. The job is counted in flight
         as the method returns it."""
-        if self.staged or len(self.buffer) < self.first_rows:
+        if self.staged or self.buffer.writer.size < self.first_rows:  # (len(buffer), inline)
             return None
         job = DeliveryJob(None, 1, self.config.batch_size, self.priority_generation)
         self.delivering += 1

@@ -361,7 +361,8 @@ class OperatorRuntime:
                 handed = self.errors.error is None and flow.hand_over_drawn_locked(job)
                 if handed:
                     flow.counters["invocations_del"] += 1
-                    self.signals.wake(callers=True)
+                    if self.signals.callers.waiting:  # (Signals.wake(callers=True), inline)
+                        self.signals.callers.notify_all()
             if handed:
                 records.append(record_from(("delivery", seconds, 1.0, t0)))
                 return rows

@@ -629,10 +629,14 @@ class ColumnStore:
             IndexError: ``draw`` wrote a slot outside ``[0, capacity)``.
             Exception: Whatever ``draw`` raises (nothing is gathered).
         """
-        outs, arrays, idx = self._gather_outputs().take_indexed(rows)
+        # (take_indexed without its wrapper, and the pool without _gather_outputs's call once
+        # made: a synchronous sample's calls weigh where rows are small, docs/design.md §7)
+        outs, arrays, idx = (self._outputs or self._gather_outputs())._take(rows, True)
         indices = outs["_index"]
         draw(indices)
-        _check_host_slots(_row_kernels(), idx, self.capacity)
+        kernels = _row_kernels()
+        if kernels.first_outside(idx, self.capacity) >= 0:  # (raises, naming the slot)
+            _check_host_slots(kernels, idx, self.capacity)
         self._take_rows(indices, idx, outs, arrays)
         return outs
 

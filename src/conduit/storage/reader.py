@@ -25,6 +25,8 @@ MAX_BATCH_ROWS = 2**31 - 1
 def batch_rows(value: Any) -> int:
     """``value`` as the ``int`` rows of a batch, or ConfigError when it is not a positive
     integer (a Python or NumPy integer; not a bool) of at most :data:`MAX_BATCH_ROWS`."""
+    if type(value) is int and 0 < value <= MAX_BATCH_ROWS:  # the usual case, in one call
+        return value
     rows = check_int("batch_size", value, minimum=1)
     if rows > MAX_BATCH_ROWS:
         raise ConfigError("batch_size", f"must be at most {MAX_BATCH_ROWS} rows, got {rows}")
