@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ray.rllib")
 
 from conduit.bench import rllib as bench_rllib
-from conduit.bench.rllib import QUICK, Workload, main, run_pair, within_noise
+from conduit.bench.rllib import (
+    QUICK,
+    Workload,
+    fill,
+    main,
+    random_episodes,
+    run_pair,
+    within_noise,
+)
+from conduit.errors import ConfigError
 from conduit.report import pyplot
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
@@ -103,3 +114,82 @@ def test_run_pair_interleaves_the_variants_and_pairs_each_round(
     rllib = [r["iter_s"] for r in out["rllib"]["records"]]
     assert out["conduit"]["paired"] == pytest.approx([c / r for c, r in zip(conduit, rllib)])
     assert out["rllib"]["paired"] == pytest.approx([r / c for c, r in zip(conduit, rllib)])
+
+
+def test_a_full_workload_trains_from_a_buffer_filled_to_capacity(tmp_path: Path) -> None:
+    """The fill's episodes are what the env runners add later (dtypes, spaces): both
+    buffers take them, then train from them."""
+    assert main(["--quick", "--only", "DQN-CP-full", "--capacities", "1000", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "rllib.json").read_text())["workloads"]["DQN-CP-full"]
+    for variant in ("rllib", "conduit"):
+        assert row[variant]["iterations"] == 1 and _positive(row[variant]["path_s"])
+        # 2000 timesteps in a smoke run; whole episodes are evicted (CartPole: <= 500 steps)
+        assert 1_500 <= row["runs"][variant][0]["buffer_timesteps"] <= 2_000
+
+
+def test_random_episodes_are_cartpole_episodes_as_env_runners_give_them() -> None:
+    import gymnasium as gym
+
+    episodes = random_episodes(300, seed=4)
+    steps = sum(len(e) for e in episodes)
+    assert 300 <= steps < 300 + 500  # the last episode completes (CartPole: at most 500)
+    space = gym.make("CartPole-v1").observation_space
+    for eps in episodes:
+        assert eps.is_done and eps.is_numpy and eps.observation_space == space
+        assert eps.actions.data.dtype == np.int32 and eps.observations.data.dtype == np.float32
+        assert len(eps.observations) == len(eps) + 1
+    assert [len(e) for e in random_episodes(300, seed=4)] == [len(e) for e in episodes]
+    for bad in (0, -5, 2.0, True):
+        with pytest.raises(ConfigError, match="steps"):
+            random_episodes(bad, seed=0)
+
+
+def test_fill_brings_rllibs_and_conduits_buffers_to_capacity() -> None:
+    from ray.rllib.utils.replay_buffers import PrioritizedEpisodeReplayBuffer
+
+    from conduit.integrations.rllib import ConduitPrioritizedEpisodeReplayBuffer
+
+    episodes = random_episodes(1_000, seed=2)
+    theirs = PrioritizedEpisodeReplayBuffer(capacity=600, alpha=0.6)
+    ours = ConduitPrioritizedEpisodeReplayBuffer(capacity=600, alpha=0.6, schedule="inline")
+    fill(theirs, episodes, chunk=7)
+    fill(ours, episodes, chunk=7)
+    longest = max(len(e) for e in episodes)
+    for buffer in (theirs, ours):  # both evict whole episodes, oldest first
+        assert 600 - longest < len(buffer) <= 600
+        assert buffer.get_added_timesteps() == sum(len(e) for e in episodes)
+    ours.plane.close()
+
+
+def test_run_pair_fills_both_variants_alike_and_freezes_what_exists_before_the_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fills: list[object] = []
+    frozen: list[int] = []
+
+    class FakeRun:
+        def __init__(self, w: Workload, variant: str, *, filled: object = None,
+                     **_: object) -> None:
+            fills.append(filled)
+
+        def train(self) -> float:
+            frozen.append(gc.get_freeze_count())
+            raise RuntimeError("stop here")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(bench_rllib, "AlgorithmRun", FakeRun)
+    monkeypatch.setattr(bench_rllib, "replay_capacity", lambda w, quick: 50)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_pair(Workload("DQN-CP-full", "dqn", False, 1, full=True), seed=0, iters=1,
+                 quick=True, schedule="inline")
+    assert len(fills) == 2 and fills[0] is fills[1]
+    assert sum(len(e) for e in fills[0]) >= 50
+    assert frozen and frozen[0] > 0
+    assert gc.get_freeze_count() == 0  # unfrozen, also when a round fails
+    fills.clear()
+    with pytest.raises(RuntimeError):
+        run_pair(Workload("DQN-CP", "dqn", False, 1), seed=0, iters=1, quick=True,
+                 schedule="inline")
+    assert fills == [None, None]

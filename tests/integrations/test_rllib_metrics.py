@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("ray.rllib")
 
-from ray.rllib.utils.metrics.metrics_logger import MetricsLogger  # noqa: E402
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from conduit.integrations.rllib.metrics import CachedMetricsLogger  # noqa: E402
+from conduit.integrations.rllib.metrics import CachedMetricsLogger
 
 #: Keys and ``log_value`` arguments of several kinds of Stats, nested at several depths.
 _KEYS: list[tuple[Any, dict[str, Any]]] = [

@@ -24,6 +24,12 @@ records
   episode), per seed. The two Algorithms share the process's global random generators, so a
   run's returns differ from those of the same seed run alone; they are compared across seeds.
 
+The ``-full`` rows (DQN and SAC on CartPole) first fill both replay buffers to capacity with the
+same random-policy episodes: the state a long run spends nearly all its time in, where every
+few adds evict an episode. Before the measured rounds the objects that exist (both Algorithms,
+the fill) are frozen out of garbage collection, so that a full collection over them does not
+land inside either variant's calls.
+
 A standalone microbenchmark (no Algorithm) fills RLlib's ``EpisodeReplayBuffer`` and
 ``PrioritizedEpisodeReplayBuffer`` and Conduit's two buffers to capacity with CartPole-sized
 episodes (4 float32 observations) and times ``add`` (two 100-step episodes, evicting once
@@ -37,6 +43,7 @@ alternating the buffers; Conduit's buffers run ``schedule="inline"`` there (noth
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -65,21 +72,30 @@ MIN_CAPACITY = 2 * EPISODE_STEPS
 
 @dataclass(frozen=True)
 class Workload:
-    """One row of the table: an algorithm on an environment, and its run lengths."""
+    """One row of the table: an algorithm on an environment, and its run lengths.
+
+    Attributes:
+        full: Fill the replay buffer to capacity before the warm-up iteration (DQN, SAC on
+            CartPole): the state a long run spends nearly all its time in, where adds evict.
+    """
 
     name: str
     algo: str
     heavy: bool
     iters: int
+    full: bool = False
 
 
 def workloads() -> list[Workload]:
     """DQN, SAC and PPO on CartPole and on the 128 px image variant, with the measured
     iterations per run: about 10 s of training per run, and at least 6 iterations, so that
-    one slow iteration does not make a seed's median."""
+    one slow iteration does not make a seed's median; and DQN and SAC on CartPole again with
+    the replay buffer full."""
     return [Workload("DQN-CP", "dqn", False, 6), Workload("DQN-img128", "dqn", True, 10),
             Workload("SAC-CP", "sac", False, 6), Workload("SAC-img128", "sac", True, 8),
-            Workload("PPO-CP", "ppo", False, 6), Workload("PPO-img128", "ppo", True, 8)]
+            Workload("PPO-CP", "ppo", False, 6), Workload("PPO-img128", "ppo", True, 8),
+            Workload("DQN-CP-full", "dqn", False, 6, full=True),
+            Workload("SAC-CP-full", "sac", False, 6, full=True)]
 
 
 #: What ``--quick`` runs unless ``--only`` says otherwise.
@@ -93,9 +109,9 @@ SCHEDULES = ("auto", "inline", "prefetch")
 class RllibBenchArgs:
     """Arguments of ``conduit bench rllib``."""
 
-    quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, the "
-                             "CartPole workloads, capacities 1e3 and 1e4, 3 repeats (flags "
-                             "given explicitly win)")
+    quick: bool = arg(False, "a smoke run: 1 seed, 1 measured iteration of small size, replay "
+                             "buffers of 2000 timesteps, the CartPole workloads, capacities "
+                             "1e3 and 1e4, 3 repeats (flags given explicitly win)")
     seeds: int = arg(3, "seeds per workload and variant (returns are compared across them)", min=1)
     iters: int = arg(0, "measured training iterations per run (0: per-workload defaults)")
     only: tuple[str, ...] = arg((), "run only these workloads (names as in the table)",
@@ -163,7 +179,7 @@ def build_config(w: Workload, variant: str, *, seed: int, quick: bool, schedule:
     else:
         kind = "PrioritizedEpisodeReplayBuffer"
         buffer: dict[str, Any] = {"type": PREFIX + "Conduit" + kind if conduit else kind,
-                                  "capacity": 2_000 if w.heavy else 50_000,
+                                  "capacity": replay_capacity(w, quick=quick),
                                   "alpha": 0.6, "beta": 0.4}
         if conduit:
             buffer["schedule"] = schedule
@@ -180,6 +196,51 @@ def build_config(w: Workload, variant: str, *, seed: int, quick: bool, schedule:
             .reporting(min_time_s_per_iteration=0,
                        min_sample_timesteps_per_iteration=max(steps, 1))
             .debugging(seed=seed, log_level="ERROR"))
+
+
+def replay_capacity(w: Workload, *, quick: bool) -> int:
+    """Timesteps the replay buffer of ``w`` (DQN or SAC) holds (fewer in a smoke run)."""
+    return 2_000 if w.heavy or quick else 50_000
+
+
+def random_episodes(steps: int, seed: int) -> list[Any]:
+    """CartPole episodes of a uniformly random policy, ``steps`` timesteps or a few more in
+    all, as RLlib's env runners hand them to a replay buffer (numpy-ized, no lookback; int32
+    actions and float64 rewards, as its torch modules and CartPole give them).
+
+    Raises:
+        ConfigError: ``steps`` is not a positive integer.
+    """
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
+    env, rng = gym.make("CartPole-v1"), np.random.default_rng(seed)
+    out, total = [], 0
+    while total < steps:
+        obs, _ = env.reset(seed=int(rng.integers(1 << 31)))
+        observations, actions, rewards = [obs], [], []
+        terminated = truncated = False
+        while not (terminated or truncated):
+            actions.append(int(rng.integers(2)))
+            obs, reward, terminated, truncated, _ = env.step(actions[-1])
+            observations.append(obs)
+            rewards.append(float(reward))
+        out.append(SingleAgentEpisode(
+            observations=observations, actions=list(np.asarray(actions, np.int32)),
+            rewards=rewards, terminated=terminated,
+            truncated=truncated, observation_space=env.observation_space,
+            action_space=env.action_space, len_lookback_buffer=0).to_numpy())
+        total += len(actions)
+    env.close()
+    return out
+
+
+def fill(buffer: Any, episodes: list[Any], chunk: int = 10) -> None:
+    """Add ``episodes`` to ``buffer``, ``chunk`` at a time (as several env runner reports;
+    RLlib's prioritized buffer fails on an add of more timesteps than its capacity)."""
+    for k in range(0, len(episodes), chunk):
+        buffer.add(episodes[k:k + chunk])
 
 
 class CallTimer:
@@ -235,10 +296,12 @@ class AlgorithmRun:
     path, and a record per measured iteration."""
 
     def __init__(self, w: Workload, variant: str, *, seed: int, quick: bool,
-                 schedule: str) -> None:
+                 schedule: str, filled: list[Any] | None = None) -> None:
         self.w, self.variant = w, variant
         self.algo = build_config(w, variant, seed=seed, quick=quick,
                                  schedule=schedule).build_algo()
+        if filled:  # before any timing: the run starts with a full buffer
+            fill(self.algo.local_replay_buffer, filled)
         self.timer = CallTimer()
         self.records: list[dict[str, float]] = []
         self.last_return = math.nan
@@ -268,9 +331,11 @@ class AlgorithmRun:
 
     def summary(self) -> dict[str, Any]:
         """The records, the last mean episode return RLlib reported (from the latest
-        iteration that completed an episode) and, for Conduit's buffers, the schedule they
-        ran."""
+        iteration that completed an episode), the timesteps the replay buffer holds (DQN,
+        SAC) and, for Conduit's buffers, the schedule they ran."""
         out: dict[str, Any] = {"records": self.records, "return": self.last_return}
+        if self.w.algo != "ppo":
+            out["buffer_timesteps"] = self.algo.local_replay_buffer.get_num_timesteps()
         if self.variant == "conduit" and self.w.algo != "ppo":
             buf = self.algo.local_replay_buffer
             out["schedule"] = buf.plane.schedule.label()
@@ -287,17 +352,28 @@ def run_pair(w: Workload, *, seed: int, iters: int, quick: bool,
     """Both variants of ``w`` for one seed, interleaved: one warm-up iteration each, then
     ``iters`` rounds of one iteration each, the order alternating between rounds, so that the
     host's drift falls on both alike. Each variant's summary carries ``paired`` (this
-    variant's iteration time over the other's, per round) besides its records."""
+    variant's iteration time over the other's, per round) besides its records. With
+    ``w.full`` both buffers are first given the same random-policy episodes, up to capacity.
+    The objects that exist when the rounds start are frozen out of garbage collection
+    (``gc.freeze``) until they end."""
     order = VARIANTS if seed % 2 == 0 else VARIANTS[::-1]
+    filled = random_episodes(replay_capacity(w, quick=quick), seed) if w.full else None
     runs: dict[str, AlgorithmRun] = {}
     try:
         for variant in order:
-            runs[variant] = AlgorithmRun(w, variant, seed=seed, quick=quick, schedule=schedule)
+            runs[variant] = AlgorithmRun(w, variant, seed=seed, quick=quick, schedule=schedule,
+                                         filled=filled)
+        del filled
+        # The objects built so far (both Algorithms, the fill) are left out of the collector's
+        # later passes: otherwise a full pass over them lands inside either variant's calls.
+        gc.collect()
+        gc.freeze()
         for i in range(iters + 1):
             for variant in (order if i % 2 == 0 else order[::-1]):
                 runs[variant].train()
         out = {v: r.summary() for v, r in runs.items()}
     finally:
+        gc.unfreeze()
         for r in runs.values():
             r.stop()
     walls = {v: [rec["iter_s"] for rec in out[v]["records"]] for v in VARIANTS}
