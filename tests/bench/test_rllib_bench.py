@@ -19,8 +19,10 @@ from conduit.bench.rllib import (
     fill,
     main,
     random_episodes,
+    replay_capacity,
     run_pair,
     within_noise,
+    workloads,
 )
 from conduit.errors import ConfigError
 from conduit.report import pyplot
@@ -193,3 +195,14 @@ def test_run_pair_fills_both_variants_alike_and_freezes_what_exists_before_the_r
         run_pair(Workload("DQN-CP", "dqn", False, 1), seed=0, iters=1, quick=True,
                  schedule="inline")
     assert fills == [None, None]
+
+
+def test_replay_capacities_per_workload() -> None:
+    by_name = {w.name: w for w in workloads()}
+    expected = {"DQN-CP": 50_000, "SAC-CP-full": 50_000, "DQN-img128": 2_000,
+                "DQN-CP-1M-full": 1_000_000}
+    for name, capacity in expected.items():
+        assert replay_capacity(by_name[name], quick=False) == capacity
+        assert replay_capacity(by_name[name], quick=True) == 2_000  # a smoke run's
+    assert {w.name for w in workloads() if w.full} == {"DQN-CP-full", "SAC-CP-full",
+                                                       "DQN-CP-1M-full"}

@@ -24,11 +24,11 @@ records
   episode), per seed. The two Algorithms share the process's global random generators, so a
   run's returns differ from those of the same seed run alone; they are compared across seeds.
 
-The ``-full`` rows (DQN and SAC on CartPole) first fill both replay buffers to capacity with the
-same random-policy episodes: the state a long run spends nearly all its time in, where every
-few adds evict an episode. Before the measured rounds the objects that exist (both Algorithms,
-the fill) are frozen out of garbage collection, so that a full collection over them does not
-land inside either variant's calls.
+The ``-full`` rows (DQN and SAC on CartPole; DQN also with 10^6 timesteps) first fill both
+replay buffers to capacity with the same random-policy episodes: the state a long run spends
+nearly all its time in, where every few adds evict an episode. Before the measured rounds the
+objects that exist (both Algorithms, the fill) are frozen out of garbage collection, so that a
+full collection over them does not land inside either variant's calls.
 
 A standalone microbenchmark (no Algorithm) fills RLlib's ``EpisodeReplayBuffer`` and
 ``PrioritizedEpisodeReplayBuffer`` and Conduit's two buffers to capacity with CartPole-sized
@@ -36,7 +36,7 @@ episodes (4 float32 observations) and times ``add`` (two 100-step episodes, evic
 full), ``sample`` (32 transitions, n_step 3) and ``update_priorities`` at each capacity,
 alternating the buffers; Conduit's buffers run ``schedule="inline"`` there (nothing to overlap).
 
-    conduit bench rllib                       # full run (about 10 minutes on 2 cores)
+    conduit bench rllib                       # full run (about 15 minutes on 2 cores)
     conduit bench rllib --quick               # a smoke run (about a minute)
     conduit bench rllib --only DQN-CP PPO-img128 --seeds 1
 """
@@ -77,6 +77,8 @@ class Workload:
     Attributes:
         full: Fill the replay buffer to capacity before the warm-up iteration (DQN, SAC on
             CartPole): the state a long run spends nearly all its time in, where adds evict.
+        capacity: Timesteps the replay buffer holds (0: 50 000 on CartPole, 2000 on the
+            image env).
     """
 
     name: str
@@ -84,18 +86,21 @@ class Workload:
     heavy: bool
     iters: int
     full: bool = False
+    capacity: int = 0
 
 
 def workloads() -> list[Workload]:
     """DQN, SAC and PPO on CartPole and on the 128 px image variant, with the measured
     iterations per run: about 10 s of training per run, and at least 6 iterations, so that
     one slow iteration does not make a seed's median; and DQN and SAC on CartPole again with
-    the replay buffer full."""
+    the replay buffer full, DQN also with a full buffer of 10^6 timesteps (the size of the
+    Atari DQN setups)."""
     return [Workload("DQN-CP", "dqn", False, 6), Workload("DQN-img128", "dqn", True, 10),
             Workload("SAC-CP", "sac", False, 6), Workload("SAC-img128", "sac", True, 8),
             Workload("PPO-CP", "ppo", False, 6), Workload("PPO-img128", "ppo", True, 8),
             Workload("DQN-CP-full", "dqn", False, 6, full=True),
-            Workload("SAC-CP-full", "sac", False, 6, full=True)]
+            Workload("SAC-CP-full", "sac", False, 6, full=True),
+            Workload("DQN-CP-1M-full", "dqn", False, 6, full=True, capacity=1_000_000)]
 
 
 #: What ``--quick`` runs unless ``--only`` says otherwise.
@@ -199,8 +204,10 @@ def build_config(w: Workload, variant: str, *, seed: int, quick: bool, schedule:
 
 
 def replay_capacity(w: Workload, *, quick: bool) -> int:
-    """Timesteps the replay buffer of ``w`` (DQN or SAC) holds (fewer in a smoke run)."""
-    return 2_000 if w.heavy or quick else 50_000
+    """Timesteps the replay buffer of ``w`` (DQN or SAC) holds (2000 in a smoke run)."""
+    if quick:
+        return 2_000
+    return w.capacity or (2_000 if w.heavy else 50_000)
 
 
 def random_episodes(steps: int, seed: int) -> list[Any]:
