@@ -342,11 +342,11 @@ class AlgorithmRun:
         SAC) and, for Conduit's buffers, the schedule they ran."""
         out: dict[str, Any] = {"records": self.records, "return": self.last_return}
         if self.w.algo != "ppo":
-            out["buffer_timesteps"] = self.algo.local_replay_buffer.get_num_timesteps()
-        if self.variant == "conduit" and self.w.algo != "ppo":
             buf = self.algo.local_replay_buffer
-            out["schedule"] = buf.plane.schedule.label()
-            out["discarded_batches"] = buf.discarded_batches
+            out["buffer_timesteps"] = buf.get_num_timesteps()
+            if self.variant == "conduit":
+                out["schedule"] = buf.plane.schedule.label()
+                out["discarded_batches"] = buf.discarded_batches
         return out
 
     def stop(self) -> None:
