@@ -46,7 +46,7 @@ def test_a_memmap_store_larger_than_memory_still_needs_room_for_its_row_ids(tmp_
 
 
 def test_the_sum_tree_is_counted_as_well(monkeypatch):
-    capacity = 2**20 + 1  # row ids 16 MiB; a tree of 2**21 leaves, 64 MiB
+    capacity = 2**20 + 1  # row ids 16 MiB; a 4-ary tree of 4**11 leaves, 85 MiB
     real = psutil.virtual_memory
 
     def sixty_mib() -> object:
@@ -56,7 +56,7 @@ def test_the_sum_tree_is_counted_as_well(monkeypatch):
     ExperienceBuffer(spec=EMPTY_ROWS, capacity=capacity, sampler=UniformSampler())
     with pytest.raises(CapacityError, match=r"capacity.*PrioritizedSampler") as err:
         ExperienceBuffer(spec=EMPTY_ROWS, capacity=capacity, sampler=PrioritizedSampler())
-    assert err.value.needed == 16 * capacity + 32 * 2**21
+    assert err.value.needed == 16 * capacity + 64 * ((4**11 - 1) // 3 + 1)
 
 
 # -- 2: an update for rows delivered before a clear is skipped -------------------------------

@@ -1,9 +1,17 @@
 """Compiled sum-tree kernels (Numba), used by :class:`~conduit.storage.SumTree` when Numba is
 importable.
 
+The tree is 4-ary, stored as one ``[groups, 8]`` float64 array: row ``g`` holds the sums of
+node ``g``'s four children, then their minima, so the eight values fill one 64-byte cache
+line. Nodes are numbered breadth-first from the root (0); the children of node ``g`` are
+``4g + 1 .. 4g + 4``, and leaf ``i`` is node ``first + i``, held in row ``(first + i - 1) >> 2``
+at column ``(first + i - 1) & 3`` (``first`` counts the inner nodes).
+
 Where vectorized numpy pays one array operation per tree level, these loops pay a memory
-access. The descents advance a whole batch one level at a time (the inner loop runs over the
-batch), so the independent cache misses of the lower levels overlap (``docs/design.md §7``).
+access. The descents and repairs advance a whole batch one level at a time (the inner loop
+runs over the batch), so the independent cache misses of the lower levels overlap
+(``docs/design.md §7``). Sums are added left to right, ``((a + b) + c) + d``, as the numpy
+walk adds them, so both give identical trees and leaves.
 
 The kernels are compiled on first use and cached next to this file (``cache=True``).
 """
@@ -13,11 +21,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+#: Children per node; a row holds their sums, then their minima.
+FAN = 4
+
 
 @numba.njit(cache=True, nogil=True)
-def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.ndarray,
+def set_leaves(t: np.ndarray, depth: int, first: int, idx: np.ndarray, svals: np.ndarray,
                mvals: np.ndarray) -> None:  # pragma: no cover - compiled
-    """Set leaf ``idx[k]`` to ``svals[k]`` (sum tree) and ``mvals[k]`` (min tree).
+    """Set leaf ``idx[k]`` to ``svals[k]`` (sum) and ``mvals[k]`` (minimum).
 
     Leaves are written in order (a repeated index keeps its last value); then the touched
     parents are repaired bottom-up, one level at a time over the whole batch, so the misses of
@@ -27,23 +38,35 @@ def set_leaves(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.
     n = idx.shape[0]
     if n == 0:
         return
+    row = np.empty(n, np.int64)
     for k in range(n):
-        s[p + idx[k]] = svals[k]
-        m[p + idx[k]] = mvals[k]
-    node = (idx + p) >> 1
-    while node[0] >= 1:
+        f = first + idx[k] - 1
+        g = f >> 2
+        c = f & 3
+        t[g, c] = svals[k]
+        t[g, FAN + c] = mvals[k]
+        row[k] = g
+    for _ in range(depth - 1):
         for k in range(n):
-            c = node[k]
-            left = 2 * c
-            s[c] = s[left] + s[left + 1]
-            a = m[left]
-            b = m[left + 1]
-            m[c] = a if a < b else b
-            node[k] = c >> 1
+            g = row[k]
+            s = ((t[g, 0] + t[g, 1]) + t[g, 2]) + t[g, 3]
+            a = t[g, 4]
+            b = t[g, 5]
+            m = a if a < b else b
+            b = t[g, 6]
+            m = m if m < b else b
+            b = t[g, 7]
+            m = m if m < b else b
+            f = g - 1
+            p = f >> 2
+            c = f & 3
+            t[p, c] = s
+            t[p, FAN + c] = m
+            row[k] = p
 
 
 @numba.njit(cache=True, nogil=True)
-def set_checked(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np.ndarray,
+def set_checked(t: np.ndarray, depth: int, first: int, idx: np.ndarray, svals: np.ndarray,
                 mvals: np.ndarray, capacity: int) -> int:  # pragma: no cover - compiled
     """:func:`set_leaves` after checking every ``idx[k]`` lies in ``[0, capacity)``.
 
@@ -53,65 +76,81 @@ def set_checked(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, svals: np
     for k in range(idx.shape[0]):
         if idx[k] < 0 or idx[k] >= capacity:
             return k + 1
-    set_leaves(s, m, p, idx, svals, mvals)
+    set_leaves(t, depth, first, idx, svals, mvals)
     return 0
 
 
 @numba.njit(cache=True, nogil=True)
-def _descend(s: np.ndarray, p: int, x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+def total(t: np.ndarray) -> float:  # pragma: no cover - compiled
+    """Sum of all leaves (the root's children, added left to right)."""
+    return ((t[0, 0] + t[0, 1]) + t[0, 2]) + t[0, 3]
+
+
+@numba.njit(cache=True, nogil=True)
+def _descend(t: np.ndarray, depth: int, x: np.ndarray) -> np.ndarray:  # pragma: no cover
     """Node reached by each prefix-sum mass ``x[k]`` (consumed), the whole batch advanced one
     level at a time."""
     n = x.shape[0]
-    node = np.ones(n, np.int64)
-    width = 1
-    while width < p:
+    node = np.zeros(n, np.int64)
+    for _ in range(depth):
         for k in range(n):
-            # Branch-free: which child a mass goes to is a coin flip the branch predictor
-            # misses half the time, which costs more than the memory access.
-            c = node[k] * 2
-            ls = s[c]
+            # Branch-free: the child a mass goes to is a coin flip the branch predictor
+            # misses, which costs more than the memory access.
+            g = node[k]
             xk = x[k]
-            right = xk >= ls
-            x[k] = xk - ls if right else xk
-            node[k] = c + right
-        width *= 2
+            pre = 0.0
+            acc = 0.0
+            j = 0
+            for c in range(FAN - 1):
+                pre += t[g, c]  # (0.0 + a is a: the prefixes are a, a + b, (a + b) + c)
+                right = xk >= pre
+                j += right
+                acc = pre if right else acc
+            x[k] = xk - acc
+            node[k] = 4 * g + 1 + j
     return node
 
 
 @numba.njit(cache=True, nogil=True)
-def find(s: np.ndarray, p: int, mass: np.ndarray,
+def find(t: np.ndarray, depth: int, first: int, mass: np.ndarray,
          out: np.ndarray) -> None:  # pragma: no cover - compiled
     """Leaf whose prefix-sum interval holds each ``mass[k]``, written to ``out[k]``."""
-    node = _descend(s, p, mass.copy())
+    node = _descend(t, depth, mass.copy())
     for k in range(mass.shape[0]):
-        out[k] = node[k] - p
+        out[k] = node[k] - first
 
 
 @numba.njit(cache=True, nogil=True)
-def stratified_draw(s: np.ndarray, m: np.ndarray, p: int, last: int, u: np.ndarray,
-                    mass_cap: float, beta: float, size: int, out_idx: np.ndarray,
+def stratified_draw(t: np.ndarray, depth: int, first: int, last: int, u: np.ndarray,
+                    beta: float, size: int, out_idx: np.ndarray,
                     out_w: np.ndarray) -> None:  # pragma: no cover - compiled
     """One stratified proportional draw with importance weights, in a single pass.
 
-    Row ``k`` takes the mass ``(k + u[k]) · total / B`` (capped below ``total``), descends to
+    Row ``k`` takes the mass ``(k + u[k]) · total / B`` (capped at the float below
+    ``total``), descends to
     its leaf (clamped to ``last``), and gets ``(size · P(i))^-β`` normalized by the largest
     weight over the buffer, ``(size · P_min)^-β``.
     """
     n = u.shape[0]
-    total = s[1]
-    step = total / n
+    tot = total(t)
+    mass_cap = np.nextafter(tot, 0.0)
+    step = tot / n
     x = np.empty(n)
     for k in range(n):
         v = (k + u[k]) * step
         x[k] = v if v < mass_cap else mass_cap
-    node = _descend(s, p, x)
-    w_max = (size * (m[1] / total)) ** -beta
+    node = _descend(t, depth, x)
+    least = t[0, 4]
+    for c in range(5, 8):
+        least = least if least < t[0, c] else t[0, c]
+    w_max = (size * (least / tot)) ** -beta
     for k in range(n):
-        leaf = node[k] - p
+        leaf = node[k] - first
         if leaf > last:
             leaf = last
         out_idx[k] = leaf
-        prob = s[p + leaf] / total
+        f = first + leaf - 1
+        prob = t[f >> 2, f & 3] / tot
         if prob < 1e-300:
             prob = 1e-300
         out_w[k] = ((size * prob) ** -beta) / w_max
@@ -139,7 +178,7 @@ def check_priorities(idx: np.ndarray, pr: np.ndarray,
 
 
 @numba.njit(cache=True, nogil=True)
-def set_priorities(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, pr: np.ndarray,
+def set_priorities(t: np.ndarray, depth: int, first: int, idx: np.ndarray, pr: np.ndarray,
                    leaves: np.ndarray, bound: float,
                    capacity: int) -> tuple[int, float]:  # pragma: no cover - compiled
     """Check raw priorities ``pr`` for leaves ``idx`` and, when all are valid, set leaf
@@ -154,10 +193,11 @@ def set_priorities(s: np.ndarray, m: np.ndarray, p: int, idx: np.ndarray, pr: np
     if code != 0:
         return code, 0.0
     for k in range(idx.shape[0]):
-        if not m[p + idx[k]] < np.inf:
+        f = first + idx[k] - 1
+        if not t[f >> 2, FAN + (f & 3)] < np.inf:
             return 5, pmax
     for k in range(leaves.shape[0]):
         if not leaves[k] <= bound:
             return 4, pmax
-    set_leaves(s, m, p, idx, leaves, leaves)
+    set_leaves(t, depth, first, idx, leaves, leaves)
     return 0, pmax

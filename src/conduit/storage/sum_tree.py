@@ -1,7 +1,10 @@
 """Vectorized sum tree (and min tree) for prioritized sampling.
 
 Leaves hold priorities; an update or a batch of prefix-sum queries costs O(B·log N) with no
-per-row Python loop. Two interchangeable backends do the walking:
+per-row Python loop. The tree is 4-ary: one ``[groups, 8]`` float64 array whose row ``g``
+holds the sums of node ``g``'s four children, then their minima, one 64-byte cache line per
+node (layout in :mod:`conduit.storage._tree_kernels`; why in ``docs/design.md §7``). Two
+interchangeable backends do the walking:
 
 * ``"numba"`` (used when Numba is importable): compiled loops from
   :mod:`conduit.storage._tree_kernels`;
@@ -23,6 +26,11 @@ from conduit.storage import compiled
 from conduit.storage.state import StateDict, array, tensor
 
 BACKENDS = ("auto", "numba", "numpy")
+FAN = 4
+"""Children per node."""
+
+_ALIGN = 64
+"""Bytes a node's row (four sums, four minima) is aligned to: one cache line."""
 
 
 def _load_kernels() -> ModuleType | None:
@@ -30,8 +38,31 @@ def _load_kernels() -> ModuleType | None:
     return compiled.load("_tree_kernels")
 
 
+def tree_shape(capacity: int) -> tuple[int, int]:
+    """``(depth, inner nodes)`` of the 4-ary tree over ``capacity`` leaves: the fewest levels
+    whose ``4 ** depth`` leaves hold them (at least one), and the nodes above the leaves."""
+    depth = 1
+    while FAN ** depth < capacity:
+        depth += 1
+    return depth, (FAN ** depth - 1) // (FAN - 1)
+
+
+def tree_bytes(capacity: int) -> int:
+    """Bytes of the tree over ``capacity`` leaves: 64 per inner node, plus a line of
+    alignment."""
+    return _ALIGN * (tree_shape(capacity)[1] + 1)
+
+
+def _aligned_rows(rows: int) -> np.ndarray:
+    """An uninitialised ``[rows, 8]`` float64 array whose rows start on 64-byte lines."""
+    width = 2 * FAN
+    raw = np.empty(rows * width + _ALIGN // 8, dtype=np.float64)
+    skip = (-raw.ctypes.data % _ALIGN) // 8
+    return raw[skip:skip + rows * width].reshape(rows, width)
+
+
 class SumTree:
-    """Binary tree over ``capacity`` leaves keeping subtree sums and minima.
+    """4-ary tree over ``capacity`` leaves keeping subtree sums and minima.
 
     Args:
         capacity: Number of leaves.
@@ -54,23 +85,43 @@ class SumTree:
             backend = "numba" if kernels is not None else "numpy"
         self.backend = backend
         self.capacity = capacity
-        p = 2
-        while p < capacity:
-            p *= 2
-        self._p = p
-        self._levels = p.bit_length() - 1
-        self._sum = np.zeros(2 * p, dtype=np.float64)
-        self._min = np.full(2 * p, np.inf, dtype=np.float64)
+        self._depth, self._first = tree_shape(capacity)
+        self._nodes = _aligned_rows(self._first)
+        self._nodes[:, :FAN] = 0.0
+        self._nodes[:, FAN:] = np.inf
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickled or deep-copied: the nodes copied into aligned rows again."""
+        self.__dict__.update(state)
+        nodes = _aligned_rows(self._first)
+        nodes[:] = self._nodes
+        self._nodes = nodes
+
+    @property
+    def _sum(self) -> np.ndarray:
+        """The children's sums, ``[inner nodes, 4]`` (a view)."""
+        return self._nodes[:, :FAN]
+
+    @property
+    def _min(self) -> np.ndarray:
+        """The children's minima, ``[inner nodes, 4]`` (a view)."""
+        return self._nodes[:, FAN:]
 
     @property
     def total(self) -> float:
         """Sum of all leaves."""
-        return float(self._sum[1])
+        a, b, c, d = self._nodes[0, :FAN].tolist()  # (added as the kernels add them)
+        return ((a + b) + c) + d
 
     @property
     def min(self) -> float:
         """Smallest leaf that was ever set (inf when none)."""
-        return float(self._min[1])
+        return min(self._nodes[0, FAN:].tolist())
+
+    def _cells(self, leaf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row and column of each leaf (int64 in ``[0, capacity)``)."""
+        f = leaf + (self._first - 1)
+        return f >> 2, f & 3
 
     def _out_of_range(self, idx: np.ndarray) -> ConfigError:
         """The error for leaves ``idx`` of which some lie outside ``[0, capacity)``."""
@@ -90,7 +141,8 @@ class SumTree:
         Raises:
             ConfigError: A leaf outside ``[0, capacity)`` (field ``idx``).
         """
-        return self._sum[self._p + self._leaves(idx)]
+        row, col = self._cells(self._leaves(idx))
+        return self._sum[row, col]
 
     def set(self, idx: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``idx`` to ``values`` and repair both trees (last write wins).
@@ -102,14 +154,13 @@ class SumTree:
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
             vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
-            if _load_kernels().set_checked(self._sum, self._min, self._p, leaf, vals, vals,
-                                           self.capacity):
+            if _load_kernels().set_checked(self._nodes, self._depth, self._first, leaf, vals,
+                                           vals, self.capacity):
                 raise self._out_of_range(leaf)
             return
-        node = self._p + self._leaves(idx)
-        self._sum[node] = vals
-        self._min[node] = vals
-        self._repair(node)
+        leaf = self._leaves(idx).reshape(-1)
+        vals = np.broadcast_to(vals.reshape(-1), leaf.shape)
+        self._write(leaf, vals, vals)
 
     def clear(self, idx: np.ndarray | None = None) -> None:
         """Reset leaves (all when ``idx`` is None) to empty.
@@ -123,46 +174,56 @@ class SumTree:
             return
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-            if _load_kernels().set_checked(self._sum, self._min, self._p, leaf,
+            if _load_kernels().set_checked(self._nodes, self._depth, self._first, leaf,
                                            np.zeros(leaf.shape), np.full(leaf.shape, np.inf),
                                            self.capacity):
                 raise self._out_of_range(leaf)
             return
-        node = self._p + self._leaves(idx)
-        self._sum[node] = 0.0
-        self._min[node] = np.inf
-        self._repair(node)
+        leaf = self._leaves(idx).reshape(-1)
+        self._write(leaf, np.zeros(leaf.shape), np.full(leaf.shape, np.inf))
 
-    def _repair(self, node: np.ndarray) -> None:
-        # Duplicate parents are harmless (each recomputes the same value from its children),
-        # so no level deduplicates: np.unique costs more than the redundant arithmetic.
-        # Column gathers, not axis-1 reductions, for the same reason.
+    def _write(self, leaf: np.ndarray, svals: np.ndarray, mvals: np.ndarray) -> None:
+        """Set checked leaves and repair their parents (the numpy walk of the kernels'
+        ``set_leaves``).
+
+        Duplicate parents are harmless (each recomputes the same value from its children), so
+        no level deduplicates: np.unique costs more than the redundant arithmetic."""
+        if not leaf.size:
+            return
         s, m = self._sum, self._min
-        node = node // 2
-        for _ in range(self._levels):
-            left = 2 * node
-            right = left + 1
-            s[node] = s[left] + s[right]
-            m[node] = np.minimum(m[left], m[right])
-            node //= 2
+        row, col = self._cells(leaf)
+        s[row, col] = svals
+        m[row, col] = mvals
+        for _ in range(self._depth - 1):
+            total = ((s[row, 0] + s[row, 1]) + s[row, 2]) + s[row, 3]
+            least = m[row].min(axis=1)
+            f = row - 1
+            row, col = f >> 2, f & 3
+            s[row, col] = total
+            m[row, col] = least
+
+    def _descend(self, mass: np.ndarray) -> np.ndarray:
+        """Leaf reached by each mass (the numpy walk of the kernels' ``_descend``)."""
+        node = np.zeros(mass.shape, dtype=np.int64)
+        s = self._sum
+        for _ in range(self._depth):
+            p1 = s[node, 0]
+            p2 = p1 + s[node, 1]
+            p3 = p2 + s[node, 2]
+            j1, j2, j3 = mass >= p1, mass >= p2, mass >= p3
+            acc = np.where(j3, p3, np.where(j2, p2, np.where(j1, p1, 0.0)))
+            mass = mass - acc
+            node = 4 * node + 1 + j1 + j2 + j3
+        return node - self._first
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf index whose prefix-sum interval contains each ``mass`` (vectorized descent)."""
         mass = np.array(mass, dtype=np.float64)
         if self.backend == "numba":
             leaf = np.empty(mass.size, dtype=np.int64)
-            _load_kernels().find(self._sum, self._p, mass.reshape(-1), leaf)
+            _load_kernels().find(self._nodes, self._depth, self._first, mass.reshape(-1), leaf)
             return np.minimum(leaf.reshape(mass.shape), self.capacity - 1)
-        node = np.ones(mass.shape, dtype=np.int64)
-        s = self._sum
-        for _ in range(self._levels):
-            node *= 2
-            lsum = s[node]
-            right = mass >= lsum
-            np.subtract(mass, lsum, out=mass, where=right)
-            node += right
-        leaf = node - self._p
-        return np.minimum(leaf, self.capacity - 1)
+        return np.minimum(self._descend(mass), self.capacity - 1)
 
     def stratified_draw(self, u: np.ndarray, *, size: int,
                         beta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -180,18 +241,18 @@ class SumTree:
         Returns:
             ``(indices int64, weights float32)``, each of length ``B``.
         """
-        total = self.total
         u = np.ascontiguousarray(u, dtype=np.float64)
-        cap = math.nextafter(total, 0.0)
         if self.backend == "numba":
             idx = np.empty(u.size, dtype=np.int64)
             w = np.empty(u.size, dtype=np.float32)  # rounded from float64 in the kernel
-            _load_kernels().stratified_draw(self._sum, self._min, self._p, size - 1, u, cap,
-                                            float(beta), size, idx, w)
+            _load_kernels().stratified_draw(self._nodes, self._depth, self._first, size - 1,
+                                            u, float(beta), size, idx, w)
             return idx, w
+        total = self.total
+        cap = math.nextafter(total, 0.0)
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
-        idx = np.minimum(self.find(mass), size - 1)
-        p = self._sum[self._p + idx] / total
+        idx = np.minimum(self._descend(mass), size - 1)
+        p = self.get(idx) / total
         w = np.power(size * np.maximum(p, 1e-300), -beta)
         with np.errstate(divide="ignore", over="ignore"):  # as the kernel: inf, weights 0
             w_max = np.power(np.float64(size * (self.min / total)), -beta)
@@ -238,15 +299,16 @@ class SumTree:
             # numpy's power, not the kernel's, so that both backends give the same leaves.
             # abs() keeps invalid priorities, which the kernel refuses, from warning.
             leaves = (np.abs(priorities) + eps) ** alpha
-            code, pmax = _load_kernels().set_priorities(self._sum, self._min, self._p, idx,
-                                                        priorities, leaves, float(bound),
+            code, pmax = _load_kernels().set_priorities(self._nodes, self._depth, self._first,
+                                                        idx, priorities, leaves, float(bound),
                                                         self.capacity)
             return ((None, "not finite", "negative", "index", "too large", "unset")[code],
                     float(pmax))
         problem, pmax = self.check(idx, priorities)
         if problem is not None:
             return problem, pmax
-        if not np.all(self._min[self._p + idx] < np.inf):
+        row, col = self._cells(idx)
+        if not np.all(self._min[row, col] < np.inf):
             return "unset", pmax
         leaves = (priorities + eps) ** alpha
         if not np.all(leaves <= bound):
@@ -256,12 +318,14 @@ class SumTree:
 
     def is_set(self) -> np.ndarray:
         """Per leaf, whether it holds a value (set since the tree was created or cleared)."""
-        return np.isfinite(self._min[self._p:self._p + self.capacity])
+        row, col = self._cells(np.arange(self.capacity, dtype=np.int64))
+        return np.isfinite(self._min[row, col])
 
     def state_dict(self) -> StateDict:
         """Leaves only (as tensors); inner nodes are rebuilt on load."""
-        return {"leaves": tensor(self._sum[self._p:self._p + self.capacity].copy()),
-                "set": tensor(np.isfinite(self._min[self._p:self._p + self.capacity]))}
+        row, col = self._cells(np.arange(self.capacity, dtype=np.int64))
+        return {"leaves": tensor(self._sum[row, col]),
+                "set": tensor(np.isfinite(self._min[row, col]))}
 
     def load_state_dict(self, state: StateDict, *, bound: float | None = None) -> None:
         """Restore from :meth:`state_dict`; a refused state changes nothing.

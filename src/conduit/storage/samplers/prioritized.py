@@ -13,7 +13,7 @@ from conduit.errors import ConfigError, PriorityError, StateError
 from conduit.spec import Batch
 from conduit.storage.samplers.base import SampleInfo, Sampler, need_rows
 from conduit.storage.state import JSON, StateDict, entry, number
-from conduit.storage.sum_tree import SumTree
+from conduit.storage.sum_tree import SumTree, tree_bytes
 
 _F64_MAX = float(np.finfo(np.float64).max)
 
@@ -112,10 +112,10 @@ class PrioritizedSampler(Sampler):
         self._tree = SumTree(capacity=capacity)
 
     def bind_bytes(self, capacity: int) -> int:
-        """The sum tree: sums and minima over a power of two of at least ``capacity`` leaves,
-        eight bytes each per node."""
-        leaves = max(2, 1 << (capacity - 1).bit_length())  # (as SumTree rounds up)
-        return 32 * leaves
+        """The sum tree: a 64-byte line of four sums and four minima per inner node of a
+        4-ary tree over at least ``capacity`` leaves (:func:`~conduit.storage.sum_tree.
+        tree_bytes`)."""
+        return tree_bytes(capacity)
 
     @property
     def tree(self) -> SumTree:
