@@ -112,9 +112,9 @@ class PrioritizedSampler(Sampler):
         self._tree = SumTree(capacity=capacity)
 
     def bind_bytes(self, capacity: int) -> int:
-        """The sum tree: a 64-byte line of four sums and four minima per inner node of a
-        4-ary tree over at least ``capacity`` leaves (:func:`~conduit.storage.sum_tree.
-        tree_bytes`)."""
+        """The sum tree (:func:`~conduit.storage.sum_tree.tree_bytes`): a 64-byte line of
+        four sums and four minima per inner node of a 4-ary tree over at least ``capacity``
+        leaves."""
         return tree_bytes(capacity)
 
     @property
