@@ -127,9 +127,8 @@ def stratified_draw(t: np.ndarray, depth: int, first: int, last: int, u: np.ndar
     """One stratified proportional draw with importance weights, in a single pass.
 
     Row ``k`` takes the mass ``(k + u[k]) · total / B`` (capped at the float below
-    ``total``), descends to
-    its leaf (clamped to ``last``), and gets ``(size · P(i))^-β`` normalized by the largest
-    weight over the buffer, ``(size · P_min)^-β``.
+    ``total``), descends to its leaf (clamped to ``last``), and gets ``(size · P(i))^-β``
+    normalized by the largest weight over the buffer, ``(size · P_min)^-β``.
     """
     n = u.shape[0]
     tot = total(t)
