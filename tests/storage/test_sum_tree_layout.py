@@ -53,6 +53,11 @@ def test_capacities_around_a_power_of_four(backend, capacity):
     np.testing.assert_array_equal(tree.find(mass), want)
     idx, w = tree.stratified_draw(rng.random(64), size=capacity, beta=0.4)
     assert idx.min() >= 0 and idx.max() < capacity and (w > 0).all() and (w <= 1).all()
+    state = tree.state_dict()
     again = SumTree(capacity=capacity, backend=backend)
-    again.load_state_dict(tree.state_dict())
+    again.load_state_dict(state)
     np.testing.assert_array_equal(again._nodes, tree._nodes)
+    tree.set(np.arange(capacity), values + 1.0)  # a state is a copy, not a view of the tree
+    tree.clear(np.array([0]))
+    np.testing.assert_array_equal(state["leaves"].numpy(), values)
+    assert state["set"].numpy().all()

@@ -123,6 +123,12 @@ class SumTree:
         f = leaf + (self._first - 1)
         return f >> 2, f & 3
 
+    def _leaf_run(self, part: np.ndarray) -> np.ndarray:
+        """Every leaf's value in ``part`` (:attr:`_sum` or :attr:`_min`), in leaf order (a
+        copy): the leaves are the last level, so they fill consecutive rows from the first
+        column of row ``(first - 1) / 4`` on."""
+        return part[(self._first - 1) >> 2:].flatten()[:self.capacity]
+
     def _out_of_range(self, idx: np.ndarray) -> ConfigError:
         """The error for leaves ``idx`` of which some lie outside ``[0, capacity)``."""
         return ConfigError("idx", f"leaves must lie in [0, {self.capacity}), got "
@@ -252,7 +258,7 @@ class SumTree:
         cap = math.nextafter(total, 0.0)
         mass = np.minimum((np.arange(u.size) + u) * (total / u.size), cap)
         idx = np.minimum(self._descend(mass), size - 1)
-        p = self.get(idx) / total
+        p = self._sum[self._cells(idx)] / total
         w = np.power(size * np.maximum(p, 1e-300), -beta)
         with np.errstate(divide="ignore", over="ignore"):  # as the kernel: inf, weights 0
             w_max = np.power(np.float64(size * (self.min / total)), -beta)
@@ -318,14 +324,12 @@ class SumTree:
 
     def is_set(self) -> np.ndarray:
         """Per leaf, whether it holds a value (set since the tree was created or cleared)."""
-        row, col = self._cells(np.arange(self.capacity, dtype=np.int64))
-        return np.isfinite(self._min[row, col])
+        return np.isfinite(self._leaf_run(self._min))
 
     def state_dict(self) -> StateDict:
         """Leaves only (as tensors); inner nodes are rebuilt on load."""
-        row, col = self._cells(np.arange(self.capacity, dtype=np.int64))
-        return {"leaves": tensor(self._sum[row, col]),
-                "set": tensor(np.isfinite(self._min[row, col]))}
+        return {"leaves": tensor(self._leaf_run(self._sum)),
+                "set": tensor(np.isfinite(self._leaf_run(self._min)))}
 
     def load_state_dict(self, state: StateDict, *, bound: float | None = None) -> None:
         """Restore from :meth:`state_dict`; a refused state changes nothing.
