@@ -214,7 +214,8 @@ def test_a_gather_of_slots_that_hold_no_row_is_refused(small_spec, placement, in
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("indices", [[-1], [40], [0, 40], [3, -40]])
+@pytest.mark.parametrize("indices", [[-1], [40], [0, 40], [3, -40], [[0, 1], [40, 2]],
+                                     [[-1, 0]]])
 def test_a_store_gather_outside_its_rows_raises_index_error(monkeypatch, compiled, indices):
     # The host gather takes rows with numpy after one range check; an index outside
     # [0, capacity) must raise as torch's index_select does, never wrap to another row.

@@ -583,19 +583,26 @@ class ColumnStore:
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
         outputs = self._gather_outputs()
         kernels = _row_kernels()
-        if indices.dim() == 1 and indices.dtype == torch.int64 and kernels is not None:
+        if indices.dtype == torch.int64 and kernels is not None and (
+                indices.dim() == 1 or (workers is None and indices.dim() > 1)):
             # The common case: the rows checked once, then numpy's take per field, where
             # torch's index_select checks them again per field behind a dispatch that costs
             # more than a small field's copy (docs/design.md §7); the copies are the same.
-            # With ``workers`` too, for a gather that runs on one thread.
-            idx = indices.numpy()
+            # With ``workers`` too, for a gather that runs on one thread. Indices of more
+            # dimensions are taken flat, then viewed in their shape.
+            lead = tuple(indices.shape)
+            flat = indices.reshape(-1)
+            idx = flat.numpy()
             _check_host_slots(kernels, idx, self.capacity)
             outs, arrays = outputs.take_arrays(idx.shape[0])
             if workers is None or workers.alone(idx.shape[0] * self.spec.bytes_per_sample):
-                self._take_rows(indices, idx, outs, arrays)
+                self._take_rows(flat, idx, outs, arrays)
             else:
-                self._split_gather(indices, outs, workers,
-                                   one=lambda: self._take_rows(indices, idx, outs, arrays))
+                self._split_gather(flat, outs, workers,
+                                   one=lambda: self._take_rows(flat, idx, outs, arrays))
+            if len(lead) != 1:
+                for name, col in self._cols.items():
+                    outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
             return outs
         check_slots(indices, self.capacity)
         if workers is not None and indices.dim() == 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from conduit.errors import CapacityError, StateError
@@ -58,10 +59,11 @@ class RingWriter:
         """The slot indices covered by ``pieces``, in batch order."""
         if not pieces:
             return torch.empty(0, dtype=torch.int64)
-        if len(pieces) == 1:
+        if len(pieces) == 1:  # (numpy's arange: torch's costs more than a small write)
             s, _, n = pieces[0]
-            return torch.arange(s, s + n, dtype=torch.int64)
-        return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, _, n in pieces])
+            return torch.from_numpy(np.arange(s, s + n, dtype=np.int64))
+        return torch.from_numpy(np.concatenate([np.arange(s, s + n, dtype=np.int64)
+                                                for s, _, n in pieces]))
 
     def logical_order(self) -> torch.Tensor:
         """Slot indices from oldest to newest."""

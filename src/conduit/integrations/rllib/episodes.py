@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,12 +54,42 @@ class _BufferForm:
         self.listed = isinstance(buf.data, list)
         self.dtype = None if self.listed else buf.data.dtype
 
-    def make(self, values: Sequence[Any]) -> InfiniteLookbackBuffer:
-        out = InfiniteLookbackBuffer.__new__(InfiniteLookbackBuffer)
-        attrs = self.attrs.copy()
-        attrs["data"] = list(values) if self.listed else np.asarray(values, dtype=self.dtype)
-        out.__dict__ = attrs
-        return out
+    def data(self, values: Sequence[Sequence[Any]]) -> list[Any]:
+        """Each of ``values`` as a buffer's data in the template's form (a new list, or a new
+        array of its dtype)."""
+        if self.listed:
+            return [list(v) for v in values]
+        dtype = self.dtype
+        return [np.asarray(v, dtype=dtype) for v in values]
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """The data of one-step episodes, one list item per episode.
+
+    Attributes:
+        ids: Episode ids.
+        observations: Observation at the start of each transition.
+        next_observations: Observation after it.
+        actions: Action.
+        rewards: Reward (the n-step sum).
+        n_step: Steps the transition spans.
+        weights: Importance weight.
+        t_started: Timestep the transition starts at.
+        terminated: Whether the transition ends its episode by termination.
+        truncated: Whether it ends it by truncation.
+    """
+
+    ids: Sequence[str]
+    observations: Sequence[Any]
+    next_observations: Sequence[Any]
+    actions: Sequence[Any]
+    rewards: Sequence[Any]
+    n_step: Sequence[Any]
+    weights: Sequence[Any]
+    t_started: Sequence[int]
+    terminated: Sequence[bool]
+    truncated: Sequence[bool]
 
 
 class OneStepEpisodes:
@@ -67,7 +98,10 @@ class OneStepEpisodes:
 
     Args:
         template: A one-step episode built by RLlib's constructor (or converted by its
-            ``to_numpy``), holding the extra model outputs the made episodes hold.
+            ``to_numpy``), holding ``n_step`` and ``weights`` extra model outputs.
+
+    Raises:
+        KeyError: The template holds no ``n_step`` or no ``weights`` output.
     """
 
     def __init__(self, template: SingleAgentEpisode) -> None:
@@ -85,31 +119,72 @@ class OneStepEpisodes:
         self._actions = _BufferForm(template.actions)
         self._rewards = _BufferForm(template.rewards)
         self._infos = _BufferForm(template.infos)
-        self._extra = {k: _BufferForm(b) for k, b in template.extra_model_outputs.items()}
+        self._n_step = _BufferForm(template.extra_model_outputs["n_step"])
+        self._weights = _BufferForm(template.extra_model_outputs["weights"])
 
-    def make(self, *, id_: str, observations: Sequence[Any], actions: Sequence[Any],
-             rewards: Sequence[Any], extra: Mapping[str, Sequence[Any]], t_started: int,
-             terminated: bool, truncated: bool) -> SingleAgentEpisode:
-        """One episode holding the given data (infos empty).
+    def make(self, rows: Sequence[int], cols: StepColumns) -> list[SingleAgentEpisode]:
+        """The episodes of the items ``rows`` of ``cols``, in that order (infos empty).
 
-        Raises:
-            KeyError: ``extra`` names an output the template does not hold.
+        Every episode holds its own data buffers and its own copies of the template's mutable
+        containers, as RLlib's constructor would give it; the rest is the template's.
         """
-        eps = self._cls.__new__(self._cls)
-        setattr_ = object.__setattr__
-        for k, v in self._shared:
-            setattr_(eps, k, v)
-        for k, v in self._copied:
-            setattr_(eps, k, v.copy())
-        eps.id_ = id_
-        eps.observations = self._obs.make(observations)
-        eps.actions = self._actions.make(actions)
-        eps.rewards = self._rewards.make(rewards)
-        eps.infos = self._infos.make([{} for _ in observations])
-        eps.extra_model_outputs = {k: self._extra[k].make(v) for k, v in extra.items()}
-        eps.is_terminated, eps.is_truncated = terminated, truncated
-        eps.t_started, eps.t = t_started, t_started + len(rewards)
-        return eps
+        forms = (self._obs, self._actions, self._rewards, self._n_step, self._weights)
+        obs, actions, rewards, n_step, weights = (f.data(v) for f, v in zip(forms, (
+            [(cols.observations[i], cols.next_observations[i]) for i in rows],
+            [(cols.actions[i],) for i in rows], [(cols.rewards[i],) for i in rows],
+            [(cols.n_step[i],) for i in rows], [(cols.weights[i],) for i in rows])))
+        infos = self._infos.data([({}, {}) for _ in rows])
+        # The loop below is the whole cost of a sample's episodes: names are bound once.
+        cls, new, setattr_ = self._cls, self._cls.__new__, object.__setattr__
+        shared, copied = self._shared, self._copied
+        lookback, make_buffer = InfiniteLookbackBuffer, InfiniteLookbackBuffer.__new__
+        obs_a, act_a, rew_a, inf_a, n_a, w_a = (f.attrs for f in (
+            self._obs, self._actions, self._rewards, self._infos, self._n_step, self._weights))
+        ids, t_started = cols.ids, cols.t_started
+        terminated, truncated = cols.terminated, cols.truncated
+        out = []
+        for j, i in enumerate(rows):
+            eps = new(cls)
+            for k, v in shared:
+                setattr_(eps, k, v)
+            for k, v in copied:
+                setattr_(eps, k, v.copy())
+            # (unrolled: six buffers per episode)
+            b = make_buffer(lookback)
+            d = obs_a.copy()
+            d["data"] = obs[j]
+            b.__dict__ = d
+            eps.observations = b
+            b = make_buffer(lookback)
+            d = act_a.copy()
+            d["data"] = actions[j]
+            b.__dict__ = d
+            eps.actions = b
+            b = make_buffer(lookback)
+            d = rew_a.copy()
+            d["data"] = rewards[j]
+            b.__dict__ = d
+            eps.rewards = b
+            b = make_buffer(lookback)
+            d = inf_a.copy()
+            d["data"] = infos[j]
+            b.__dict__ = d
+            eps.infos = b
+            b = make_buffer(lookback)
+            d = n_a.copy()
+            d["data"] = n_step[j]
+            b.__dict__ = d
+            b2 = make_buffer(lookback)
+            d = w_a.copy()
+            d["data"] = weights[j]
+            b2.__dict__ = d
+            eps.extra_model_outputs = {"n_step": b, "weights": b2}
+            eps.id_ = ids[i]
+            eps.is_terminated, eps.is_truncated = terminated[i], truncated[i]
+            t = t_started[i]
+            eps.t_started, eps.t = t, t + 1
+            out.append(eps)
+        return out
 
 
 class SampledEpisodes:
@@ -138,35 +213,44 @@ class SampledEpisodes:
         ``next_obs``, ``action``, ``reward``, ``n_step``, ``t``, ``episode``, ``terminated``,
         ``truncated``, ``weight``), each a one-step episode; ``table`` maps a row's
         ``episode`` to its episode's id, agent, module and spaces."""
-        out: list[SingleAgentEpisode] = []
         size = len(batch.index)
+        episode = batch.episode.tolist()
         # Columns as lists once: NumPy scalars and views, as indexing row by row gives them.
-        obs, next_obs = list(batch.obs), list(batch.next_obs)
-        action, reward = list(batch.action), list(batch.reward)
-        n_step, t, episode = batch.n_step.tolist(), batch.t.tolist(), batch.episode.tolist()
-        terminated, truncated = batch.terminated.tolist(), batch.truncated.tolist()
-        weights = (batch.weight.tolist() if self.prioritized and batch.weight is not None
-                   else [1.0] * size)
-        ids = episode_ids(size) if self.prioritized else None
-        for i in range(size):
-            meta = table[episode[i]]
+        cols = StepColumns(
+            ids=(episode_ids(size) if self.prioritized else [table[e].id_ for e in episode]),
+            observations=list(batch.obs), next_observations=list(batch.next_obs),
+            actions=list(batch.action), rewards=list(batch.reward),
+            n_step=batch.n_step.tolist(),
+            weights=(batch.weight.tolist() if self.prioritized and batch.weight is not None
+                     else [1.0] * size),
+            t_started=batch.t.tolist(), terminated=batch.terminated.tolist(),
+            truncated=batch.truncated.tolist())
+        out: list[Any] = [None] * size
+        # The rows of each pair of spaces, made together; the first row of a pair without
+        # a maker is built by RLlib's constructor and becomes the maker's template.
+        groups: dict[tuple[int, int, bool], tuple[OneStepEpisodes, list[int]]] = {}
+        for i, e in enumerate(episode):
+            meta = table[e]
             key = id(meta.observation_space), id(meta.action_space), to_numpy
-            maker = self._makers.get(key)
-            if maker is None:
-                out.append(self._first(batch, meta, i, to_numpy))
-                if len(self._makers) >= self.MOST_MAKERS:
-                    self._makers.clear()
-                self._makers[key] = (meta.observation_space, meta.action_space,
-                                     OneStepEpisodes(out[-1]))
-                continue
-            eps = maker[2].make(
-                id_=meta.id_ if ids is None else ids[i], observations=(obs[i], next_obs[i]),
-                actions=(action[i],), rewards=(reward[i],),
-                extra={"n_step": (n_step[i],), "weights": (weights[i],)}, t_started=t[i],
-                terminated=terminated[i], truncated=truncated[i])
-            if ids is None:
-                eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
-            out.append(eps)
+            group = groups.get(key)
+            if group is None:
+                cached = self._makers.get(key)
+                if cached is None:
+                    out[i] = self._first(batch, meta, i, to_numpy)
+                    maker = OneStepEpisodes(out[i])
+                    if len(self._makers) >= self.MOST_MAKERS:
+                        self._makers.clear()
+                    self._makers[key] = (meta.observation_space, meta.action_space, maker)
+                    groups[key] = (maker, [])
+                    continue
+                group = groups[key] = (cached[2], [])
+            group[1].append(i)
+        for maker, rows in groups.values():
+            for i, eps in zip(rows, maker.make(rows, cols)):
+                if not self.prioritized:
+                    meta = table[episode[i]]
+                    eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
+                out[i] = eps
         return out
 
     def _first(self, batch: Any, meta: Any, i: int, to_numpy: bool) -> SingleAgentEpisode:

@@ -177,12 +177,12 @@ class WindowSampler(Sampler):
             info = self.inner.sample(size, need)
             idx = info.indices.numpy()
             rows_n = req.draw_n(self._rng, len(idx))
-            weight = info.weights
+            weight = None if info.weights is None else _host(info.weights)
             if req.complete:
                 keep = self.rows.complete(idx, rows_n)
                 if not keep.all():
                     idx, rows_n = idx[keep], rows_n[keep]
-                    weight = None if weight is None else weight[torch.from_numpy(keep)]
+                    weight = None if weight is None else weight[keep]
                     self.resamples += len(keep) - len(idx)
             starts.append(idx)
             n.append(rows_n)
@@ -198,16 +198,18 @@ class WindowSampler(Sampler):
             starts.append(drawn[0])
             n.append(drawn[1])
             if drawn[2] is not None:
-                weights.append(drawn[2])
+                weights.append(_host(drawn[2]))
         if len(starts) > 1:  # rows were redrawn
             starts, n = [np.concatenate(starts)], [np.concatenate(n)]
         window = self.rows.windows(starts[0], n[0])
         nxt = self.rows.next_of(window.end)
-        indices = torch.from_numpy(np.stack([window.starts, np.where(nxt >= 0, nxt,
-                                                                     window.starts)], axis=1))
+        pairs = np.empty((len(nxt), 2), dtype=np.int64)  # start, and the row after the end
+        pairs[:, 0] = window.starts
+        pairs[:, 1] = np.where(nxt >= 0, nxt, window.starts)
+        indices = torch.from_numpy(pairs)
         self.drawn[id(indices)] = Drawn(window, nxt, req, serial, self.ring_rows)
-        return SampleInfo(indices, (weights[0] if len(weights) == 1 else torch.cat(weights))
-                          if weights else None)
+        return SampleInfo(indices, torch.from_numpy(
+            weights[0] if len(weights) == 1 else np.concatenate(weights)) if weights else None)
 
     def _among_complete(self, size: int, need: int, req: WindowRequest
                         ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None] | None:
@@ -308,6 +310,11 @@ class Transitions:
         return cls(**cols)
 
 
+def _host(weights: torch.Tensor) -> np.ndarray:
+    """Importance weights as a host array (the tensor's own memory where it is on the host)."""
+    return weights.numpy() if weights.device.type == "cpu" else weights.cpu().numpy()
+
+
 def _row_ids(slots: np.ndarray, ring_rows: int, capacity: int) -> np.ndarray:
     """The row each slot held when the ring had received ``ring_rows`` rows."""
     return slots + capacity * ((ring_rows - 1 - slots) // capacity)
@@ -354,12 +361,21 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
         tail = valid & (nxt < 0)
         moved = valid & (nxt >= 0) & ((nxt != drawn.next_slots) | (
             _row_ids(drawn.next_slots, drawn.ring_rows, cap) < start_id))
-        # The gathered rows are this delivery's own: the next observations are set in place.
+        # The gathered rows are this delivery's own: the next observations are set in place
+        # (through numpy where they are on the host: torch's masked assignment costs more).
+        host = next_obs.numpy() if next_obs.device.type == "cpu" else None
         if moved.any():
-            next_obs[torch.from_numpy(moved)] = gather_obs(nxt[moved]).to(next_obs.device)
+            again = gather_obs(nxt[moved])
+            if host is not None:
+                host[moved] = again.numpy()
+            else:
+                next_obs[torch.from_numpy(moved)] = again.to(next_obs.device)
         if tail.any():
-            next_obs[torch.from_numpy(tail)] = torch.from_numpy(
-                links.tails_of(window.end[tail])).to(next_obs.device)
+            tails = links.tails_of(window.end[tail])
+            if host is not None:
+                host[tail] = tails
+            else:
+                next_obs[torch.from_numpy(tail)] = torch.from_numpy(tails).to(next_obs.device)
         reward, terminated, truncated = links.returns(window, req.gamma)
         episode, t = links.episode[starts], links.t[starts]
     out = {"obs": obs[:, 0], "action": rows["action"][:, 0],
@@ -368,10 +384,10 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
            "truncated": torch.from_numpy(truncated), "n_step": torch.from_numpy(n),
            "episode": torch.from_numpy(episode), "t": torch.from_numpy(t),
            "_index": torch.from_numpy(starts),
-           "_request": torch.full((len(starts),), drawn.serial, dtype=torch.int64),
+           "_request": torch.from_numpy(np.full(len(starts), drawn.serial, dtype=np.int64)),
            "_valid": torch.from_numpy(valid), "_row": torch.from_numpy(start_id),
-           "_failed": torch.full((len(starts),), drawn.ring_rows if drawn.failed else -1,
-                                 dtype=torch.int64)}
+           "_failed": torch.from_numpy(np.full(len(starts), drawn.ring_rows if drawn.failed
+                                               else -1, dtype=np.int64))}
     if "_weight" in rows:
         out["_weight"] = rows["_weight"]
     return out
