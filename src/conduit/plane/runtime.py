@@ -242,9 +242,17 @@ class OperatorRuntime:
         t0 = time.perf_counter()
         written: list[tuple[int, int, int]] = []  # what each write returned (on-policy)
         rows = [0]
+        # The identity operator writes the units as admitted: where push checked each against
+        # the buffer's spec as it stands (and check_unchanged below finds them as held), they
+        # are not checked again.
+        spec = self.flow.spec
+        checked = self.ingest_fn is identity_ingestion and all(u.spec is spec for u in units)
 
         def write(batch: Mapping[str, Any]) -> int:
-            data, n = self.flow.spec.validate(batch, what="write")
+            if checked:
+                data, n = dict(batch), next(iter(batch.values())).shape[0]
+            else:
+                data, n = spec.validate(batch, what="write")
             landed = self.flow.write(data, n)
             rows[0] += n
             if landed is not None:

@@ -159,7 +159,10 @@ class SumTree:
         vals = np.asarray(values, dtype=np.float64)
         if self.backend == "numba":
             leaf = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-            vals = np.ascontiguousarray(np.broadcast_to(vals.reshape(-1), leaf.shape))
+            vals = vals.reshape(-1)
+            if vals.shape != leaf.shape:  # (a value for every leaf needs no broadcast)
+                vals = np.broadcast_to(vals, leaf.shape)
+            vals = np.ascontiguousarray(vals)
             if _load_kernels().set_checked(self._nodes, self._depth, self._first, leaf, vals,
                                            vals, self.capacity):
                 raise self._out_of_range(leaf)
