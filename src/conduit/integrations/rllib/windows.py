@@ -367,7 +367,7 @@ def deliver_windows(sampler: WindowSampler, rows: Batch,
         if moved.any():
             again = gather_obs(nxt[moved])
             if host is not None:
-                host[moved] = again.numpy()
+                host[moved] = again.cpu().numpy()
             else:
                 next_obs[torch.from_numpy(moved)] = again.to(next_obs.device)
         if tail.any():
