@@ -2,7 +2,11 @@
 choose between one thread, a split over the buffer's pool and torch's intra-op threads, the
 watch that falls back to one thread when the cores get busy, and the periodic recheck."""
 
+import gc
 import os
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -325,3 +329,41 @@ def test_the_watch_weighs_a_slow_gather_against_one_thread_in_use(clock):
 def test_the_in_use_check_needs_a_window_and_a_probe_period(kw):
     with pytest.raises(ValueError, match="window"):
         GatherWorkers(threads=2, **kw)
+
+
+class _Payload:
+    """Stands for the tensors a gather job holds (weakly referenceable)."""
+
+
+def _dead_within(ref: weakref.ref, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()  # (what a raised error's traceback holds may wait for a collection)
+        time.sleep(0.01)
+    return ref() is None
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_a_worker_holds_no_job_once_it_reported_back(fails: bool) -> None:
+    # Defect: a pool worker kept its last job, and the tensors it held, until its next job.
+    # A pool stopped during interpreter shutdown then freed them on the worker, which takes
+    # the GIL back inside torch's C++ code and aborts the process ("terminate called without
+    # an active exception", exit status 134 after `conduit bench peers` with conduit-split).
+    workers = GatherWorkers(threads=2)
+    payload = _Payload()
+    ref = weakref.ref(payload)
+
+    def job(held: _Payload = payload) -> None:
+        if fails:
+            raise RuntimeError(f"a failed gather holding {held!r}")
+
+    if fails:
+        with pytest.raises(RuntimeError):
+            workers.run([lambda: None, job])
+    else:
+        workers.run([lambda: None, job])
+    del job, payload
+    # (``workers`` is alive until the end: the worker must let go by itself, not because the
+    # pool was stopped)
+    assert _dead_within(ref)
+    assert any(t.name.startswith("conduit-gather-") for t in threading.enumerate())

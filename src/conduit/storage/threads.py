@@ -47,15 +47,25 @@ class data_path_threads:  # noqa: N801 - used like a function: ``with data_path_
 
 
 def _work(todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """A gather worker's body: run jobs until the ``None`` sentinel."""
+    """A gather worker's body: run jobs until the ``None`` sentinel.
+
+    The worker lets go of each job (and of the tensors it holds) before it reports back, so
+    the caller drops their last references and the worker never frees a tensor: freeing one
+    lets go of the GIL inside torch's C++ code, and a daemon thread that takes the GIL back
+    while the interpreter shuts down ends there, which aborts the process (``terminate called
+    without an active exception``). That would happen when the pool is stopped during
+    shutdown, a worker's job being the last holder of a batch or of the columns.
+    """
     torch.set_num_threads(1)
     while (job := todo.get()) is not None:
         try:
             job()
+            result: BaseException | None = None
         except BaseException as exc:  # handed to the caller, which re-raises it
-            done.put(exc)
-        else:
-            done.put(None)
+            result = exc
+        job = None
+        done.put(result)
+        result = None
 
 
 def _stop(todos: list[queue.SimpleQueue]) -> None:
@@ -217,8 +227,12 @@ class GatherWorkers:
         for _ in jobs[1:]:
             got = self._done.get()
             err = err or got
+            got = None
         if err is not None:
-            raise err
+            try:
+                raise err
+            finally:  # (no cycle through this frame: the error's tensors go with it)
+                err = None
 
     def _timed(self, mode: str, nbytes: int, whole: Callable[[], None],
                parts: Sequence[Callable[[], None]], one: Callable[[], None]) -> float:
