@@ -11,7 +11,8 @@ import weakref
 import pytest
 import torch
 
-from conduit.storage import PrioritizedSampler, data_path_threads
+from conduit.spec import ExperienceSpec
+from conduit.storage import Placement, PrioritizedSampler, data_path_threads, make_store
 from conduit.storage import threads as threads_module
 from conduit.storage.threads import (
     GATHER_MODES,
@@ -367,3 +368,21 @@ def test_a_worker_holds_no_job_once_it_reported_back(fails: bool) -> None:
     # pool was stopped)
     assert _dead_within(ref)
     assert any(t.name.startswith("conduit-gather-") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("mode", GATHER_MODES)
+def test_slot_pairs_gathered_on_two_threads_are_the_rows_in_their_shape(mode: str) -> None:
+    # Indices of two dimensions (the RLlib buffers' [B, 2] slot pairs) are taken flat, split
+    # over the pool in the split mode, then viewed in their shape.
+    spec = ExperienceSpec.of(obs=((64,), torch.float32), a=((), torch.int64))
+    store = make_store(spec=spec, capacity=100, placement=Placement.pageable())
+    store.set_range(0, {"obs": torch.randn(100, 64), "a": torch.arange(100)})
+    workers = GatherWorkers(threads=2, min_bytes=1, modes=(mode,), trials=1, gain=100.0,
+                            fallback=1e9)
+    idx = torch.randint(0, 100, (40, 2), generator=torch.Generator().manual_seed(3))
+    for _ in range(4):  # the trials, then the chosen mode
+        got = store.get(idx, workers=workers)
+        assert got["obs"].shape == (40, 2, 64) and got["a"].shape == (40, 2)
+        assert torch.equal(got["a"], idx)
+        assert torch.equal(got["obs"], store.get(idx.reshape(-1))["obs"].view(40, 2, 64))
+    assert workers.mode == mode

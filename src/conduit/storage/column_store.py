@@ -583,8 +583,7 @@ class ColumnStore:
             return self._get_new(indices.reshape(-1), tuple(indices.shape), device)
         outputs = self._gather_outputs()
         kernels = _row_kernels()
-        if indices.dtype == torch.int64 and kernels is not None and (
-                indices.dim() == 1 or (workers is None and indices.dim() > 1)):
+        if indices.dtype == torch.int64 and kernels is not None and indices.dim() >= 1:
             # The common case: the rows checked once, then numpy's take per field, where
             # torch's index_select checks them again per field behind a dispatch that costs
             # more than a small field's copy (docs/design.md §7); the copies are the same.
@@ -600,10 +599,7 @@ class ColumnStore:
             else:
                 self._split_gather(flat, outs, workers,
                                    one=lambda: self._take_rows(flat, idx, outs, arrays))
-            if len(lead) != 1:
-                for name, col in self._cols.items():
-                    outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
-            return outs
+            return outs if len(lead) == 1 else self._in_shape(outs, lead)
         check_slots(indices, self.capacity)
         if workers is not None and indices.dim() == 1:
             outs = outputs.take(indices.shape[0])
@@ -614,8 +610,12 @@ class ColumnStore:
         outs = outputs.take(flat.shape[0])
         for name, col in self._cols.items():
             torch.index_select(col, 0, flat, out=outs[name])
-            if indices.dim() != 1:
-                outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
+        return outs if indices.dim() == 1 else self._in_shape(outs, lead)
+
+    def _in_shape(self, outs: Batch, lead: tuple[int, ...]) -> Batch:
+        """``outs`` (gathered flat) with each field viewed as ``[*lead, *row shape]``."""
+        for name, col in self._cols.items():
+            outs[name] = outs[name].view(lead + tuple(col.shape[1:]))
         return outs
 
     @property

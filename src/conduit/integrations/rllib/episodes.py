@@ -214,10 +214,10 @@ class SampledEpisodes:
         ``truncated``, ``weight``), each a one-step episode; ``table`` maps a row's
         ``episode`` to its episode's id, agent, module and spaces."""
         size = len(batch.index)
-        episode = batch.episode.tolist()
+        metas = [table[e] for e in batch.episode.tolist()]  # (each row's episode, looked up once)
         # Columns as lists once: NumPy scalars and views, as indexing row by row gives them.
         cols = StepColumns(
-            ids=(episode_ids(size) if self.prioritized else [table[e].id_ for e in episode]),
+            ids=(episode_ids(size) if self.prioritized else [m.id_ for m in metas]),
             observations=list(batch.obs), next_observations=list(batch.next_obs),
             actions=list(batch.action), rewards=list(batch.reward),
             n_step=batch.n_step.tolist(),
@@ -229,8 +229,7 @@ class SampledEpisodes:
         # The rows of each pair of spaces, made together; the first row of a pair without
         # a maker is built by RLlib's constructor and becomes the maker's template.
         groups: dict[tuple[int, int, bool], tuple[OneStepEpisodes, list[int]]] = {}
-        for i, e in enumerate(episode):
-            meta = table[e]
+        for i, meta in enumerate(metas):
             key = id(meta.observation_space), id(meta.action_space), to_numpy
             group = groups.get(key)
             if group is None:
@@ -248,8 +247,7 @@ class SampledEpisodes:
         for maker, rows in groups.values():
             for i, eps in zip(rows, maker.make(rows, cols)):
                 if not self.prioritized:
-                    meta = table[episode[i]]
-                    eps.agent_id, eps.module_id = meta.agent_id, meta.module_id
+                    eps.agent_id, eps.module_id = metas[i].agent_id, metas[i].module_id
                 out[i] = eps
         return out
 
