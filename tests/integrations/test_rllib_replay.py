@@ -32,6 +32,7 @@ from conduit.integrations.rllib import (  # noqa: E402
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
 )
+from conduit.integrations.rllib import schedule as rllib_schedule  # noqa: E402
 from conduit.integrations.rllib.windows import WindowRequest, deliver_windows  # noqa: E402
 from conduit.storage import SampleInfo  # noqa: E402
 
@@ -424,6 +425,32 @@ def test_auto_tries_overlap_only_where_a_worker_has_a_core(
             buffer.sample(num_items=8, n_step=1, beta=0.4)
         assert buffer.plane.stats()["staged_batches"] == 0  # nothing drawn ahead
         assert not buffer.schedule.deciding
+    buffer.plane.close()
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_auto_delivers_one_batch_at_a_time_for_a_prioritized_buffer(
+        adds: list[list[SingleAgentEpisode]], monkeypatch: pytest.MonkeyPatch,
+        prioritized: bool) -> None:
+    """Defect: a prioritized buffer's ``"auto"`` started on prefetching two batches per
+    invocation and could keep a threadless schedule that drew two per sample; each priority
+    update then discarded the one drawn beside the sampled one. It now delivers one batch per
+    invocation throughout its tuning; a uniform buffer, whose staged batches stay valid,
+    still starts on two."""
+    monkeypatch.setattr(rllib_schedule, "worker_has_core", lambda **_: True)
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    buffer = _filled(cls(capacity=1000, seed=0), adds)
+    assert buffer.schedule.deciding
+    assert buffer.plane.schedule.overlap_del
+    assert buffer.plane.schedule.g_del == (1 if prioritized else 2)
+    seen = set()
+    for _ in range(40):
+        buffer.sample(num_items=8, n_step=1, beta=0.4)
+        seen.add(buffer.plane.schedule.g_del)
+        if prioritized:
+            buffer.update_priorities(np.ones(8), "default_policy")
+    assert not buffer.schedule.deciding  # tuned, on one granularity where prioritized
+    assert seen == {1} if prioritized else max(seen) == 2
     buffer.plane.close()
 
 

@@ -15,6 +15,7 @@ from conduit.scheduling import (
     TrialPolicy,
     choose,
     feasible_space,
+    fresh_draws,
     judge_trial,
     learner_delivery,
     spare_core,
@@ -57,6 +58,23 @@ def test_warmup_probes_coarse_threadless_delivery_off_policy_only():
         probe, start, probe, start]
     assert warmup_schedule(1, warmup=2, start=start, space=OFF) == start  # never the last
     assert warmup_schedule(1, warmup=3, start=start_schedule(ON), space=ON) == start_schedule(ON)
+
+
+def test_fresh_draws_keeps_off_policy_delivery_one_batch_per_invocation():
+    """A priority update discards every batch drawn before it, so the rest of a coarse
+    invocation would be drawn for nothing: only the finest g_del is left, ingestion as it
+    was; on-policy delivery (1/M) and a space already at one granularity are unchanged."""
+    assert OFF.g_del == (1, 2, 3, 4)
+    fresh = fresh_draws(OFF)
+    assert fresh.g_del == (1,) and fresh.g_ing == OFF.g_ing and fresh.mode == "off_policy"
+    assert {c.g_del for c in fresh.candidates()} == {1}
+    assert len(fresh) == 4 * len(OFF.g_ing)
+    fresh.check(Schedule(1, 4, 1, 1))
+    assert fresh_draws(ON) is ON
+    assert fresh_draws(fresh) is fresh
+    assert start_schedule(fresh) == Schedule(1, 1, 1, 1)  # prefetch one batch, not two
+    assert warmup_schedule(1, warmup=3, start=Schedule(1, 1, 1, 1), space=fresh) == Schedule(
+        1, 1, 1, 1)  # nothing coarser to probe
 
 
 def test_learner_delivery_keeps_the_best_ranked_schedule_without_prefetch():

@@ -9,7 +9,8 @@ import pytest
 from conduit import ExperienceDataPlane, Schedule
 from conduit.placement import plan_placement
 from conduit.placement.presets import preset
-from conduit.plane.tuner import WarmupScheduleTuner
+from conduit.plane.tuner import WarmupScheduleTuner, tuning_space
+from conduit.scheduling import start_schedule
 from conduit.workloads.breakdown import IterationRecord
 from tests.conftest import make_rows
 
@@ -163,6 +164,42 @@ def test_off_policy_warmup_probes_coarse_delivery_and_trials_the_best_threadless
         assert ran[3:] == [a, b, b, a, a, b, b, a]
         assert plane.schedule == b
         assert plan["schedule"] == b.label()
+
+
+@pytest.mark.parametrize("prioritized", [True, False])
+def test_prioritized_replay_without_lag_is_tuned_one_batch_per_delivery(small_spec,
+                                                                       prioritized):
+    """Defect: the tuner of a prioritized plane probed coarse delivery and could keep it
+    (RLlib's prioritized buffers, tuned for prefetch, kept g_del = 2); each priority update
+    then discarded the rest of every invocation, half of all draws at g_del = 2. Told
+    ``prioritized`` or not (RLlib's buffers are not, so that prefetch may be tried), the
+    plane's sampler decides: every schedule tried and kept delivers one batch per
+    invocation."""
+    with _plane(small_spec, sampler="prioritized") as plane:
+        assert max(plane.space.g_del) > 1
+        assert tuning_space(plane).g_del == (1,)
+        plane.set_schedule(start_schedule(tuning_space(plane), prioritized=prioritized))
+        plan = {}
+        tuner = WarmupScheduleTuner(plane, plan, warmup=3, margin=0.05, prioritized=prioritized)
+        assert tuner.space == tuning_space(plane)
+
+        def cost_of(s):  # the threadless schedule wins clearly, as on a light workload
+            return 0.080 if not (s.overlap_ing or s.overlap_del) else 0.100
+
+        ran = _run(tuner, plane, cost_of)
+        assert len(ran) == 3 + 8  # warm-up, then a trial of A and B
+        assert [s.g_del for s in ran] == [1] * len(ran)
+        assert ran[3].overlap_del != prioritized  # prefetch tried only where not told
+        assert plane.schedule == Schedule(0, 1, 0, 1)
+        assert plan["schedule"] == Schedule(0, 1, 0, 1).label()
+
+
+def test_only_a_sampler_whose_batches_go_stale_keeps_delivery_to_one_batch(small_spec):
+    """A uniform plane, and a prioritized one that allows a priority lag (a batch drawn
+    before an update is still served), choose among every granularity of their space."""
+    for kw in ({}, {"sampler": "prioritized", "max_priority_lag": 1}):
+        with _plane(small_spec, **kw) as plane:
+            assert tuning_space(plane) == plane.space and max(plane.space.g_del) > 1
 
 
 def test_on_policy_warmup_does_not_probe(small_spec):

@@ -4,7 +4,7 @@
 from conduit.plane.autotune import AutoScheduler, plane_copy_times, profile_plane
 from conduit.plane.data_plane import ActorPort, ExperienceDataPlane, LearnerPort
 from conduit.plane.ports import ActorIn, BufferIn, BufferOut, LearnerOut
-from conduit.plane.tuner import WarmupScheduleTuner
+from conduit.plane.tuner import WarmupScheduleTuner, tuning_space
 
 __all__ = [
     "ActorIn",
@@ -18,4 +18,5 @@ __all__ = [
     "WarmupScheduleTuner",
     "plane_copy_times",
     "profile_plane",
+    "tuning_space",
 ]

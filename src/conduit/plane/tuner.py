@@ -19,9 +19,11 @@ from conduit.scheduling import (
     Plan,
     Profile,
     Schedule,
+    ScheduleSpace,
     TrialPair,
     TrialPolicy,
     copy_bound,
+    fresh_draws,
     judge_trial,
     learner_delivery,
     profile_from_timings,
@@ -32,6 +34,17 @@ from conduit.timing import Timings
 
 if TYPE_CHECKING:
     from conduit.plane.data_plane import ExperienceDataPlane
+
+
+def tuning_space(plane: ExperienceDataPlane) -> ScheduleSpace:
+    """The schedules chosen among for ``plane``: its space, with delivery one batch per
+    invocation where each priority update discards the batches drawn before it (a sampler
+    that invalidates prefetched batches, and ``max_priority_lag`` 0:
+    :func:`~conduit.scheduling.fresh_draws`)."""
+    space = plane.space
+    if plane.buffer.sampler.invalidates_prefetch and plane.max_priority_lag == 0:
+        return fresh_draws(space)
+    return space
 
 
 class IterationTiming(Protocol):
@@ -55,7 +68,9 @@ class WarmupScheduleTuner:
 
     1. **Warm-up.** ``policy.warmup`` learning iterations run on the plane's schedule at
        construction (the start schedule); off-policy one of them probes coarse threadless
-       delivery (:func:`~conduit.scheduling.warmup_schedule`).
+       delivery (:func:`~conduit.scheduling.warmup_schedule`). Where each priority update
+       discards the batches drawn before it, delivery stays one batch per invocation
+       throughout (:attr:`space`, :func:`tuning_space`): nothing coarse is probed or chosen.
     2. **Model.** The plane's timings (those made after the first learning iteration, which
        pays one-off costs, where the later ones price every stage) become a
        :class:`~conduit.scheduling.Profile` with the
@@ -89,6 +104,7 @@ class WarmupScheduleTuner:
 
     Attributes:
         done: The schedule is chosen.
+        space: The schedules chosen among (:func:`tuning_space` of the plane).
         explanation: The decision in words (also ``report["schedule_explain"]``).
         model_plan: The model's :class:`~conduit.scheduling.Plan` (None before step 2).
         profile: The probed, copy-bounded profile B was priced on (None before step 2).
@@ -107,6 +123,7 @@ class WarmupScheduleTuner:
         self.policy = dataclasses.replace(policy or TrialPolicy(), **_policy_changes(changes))
         self.prioritized = prioritized
         self.start = plane.schedule
+        self.space = tuning_space(plane)
         self.seen = 0
         self.done = False
         self.explanation = ""
@@ -144,27 +161,31 @@ class WarmupScheduleTuner:
 
     def _warm_up(self) -> None:
         want = warmup_schedule(self.seen, warmup=self.policy.warmup, start=self.start,
-                               space=self.plane.space)
+                               space=self.space)
         if want != self.start:
             self._probed = want.g_del
         if self.plane.schedule != want:
             self.plane.set_schedule(want)
 
     def _plan_with_model(self) -> None:
-        space, timings = self.plane.space, _after_first(self.plane.timings, self._since)
+        space, timings = self.space, _after_first(self.plane.timings, self._since)
         try:
             probed = profile_from_timings(timings, space)
             unprobed = probed if self._probed is None else profile_from_timings(
                 _without_units(timings, "delivery", float(self._probed)), space)
             copies = plane_copy_times(self.plane)
             self.report["copy_ms_per_unit"] = {k: 1000 * v for k, v in copies.to_dict().items()}
-            plan = AutoScheduler(plane=self.plane, space=space, top_k=5, profile=unprobed,
+            # (every candidate ranked where the pick must deliver on the learner's thread:
+            # the best five may all prefetch)
+            learner_only = self.prioritized and self.plane.max_priority_lag == 0
+            plan = AutoScheduler(plane=self.plane, space=space,
+                                 top_k=len(space) if learner_only else 5, profile=unprobed,
                                  min_copy=self.policy.min_copy).plan()
         except ConduitError as exc:
             self.report["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
             self.done = True
             return
-        if self.prioritized and self.plane.max_priority_lag == 0:
+        if learner_only:
             plan = learner_delivery(plan)
         self.model_plan = plan
         self.profile = copy_bound(probed, copies, min_copy=self.policy.min_copy)

@@ -136,6 +136,20 @@ def threads(schedule: Schedule) -> bool:
     return bool(schedule.overlap_ing or schedule.overlap_del)
 
 
+def fresh_draws(space: ScheduleSpace) -> ScheduleSpace:
+    """``space`` with off-policy delivery one batch per invocation (its finest ``g_del``).
+
+    For prioritized replay without priority lag, whose learner updates priorities between
+    two pulls: every batch drawn before an update is discarded at the next pull, the rest of
+    a coarse invocation as much as a prefetched batch, so delivering ``g`` batches at once
+    draws and gathers ``g`` batches for each one delivered. On-policy spaces, and spaces with
+    one delivery granularity, are returned as they are.
+    """
+    if space.mode != "off_policy" or len(space.g_del) < 2:
+        return space
+    return dataclasses.replace(space, g_del=space.g_del[:1])
+
+
 def learner_delivery(plan: Plan) -> Plan:
     """``plan`` with its pick replaced by its best ranked candidate whose delivery runs on the
     learner's thread, when it has one (prioritized replay without priority lag discards every

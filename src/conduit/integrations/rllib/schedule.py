@@ -18,7 +18,7 @@ import torch
 
 from conduit import ExperienceDataPlane, Schedule
 from conduit.errors import ConfigError
-from conduit.plane import WarmupScheduleTuner
+from conduit.plane import WarmupScheduleTuner, tuning_space
 from conduit.scheduling import spare_core, start_schedule
 
 ScheduleName = Literal["auto", "inline", "prefetch"]
@@ -50,8 +50,10 @@ class ReplaySchedule:
       :func:`~conduit.scheduling.start_schedule` (ingestion and delivery overlapped) and
       keeps or drops overlap over the first iterations, by their measured time.
       Prioritized buffers are tuned alike: the batch that a priority update discards is
-      drawn again while RLlib's env runners sample, and the trial measures that. Where it
-      would not, ``"inline"``, untried (``report["note"]`` says so): a worker only takes CPU
+      drawn again while RLlib's env runners sample, and the trial measures that; their
+      delivery stays one batch per invocation (:func:`~conduit.plane.tuning_space`), since
+      the update would discard the rest of a coarser one. Where a worker would have no
+      core, ``"inline"``, untried (``report["note"]`` says so): a worker only takes CPU
       time from the update there, and a few noisy training steps do not show what that
       costs.
 
@@ -85,7 +87,7 @@ class ReplaySchedule:
         self._tuner = None
         if decided is None and self.name == "auto" and worker_has_core(
                 accelerator=torch.cuda.is_available()):
-            decided = start_schedule(plane.space)
+            decided = start_schedule(tuning_space(plane))
             self._tuner = WarmupScheduleTuner(plane, self.report)
         elif decided is None:  # "inline", "prefetch", or "auto" where a worker has no core
             decided = Schedule(0, 1, int(self.name == "prefetch"), 1)
