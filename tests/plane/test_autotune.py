@@ -123,6 +123,40 @@ def test_plan_applies_the_argmin_of_a_given_profile():
         assert plan.schedule.overlap_ing == 1 and plan.schedule.overlap_del == 1
 
 
+@pytest.mark.parametrize("lag,told,on_learner", [
+    (0, None, True), (1, None, False), (0, False, False), (1, True, True)])
+def test_a_plane_whose_batches_go_stale_at_each_update_delivers_on_the_learner(
+        lag, told, on_learner):
+    """On a prioritized plane without priority lag every update discards the batches drawn
+    before it, which the profile does not price: the pick delivers one batch per invocation
+    on the learner's thread, though prefetching is the argmin (as it stays with a lag, or
+    when told otherwise)."""
+    prof = _profile(t_ing={1: 0.004, 2: 0.005, 3: 0.0055}, t_del={1: 0.003, 2: 0.0035,
+                                                                 3: 0.0038})
+    plane = ExperienceDataPlane(spec=SPEC, capacity=512, batch_size=8, g_max=3, timeout=10,
+                                sampler="prioritized", max_priority_lag=lag)
+    with plane:
+        argmin = choose(prof, plane.space).schedule
+        assert argmin.overlap_del == 1
+        auto = AutoScheduler(plane=plane, profile=prof, deliver_on_learner=told)
+        plan = auto.plan()
+        assert plane.schedule == plan.schedule
+        assert plan.schedule.overlap_del == (0 if on_learner else 1)
+        # without a lag one batch per invocation is drawn: an update discards the rest
+        if lag == 0:
+            assert {c.schedule.g_del for c in plan.ranked} == {1}
+        else:
+            assert auto.space == plane.space and max(auto.space.g_del) == 3
+        if on_learner:  # chosen from every candidate: the best five may all prefetch
+            assert len(plan.ranked) == len(auto.space)
+
+
+def test_deliver_on_learner_must_be_a_bool_or_none():
+    with _off_policy_plane(g_max=2) as plane, pytest.raises(ConfigError,
+                                                            match="deliver_on_learner"):
+        AutoScheduler(plane=plane, profile=_profile(), deliver_on_learner="yes")
+
+
 def test_replans_on_injected_drift_not_on_noise():
     prof = _profile()
     with _off_policy_plane(g_max=3) as plane:

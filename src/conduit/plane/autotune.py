@@ -55,6 +55,8 @@ from conduit.scheduling import (
     choose,
     copy_bound,
     copy_times,
+    fresh_draws,
+    learner_delivery,
     profile_from_timings,
 )
 from conduit.timing import TimingRecord, Timings
@@ -255,12 +257,28 @@ def plane_copy_times(plane: ExperienceDataPlane) -> CopyTimes:
                       learner=plane.learner_device.type)
 
 
+def stale_on_update(plane: ExperienceDataPlane) -> bool:
+    """Whether each priority update of ``plane`` discards the batches drawn before it: its
+    sampler invalidates prefetched batches and ``max_priority_lag`` is 0."""
+    return bool(plane.buffer.sampler.invalidates_prefetch and plane.max_priority_lag == 0)
+
+
+def tuning_space(plane: ExperienceDataPlane) -> ScheduleSpace:
+    """The schedules chosen among for ``plane``: its space, with delivery one batch per
+    invocation where each priority update discards the batches drawn before it
+    (:func:`stale_on_update`, :func:`~conduit.scheduling.fresh_draws`)."""
+    return fresh_draws(plane.space) if stale_on_update(plane) else plane.space
+
+
 class AutoScheduler:
     """Chooses the plane's schedule from a profile and re-plans when the workload drifts.
 
     Every plan is the argmin over the profile with the copy-time bound of the plane's
     interpreter-bound operators (:func:`plane_copy_times`,
-    :func:`~conduit.scheduling.copy_bound`).
+    :func:`~conduit.scheduling.copy_bound`). Where each priority update discards the batches
+    drawn before it (:func:`stale_on_update`), the pick is the best candidate that delivers on
+    the learner's thread (:func:`~conduit.scheduling.learner_delivery`): the profile prices a
+    prefetched batch as delivered, not as drawn again after the update.
 
     Give ``step`` (the profile is then measured by :func:`profile_plane`, and measured again on
     every re-plan) or ``profile`` (a profile measured elsewhere; re-plans then update it with
@@ -270,14 +288,17 @@ class AutoScheduler:
         plane: The plane whose schedule is controlled.
         step: One training iteration (see :data:`Step`).
         profile: A precomputed profile.
-        space: The schedule space to choose from (default ``plane.space``).
+        space: The schedule space to choose from (default :func:`tuning_space` of the plane).
         threshold: Relative drift threshold of the :class:`~conduit.scheduling.ReplanPolicy`.
         patience: Consecutive out-of-band observations needed to re-plan.
         abs_tol: Absolute deviation (seconds) always treated as noise.
         watch: Timing names fed to the policy (default :data:`DEFAULT_WATCH`).
         iterations_per_g: Passed to :func:`profile_plane`.
         granularities: Passed to :func:`profile_plane`.
-        top_k: Candidates kept by the plan for :meth:`explain`.
+        top_k: Candidates kept by the plan for :meth:`explain` (every candidate where the
+            pick must deliver on the learner's thread: the best ``top_k`` may all prefetch).
+        deliver_on_learner: Pick a schedule whose delivery runs on the learner's thread (None:
+            where :func:`stale_on_update` holds for ``plane``).
         min_copy: Per-unit data movement (seconds) under which an operator is
             interpreter-bound, so that overlap hides only its copies.
 
@@ -296,7 +317,8 @@ class AutoScheduler:
                  threshold: float = 0.25, patience: int = 3, abs_tol: float = 0.0,
                  watch: Sequence[str] = DEFAULT_WATCH, iterations_per_g: int = 3,
                  granularities: Iterable[float | Fraction] | None = None,
-                 top_k: int = 5, min_copy: float = MIN_COPY) -> None:
+                 top_k: int = 5, min_copy: float = MIN_COPY,
+                 deliver_on_learner: bool | None = None) -> None:
         if step is None and profile is None:
             raise ConfigError("step", "give step= (to profile the plane) or profile=")
         if profile is not None and not isinstance(profile, Profile):
@@ -318,10 +340,15 @@ class AutoScheduler:
         min_copy = check_real("min_copy", min_copy, positive=False, what="a number of seconds")
         iterations_per_g = check_int("iterations_per_g", iterations_per_g, minimum=1)
         top_k = check_int("top_k", top_k, minimum=1)
+        if deliver_on_learner is not None and not isinstance(deliver_on_learner, bool):
+            raise ConfigError("deliver_on_learner",
+                              f"must be True, False or None, got {deliver_on_learner!r}")
         granularities = _check_granularities(granularities)
         self.plane = plane
         self.step = step
-        self.space = plane.space if space is None else space
+        self.space = tuning_space(plane) if space is None else space
+        self.deliver_on_learner = (stale_on_update(plane) if deliver_on_learner is None
+                                   else deliver_on_learner)
         self.threshold = threshold
         self.patience = patience
         self.abs_tol = abs_tol
@@ -360,7 +387,10 @@ class AutoScheduler:
 
     def _apply(self, profile: Profile, *, reasons: tuple[str, ...]) -> Plan:
         profile = copy_bound(profile, plane_copy_times(self.plane), min_copy=self.min_copy)
-        plan = choose(profile, self.space, top_k=self.top_k)
+        if self.deliver_on_learner:
+            plan = learner_delivery(choose(profile, self.space, top_k=len(self.space)))
+        else:
+            plan = choose(profile, self.space, top_k=self.top_k)
         # Build the policy before switching, so that a refusal leaves the plane as it was.
         policy = self.policy
         if policy is None:

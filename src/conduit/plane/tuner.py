@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from conduit._checks import check_bool, check_real
 from conduit.errors import ConduitError, ConfigError
-from conduit.plane.autotune import AutoScheduler, plane_copy_times
+from conduit.plane.autotune import AutoScheduler, plane_copy_times, tuning_space
 from conduit.scheduling import (
     Plan,
     Profile,
     Schedule,
-    ScheduleSpace,
     TrialPair,
     TrialPolicy,
     copy_bound,
-    fresh_draws,
     judge_trial,
-    learner_delivery,
     profile_from_timings,
     warmup_schedule,
 )
@@ -34,17 +31,6 @@ from conduit.timing import Timings
 
 if TYPE_CHECKING:
     from conduit.plane.data_plane import ExperienceDataPlane
-
-
-def tuning_space(plane: ExperienceDataPlane) -> ScheduleSpace:
-    """The schedules chosen among for ``plane``: its space, with delivery one batch per
-    invocation where each priority update discards the batches drawn before it (a sampler
-    that invalidates prefetched batches, and ``max_priority_lag`` 0:
-    :func:`~conduit.scheduling.fresh_draws`)."""
-    space = plane.space
-    if plane.buffer.sampler.invalidates_prefetch and plane.max_priority_lag == 0:
-        return fresh_draws(space)
-    return space
 
 
 class IterationTiming(Protocol):
@@ -76,7 +62,8 @@ class WarmupScheduleTuner:
        :class:`~conduit.scheduling.Profile` with the
        copy-time bound, and :class:`~conduit.plane.AutoScheduler` picks the argmin of Eq. 2
        (A), priced without the probe. With ``prioritized`` replay and no allowed priority
-       lag, overlapped delivery is left out of that choice.
+       lag, overlapped delivery is left out of that choice; otherwise the trial may measure
+       it.
     3. **Trial.** Unless :meth:`~conduit.scheduling.TrialPair.verdict_without_trial` settles
        it, A and the best threadless schedule B (priced with the probe) run ``policy.trial``
        iterations each, interleaved, each scored by its learner time outside the rollout
@@ -175,18 +162,16 @@ class WarmupScheduleTuner:
                 _without_units(timings, "delivery", float(self._probed)), space)
             copies = plane_copy_times(self.plane)
             self.report["copy_ms_per_unit"] = {k: 1000 * v for k, v in copies.to_dict().items()}
-            # (every candidate ranked where the pick must deliver on the learner's thread:
-            # the best five may all prefetch)
-            learner_only = self.prioritized and self.plane.max_priority_lag == 0
-            plan = AutoScheduler(plane=self.plane, space=space,
-                                 top_k=len(space) if learner_only else 5, profile=unprobed,
-                                 min_copy=self.policy.min_copy).plan()
+            # (not told prioritized, the trial may measure prefetch, discards included)
+            plan = AutoScheduler(plane=self.plane, space=space, profile=unprobed,
+                                 min_copy=self.policy.min_copy,
+                                 deliver_on_learner=(self.prioritized
+                                                     and self.plane.max_priority_lag == 0)
+                                 ).plan()
         except ConduitError as exc:
             self.report["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
             self.done = True
             return
-        if learner_only:
-            plan = learner_delivery(plan)
         self.model_plan = plan
         self.profile = copy_bound(probed, copies, min_copy=self.policy.min_copy)
         self.explanation = "\n".join(plan.explain().splitlines()[:13])
