@@ -323,7 +323,7 @@ from conduit.errors import PlaneClosedError
 from tests.distributed.helpers import SPEC
 
 plane = RayExperienceDataPlane(spec=SPEC, capacity=200, batch_size=4, min_size=1, num_shards=2,
-                               timeout=20.0, shard_resources=ShardResources(num_cpus=0.25))
+                               timeout=60.0, shard_resources=ShardResources(num_cpus=0.25))
 
 @ray.remote(num_cpus=0)
 def slow():

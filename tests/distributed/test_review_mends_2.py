@@ -30,7 +30,7 @@ from conduit.errors import PlaneClosedError
 from tests.distributed.helpers import SPEC, rows
 
 def own(**kw):
-    kw = {"timeout": 30.0, "capacity": 200, "batch_size": 4, "min_size": 1, **kw}
+    kw = {"timeout": 120.0, "capacity": 200, "batch_size": 4, "min_size": 1, **kw}  # loaded CI
     return RayExperienceDataPlane(spec=SPEC, num_shards=2,
                                   shard_resources=ShardResources(num_cpus=0.25), **kw)
 
@@ -313,7 +313,7 @@ def test_an_object_ref_push_stored_before_its_owner_died_is_acknowledged(cluster
 
 
 _CLOSE_IN_DELIVERY = """
-p = own(batch_size=8, timeout=15.0)
+p = own(batch_size=8, timeout=30.0)
 p.push(rows(40))
 took = {}
 
@@ -325,15 +325,15 @@ def stop_early(exp_in, learn_out):
     learn_out.write(exp_in.read())
 
 t0 = time.monotonic()
-print("pull", outcome(lambda: p.pull(timeout=5)))
-print("close", took["close"], took["close_s"] < 5, time.monotonic() - t0 < 8)
+print("pull", outcome(lambda: p.pull(timeout=60)))  # seconds on a loaded machine
+print("close", took.get("close"), took.get("close_s", 99) < 10, time.monotonic() - t0 < 25)
 print("ray", ray.is_initialized())
 """
 
 
 def test_close_inside_a_delivery_operator_does_not_wait_for_its_own_pull():
     """Regression of the mend above (second look): close() called from the delivery operator
-    a pull runs waited for that very pull, the plane's whole timeout (15 s here)."""
+    a pull runs waited for that very pull, the plane's whole timeout (30 s here)."""
     out = _run_own_ray(_CLOSE_IN_DELIVERY)
     assert "close ok True True" in out, out
     assert "ray False" in out, out
@@ -352,7 +352,7 @@ def test_more_calls_behind_a_stalled_shard_keep_their_own_timeout(cluster, case)
         if not on:
             for k in range(3):
                 plane.push(rows(20, 100 * k), node=nodes[k])
-            plane.pull(timeout=5)
+            plane.pull(timeout=30)  # the warm-up; a loaded machine may take seconds
             time.sleep(0.5)
         pid = _shard_pid(plane, 1)
         os.kill(pid, signal.SIGSTOP)

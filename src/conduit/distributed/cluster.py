@@ -119,10 +119,11 @@ class ShardRecovery:
     seconds: float
 
 
-SHARD_START_S = 30.0
+SHARD_START_S = 60.0
 """The least time the shards of a new plane are given to start, whatever the plane's
 ``timeout``: a shard's start includes a Ray worker process's (its interpreter, torch and
-Conduit imported), which takes seconds more on a loaded node than any call does."""
+Conduit imported), which takes seconds more on a loaded node than any call does, and over
+30 s on a 2-core machine running twice as many such processes as it has cores."""
 
 
 def start_deadline(timeout: float, now: float) -> float:
