@@ -172,7 +172,7 @@ class RayExperienceDataPlane(ScheduledOperators):
         RayUnavailableError: Ray is not installed (``pip install 'conduit-rl[ray]'``).
         ClusterConnectionError: ``address`` names no reachable cluster.
         ShardUnavailableError: The shards did not start within ``timeout``, or within
-            :data:`~conduit.distributed.cluster.SHARD_START_S` (60 s) if that is longer: a
+            :data:`~conduit.distributed.cluster.SHARD_START_S` (120 s) if that is longer: a
             shard's start includes its Ray worker process's.
     """
 
