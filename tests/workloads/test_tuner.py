@@ -9,7 +9,8 @@ import pytest
 from conduit import ExperienceDataPlane, Schedule
 from conduit.placement import plan_placement
 from conduit.placement.presets import preset
-from conduit.plane.tuner import WarmupScheduleTuner, tuning_space
+from conduit.plane import tuning_space
+from conduit.plane.tuner import WarmupScheduleTuner
 from conduit.scheduling import start_schedule
 from conduit.workloads.breakdown import IterationRecord
 from tests.conftest import make_rows

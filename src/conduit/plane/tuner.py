@@ -163,11 +163,10 @@ class WarmupScheduleTuner:
             copies = plane_copy_times(self.plane)
             self.report["copy_ms_per_unit"] = {k: 1000 * v for k, v in copies.to_dict().items()}
             # (not told prioritized, the trial may measure prefetch, discards included)
+            on_learner = self.prioritized and self.plane.max_priority_lag == 0
             plan = AutoScheduler(plane=self.plane, space=space, profile=unprobed,
                                  min_copy=self.policy.min_copy,
-                                 deliver_on_learner=(self.prioritized
-                                                     and self.plane.max_priority_lag == 0)
-                                 ).plan()
+                                 deliver_on_learner=on_learner).plan()
         except ConduitError as exc:
             self.report["note"] = f"kept the hand-set schedule ({type(exc).__name__}: {exc})"
             self.done = True
