@@ -122,10 +122,9 @@ class ShardRecovery:
 SHARD_START_S = 120.0
 """The least time the shards of a new plane are given to start, whatever the plane's
 ``timeout``: a shard's start includes a Ray worker process's (its interpreter, torch and
-Conduit imported), which takes seconds more on a loaded node than any call does, and over a
-minute on a 2-core machine whose load average is 10. Ray itself waits for an actor's start
-without a bound; this one only keeps a plane whose shards never start from waiting
-forever."""
+Conduit imported), which takes seconds more on a loaded node than any call does (docs/design.md,
+the sharded plane). Ray itself waits for an actor's start without a bound; this one only
+keeps a plane whose shards never start from waiting forever."""
 
 
 def start_deadline(timeout: float, now: float) -> float:
